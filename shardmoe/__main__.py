@@ -1,0 +1,5 @@
+import sys
+
+from shardmoe.cli import main
+
+sys.exit(main())

@@ -1,0 +1,49 @@
+"""The `shardmoe` command line: `shardmoe train | check | bench | trace`.
+
+Each subcommand lives in the module that owns its concept; that module exposes
+`add_arguments(parser)` and `run(args) -> int` (the exit code). Modules are
+imported only when their subcommand runs, so `shardmoe check` never pays for
+matplotlib or transformers.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# name -> (module, one-line help)
+COMMANDS = {
+    "train": ("shardmoe.train.command", "train the sharded MoE transformer (the main job)"),
+    "check": ("shardmoe.check.command", "check the fused MoE layer's gradients against float64 references"),
+    "bench": ("shardmoe.bench", "benchmark the fused MoE layer against its anchors"),
+    "trace": ("shardmoe.tasks.command", "run the tile-task schedule and export its trace"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="shardmoe", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, (module_name, help_text) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        p.set_defaults(_module=module_name)
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as err:
+            if err.name != module_name:
+                raise
+            p.set_defaults(_missing=True)
+            continue
+        module.add_arguments(p)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if getattr(args, "_missing", False):
+        print(f"shardmoe {args.command}: not available in this build", file=sys.stderr)
+        return 2
+    return int(importlib.import_module(args._module).run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

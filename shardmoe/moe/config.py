@@ -1,0 +1,75 @@
+"""MoEConfig: the options of one MoE layer, validated once, before any work.
+
+Every error names the argument, the expected value and the actual one, so a
+bad configuration fails at construction rather than deep inside a GEMM.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+EXPERT_KINDS = ("glu", "mlp")
+ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "silu", "identity")
+
+
+def _check_int(name: str, value, low: int, high: int | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name}: expected an int, got {type(value).__name__} {value!r}")
+    if value < low or (high is not None and value > high):
+        span = f">= {low}" if high is None else f"in {low}..{high}"
+        raise ValueError(f"{name}: expected an int {span}, got {value}")
+
+
+def _check_choice(name: str, value, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"{name}: expected one of {', '.join(choices)}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """Shape and routing options of an MoE layer.
+
+    hidden_size H, ffn_size F ("glu") or P ("mlp"), num_experts E, top_k k.
+    capacity_factor None means dropless; otherwise each expert keeps its first
+    EC = ceil(S / E * capacity_factor * k) tokens in token order.
+    """
+
+    hidden_size: int
+    ffn_size: int
+    num_experts: int
+    top_k: int
+    expert: str = "glu"
+    activation: str = "silu"
+    output_activation: str = "identity"
+    bias: bool = False
+    renormalize: bool = True
+    capacity_factor: float | None = None
+    aux_loss_coef: float = 0.0
+    z_loss_coef: float = 0.0
+
+    def __post_init__(self) -> None:
+        _check_int("hidden_size", self.hidden_size, 1)
+        _check_int("ffn_size", self.ffn_size, 1)
+        _check_int("num_experts", self.num_experts, 1)
+        _check_int("top_k", self.top_k, 1, self.num_experts)
+        _check_choice("expert", self.expert, EXPERT_KINDS)
+        _check_choice("activation", self.activation, ACTIVATIONS)
+        _check_choice("output_activation", self.output_activation, ACTIVATIONS)
+        if self.expert == "glu" and self.output_activation != "identity":
+            raise ValueError(f"output_activation: expected 'identity' for expert='glu', got {self.output_activation!r}")
+        if self.expert == "glu" and self.bias:
+            raise ValueError("bias: expected False for expert='glu' (biases belong to expert='mlp'), got True")
+        if self.capacity_factor is not None:
+            cf = self.capacity_factor
+            if isinstance(cf, bool) or not isinstance(cf, (int, float)) or not math.isfinite(cf) or cf <= 0:
+                raise ValueError(f"capacity_factor: expected None or a positive finite number, got {cf!r}")
+        for name in ("aux_loss_coef", "z_loss_coef"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+                raise ValueError(f"{name}: expected a finite number >= 0, got {v!r}")
+
+    def capacity(self, num_tokens: int) -> int | None:
+        """Expert capacity EC for S tokens, or None when dropless."""
+        if self.capacity_factor is None:
+            return None
+        return math.ceil(num_tokens / self.num_experts * self.capacity_factor * self.top_k)
