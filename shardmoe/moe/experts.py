@@ -1,0 +1,158 @@
+"""Expert FFNs on expert-sorted rows: grouped GEMMs, forward, and backward stages 3 and 4.
+
+Rows [N, .] are grouped by expert (Groups). Parameters, per expert e:
+  "glu":  gate_up_proj [E, 2F, H] (rows 0:F gate, F:2F up), down_proj [E, H, F]
+          h = x Wgu_e^T = [hg | hu];  a = act(hg) * hu;  y = a Wdown_e^T
+  "mlp":  w1 [E, P, H], b1 [E, P], w2 [E, H, P], b2 [E, H]
+          z1 = x W1_e^T + b1_e;  a1 = act(z1);  z2 = a1 W2_e^T + b2_e;  y = act_out(z2)
+
+GEMMs use torch.nn.functional.grouped_mm for fp32/bf16 operands whose strides are
+16-byte aligned (its kernels require it), and a per-expert loop otherwise (float64,
+odd tiny shapes). Elementwise math runs in the accumulation dtype (float32 for bf16).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from shardmoe.moe.activations import activate, activate_grad
+from shardmoe.moe.combine import grad_combine
+from shardmoe.moe.routing import accumulation_dtype
+
+
+@dataclass(frozen=True)
+class Groups:
+    """Expert e owns rows [start_e, start_e + sizes[e]) of the dispatched matrix."""
+
+    sizes: tuple[int, ...]
+    offsets: torch.Tensor  # int32 [E], cumulative ends, as grouped_mm wants them
+
+    @classmethod
+    def from_counts(cls, counts: torch.Tensor) -> "Groups":
+        return cls(tuple(int(c) for c in counts.tolist()), torch.cumsum(counts, 0).to(torch.int32))
+
+    def row_expert(self, device=None) -> torch.Tensor:
+        """[N] expert index of each row."""
+        sizes = torch.tensor(self.sizes, device=device if device is not None else self.offsets.device)
+        return torch.repeat_interleave(torch.arange(len(self.sizes), device=sizes.device), sizes)
+
+
+def _aligned(t: torch.Tensor) -> bool:
+    size = t.element_size()
+    return t.data_ptr() % 16 == 0 and all(s * size % 16 == 0 for s in t.stride() if s != 1)
+
+
+def _use_grouped_mm(*operands: torch.Tensor) -> bool:
+    return all(t.dtype in (torch.float32, torch.bfloat16) and _aligned(t) for t in operands)
+
+
+def grouped_linear(rows: torch.Tensor, weight: torch.Tensor, groups: Groups) -> torch.Tensor:
+    """out_r = rows_r W_e^T for the expert e of row r: rows [N, K], weight [E, O, K] -> [N, O]."""
+    weight_t = weight.transpose(-2, -1)
+    if _use_grouped_mm(rows, weight_t):
+        return F.grouped_mm(rows, weight_t, offs=groups.offsets)
+    parts = rows.split(groups.sizes)
+    return torch.cat([part @ weight[e].t() for e, part in enumerate(parts)]) if parts else rows.new_zeros(0, weight.shape[1])
+
+
+def grouped_linear_t(rows: torch.Tensor, weight: torch.Tensor, groups: Groups) -> torch.Tensor:
+    """out_r = rows_r W_e (the input-gradient GEMM): rows [N, O], weight [E, O, K] -> [N, K]."""
+    if _use_grouped_mm(rows, weight):
+        return F.grouped_mm(rows, weight, offs=groups.offsets)
+    parts = rows.split(groups.sizes)
+    return torch.cat([part @ weight[e] for e, part in enumerate(parts)]) if parts else rows.new_zeros(0, weight.shape[2])
+
+
+def grouped_weight_grad(grad_rows: torch.Tensor, in_rows: torch.Tensor, groups: Groups) -> torch.Tensor:
+    """dW_e = sum over rows r of e of grad_r^T in_r: [N, O], [N, K] -> [E, O, K].
+
+    The sum over an expert's rows happens inside one GEMM (fp32 accumulation for bf16)."""
+    grad_t = grad_rows.t()
+    if _use_grouped_mm(grad_t, in_rows) and grad_rows.shape[0] > 0:
+        return F.grouped_mm(grad_t, in_rows, offs=groups.offsets)
+    out = grad_rows.new_zeros((len(groups.sizes), grad_rows.shape[1], in_rows.shape[1]))
+    for e, (g, x) in enumerate(zip(grad_rows.split(groups.sizes), in_rows.split(groups.sizes))):
+        if g.shape[0]:
+            out[e] = g.t() @ x
+    return out
+
+
+def grouped_bias_grad(grad_rows: torch.Tensor, groups: Groups) -> torch.Tensor:
+    """db_e = sum over rows r of e of grad_r: [N, O] -> [E, O], summed in the acc dtype."""
+    acc = accumulation_dtype(grad_rows.dtype)
+    out = grad_rows.new_zeros((len(groups.sizes), grad_rows.shape[1]), dtype=acc)
+    out.index_add_(0, groups.row_expert(grad_rows.device), grad_rows.to(acc))
+    return out.to(grad_rows.dtype)
+
+
+def glu_activation(h: torch.Tensor, activation: str) -> torch.Tensor:
+    """a = act(hg) * hu for h = [hg | hu] [N, 2F] -> [N, F]."""
+    acc = accumulation_dtype(h.dtype)
+    gate, up = h.to(acc).chunk(2, dim=-1)
+    return (activate(activation, gate) * up).to(h.dtype)
+
+
+def _add_row_bias(z: torch.Tensor, bias: torch.Tensor | None, groups: Groups) -> torch.Tensor:
+    if bias is None:
+        return z
+    return z + bias[groups.row_expert(z.device)]
+
+
+def expert_forward(expert: str, activation: str, output_activation: str, xs: torch.Tensor,
+                   params: dict[str, torch.Tensor | None], groups: Groups):
+    """y [N, H] for dispatched rows xs [N, H], and the tensors backward keeps:
+    "glu": (h,) with h [N, 2F];  "mlp": (z1, z2) with z1 [N, P], z2 [N, H]."""
+    if expert == "glu":
+        h = grouped_linear(xs, params["gate_up_proj"], groups)
+        y = grouped_linear(glu_activation(h, activation), params["down_proj"], groups)
+        return y, (h,)
+    z1 = _add_row_bias(grouped_linear(xs, params["w1"], groups), params["b1"], groups)
+    z2 = _add_row_bias(grouped_linear(activate(activation, z1), params["w2"], groups), params["b2"], groups)
+    return activate(output_activation, z2), (z1, z2)
+
+
+def grad_post_gemm_glu(grad_rows: torch.Tensor, weight_rows: torch.Tensor, a: torch.Tensor,
+                       down_proj: torch.Tensor, groups: Groups):
+    """Stage 3 for "glu", fed the unscaled g [N, H] and w [N]:
+      g_down = g Wdown_e            [N, F]   (also feeds stage 2: g . y = g_down . a)
+      dA     = w g_down = ge Wdown_e [N, F]
+      dWdown_e = sum ge^T a          [E, H, F]
+    Applying w after the GEMM is exact (it is linear) and lets stage 2 reuse the GEMM."""
+    g_down = grouped_linear_t(grad_rows, down_proj, groups)
+    grad_a = grad_combine(g_down, weight_rows)
+    grad_down = grouped_weight_grad(grad_combine(grad_rows, weight_rows), a, groups)
+    return grad_a, grad_down, g_down
+
+
+def grad_pre_gemm_glu(grad_a: torch.Tensor, h: torch.Tensor, xs: torch.Tensor,
+                      gate_up_proj: torch.Tensor, groups: Groups, activation: str):
+    """Stage 4 for "glu":
+      dhg = dA * hu * act'(hg);  dhu = dA * act(hg);  dh = [dhg | dhu]   [N, 2F]
+      dWgu_e = sum dh^T x   [E, 2F, H];   dx = dh Wgu_e   [N, H]"""
+    acc = accumulation_dtype(h.dtype)
+    gate, up = h.to(acc).chunk(2, dim=-1)
+    grad_a = grad_a.to(acc)
+    grad_h = torch.cat([grad_a * up * activate_grad(activation, gate), grad_a * activate(activation, gate)], -1)
+    grad_h = grad_h.to(h.dtype)
+    return grouped_linear_t(grad_h, gate_up_proj, groups), grouped_weight_grad(grad_h, xs, groups)
+
+
+def grad_post_gemm_mlp(grad_expert: torch.Tensor, z2: torch.Tensor, a1: torch.Tensor, w2: torch.Tensor,
+                       has_bias: bool, groups: Groups, output_activation: str):
+    """Stage 3 for "mlp", fed ge [N, H] from grad_combine:
+      dz2 = ge * act_out'(z2);  dW2_e = sum dz2^T a1;  db2_e = sum dz2;  da1 = dz2 W2_e  [N, P]"""
+    acc = accumulation_dtype(z2.dtype)
+    grad_z2 = (grad_expert.to(acc) * activate_grad(output_activation, z2.to(acc))).to(z2.dtype)
+    grad_b2 = grouped_bias_grad(grad_z2, groups) if has_bias else None
+    return grouped_linear_t(grad_z2, w2, groups), grouped_weight_grad(grad_z2, a1, groups), grad_b2
+
+
+def grad_pre_gemm_mlp(grad_a1: torch.Tensor, z1: torch.Tensor, xs: torch.Tensor, w1: torch.Tensor,
+                      has_bias: bool, groups: Groups, activation: str):
+    """Stage 4 for "mlp": dz1 = da1 * act'(z1);  dW1_e = sum dz1^T x;  db1_e = sum dz1;  dx = dz1 W1_e"""
+    acc = accumulation_dtype(z1.dtype)
+    grad_z1 = (grad_a1.to(acc) * activate_grad(activation, z1.to(acc))).to(z1.dtype)
+    grad_b1 = grouped_bias_grad(grad_z1, groups) if has_bias else None
+    return grouped_linear_t(grad_z1, w1, groups), grouped_weight_grad(grad_z1, xs, groups), grad_b1

@@ -1,0 +1,118 @@
+"""FusedMoE: the autograd.Function of one MoE layer, with an explicit backward.
+
+Forward (S tokens, H hidden, E experts, k top-k, N kept pairs):
+  route x [S, H] -> weights w [S, k], pairs sorted by expert (row_pair [N])
+  xs = x[token of each row]                      [N, H]   (gathered, not saved)
+  y  = expert_forward(xs)                        [N, H]
+  out_t = sum_j w_tj y_j(x_t)                    [S, H]
+  loss  = aux_coef * aux + z_coef * z            scalar
+
+Backward, the six stages of design.md section 4, in order:
+  1 grad_combine   2 grad_gate_combine   3 grad_post_gemm   4 grad_pre_gemm
+  5 grad_input_combine   6 grad_gate_gemm
+
+Saved for backward (all through ctx.save_for_backward, so saved-tensor hooks see them):
+  x [S, H]; routing: probs [S, E], logsumexp [S], top_idx [S, k] int64, top_prob [S, k],
+  weight [S, k] (acc dtype), per-expert counts [E] x2, row_pair [N] int64;
+  "glu": h [N, 2F];  "mlp": z1 [N, P], z2 [N, H].
+  Per token that is H + k*2F (glu) elements of the input dtype plus 4E + 8 + 28k bytes of
+  routing state (fp32 acc): see docs/memory.md. The expert output y is not saved:
+  "glu" takes the gate dot product as (g Wdown) . a, "mlp" recomputes act_out(z2).
+"""
+from __future__ import annotations
+
+import torch
+
+from shardmoe.moe import combine as comb
+from shardmoe.moe import experts as ex
+from shardmoe.moe.activations import activate
+from shardmoe.moe.config import MoEConfig
+from shardmoe.moe.routing import Routing, accumulation_dtype, balance_loss, grad_gate_gemm, route
+
+
+def expert_param_names(config: MoEConfig) -> tuple[str, ...]:
+    """Names of the expert parameters, in the order FusedMoE.apply takes them."""
+    return ("gate_up_proj", "down_proj") if config.expert == "glu" else ("w1", "b1", "w2", "b2")
+
+
+def _rows_of(routing: Routing, top_k: int):
+    """(row_token [N], weight_rows [N]) of the dispatched rows."""
+    return routing.row_pair // top_k, routing.weight.reshape(-1)[routing.row_pair]
+
+
+class FusedMoE(torch.autograd.Function):
+    """apply(x [S, H], config, stats: dict, gate_weight [H, E], *expert params) -> (out [S, H], loss [])
+
+    `stats` is filled in place with this forward's routing statistics."""
+
+    @staticmethod
+    def forward(ctx, x, config: MoEConfig, stats: dict, gate_weight, *expert_weights):
+        num_tokens, k = x.shape[0], config.top_k
+        routing = route(x, gate_weight, config)
+        params = dict(zip(expert_param_names(config), expert_weights))
+        groups = ex.Groups.from_counts(routing.kept_per_expert)
+        row_token, weight_rows = _rows_of(routing, k)
+        y, saved = ex.expert_forward(config.expert, config.activation, config.output_activation,
+                                     x[row_token], params, groups)
+        out = comb.combine(y, weight_rows, routing.row_pair, num_tokens, k).to(x.dtype)
+        loss = balance_loss(routing, config)
+        stats.update(
+            tokens_per_expert=routing.kept_per_expert,
+            selected_per_expert=routing.selected_per_expert,
+            dropped_tokens=routing.dropped_pairs,
+            capacity=config.capacity(num_tokens),
+        )
+        ctx.config = config
+        ctx.save_for_backward(
+            x, gate_weight, *expert_weights,
+            routing.probs, routing.logsumexp, routing.top_idx, routing.top_prob, routing.weight,
+            routing.selected_per_expert, routing.kept_per_expert, routing.row_pair, *saved,
+        )
+        return out, loss
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_loss):
+        config: MoEConfig = ctx.config
+        n_expert = len(expert_param_names(config))
+        x, gate_weight, *rest = ctx.saved_tensors
+        expert_weights, rest = rest[:n_expert], rest[n_expert:]
+        routing = Routing(*rest[:8])
+        saved = rest[8:]
+        params = dict(zip(expert_param_names(config), expert_weights))
+        num_tokens, k = x.shape[0], config.top_k
+        groups = ex.Groups.from_counts(routing.kept_per_expert)
+        row_token, weight_rows = _rows_of(routing, k)
+        xs = x[row_token]
+        grad_rows = grad_out.contiguous()[row_token]
+
+        if config.expert == "glu":
+            (h,) = saved
+            a = ex.glu_activation(h, config.activation)
+            # stages 1 and 3 (w applied on both sides of the Wdown GEMM), then 2 on (g Wdown, a)
+            grad_a, grad_down, g_down = ex.grad_post_gemm_glu(grad_rows, weight_rows, a, params["down_proj"], groups)
+            grad_weight_rows = comb.grad_gate_combine(g_down, a)
+            grad_xs, grad_gate_up = ex.grad_pre_gemm_glu(grad_a, h, xs, params["gate_up_proj"], groups,
+                                                         config.activation)
+            grads = {"gate_up_proj": grad_gate_up, "down_proj": grad_down}
+        else:
+            z1, z2 = saved
+            has_bias = params["b1"] is not None
+            grad_expert = comb.grad_combine(grad_rows, weight_rows)
+            grad_weight_rows = comb.grad_gate_combine(grad_rows, activate(config.output_activation, z2))
+            grad_a1, grad_w2, grad_b2 = ex.grad_post_gemm_mlp(
+                grad_expert, z2, activate(config.activation, z1), params["w2"], has_bias, groups,
+                config.output_activation)
+            grad_xs, grad_w1, grad_b1 = ex.grad_pre_gemm_mlp(grad_a1, z1, xs, params["w1"], has_bias, groups,
+                                                             config.activation)
+            grads = {"w1": grad_w1, "b1": grad_b1, "w2": grad_w2, "b2": grad_b2}
+
+        grad_x = comb.grad_input_combine(grad_xs, routing.row_pair, num_tokens, k)
+        acc = accumulation_dtype(x.dtype)
+        grad_weight = x.new_zeros(num_tokens * k, dtype=acc)
+        grad_weight[routing.row_pair] = grad_weight_rows
+        grad_x_gate, grad_gate = grad_gate_gemm(x, gate_weight, routing, grad_weight.view(num_tokens, k),
+                                                grad_loss, config)
+        grad_x = (grad_x + grad_x_gate).to(x.dtype)
+        expert_grads = [None if g is None else g.to(p.dtype)
+                        for g, p in zip((grads[n] for n in expert_param_names(config)), expert_weights)]
+        return (grad_x, None, None, grad_gate.to(gate_weight.dtype), *expert_grads)
