@@ -26,7 +26,7 @@ def combine_rows(rows: torch.Tensor, row_pair: torch.Tensor, num_tokens: int, to
     acc = accumulation_dtype(rows.dtype)
     slots = rows.new_zeros((num_tokens * top_k, rows.shape[-1]), dtype=acc)
     slots[row_pair] = rows.to(acc)
-    return slots.view(num_tokens, top_k, -1).sum(1)
+    return slots.view(num_tokens, top_k, rows.shape[-1]).sum(1)
 
 
 def combine(expert_out: torch.Tensor, weight_rows: torch.Tensor, row_pair: torch.Tensor,
