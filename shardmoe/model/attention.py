@@ -1,0 +1,162 @@
+"""Grouped-query attention with RoPE, packed-sequence masks and an explicit backward.
+
+Axes: B batch, L tokens (i = query, j = key), M d_model, K kv heads, Q query heads per kv head,
+D head dim. Weights (seqax layout, seed 002):
+    w_q  'M/d Q K/t D'    w_kv '2 M/d K/t D' (k then v)    w_o 'M/d Q K/t D'
+Forward, with s = D^(-1/2) and allowed(i, j) = j <= i and segment(i) == segment(j):
+    q[B L Q K D]    = RoPE(nx[B L M] . w_q[M Q K D])
+    k, v[B L K D]   = RoPE(nx . w_kv[0]), nx . w_kv[1]
+    S[B K Q i j]    = s q[B i Q K D] . k[B j K D]        (masked to -inf where not allowed)
+    lse[B K Q i]    = logsumexp_j S;   P = exp(S - lse)
+    o[B i Q K D]    = P . v[B j K D]
+    out[B L M]      = o[B L Q K D] . w_o[M Q K D]        (contracts K/t: unreduced over t)
+Backward, given dout[B L M]:
+    do  = dout . w_o;                     dw_o  = sum_{B L} o dout
+    dP  = do . v;   dv = sum_{Q i} P do
+    dS  = P (dP - sum_j P dP)             (zero where masked, as P is)
+    dq  = RoPE^T(s dS . k);   dk = RoPE^T(s sum_{Q i} dS q)
+    dnx = dq . w_q + dk . w_kv[0] + dv . w_kv[1]          (unreduced over t)
+    dw_q = sum_{B L} nx dq;   dw_kv = sum_{B L} nx [dk, dv]
+Scores, softmax and their gradients run in float32 for bf16/fp32 (float64 for float64); P is cast
+to the activation dtype before it meets v. P is not saved: the backward recomputes it from q, k
+and lse (a [B K Q L] float), so the residuals stay linear in L apart from the boolean mask.
+"""
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+from torch import Tensor, nn
+
+from .residuals import check_backward_mode, compute_dtype, load_residuals, save_residuals
+from .rope import RopeResiduals, RopeTable, rope_backward, rope_forward
+from .segments import attention_mask
+
+W_Q_SPEC = "M/d Q K/t D"
+W_KV_SPEC = "2 M/d K/t D"
+W_O_SPEC = "M/d Q K/t D"
+
+
+class AttentionResiduals(NamedTuple):
+    nx: Tensor           # B L M   attention input (normed residual stream)
+    w_q: Tensor          # M Q K D
+    w_kv: Tensor         # 2 M K D
+    w_o: Tensor          # M Q K D
+    q: Tensor            # B L Q K D  after RoPE
+    k: Tensor            # B L K D    after RoPE
+    v: Tensor            # B L K D
+    o: Tensor            # B L Q K D  softmax-weighted values, input of w_o
+    lse: Tensor          # B K Q L    logsumexp of the masked scores, compute dtype
+    segment_ids: Tensor  # B L        rebuilds the mask
+    rope_cos: Tensor     # B L D/2
+    rope_sin: Tensor     # B L D/2
+    scale: float
+
+
+class AttentionGrads(NamedTuple):
+    w_q: Tensor   # M Q K D
+    w_kv: Tensor  # 2 M K D
+    w_o: Tensor   # M Q K D
+
+
+def _masked_scores(q: Tensor, k: Tensor, allowed: Tensor, scale: float) -> Tensor:
+    """S[B K Q i j] = scale q . k in the compute dtype, -inf where the mask forbids."""
+    acc = compute_dtype(q.dtype)
+    scores = torch.einsum("biqkd,bjkd->bkqij", q.to(acc), k.to(acc)) * scale
+    return scores.masked_fill(~allowed[:, None, None], float("-inf"))
+
+
+def attention_forward(nx: Tensor, w_q: Tensor, w_kv: Tensor, w_o: Tensor, segment_ids: Tensor,
+                      rope: RopeTable) -> tuple[Tensor, AttentionResiduals]:
+    """out[B L M] of GQA over packed segments; see the module docstring for the formulas."""
+    scale = 1.0 / math.sqrt(w_q.shape[-1])
+    q, _ = rope_forward(torch.einsum("blm,mqkd->blqkd", nx, w_q), rope)
+    k, v = torch.einsum("blm,cmkd->cblkd", nx, w_kv).unbind(0)
+    k, _ = rope_forward(k, rope)
+    scores = _masked_scores(q, k, attention_mask(segment_ids), scale)
+    lse = torch.logsumexp(scores, dim=-1)
+    probs = torch.exp(scores - lse[..., None])
+    o = torch.einsum("bkqij,bjkd->biqkd", probs.to(v.dtype), v)
+    out = torch.einsum("blqkd,mqkd->blm", o, w_o)
+    return out, AttentionResiduals(nx, w_q, w_kv, w_o, q, k, v, o, lse, segment_ids,
+                                   rope.cos, rope.sin, scale)
+
+
+def attention_backward(res: AttentionResiduals, grad_out: Tensor) -> tuple[Tensor, AttentionGrads]:
+    """(dnx[B L M], grads of w_q, w_kv, w_o) given dout[B L M]; see the module docstring."""
+    acc = res.lse.dtype
+    grad_o = torch.einsum("blm,mqkd->blqkd", grad_out, res.w_o)
+    grad_w_o = torch.einsum("blqkd,blm->mqkd", res.o, grad_out)
+
+    scores = _masked_scores(res.q, res.k, attention_mask(res.segment_ids), res.scale)
+    probs = torch.exp(scores - res.lse[..., None])
+    grad_probs = torch.einsum("biqkd,bjkd->bkqij", grad_o.to(acc), res.v.to(acc))
+    grad_v = torch.einsum("bkqij,biqkd->bjkd", probs.to(res.v.dtype), grad_o)
+    grad_scores = probs * (grad_probs - (probs * grad_probs).sum(dim=-1, keepdim=True)) * res.scale
+
+    rope = RopeResiduals(res.rope_cos, res.rope_sin)
+    grad_q_rot = torch.einsum("bkqij,bjkd->biqkd", grad_scores, res.k.to(acc)).to(res.q.dtype)
+    grad_k_rot = torch.einsum("bkqij,biqkd->bjkd", grad_scores, res.q.to(acc)).to(res.k.dtype)
+    grad_q, _ = rope_backward(rope, grad_q_rot)
+    grad_k, _ = rope_backward(rope, grad_k_rot)
+    grad_kv = torch.stack([grad_k, grad_v])
+
+    grad_nx = (torch.einsum("blqkd,mqkd->blm", grad_q, res.w_q)
+               + torch.einsum("cblkd,cmkd->blm", grad_kv, res.w_kv))
+    grad_w_q = torch.einsum("blm,blqkd->mqkd", res.nx, grad_q)
+    grad_w_kv = torch.einsum("blm,cblkd->cmkd", res.nx, grad_kv)
+    return grad_nx, AttentionGrads(grad_w_q, grad_w_kv, grad_w_o)
+
+
+class AttentionFunction(torch.autograd.Function):
+    """autograd.Function whose backward is attention_backward."""
+
+    @staticmethod
+    def forward(ctx, nx, w_q, w_kv, w_o, segment_ids, rope_cos, rope_sin):
+        out, res = attention_forward(nx, w_q, w_kv, w_o, segment_ids, RopeTable(rope_cos, rope_sin))
+        save_residuals(ctx, res)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        grad_nx, grads = attention_backward(load_residuals(ctx), grad_out)
+        return grad_nx, grads.w_q, grads.w_kv, grads.w_o, None, None, None
+
+
+def attention(nx: Tensor, w_q: Tensor, w_kv: Tensor, w_o: Tensor, segment_ids: Tensor, rope: RopeTable,
+              backward: str = "explicit") -> Tensor:
+    """GQA attention, differentiated by the explicit backward or by plain autograd."""
+    if check_backward_mode(backward) == "explicit":
+        return AttentionFunction.apply(nx, w_q, w_kv, w_o, segment_ids, rope.cos, rope.sin)
+    return attention_forward(nx, w_q, w_kv, w_o, segment_ids, rope)[0]
+
+
+class Attention(nn.Module):
+    """GQA attention block (projections, RoPE, masked softmax, output projection).
+
+    n_q_heads = Q * K query heads over K = n_kv_heads key/value heads. Weights are initialised
+    N(0, init_std^2); pass a smaller out_init_std to damp the residual branch of deep models.
+    """
+
+    SPECS = {"w_q": W_Q_SPEC, "w_kv": W_KV_SPEC, "w_o": W_O_SPEC}
+
+    def __init__(self, d_model: int, n_q_heads: int, n_kv_heads: int, head_dim: int, *,
+                 init_std: float = 0.02, out_init_std: float | None = None,
+                 backward: str = "explicit", dtype=None, device=None):
+        super().__init__()
+        if n_q_heads % n_kv_heads:
+            raise ValueError(f"n_q_heads: expected a multiple of n_kv_heads={n_kv_heads}, got {n_q_heads}")
+        self.backward = check_backward_mode(backward)
+        q_per_kv = n_q_heads // n_kv_heads
+        factory = dict(dtype=dtype, device=device)
+        self.w_q = nn.Parameter(torch.empty(d_model, q_per_kv, n_kv_heads, head_dim, **factory))
+        self.w_kv = nn.Parameter(torch.empty(2, d_model, n_kv_heads, head_dim, **factory))
+        self.w_o = nn.Parameter(torch.empty(d_model, q_per_kv, n_kv_heads, head_dim, **factory))
+        nn.init.normal_(self.w_q, std=init_std)
+        nn.init.normal_(self.w_kv, std=init_std)
+        nn.init.normal_(self.w_o, std=init_std if out_init_std is None else out_init_std)
+
+    def forward(self, nx: Tensor, segment_ids: Tensor, rope: RopeTable) -> Tensor:
+        """nx[B L M] -> out[B L M]; segment_ids and rope come from packed_layout / rope_table."""
+        return attention(nx, self.w_q, self.w_kv, self.w_o, segment_ids, rope, backward=self.backward)

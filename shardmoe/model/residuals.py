@@ -1,0 +1,44 @@
+"""Plumbing shared by the dense layers' autograd.Function wrappers.
+
+Every layer returns its residuals (what its backward needs) as a NamedTuple. Inside an
+autograd.Function the tensor fields go through ctx.save_for_backward, so autograd's checks
+for in-place modification of saved tensors still apply; the other fields (eps, scale, ...)
+ride on ctx as plain attributes.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+BACKWARD_MODES = ("explicit", "autograd")
+
+
+def check_backward_mode(mode: str) -> str:
+    """Validate a layer's `backward` option: 'explicit' (hand-written) or 'autograd'."""
+    if mode not in BACKWARD_MODES:
+        raise ValueError(f"backward: expected one of {', '.join(BACKWARD_MODES)}, got {mode!r}")
+    return mode
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Dtype for reductions, softmax and norms: float64 stays float64, anything else uses float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def save_residuals(ctx, residuals: NamedTuple) -> None:
+    """Stash a residuals NamedTuple on an autograd.Function ctx."""
+    fields = list(residuals)
+    tensor_slots = [i for i, v in enumerate(fields) if isinstance(v, torch.Tensor)]
+    ctx.save_for_backward(*(fields[i] for i in tensor_slots))
+    ctx.residual_type = type(residuals)
+    ctx.tensor_slots = tensor_slots
+    ctx.other_fields = [None if i in tensor_slots else v for i, v in enumerate(fields)]
+
+
+def load_residuals(ctx) -> NamedTuple:
+    """Rebuild the residuals NamedTuple stashed by save_residuals."""
+    fields = list(ctx.other_fields)
+    for i, tensor in zip(ctx.tensor_slots, ctx.saved_tensors):
+        fields[i] = tensor
+    return ctx.residual_type(*fields)
