@@ -32,14 +32,12 @@ def combine_rows(rows: torch.Tensor, row_pair: torch.Tensor, num_tokens: int, to
 def combine(expert_out: torch.Tensor, weight_rows: torch.Tensor, row_pair: torch.Tensor,
             num_tokens: int, top_k: int) -> torch.Tensor:
     """Forward combine: out_t = sum_j w_tj y_j(x_t) over kept pairs. Returns [S, H], acc dtype."""
-    acc = accumulation_dtype(expert_out.dtype)
-    return combine_rows(expert_out.to(acc) * weight_rows.to(acc)[:, None], row_pair, num_tokens, top_k)
+    return combine_rows(grad_combine(expert_out, weight_rows), row_pair, num_tokens, top_k)
 
 
 def grad_combine(grad_rows: torch.Tensor, weight_rows: torch.Tensor) -> torch.Tensor:
     """Stage 1: ge_r = w_r g_r, the gradient each kept pair's expert receives. [N, D] -> [N, D]."""
-    acc = accumulation_dtype(grad_rows.dtype)
-    return (grad_rows.to(acc) * weight_rows.to(acc)[:, None]).to(grad_rows.dtype)
+    return grad_rows * weight_rows.to(grad_rows.dtype)[:, None]
 
 
 def grad_gate_combine(grad_rows: torch.Tensor, out_rows: torch.Tensor) -> torch.Tensor:
@@ -48,8 +46,7 @@ def grad_gate_combine(grad_rows: torch.Tensor, out_rows: torch.Tensor) -> torch.
     With (g, y) this is dL/dw for the pair. Any factorisation of the same dot works:
     the glu expert passes (g Wdown, a), since g . (a Wdown^T) = (g Wdown) . a, so y is never saved.
     """
-    acc = accumulation_dtype(grad_rows.dtype)
-    return (grad_rows.to(acc) * out_rows.to(acc)).sum(-1)
+    return (grad_rows * out_rows).sum(-1, dtype=accumulation_dtype(grad_rows.dtype))
 
 
 def grad_input_combine(dx_rows: torch.Tensor, row_pair: torch.Tensor, num_tokens: int, top_k: int) -> torch.Tensor:

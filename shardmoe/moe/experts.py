@@ -8,7 +8,9 @@ Rows [N, .] are grouped by expert (Groups). Parameters, per expert e:
 
 GEMMs use torch.nn.functional.grouped_mm for fp32/bf16 operands whose strides are
 16-byte aligned (its kernels require it), and a per-expert loop otherwise (float64,
-odd tiny shapes). Elementwise math runs in the accumulation dtype (float32 for bf16).
+odd tiny shapes). Elementwise math stays in the input dtype: the activation kernels
+compute in float32 internally and round once, and a bf16 -> fp32 -> bf16 round trip
+would cost more than the GEMMs on CPU. Reductions over tokens accumulate in float32.
 """
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from shardmoe.moe.activations import activate, activate_grad
+from shardmoe.moe.activations import activate, activate_backward
 from shardmoe.moe.combine import grad_combine
 from shardmoe.moe.routing import accumulation_dtype
 
@@ -87,11 +89,11 @@ def grouped_bias_grad(grad_rows: torch.Tensor, groups: Groups) -> torch.Tensor:
     return out.to(grad_rows.dtype)
 
 
-def glu_activation(h: torch.Tensor, activation: str) -> torch.Tensor:
-    """a = act(hg) * hu for h = [hg | hu] [N, 2F] -> [N, F]."""
-    acc = accumulation_dtype(h.dtype)
-    gate, up = h.to(acc).chunk(2, dim=-1)
-    return (activate(activation, gate) * up).to(h.dtype)
+def glu_activation(h: torch.Tensor, activation: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """For h = [hg | hu] [N, 2F]: (a = act(hg) * hu, act(hg)), both [N, F]."""
+    gate, up = h.chunk(2, dim=-1)
+    act_gate = activate(activation, gate)
+    return act_gate * up, act_gate
 
 
 def _add_row_bias(z: torch.Tensor, bias: torch.Tensor | None, groups: Groups) -> torch.Tensor:
@@ -106,7 +108,7 @@ def expert_forward(expert: str, activation: str, output_activation: str, xs: tor
     "glu": (h,) with h [N, 2F];  "mlp": (z1, z2) with z1 [N, P], z2 [N, H]."""
     if expert == "glu":
         h = grouped_linear(xs, params["gate_up_proj"], groups)
-        y = grouped_linear(glu_activation(h, activation), params["down_proj"], groups)
+        y = grouped_linear(glu_activation(h, activation)[0], params["down_proj"], groups)
         return y, (h,)
     z1 = _add_row_bias(grouped_linear(xs, params["w1"], groups), params["b1"], groups)
     z2 = _add_row_bias(grouped_linear(activate(activation, z1), params["w2"], groups), params["b2"], groups)
@@ -126,16 +128,16 @@ def grad_post_gemm_glu(grad_rows: torch.Tensor, weight_rows: torch.Tensor, a: to
     return grad_a, grad_down, g_down
 
 
-def grad_pre_gemm_glu(grad_a: torch.Tensor, h: torch.Tensor, xs: torch.Tensor,
+def grad_pre_gemm_glu(grad_a: torch.Tensor, h: torch.Tensor, act_gate: torch.Tensor, xs: torch.Tensor,
                       gate_up_proj: torch.Tensor, groups: Groups, activation: str):
-    """Stage 4 for "glu":
-      dhg = dA * hu * act'(hg);  dhu = dA * act(hg);  dh = [dhg | dhu]   [N, 2F]
+    """Stage 4 for "glu", given act(hg) from the recomputed forward:
+      dhg = (dA * hu) * act'(hg);  dhu = dA * act(hg);  dh = [dhg | dhu]   [N, 2F]
       dWgu_e = sum dh^T x   [E, 2F, H];   dx = dh Wgu_e   [N, H]"""
-    acc = accumulation_dtype(h.dtype)
-    gate, up = h.to(acc).chunk(2, dim=-1)
-    grad_a = grad_a.to(acc)
-    grad_h = torch.cat([grad_a * up * activate_grad(activation, gate), grad_a * activate(activation, gate)], -1)
-    grad_h = grad_h.to(h.dtype)
+    gate, up = h.chunk(2, dim=-1)
+    ffn = gate.shape[-1]
+    grad_h = torch.empty_like(h)
+    grad_h[:, :ffn] = activate_backward(activation, grad_a * up, gate)
+    torch.mul(grad_a, act_gate, out=grad_h[:, ffn:])
     return grouped_linear_t(grad_h, gate_up_proj, groups), grouped_weight_grad(grad_h, xs, groups)
 
 
@@ -143,8 +145,7 @@ def grad_post_gemm_mlp(grad_expert: torch.Tensor, z2: torch.Tensor, a1: torch.Te
                        has_bias: bool, groups: Groups, output_activation: str):
     """Stage 3 for "mlp", fed ge [N, H] from grad_combine:
       dz2 = ge * act_out'(z2);  dW2_e = sum dz2^T a1;  db2_e = sum dz2;  da1 = dz2 W2_e  [N, P]"""
-    acc = accumulation_dtype(z2.dtype)
-    grad_z2 = (grad_expert.to(acc) * activate_grad(output_activation, z2.to(acc))).to(z2.dtype)
+    grad_z2 = activate_backward(output_activation, grad_expert, z2)
     grad_b2 = grouped_bias_grad(grad_z2, groups) if has_bias else None
     return grouped_linear_t(grad_z2, w2, groups), grouped_weight_grad(grad_z2, a1, groups), grad_b2
 
@@ -152,7 +153,6 @@ def grad_post_gemm_mlp(grad_expert: torch.Tensor, z2: torch.Tensor, a1: torch.Te
 def grad_pre_gemm_mlp(grad_a1: torch.Tensor, z1: torch.Tensor, xs: torch.Tensor, w1: torch.Tensor,
                       has_bias: bool, groups: Groups, activation: str):
     """Stage 4 for "mlp": dz1 = da1 * act'(z1);  dW1_e = sum dz1^T x;  db1_e = sum dz1;  dx = dz1 W1_e"""
-    acc = accumulation_dtype(z1.dtype)
-    grad_z1 = (grad_a1.to(acc) * activate_grad(activation, z1.to(acc))).to(z1.dtype)
+    grad_z1 = activate_backward(activation, grad_a1, z1)
     grad_b1 = grouped_bias_grad(grad_z1, groups) if has_bias else None
     return grouped_linear_t(grad_z1, w1, groups), grouped_weight_grad(grad_z1, xs, groups), grad_b1
