@@ -1,0 +1,113 @@
+"""MoE module: constructor and input errors, transformers interop, stats."""
+import math
+
+import pytest
+import torch
+
+import shardmoe
+
+
+def test_constructor_errors_name_argument_expected_and_actual():
+    cases = [
+        (dict(top_k=0), r"top_k: expected an int in 1\.\.4, got 0"),
+        (dict(top_k=5), r"top_k: expected an int in 1\.\.4, got 5"),
+        (dict(expert="moe"), r"expert: expected one of glu, mlp, got 'moe'"),
+        (dict(activation="tanh"), r"activation: expected one of .*, got 'tanh'"),
+        (dict(capacity_factor=0.0), r"capacity_factor: expected None or a positive finite number, got 0\.0"),
+        (dict(capacity_factor=math.inf), r"capacity_factor: .* got inf"),
+        (dict(capacity_factor=-1), r"capacity_factor: .* got -1"),
+        (dict(bias=True), r"bias: expected False for expert='glu'"),
+        (dict(expert="mlp", output_activation="softmax"), r"output_activation: expected one of .* got 'softmax'"),
+        (dict(aux_loss_coef=float("nan")), r"aux_loss_coef: expected a finite number >= 0, got nan"),
+    ]
+    for kw, pattern in cases:
+        args = dict(hidden_size=8, ffn_size=6, num_experts=4, top_k=2)
+        args.update(kw)
+        with pytest.raises(ValueError, match=pattern):
+            shardmoe.MoE(args.pop("hidden_size"), args.pop("ffn_size"), args.pop("num_experts"),
+                         args.pop("top_k"), **args)
+
+
+def test_input_errors_raised_before_work():
+    layer = shardmoe.MoE(8, 6, 4, 2)
+    with pytest.raises(ValueError, match=r"x: expected shape \[\.\.\., 8\] \(hidden_size\), got \[3, 7\]"):
+        layer(torch.zeros(3, 7))
+    with pytest.raises(ValueError, match=r"x: expected dtype torch\.float32 .* got torch\.float64"):
+        layer(torch.zeros(3, 8, dtype=torch.float64))
+    with pytest.raises(ValueError, match=r"x: expected device cpu .* got meta"):
+        layer(torch.zeros(3, 8, device="meta"))
+    assert layer.aux_loss is None and layer.stats == {}
+
+
+def test_output_keeps_shape_and_dtype_and_stats_count_pairs():
+    layer = shardmoe.MoE(16, 32, 4, 2, capacity_factor=0.5, dtype=torch.bfloat16)
+    x = torch.randn(2, 9, 16).bfloat16()
+    y = layer(x)
+    assert y.shape == x.shape and y.dtype == torch.bfloat16
+    s = layer.stats
+    assert int(s["selected_per_expert"].sum()) == 18 * 2
+    assert s["capacity"] == math.ceil(18 / 4 * 0.5 * 2)
+    assert int(s["tokens_per_expert"].max()) <= s["capacity"]
+    assert s["dropped_tokens"] == 36 - int(s["tokens_per_expert"].sum())
+
+
+def test_empty_input_gives_empty_output_and_zero_gradients():
+    layer = shardmoe.MoE(8, 6, 4, 2, aux_loss_coef=0.1, z_loss_coef=0.1)
+    x = torch.zeros(0, 8, requires_grad=True)
+    y = layer(x)
+    (y.sum() + layer.aux_loss).backward()
+    assert y.shape == (0, 8) and x.grad.shape == (0, 8)
+    assert all(torch.count_nonzero(p.grad) == 0 for p in layer.parameters())
+
+
+def _mixtral_block(H=16, F=24, E=4, k=2, seed=0):
+    from transformers import MixtralConfig
+    from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
+
+    cfg = MixtralConfig(hidden_size=H, intermediate_size=F, num_local_experts=E, num_experts_per_tok=k)
+    cfg._experts_implementation = "grouped_mm"
+    torch.manual_seed(seed)
+    block = MixtralSparseMoeBlock(cfg)
+    with torch.no_grad():
+        for p in block.parameters():
+            p.normal_(0, 0.3)
+    return block
+
+
+def test_from_mixtral_matches_transformers_fp32():
+    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
+    block = _mixtral_block()
+    layer = shardmoe.MoE.from_mixtral(block, aux_loss_coef=1.0)
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 11, 16, generator=gen)
+    grad_out = torch.randn(2, 11, 16, generator=gen)
+    x_ref, x_ours = x.clone().requires_grad_(), x.clone().requires_grad_()
+    out_ref = block(x_ref)
+    out_ref.backward(grad_out)
+    out = layer(x_ours)
+    out.backward(grad_out)
+
+    def rel(a, b):
+        return ((a - b).abs().max() / b.abs().max()).item()
+
+    assert rel(out, out_ref) <= 1e-5
+    assert rel(x_ours.grad, x_ref.grad) <= 1e-5
+    assert rel(layer.gate_weight.grad, block.gate.weight.grad.t()) <= 1e-5
+    assert rel(layer.gate_up_proj.grad, block.experts.gate_up_proj.grad) <= 1e-5
+    assert rel(layer.down_proj.grad, block.experts.down_proj.grad) <= 1e-5
+    expected_aux = load_balancing_loss_func((x.reshape(-1, 16) @ block.gate.weight.t(),), 4, 2)
+    assert layer.aux_loss.item() == pytest.approx(expected_aux.item(), rel=1e-6)
+
+
+def test_mixtral_state_dict_round_trip_and_overrides():
+    block = _mixtral_block()
+    layer = shardmoe.MoE.from_mixtral(block, renormalize=False)
+    assert layer.config.renormalize is False and layer.config.top_k == 2
+    with pytest.raises(ValueError, match="renormalize=True"):
+        layer.to_mixtral_state_dict()
+    layer = shardmoe.MoE.from_mixtral(block)
+    fresh = _mixtral_block(seed=5)
+    fresh.load_state_dict(layer.to_mixtral_state_dict())
+    for (name, a), b in zip(block.state_dict().items(), fresh.state_dict().values()):
+        assert torch.equal(a, b), name
