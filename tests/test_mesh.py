@@ -1,0 +1,145 @@
+"""Mesh: layout, coordinates, groups and topology, on one process and in one spawned 4-rank world."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from shardmoe.mesh import Mesh
+from shardmoe.testing import run_distributed
+
+LAYOUTS = [(4, 1, 1), (1, 4, 1), (1, 1, 4), (2, 2, 1), (2, 1, 2), (1, 2, 2)]
+
+
+def test_single_process_mesh_needs_no_process_group():
+    assert not dist.is_initialized()
+    mesh = Mesh()
+    assert (mesh.world_size, mesh.rank, mesh.ranks_per_node) == (1, 0, 1)
+    assert mesh.coords() == {"d": 0, "e": 0, "t": 0}
+    assert mesh.size() == 1 and mesh.size(("d", "e")) == 1
+    assert mesh.group("t") is None and mesh.group(("d", "e")) is None
+    assert mesh.rank_at(e=0) == 0 and mesh.ranks_along("e") == [0]
+    assert mesh.node_of(0) == 0 and mesh.same_node(0, 0)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(dp=2, tp=2), r"Mesh\(dp=2, ep=1, tp=2\) needs 4 ranks: initialise torch.distributed first"),
+        (dict(ep=0), r"Mesh: ep must be a positive int, got 0"),
+        (dict(tp=2.0), r"Mesh: tp must be a positive int, got 2.0"),
+    ],
+)
+def test_single_process_mesh_errors(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        Mesh(**kwargs)
+
+
+def test_mesh_argument_errors():
+    mesh = Mesh()
+    with pytest.raises(ValueError, match="unknown mesh axis 'x'; known axes: d, e, t"):
+        mesh.size("x")
+    with pytest.raises(ValueError, match=r"rank_at: e=1 is outside 0..0"):
+        mesh.rank_at(e=1)
+    with pytest.raises(ValueError, match=r"rank 1 is outside 0..0"):
+        mesh.node_of(1)
+    with pytest.raises(ValueError, match="name an axis twice"):
+        mesh.coord(("d", "d"))
+
+
+def _check_world():
+    """Runs on each of 4 ranks (2 pretend nodes of 2); returns what the parent asserts on."""
+    rank = dist.get_rank()
+    out = {"layouts": {}}
+    for dp, ep, tp in LAYOUTS:
+        mesh = Mesh(dp=dp, ep=ep, tp=tp)
+        groups = {}
+        for axes in ("d", "e", "t", ("d", "e"), ("t", "d"), ("e", "t"), ("d", "e", "t")):
+            group = mesh.group(axes)
+            members = dist.get_process_group_ranks(group) if group is not None else [rank]
+            # The group works: the sum of the members' ranks comes back.
+            total = torch.tensor([float(rank)])
+            if group is not None:
+                dist.all_reduce(total, group=group)
+            groups[axes] = (sorted(members), total.item())
+        out["layouts"][(dp, ep, tp)] = {
+            "coords": mesh.coords(),
+            "coord_td": mesh.coord(("t", "d")),
+            "coord_de": mesh.coord(("d", "e")),
+            "size_de": mesh.size(("d", "e")),
+            "peer_e0": mesh.rank_at(e=0),
+            "peer_t_last": mesh.rank_at(t=tp - 1),
+            "along_e": mesh.ranks_along("e"),
+            "along_td": mesh.ranks_along(("t", "d")),
+            "groups": groups,
+        }
+    out["ranks_per_node"] = Mesh(dp=4).ranks_per_node
+    out["nodes"] = [Mesh(dp=4).node_of(r) for r in range(4)]
+    out["same_node"] = (Mesh(dp=4).same_node(0, 1), Mesh(dp=4).same_node(1, 2))
+    out["override"] = Mesh(ep=4, ranks_per_node=1).node_of(3)
+    # A wrong layout raises on every rank before any communication; the world still works after.
+    try:
+        Mesh(dp=3)
+    except ValueError as error:
+        out["bad_world"] = str(error)
+    try:
+        Mesh(tp=4, ranks_per_node=3)
+    except ValueError as error:
+        out["bad_node"] = str(error)
+    dist.barrier()
+    return out
+
+
+@pytest.fixture(scope="module")
+def world():
+    return run_distributed(_check_world, 4, ranks_per_node=2, timeout=60, collective_timeout=20)
+
+
+def _expected_coords(rank, dp, ep, tp):
+    return {"d": rank // (ep * tp), "e": rank // tp % ep, "t": rank % tp}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_coordinates_and_peers(world, layout):
+    dp, ep, tp = layout
+    for rank, out in enumerate(world):
+        got = out["layouts"][layout]
+        c = _expected_coords(rank, dp, ep, tp)
+        assert got["coords"] == c
+        assert rank == (c["d"] * ep + c["e"]) * tp + c["t"]
+        assert got["coord_td"] == c["t"] * dp + c["d"]
+        assert got["coord_de"] == c["d"] * ep + c["e"]
+        assert got["size_de"] == dp * ep
+        assert got["peer_e0"] == (c["d"] * ep + 0) * tp + c["t"]
+        assert got["peer_t_last"] == (c["d"] * ep + c["e"]) * tp + tp - 1
+        assert got["along_e"] == [(c["d"] * ep + e) * tp + c["t"] for e in range(ep)]
+        assert got["along_td"] == [(d * ep + c["e"]) * tp + t for t in range(tp) for d in range(dp)]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_groups_hold_the_ranks_that_share_the_other_coordinates(world, layout):
+    dp, ep, tp = layout
+    for rank, out in enumerate(world):
+        for axes, (members, total) in out["layouts"][layout]["groups"].items():
+            axes = (axes,) if isinstance(axes, str) else axes
+            mine = _expected_coords(rank, dp, ep, tp)
+            expected = [
+                r
+                for r in range(4)
+                if all(_expected_coords(r, dp, ep, tp)[a] == mine[a] for a in "det" if a not in axes)
+            ]
+            assert members == expected, (rank, axes)
+            assert total == sum(expected)
+
+
+def test_topology_from_local_world_size(world):
+    for out in world:
+        assert out["ranks_per_node"] == 2
+        assert out["nodes"] == [0, 0, 1, 1]
+        assert out["same_node"] == (True, False)
+        assert out["override"] == 3
+
+
+def test_bad_layout_raises_before_communicating(world):
+    for out in world:
+        assert out["bad_world"] == "Mesh(dp=3, ep=1, tp=1): dp*ep*tp = 3 but the world size is 4"
+        assert out["bad_node"] == "ranks_per_node = 3 must be positive and divide the world size 4"
