@@ -46,11 +46,11 @@ def test_mesh_argument_errors():
         mesh.coord(("d", "d"))
 
 
-def _check_world():
-    """Runs on each of 4 ranks (2 pretend nodes of 2); returns what the parent asserts on."""
+def _check_world(layouts):
+    """Runs on each rank; returns what the parent asserts on."""
     rank = dist.get_rank()
     out = {"layouts": {}}
-    for dp, ep, tp in LAYOUTS:
+    for dp, ep, tp in layouts:
         mesh = Mesh(dp=dp, ep=ep, tp=tp)
         groups = {}
         for axes in ("d", "e", "t", ("d", "e"), ("t", "d"), ("e", "t"), ("d", "e", "t")):
@@ -72,6 +72,9 @@ def _check_world():
             "along_td": mesh.ranks_along(("t", "d")),
             "groups": groups,
         }
+    if dist.get_world_size() != 4:
+        return out
+    # Topology, with the 4 ranks on 2 pretend nodes of 2.
     out["ranks_per_node"] = Mesh(dp=4).ranks_per_node
     out["nodes"] = [Mesh(dp=4).node_of(r) for r in range(4)]
     out["same_node"] = (Mesh(dp=4).same_node(0, 1), Mesh(dp=4).same_node(1, 2))
@@ -91,15 +94,27 @@ def _check_world():
 
 @pytest.fixture(scope="module")
 def world():
-    return run_distributed(_check_world, 4, ranks_per_node=2, timeout=60, collective_timeout=20)
+    return run_distributed(_check_world, 4, args=(LAYOUTS,), ranks_per_node=2, timeout=60, collective_timeout=20)
+
+
+@pytest.fixture(scope="module")
+def world8():
+    """The only layout with three axes of size > 1, whose pair groups are flattened sub-meshes."""
+    return run_distributed(_check_world, 8, args=([(2, 2, 2)],), timeout=60, collective_timeout=20)
 
 
 def _expected_coords(rank, dp, ep, tp):
     return {"d": rank // (ep * tp), "e": rank // tp % ep, "t": rank % tp}
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
-def test_coordinates_and_peers(world, layout):
+@pytest.fixture(params=LAYOUTS + [(2, 2, 2)], ids=str)
+def layout_world(request):
+    world = request.getfixturevalue("world8" if request.param == (2, 2, 2) else "world")
+    return request.param, world
+
+
+def test_coordinates_and_peers(layout_world):
+    layout, world = layout_world
     dp, ep, tp = layout
     for rank, out in enumerate(world):
         got = out["layouts"][layout]
@@ -115,8 +130,8 @@ def test_coordinates_and_peers(world, layout):
         assert got["along_td"] == [(d * ep + c["e"]) * tp + t for t in range(tp) for d in range(dp)]
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
-def test_groups_hold_the_ranks_that_share_the_other_coordinates(world, layout):
+def test_groups_hold_the_ranks_that_share_the_other_coordinates(layout_world):
+    layout, world = layout_world
     dp, ep, tp = layout
     for rank, out in enumerate(world):
         for axes, (members, total) in out["layouts"][layout]["groups"].items():
@@ -124,7 +139,7 @@ def test_groups_hold_the_ranks_that_share_the_other_coordinates(world, layout):
             mine = _expected_coords(rank, dp, ep, tp)
             expected = [
                 r
-                for r in range(4)
+                for r in range(len(world))
                 if all(_expected_coords(r, dp, ep, tp)[a] == mine[a] for a in "det" if a not in axes)
             ]
             assert members == expected, (rank, axes)
