@@ -91,7 +91,7 @@ class Mesh:
         if rank is None:
             return dict(self._coords)
         self._check_rank(rank, "rank")
-        dp, ep, tp = (self.axis_sizes[a] for a in MESH_AXES)
+        ep, tp = self.axis_sizes["e"], self.axis_sizes["t"]
         return {"d": rank // (ep * tp), "e": rank // tp % ep, "t": rank % tp}
 
     def coord(self, axes: Axes, rank: int | None = None) -> int:
@@ -172,7 +172,8 @@ class Mesh:
 
     def __repr__(self) -> str:
         dp, ep, tp = (self.axis_sizes[a] for a in MESH_AXES)
-        return f"Mesh(dp={dp}, ep={ep}, tp={tp}, ranks_per_node={self.ranks_per_node}; rank {self.rank} at {self._coords})"
+        layout = f"dp={dp}, ep={ep}, tp={tp}, ranks_per_node={self.ranks_per_node}"
+        return f"Mesh({layout}; rank {self.rank} at {self._coords})"
 
 
 def _ranks_per_node(ranks_per_node: int | None, world_size: int) -> int:

@@ -315,7 +315,7 @@ def _check_local(op: str, spec: Spec, x) -> None:
     spec.check(x.shape, dict.fromkeys(MESH_AXES, 1))
 
 
-def _plan(op: str, tr: Transition, allowed: tuple[str, ...], allow_noop=False) -> list[tuple[int, str, tuple[str, ...]]]:
+def _plan(op: str, tr: Transition, allowed: tuple[str, ...], allow_noop=False) -> list[tuple[int, str, tuple]]:
     """Per-dim steps (dim index, 'gather' | 'scatter', axes) that turn the input layout into the output."""
     steps = []
     for i, (a, b) in enumerate(zip(tr.inputs[0].dims, tr.output.dims)):
@@ -334,7 +334,9 @@ def _plan(op: str, tr: Transition, allowed: tuple[str, ...], allow_noop=False) -
             )
         if step[1] not in allowed:
             verb = {"gather": "removes", "scatter": "adds"}[step[1]]
-            raise ValueError(f"{op} {tr.text!r}: dim {a} -> {b} {verb} axes {', '.join(step[2])}, which {op} does not do")
+            raise ValueError(
+                f"{op} {tr.text!r}: dim {a} -> {b} {verb} axes {', '.join(step[2])}, which {op} does not do"
+            )
         steps.append(step)
     if not steps and not allow_noop:
         raise ValueError(f"{op} {tr.text!r}: input and output layouts are the same; nothing to do")
@@ -410,7 +412,7 @@ def _gather(x: torch.Tensor, dim: int, axes, mesh: Mesh) -> torch.Tensor:
 
 def _reduce_scatter(x: torch.Tensor, dim: int, axes, mesh: Mesh) -> torch.Tensor:
     group, blocks = _members(mesh, axes)
-    chunks = x.chunk(len(blocks), dim)
+    chunks = x.tensor_split(len(blocks), dim)
     out = torch.empty_like(chunks[0], memory_format=torch.contiguous_format)
     dist.reduce_scatter(out, [chunks[b].contiguous() for b in blocks], group=group)
     return out
@@ -425,7 +427,7 @@ def _all_reduce(x: torch.Tensor, axes, mesh: Mesh) -> torch.Tensor:
 def _exchange(x: torch.Tensor, split_dim: int, to_axes, concat_dim: int, from_axes, mesh: Mesh) -> torch.Tensor:
     group = mesh.group(to_axes)  # same set of axes as from_axes, so the same group
     ranks = dist.get_process_group_ranks(group)
-    chunks = x.chunk(len(ranks), split_dim)
+    chunks = x.tensor_split(len(ranks), split_dim)
     sends = [chunks[mesh.coord(to_axes, r)].contiguous() for r in ranks]
     received = [torch.empty_like(s) for s in sends]
     dist.all_to_all(received, sends, group=group)

@@ -209,7 +209,9 @@ def _resolve(module_name: str, qualname: str, path: str | None):
     except ImportError:
         module = None
     module_file = getattr(module, "__file__", None)
-    same_file = module is not None and (path is None or (module_file is not None and os.path.samefile(module_file, path)))
+    same_file = module is not None and (
+        path is None or (module_file is not None and os.path.samefile(module_file, path))
+    )
     if not same_file:
         # pytest's importlib mode gives test modules names that do not import; load them by file.
         spec = importlib.util.spec_from_file_location(module_name, path)
