@@ -17,9 +17,16 @@ Backward, given dout[B L M]:
     dq  = RoPE^T(s dS . k);   dk = RoPE^T(s sum_{Q i} dS q)
     dnx = dq . w_q + dk . w_kv[0] + dv . w_kv[1]          (unreduced over t)
     dw_q = sum_{B L} nx dq;   dw_kv = sum_{B L} nx [dk, dv]
+Sharded (seed 002): nx 'B/d L M' (replicated over t), out 'B/d L M/t'; each t rank owns K/t
+kv heads and their Q query heads. Forward gathers the weights over d, runs the formulas on the
+local heads and finishes with out[B/d L M/t] = psum_scatter_t(out). Backward gathers dout over t
+and the weights over d again (FSDP keeps only shards between the passes), returns dnx as a
+partial sum over t (the RMSNorm before it sums it) and dw = psum_scatter_d(dw) for each weight.
+
 Scores, softmax and their gradients run in float32 for bf16/fp32 (float64 for float64); P is cast
-to the activation dtype before it meets v. P is not saved: the backward recomputes it from q, k
-and lse (a [B K Q L] float), so the residuals stay linear in L apart from the boolean mask.
+to the activation dtype before it meets v. Neither P nor the mask is saved: the backward rebuilds
+the mask from the segment ids and P from q, k and lse (a [B K Q L] float), so the saved residuals
+grow linearly in L.
 """
 from __future__ import annotations
 
@@ -32,6 +39,7 @@ from torch import Tensor, nn
 from .residuals import check_backward_mode, compute_dtype, load_residuals, save_residuals
 from .rope import RopeResiduals, RopeTable, rope_backward, rope_forward
 from .segments import attention_mask
+from .sharding import gather, local_shape, reduce_scatter
 
 W_Q_SPEC = "M/d Q K/t D"
 W_KV_SPEC = "2 M/d K/t D"
@@ -40,9 +48,9 @@ W_O_SPEC = "M/d Q K/t D"
 
 class AttentionResiduals(NamedTuple):
     nx: Tensor           # B L M   attention input (normed residual stream)
-    w_q: Tensor          # M Q K D
-    w_kv: Tensor         # 2 M K D
-    w_o: Tensor          # M Q K D
+    w_q: Tensor          # M/d Q K/t D   local shards, gathered again by the backward
+    w_kv: Tensor         # 2 M/d K/t D
+    w_o: Tensor          # M/d Q K/t D
     q: Tensor            # B L Q K D  after RoPE
     k: Tensor            # B L K D    after RoPE
     v: Tensor            # B L K D
@@ -52,12 +60,19 @@ class AttentionResiduals(NamedTuple):
     rope_cos: Tensor     # B L D/2
     rope_sin: Tensor     # B L D/2
     scale: float
+    mesh: object         # shardmoe.Mesh or None
 
 
 class AttentionGrads(NamedTuple):
-    w_q: Tensor   # M Q K D
-    w_kv: Tensor  # 2 M K D
-    w_o: Tensor   # M Q K D
+    w_q: Tensor   # M/d Q K/t D
+    w_kv: Tensor  # 2 M/d K/t D
+    w_o: Tensor   # M/d Q K/t D
+
+
+def _gather_weights(w_q: Tensor, w_kv: Tensor, w_o: Tensor, mesh) -> tuple[Tensor, Tensor, Tensor]:
+    return (gather(f"{W_Q_SPEC} -> M Q K/t D", w_q, mesh),
+            gather(f"{W_KV_SPEC} -> 2 M K/t D", w_kv, mesh),
+            gather(f"{W_O_SPEC} -> M Q K/t D", w_o, mesh))
 
 
 def _masked_scores(q: Tensor, k: Tensor, allowed: Tensor, scale: float) -> Tensor:
@@ -68,8 +83,10 @@ def _masked_scores(q: Tensor, k: Tensor, allowed: Tensor, scale: float) -> Tenso
 
 
 def attention_forward(nx: Tensor, w_q: Tensor, w_kv: Tensor, w_o: Tensor, segment_ids: Tensor,
-                      rope: RopeTable) -> tuple[Tensor, AttentionResiduals]:
+                      rope: RopeTable, mesh=None) -> tuple[Tensor, AttentionResiduals]:
     """out[B L M] of GQA over packed segments; see the module docstring for the formulas."""
+    shards = (w_q, w_kv, w_o)
+    w_q, w_kv, w_o = _gather_weights(w_q, w_kv, w_o, mesh)
     scale = 1.0 / math.sqrt(w_q.shape[-1])
     q, _ = rope_forward(torch.einsum("blm,mqkd->blqkd", nx, w_q), rope)
     k, v = torch.einsum("blm,cmkd->cblkd", nx, w_kv).unbind(0)
@@ -78,15 +95,16 @@ def attention_forward(nx: Tensor, w_q: Tensor, w_kv: Tensor, w_o: Tensor, segmen
     lse = torch.logsumexp(scores, dim=-1)
     probs = torch.exp(scores - lse[..., None])
     o = torch.einsum("bkqij,bjkd->biqkd", probs.to(v.dtype), v)
-    out = torch.einsum("blqkd,mqkd->blm", o, w_o)
-    return out, AttentionResiduals(nx, w_q, w_kv, w_o, q, k, v, o, lse, segment_ids,
-                                   rope.cos, rope.sin, scale)
+    out = reduce_scatter("B/d L M -> B/d L M/t", torch.einsum("blqkd,mqkd->blm", o, w_o), mesh)
+    return out, AttentionResiduals(nx, *shards, q, k, v, o, lse, segment_ids, rope.cos, rope.sin, scale, mesh)
 
 
 def attention_backward(res: AttentionResiduals, grad_out: Tensor) -> tuple[Tensor, AttentionGrads]:
     """(dnx[B L M], grads of w_q, w_kv, w_o) given dout[B L M]; see the module docstring."""
     acc = res.lse.dtype
-    grad_o = torch.einsum("blm,mqkd->blqkd", grad_out, res.w_o)
+    w_q, w_kv, w_o = _gather_weights(res.w_q, res.w_kv, res.w_o, res.mesh)
+    grad_out = gather("B/d L M/t -> B/d L M", grad_out, res.mesh)
+    grad_o = torch.einsum("blm,mqkd->blqkd", grad_out, w_o)
     grad_w_o = torch.einsum("blqkd,blm->mqkd", res.o, grad_out)
 
     scores = _masked_scores(res.q, res.k, attention_mask(res.segment_ids), res.scale)
@@ -102,34 +120,37 @@ def attention_backward(res: AttentionResiduals, grad_out: Tensor) -> tuple[Tenso
     grad_k, _ = rope_backward(rope, grad_k_rot)
     grad_kv = torch.stack([grad_k, grad_v])
 
-    grad_nx = (torch.einsum("blqkd,mqkd->blm", grad_q, res.w_q)
-               + torch.einsum("cblkd,cmkd->blm", grad_kv, res.w_kv))
+    grad_nx = (torch.einsum("blqkd,mqkd->blm", grad_q, w_q)
+               + torch.einsum("cblkd,cmkd->blm", grad_kv, w_kv))
     grad_w_q = torch.einsum("blm,blqkd->mqkd", res.nx, grad_q)
     grad_w_kv = torch.einsum("blm,cblkd->cmkd", res.nx, grad_kv)
-    return grad_nx, AttentionGrads(grad_w_q, grad_w_kv, grad_w_o)
+    grads = AttentionGrads(reduce_scatter(f"M Q K/t D -> {W_Q_SPEC}", grad_w_q, res.mesh),
+                           reduce_scatter(f"2 M K/t D -> {W_KV_SPEC}", grad_w_kv, res.mesh),
+                           reduce_scatter(f"M Q K/t D -> {W_O_SPEC}", grad_w_o, res.mesh))
+    return grad_nx, grads
 
 
 class AttentionFunction(torch.autograd.Function):
     """autograd.Function whose backward is attention_backward."""
 
     @staticmethod
-    def forward(ctx, nx, w_q, w_kv, w_o, segment_ids, rope_cos, rope_sin):
-        out, res = attention_forward(nx, w_q, w_kv, w_o, segment_ids, RopeTable(rope_cos, rope_sin))
+    def forward(ctx, nx, w_q, w_kv, w_o, segment_ids, rope_cos, rope_sin, mesh):
+        out, res = attention_forward(nx, w_q, w_kv, w_o, segment_ids, RopeTable(rope_cos, rope_sin), mesh)
         save_residuals(ctx, res)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         grad_nx, grads = attention_backward(load_residuals(ctx), grad_out)
-        return grad_nx, grads.w_q, grads.w_kv, grads.w_o, None, None, None
+        return grad_nx, grads.w_q, grads.w_kv, grads.w_o, None, None, None, None
 
 
 def attention(nx: Tensor, w_q: Tensor, w_kv: Tensor, w_o: Tensor, segment_ids: Tensor, rope: RopeTable,
-              backward: str = "explicit") -> Tensor:
+              mesh=None, backward: str = "explicit") -> Tensor:
     """GQA attention, differentiated by the explicit backward or by plain autograd."""
     if check_backward_mode(backward) == "explicit":
-        return AttentionFunction.apply(nx, w_q, w_kv, w_o, segment_ids, rope.cos, rope.sin)
-    return attention_forward(nx, w_q, w_kv, w_o, segment_ids, rope)[0]
+        return AttentionFunction.apply(nx, w_q, w_kv, w_o, segment_ids, rope.cos, rope.sin, mesh)
+    return attention_forward(nx, w_q, w_kv, w_o, segment_ids, rope, mesh)[0]
 
 
 class Attention(nn.Module):
@@ -137,26 +158,29 @@ class Attention(nn.Module):
 
     n_q_heads = Q * K query heads over K = n_kv_heads key/value heads. Weights are initialised
     N(0, init_std^2); pass a smaller out_init_std to damp the residual branch of deep models.
+    With a mesh the parameters are this rank's blocks (kv heads over t, d_model over d).
     """
 
     SPECS = {"w_q": W_Q_SPEC, "w_kv": W_KV_SPEC, "w_o": W_O_SPEC}
 
     def __init__(self, d_model: int, n_q_heads: int, n_kv_heads: int, head_dim: int, *,
-                 init_std: float = 0.02, out_init_std: float | None = None,
+                 init_std: float = 0.02, out_init_std: float | None = None, mesh=None,
                  backward: str = "explicit", dtype=None, device=None):
         super().__init__()
         if n_q_heads % n_kv_heads:
             raise ValueError(f"n_q_heads: expected a multiple of n_kv_heads={n_kv_heads}, got {n_q_heads}")
+        self.mesh = mesh
         self.backward = check_backward_mode(backward)
-        q_per_kv = n_q_heads // n_kv_heads
+        q_shape = (d_model, n_q_heads // n_kv_heads, n_kv_heads, head_dim)
         factory = dict(dtype=dtype, device=device)
-        self.w_q = nn.Parameter(torch.empty(d_model, q_per_kv, n_kv_heads, head_dim, **factory))
-        self.w_kv = nn.Parameter(torch.empty(2, d_model, n_kv_heads, head_dim, **factory))
-        self.w_o = nn.Parameter(torch.empty(d_model, q_per_kv, n_kv_heads, head_dim, **factory))
+        self.w_q = nn.Parameter(torch.empty(local_shape(W_Q_SPEC, q_shape, mesh), **factory))
+        self.w_kv = nn.Parameter(torch.empty(local_shape(W_KV_SPEC, (2, d_model, n_kv_heads, head_dim), mesh),
+                                             **factory))
+        self.w_o = nn.Parameter(torch.empty(local_shape(W_O_SPEC, q_shape, mesh), **factory))
         nn.init.normal_(self.w_q, std=init_std)
         nn.init.normal_(self.w_kv, std=init_std)
         nn.init.normal_(self.w_o, std=init_std if out_init_std is None else out_init_std)
 
     def forward(self, nx: Tensor, segment_ids: Tensor, rope: RopeTable) -> Tensor:
-        """nx[B L M] -> out[B L M]; segment_ids and rope come from packed_layout / rope_table."""
-        return attention(nx, self.w_q, self.w_kv, self.w_o, segment_ids, rope, backward=self.backward)
+        """nx[B/d L M] -> out[B/d L M/t]; segment_ids and rope come from packed_layout / rope_table."""
+        return attention(nx, self.w_q, self.w_kv, self.w_o, segment_ids, rope, self.mesh, backward=self.backward)

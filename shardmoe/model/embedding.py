@@ -3,10 +3,13 @@
     forward:  x[B L M] = sum_V onehot(ids)[B L V] W[V M]        (a row lookup)
     backward: dW[V M]  = sum_{B L} onehot(ids)[B L V] dx[B L M] (index-add of dx into the id's row)
 
-The weight is declared 'V/t M/d': vocab rows split over the tensor axis t, d_model over the FSDP
-axis d. The math is written for one vocab shard holding rows [vocab_start, vocab_start + V_local):
-ids outside the shard look up zeros and get no gradient, so summing the shards' outputs over t
-(psum_scatter 'B/d L M -> B/d L M/t') gives the full lookup. Single-process: vocab_start = 0.
+Sharded (seed 002): ids 'B/d L', weight 'V/t M/d', output 'B/d L M/t'.
+    forward:  W[V/t M] = all_gather_d(W[V/t M/d]); each t rank looks up the ids in its vocab block
+              (ids of other blocks give zero rows), so x[B/d L M] is a partial sum over t;
+              x[B/d L M/t] = psum_scatter_t(x).
+    backward: dx[B/d L M] = all_gather_t(dx[B/d L M/t]); dW[V/t M] = index-add of this rank's
+              tokens (a partial sum over d); dW[V/t M/d] = psum_scatter_d(dW).
+Without a mesh the collectives vanish and the vocab block is the whole vocab.
 """
 from __future__ import annotations
 
@@ -16,45 +19,52 @@ import torch
 from torch import Tensor, nn
 
 from .residuals import check_backward_mode, compute_dtype, load_residuals, save_residuals
+from .sharding import coord, gather, local_shape, reduce_scatter
 
 WEIGHT_SPEC = "V/t M/d"
 
 
 class EmbeddingResiduals(NamedTuple):
-    local_ids: Tensor   # B L int64: id - vocab_start, clamped into the shard
-    in_shard: Tensor    # B L bool: the id belongs to this vocab shard
-    weight_shape: tuple[int, int]
+    local_ids: Tensor   # B L int64: id minus the vocab block's first id, 0 outside the block
+    in_block: Tensor    # B L bool: the id belongs to this rank's vocab block
+    table_shape: tuple[int, int]  # V/t M: the gathered weight block
     weight_dtype: torch.dtype
+    mesh: object        # shardmoe.Mesh or None
 
 
 class EmbeddingGrads(NamedTuple):
-    weight: Tensor  # V M
+    weight: Tensor  # V/t M/d
 
 
-def embedding_forward(ids: Tensor, weight: Tensor, vocab_start: int = 0) -> tuple[Tensor, EmbeddingResiduals]:
-    """x[B L M] = W[ids - vocab_start] for ids in this shard, 0 elsewhere."""
-    local = ids - vocab_start
-    in_shard = (local >= 0) & (local < weight.shape[0])
-    local = torch.where(in_shard, local, 0)
-    x = weight[local] * in_shard[..., None].to(weight.dtype)
-    return x, EmbeddingResiduals(local, in_shard, tuple(weight.shape), weight.dtype)
+def embedding_forward(ids: Tensor, weight: Tensor, mesh=None) -> tuple[Tensor, EmbeddingResiduals]:
+    """x = W[ids]; see the module docstring for the sharded layout."""
+    table = gather("V/t M/d -> V/t M", weight, mesh)
+    block = table.shape[0]
+    local = ids - coord(mesh, "t") * block
+    in_block = (local >= 0) & (local < block)
+    local = torch.where(in_block, local, 0)
+    x = table[local] * in_block[..., None].to(table.dtype)
+    x = reduce_scatter("B/d L M -> B/d L M/t", x, mesh)
+    return x, EmbeddingResiduals(local, in_block, tuple(table.shape), weight.dtype, mesh)
 
 
 def embedding_backward(res: EmbeddingResiduals, grad_x: Tensor) -> tuple[None, EmbeddingGrads]:
-    """dW[V M] = index_add over tokens of dx[B L M]; ids have no gradient (returned as None)."""
+    """dW = index_add over tokens of dx; ids have no gradient (returned as None)."""
+    grad_x = gather("B/d L M/t -> B/d L M", grad_x, res.mesh)
     acc = compute_dtype(res.weight_dtype)  # accumulate repeated ids in float32 for bf16
-    rows = grad_x.to(acc) * res.in_shard[..., None].to(acc)
-    grad_w = torch.zeros(res.weight_shape, dtype=acc, device=grad_x.device)
-    grad_w.index_add_(0, res.local_ids.reshape(-1), rows.reshape(-1, res.weight_shape[1]))
-    return None, EmbeddingGrads(grad_w.to(res.weight_dtype))
+    rows = grad_x.to(acc) * res.in_block[..., None].to(acc)
+    grad_table = torch.zeros(res.table_shape, dtype=acc, device=grad_x.device)
+    grad_table.index_add_(0, res.local_ids.reshape(-1), rows.reshape(-1, res.table_shape[1]))
+    grad_w = reduce_scatter("V/t M -> V/t M/d", grad_table.to(res.weight_dtype), res.mesh)
+    return None, EmbeddingGrads(grad_w)
 
 
 class EmbeddingFunction(torch.autograd.Function):
     """autograd.Function whose backward is embedding_backward."""
 
     @staticmethod
-    def forward(ctx, ids: Tensor, weight: Tensor, vocab_start: int) -> Tensor:
-        x, res = embedding_forward(ids, weight, vocab_start)
+    def forward(ctx, ids: Tensor, weight: Tensor, mesh) -> Tensor:
+        x, res = embedding_forward(ids, weight, mesh)
         save_residuals(ctx, res)
         return x
 
@@ -64,24 +74,30 @@ class EmbeddingFunction(torch.autograd.Function):
         return None, grads.weight, None
 
 
-def embed(ids: Tensor, weight: Tensor, vocab_start: int = 0, backward: str = "explicit") -> Tensor:
+def embed(ids: Tensor, weight: Tensor, mesh=None, backward: str = "explicit") -> Tensor:
     """Embedding lookup, differentiated by the explicit backward or by plain autograd."""
     if check_backward_mode(backward) == "explicit":
-        return EmbeddingFunction.apply(ids, weight, vocab_start)
-    return embedding_forward(ids, weight, vocab_start)[0]
+        return EmbeddingFunction.apply(ids, weight, mesh)
+    return embedding_forward(ids, weight, mesh)[0]
 
 
 class Embedding(nn.Module):
-    """Token embedding W[V M] ('V/t M/d'), initialised N(0, init_std^2)."""
+    """Token embedding W[V M] ('V/t M/d'), initialised N(0, init_std^2).
+
+    With a mesh the parameter is this rank's block [V/t M/d] of the vocab_size x d_model table.
+    """
 
     SPECS = {"weight": WEIGHT_SPEC}
 
-    def __init__(self, vocab_size: int, d_model: int, *, init_std: float = 0.02,
+    def __init__(self, vocab_size: int, d_model: int, *, init_std: float = 0.02, mesh=None,
                  backward: str = "explicit", dtype=None, device=None):
         super().__init__()
+        self.mesh = mesh
         self.backward = check_backward_mode(backward)
-        self.weight = nn.Parameter(torch.empty(vocab_size, d_model, dtype=dtype, device=device))
+        shape = local_shape(WEIGHT_SPEC, (vocab_size, d_model), mesh)
+        self.weight = nn.Parameter(torch.empty(shape, dtype=dtype, device=device))
         nn.init.normal_(self.weight, std=init_std)
 
     def forward(self, ids: Tensor) -> Tensor:
-        return embed(ids, self.weight, backward=self.backward)
+        """ids[B/d L] -> x[B/d L M/t]."""
+        return embed(ids, self.weight, self.mesh, backward=self.backward)

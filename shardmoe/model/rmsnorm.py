@@ -8,9 +8,12 @@ backward, given dy:
     dx[B L M]  = r (dy w - xhat mean_M(dy w xhat))
 
 Computed in float32 for bf16/fp32 inputs (float64 for float64); y is cast back to x's dtype.
-The gain is declared 'M/t/d' (split over both t and d). Both gradients are linear in dy, so the
-backward may run on an incoming gradient that is still unreduced over t (a sum of partial
-gradients from t-sharded heads): psum_scatter over t of dx and over t and d of dw then finish it.
+
+Sharded (seed 002): x 'B/d L M/t' (the residual stream), gain 'M/t/d', y 'B/d L M'.
+    forward:  x[B/d L M] = all_gather_t(x), w[M] = all_gather_{t,d}(w), then the formulas.
+    backward: y feeds t-sharded heads, so dy arrives as a partial sum over t. Both gradients are
+              linear in dy, so the formulas run on the partials and the sums happen in the duals:
+              dx[B/d L M/t] = psum_scatter_t(dx), dw[M/t/d] = psum_scatter_{t,d}(dw).
 """
 from __future__ import annotations
 
@@ -20,27 +23,31 @@ import torch
 from torch import Tensor, nn
 
 from .residuals import check_backward_mode, compute_dtype, load_residuals, save_residuals
+from .sharding import gather, local_shape, reduce_scatter
 
 WEIGHT_SPEC = "M/t/d"
 
 
 class RMSNormResiduals(NamedTuple):
-    x: Tensor       # B L M, input dtype
+    x: Tensor       # B L M, input dtype (gathered over t)
     rstd: Tensor    # B L 1, compute dtype: r above
-    weight: Tensor  # M
+    weight: Tensor  # M (gathered)
+    mesh: object    # shardmoe.Mesh or None
 
 
 class RMSNormGrads(NamedTuple):
-    weight: Tensor  # M
+    weight: Tensor  # M/t/d
 
 
-def rms_norm_forward(x: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, RMSNormResiduals]:
+def rms_norm_forward(x: Tensor, weight: Tensor, eps: float, mesh=None) -> tuple[Tensor, RMSNormResiduals]:
     """y[... M] = x r w with r = rsqrt(mean_M x^2 + eps)."""
+    x = gather("B/d L M/t -> B/d L M", x, mesh)
+    weight = gather("M/t/d -> M", weight, mesh)
     acc = compute_dtype(x.dtype)
     xc = x.to(acc)
     rstd = torch.rsqrt(xc.square().mean(dim=-1, keepdim=True) + eps)
     y = (xc * rstd * weight.to(acc)).to(x.dtype)
-    return y, RMSNormResiduals(x, rstd, weight)
+    return y, RMSNormResiduals(x, rstd, weight, mesh)
 
 
 def rms_norm_backward(res: RMSNormResiduals, grad_y: Tensor) -> tuple[Tensor, RMSNormGrads]:
@@ -51,41 +58,50 @@ def rms_norm_backward(res: RMSNormResiduals, grad_y: Tensor) -> tuple[Tensor, RM
     grad_w = (g * xhat).reshape(-1, xhat.shape[-1]).sum(dim=0)
     gw = g * res.weight.to(acc)
     grad_x = res.rstd * (gw - xhat * (gw * xhat).mean(dim=-1, keepdim=True))
-    return grad_x.to(res.x.dtype), RMSNormGrads(grad_w.to(res.weight.dtype))
+    grad_x = reduce_scatter("B/d L M -> B/d L M/t", grad_x.to(res.x.dtype), res.mesh)
+    # The gain's gradient is tiny: sum it over ranks in the compute dtype, then cast.
+    grad_w = reduce_scatter("M -> M/t/d", grad_w, res.mesh).to(res.weight.dtype)
+    return grad_x, RMSNormGrads(grad_w)
 
 
 class RMSNormFunction(torch.autograd.Function):
     """autograd.Function whose backward is rms_norm_backward."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, weight: Tensor, eps: float) -> Tensor:
-        y, res = rms_norm_forward(x, weight, eps)
+    def forward(ctx, x: Tensor, weight: Tensor, eps: float, mesh) -> Tensor:
+        y, res = rms_norm_forward(x, weight, eps, mesh)
         save_residuals(ctx, res)
         return y
 
     @staticmethod
     def backward(ctx, grad_y: Tensor):
         grad_x, grads = rms_norm_backward(load_residuals(ctx), grad_y)
-        return grad_x, grads.weight, None
+        return grad_x, grads.weight, None, None
 
 
-def rms_norm(x: Tensor, weight: Tensor, eps: float, backward: str = "explicit") -> Tensor:
+def rms_norm(x: Tensor, weight: Tensor, eps: float, mesh=None, backward: str = "explicit") -> Tensor:
     """RMSNorm, differentiated by the explicit backward or by plain autograd."""
     if check_backward_mode(backward) == "explicit":
-        return RMSNormFunction.apply(x, weight, eps)
-    return rms_norm_forward(x, weight, eps)[0]
+        return RMSNormFunction.apply(x, weight, eps, mesh)
+    return rms_norm_forward(x, weight, eps, mesh)[0]
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm over the last dim with gain w[M] ('M/t/d'), initialised to ones."""
+    """RMSNorm over the last dim with gain w[M] ('M/t/d'), initialised to ones.
+
+    With a mesh the parameter is this rank's block [M/t/d] and the input is x[B/d L M/t].
+    """
 
     SPECS = {"weight": WEIGHT_SPEC}
 
-    def __init__(self, d_model: int, eps: float = 1e-5, *, backward: str = "explicit", dtype=None, device=None):
+    def __init__(self, d_model: int, eps: float = 1e-5, *, mesh=None, backward: str = "explicit",
+                 dtype=None, device=None):
         super().__init__()
-        self.eps = eps
+        self.eps, self.mesh = eps, mesh
         self.backward = check_backward_mode(backward)
-        self.weight = nn.Parameter(torch.ones(d_model, dtype=dtype, device=device))
+        shape = local_shape(WEIGHT_SPEC, (d_model,), mesh)
+        self.weight = nn.Parameter(torch.ones(shape, dtype=dtype, device=device))
 
     def forward(self, x: Tensor) -> Tensor:
-        return rms_norm(x, self.weight, self.eps, backward=self.backward)
+        """x[B/d L M/t] -> y[B/d L M]."""
+        return rms_norm(x, self.weight, self.eps, self.mesh, backward=self.backward)

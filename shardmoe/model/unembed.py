@@ -1,16 +1,22 @@
 """Unembedding fused with the cross-entropy loss, with an explicit backward.
 
     logits[B L V] = x[B L M] . W[V M]                 (float32 for bf16/fp32, float64 for float64)
-    lse[B L]      = logsumexp_V logits                (max-shifted: stable for any logit range)
+    lse[B L]      = logsumexp_V logits  = m + log sum_V exp(logits - m),  m = max_V logits
     loss          = sum_{B L} (lse - logits[target]) / N      (N = token count, default B*L)
 backward, given dloss (a scalar):
     dlogits = dloss (softmax(logits) - onehot(target)) / N
     dx      = dlogits . W;    dW = sum_{B L} dlogits^T x
 
-The weight is declared 'V/t M/d'. With V split over t, lse becomes a distributed logsumexp
-(max over t, then psum over t of the shifted exp-sums) and the target logit a psum over t of the
-shard that owns it; dx is then unreduced over t. The logits are not saved: the backward
-recomputes them from x and W, keeping the residuals at one float per token.
+Sharded (seed 002): x 'B/d L M' (replicated over t), W 'V/t M/d', logits 'B/d L V/t'.
+    forward:  W[V/t M] = all_gather_d(W); the logsumexp is distributed and stays stable:
+              m = max over t of the local maxima (a constant shift, no gradient),
+              lse = m + log psum_t(sum_{V/t} exp(logits - m)); the target logit is a psum over t
+              of the block that owns it. N defaults to the global token count B L |d|, and the
+              loss is psum'd over d so every rank holds the global mean.
+    backward: dlogits as above on the local vocab block; dx = dlogits . W is a partial sum over t
+              (the final RMSNorm sums it); dW[V/t M/d] = psum_scatter_d(dlogits^T x).
+The logits are not saved: the backward recomputes them from x and W, keeping the residuals at one
+float per token.
 """
 from __future__ import annotations
 
@@ -20,91 +26,112 @@ import torch
 from torch import Tensor, nn
 
 from .residuals import check_backward_mode, compute_dtype, load_residuals, save_residuals
+from .sharding import coord, gather, local_shape, pmax, psum, reduce_scatter, size
 
 WEIGHT_SPEC = "V/t M/d"
 
 
 class CrossEntropyResiduals(NamedTuple):
     x: Tensor        # B L M  final-norm output
-    weight: Tensor   # V M
+    weight: Tensor   # V/t M/d local shard, gathered again by the backward
     targets: Tensor  # B L int64
     lse: Tensor      # B L    compute dtype
     num_tokens: int  # N, the loss denominator
+    mesh: object     # shardmoe.Mesh or None
 
 
 class CrossEntropyGrads(NamedTuple):
-    weight: Tensor  # V M
+    weight: Tensor  # V/t M/d
 
 
-def unembed_logits(x: Tensor, weight: Tensor) -> Tensor:
-    """logits[B L V] = x . W^T in the compute dtype (float32 unless x is float64)."""
+def unembed_logits(x: Tensor, weight: Tensor, mesh=None) -> Tensor:
+    """logits[B L V/t] = x . W^T in the compute dtype (float32 unless x is float64)."""
     acc = compute_dtype(x.dtype)
-    return torch.einsum("blm,vm->blv", x.to(acc), weight.to(acc))
+    table = gather(f"{WEIGHT_SPEC} -> V/t M", weight, mesh)
+    return torch.einsum("blm,vm->blv", x.to(acc), table.to(acc))
 
 
-def cross_entropy_forward(x: Tensor, weight: Tensor, targets: Tensor,
-                          num_tokens: int | None = None) -> tuple[Tensor, CrossEntropyResiduals]:
+def _targets_in_block(targets: Tensor, block: int, mesh) -> tuple[Tensor, Tensor]:
+    """Targets as indices into this rank's vocab block, and whether the block owns them."""
+    local = targets - coord(mesh, "t") * block
+    in_block = (local >= 0) & (local < block)
+    return torch.where(in_block, local, 0), in_block
+
+
+def cross_entropy_forward(x: Tensor, weight: Tensor, targets: Tensor, num_tokens: int | None = None,
+                          mesh=None) -> tuple[Tensor, CrossEntropyResiduals]:
     """Mean next-token loss (a 0-dim tensor in the compute dtype) of logits = x . W^T."""
     if num_tokens is None:
-        num_tokens = targets.numel()
-    logits = unembed_logits(x, weight)
-    lse = torch.logsumexp(logits, dim=-1)
-    target_logit = logits.gather(-1, targets[..., None])[..., 0]
-    loss = (lse - target_logit).sum() / num_tokens
-    return loss, CrossEntropyResiduals(x, weight, targets, lse, num_tokens)
+        num_tokens = targets.numel() * size(mesh, "d")
+    logits = unembed_logits(x, weight, mesh)
+    shift = pmax(logits.amax(dim=-1), mesh, "t")
+    sum_exp = psum("B/d L -> B/d L", torch.exp(logits - shift[..., None]).sum(dim=-1), mesh, "t")
+    lse = shift + torch.log(sum_exp)
+    local_targets, in_block = _targets_in_block(targets, logits.shape[-1], mesh)
+    target_logit = logits.gather(-1, local_targets[..., None])[..., 0] * in_block
+    target_logit = psum("B/d L -> B/d L", target_logit, mesh, "t")
+    loss = psum("1 -> 1", ((lse - target_logit).sum() / num_tokens).reshape(1), mesh, "d").reshape(())
+    return loss, CrossEntropyResiduals(x, weight, targets, lse.detach(), num_tokens, mesh)
 
 
 def cross_entropy_backward(res: CrossEntropyResiduals, grad_loss: Tensor) -> tuple[Tensor, CrossEntropyGrads]:
-    """(dx[B L M], dW[V M]) of the loss, scaled by the incoming scalar gradient."""
-    logits = unembed_logits(res.x, res.weight)
+    """(dx[B L M], dW[V/t M/d]) of the loss, scaled by the incoming scalar gradient."""
+    logits = unembed_logits(res.x, res.weight, res.mesh)
     grad_logits = torch.exp(logits - res.lse[..., None])
-    grad_logits.scatter_add_(-1, res.targets[..., None],
-                             torch.full_like(res.lse[..., None], -1.0))
+    local_targets, in_block = _targets_in_block(res.targets, logits.shape[-1], res.mesh)
+    grad_logits.scatter_add_(-1, local_targets[..., None], -in_block[..., None].to(grad_logits.dtype))
     grad_logits *= grad_loss.to(grad_logits.dtype) / res.num_tokens
-    grad_x = torch.einsum("blv,vm->blm", grad_logits, res.weight.to(grad_logits.dtype))
+    table = gather(f"{WEIGHT_SPEC} -> V/t M", res.weight, res.mesh).to(grad_logits.dtype)
+    grad_x = torch.einsum("blv,vm->blm", grad_logits, table)
     grad_w = torch.einsum("blv,blm->vm", grad_logits, res.x.to(grad_logits.dtype))
-    return grad_x.to(res.x.dtype), CrossEntropyGrads(grad_w.to(res.weight.dtype))
+    grad_w = reduce_scatter(f"V/t M -> {WEIGHT_SPEC}", grad_w.to(res.weight.dtype), res.mesh)
+    return grad_x.to(res.x.dtype), CrossEntropyGrads(grad_w)
 
 
 class CrossEntropyFunction(torch.autograd.Function):
     """autograd.Function whose backward is cross_entropy_backward."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, weight: Tensor, targets: Tensor, num_tokens: int | None) -> Tensor:
-        loss, res = cross_entropy_forward(x, weight, targets, num_tokens)
+    def forward(ctx, x: Tensor, weight: Tensor, targets: Tensor, num_tokens: int | None, mesh) -> Tensor:
+        loss, res = cross_entropy_forward(x, weight, targets, num_tokens, mesh)
         save_residuals(ctx, res)
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss: Tensor):
         grad_x, grads = cross_entropy_backward(load_residuals(ctx), grad_loss)
-        return grad_x, grads.weight, None, None
+        return grad_x, grads.weight, None, None, None
 
 
 def unembed_cross_entropy(x: Tensor, weight: Tensor, targets: Tensor, num_tokens: int | None = None,
-                          backward: str = "explicit") -> Tensor:
+                          mesh=None, backward: str = "explicit") -> Tensor:
     """Loss of the unembedding, differentiated by the explicit backward or by plain autograd."""
     if check_backward_mode(backward) == "explicit":
-        return CrossEntropyFunction.apply(x, weight, targets, num_tokens)
-    return cross_entropy_forward(x, weight, targets, num_tokens)[0]
+        return CrossEntropyFunction.apply(x, weight, targets, num_tokens, mesh)
+    return cross_entropy_forward(x, weight, targets, num_tokens, mesh)[0]
 
 
 class Unembedding(nn.Module):
-    """Output projection to vocab logits W[V M] ('V/t M/d') fused with the cross-entropy loss."""
+    """Output projection to vocab logits W[V M] ('V/t M/d') fused with the cross-entropy loss.
+
+    With a mesh the parameter is this rank's block [V/t M/d] and the input is x[B/d L M].
+    """
 
     SPECS = {"weight": WEIGHT_SPEC}
 
-    def __init__(self, vocab_size: int, d_model: int, *, init_std: float = 0.02,
+    def __init__(self, vocab_size: int, d_model: int, *, init_std: float = 0.02, mesh=None,
                  backward: str = "explicit", dtype=None, device=None):
         super().__init__()
+        self.mesh = mesh
         self.backward = check_backward_mode(backward)
-        self.weight = nn.Parameter(torch.empty(vocab_size, d_model, dtype=dtype, device=device))
+        shape = local_shape(WEIGHT_SPEC, (vocab_size, d_model), mesh)
+        self.weight = nn.Parameter(torch.empty(shape, dtype=dtype, device=device))
         nn.init.normal_(self.weight, std=init_std)
 
     def forward(self, x: Tensor, targets: Tensor, num_tokens: int | None = None) -> Tensor:
-        """Mean cross-entropy of x[B L M] against targets[B L]."""
-        return unembed_cross_entropy(x, self.weight, targets, num_tokens, backward=self.backward)
+        """Mean cross-entropy of x[B/d L M] against targets[B/d L], over every rank's tokens."""
+        return unembed_cross_entropy(x, self.weight, targets, num_tokens, self.mesh, backward=self.backward)
 
     def logits(self, x: Tensor) -> Tensor:
-        """logits[B L V] in the compute dtype, for evaluation and sampling."""
-        return unembed_logits(x, self.weight)
+        """logits[B/d L V/t] in the compute dtype, for evaluation and sampling."""
+        return unembed_logits(x, self.weight, self.mesh)

@@ -24,21 +24,6 @@ def test_explicit_backward_matches_autograd_with_repeated_ids(rel_err):
     assert rel_err(wrapped, expected) <= 1e-10
 
 
-def test_vocab_shards_sum_to_the_full_lookup():
-    gen = torch.Generator().manual_seed(1)
-    weight = torch.randn(8, 4, dtype=torch.float64, generator=gen)
-    ids = torch.randint(0, 8, (2, 6), generator=gen)
-    grad_x = torch.randn(2, 6, 4, dtype=torch.float64, generator=gen)
-    full, full_res = embedding_forward(ids, weight)
-    _, full_grads = embedding_backward(full_res, grad_x)
-
-    lo, lo_res = embedding_forward(ids, weight[:5], vocab_start=0)
-    hi, hi_res = embedding_forward(ids, weight[5:], vocab_start=5)
-    torch.testing.assert_close(lo + hi, full, rtol=0, atol=0)
-    shard_grads = torch.cat([embedding_backward(lo_res, grad_x)[1].weight, embedding_backward(hi_res, grad_x)[1].weight])
-    torch.testing.assert_close(shard_grads, full_grads.weight, rtol=1e-14, atol=1e-14)
-
-
 def test_module_declares_its_spec_and_trains_in_bf16():
     layer = Embedding(16, 8, dtype=torch.bfloat16)
     assert layer.SPECS == {"weight": "V/t M/d"}
