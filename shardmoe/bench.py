@@ -194,6 +194,7 @@ class Candidate:
     params: tuple = ()
     forward: object = None       # () -> output with graph (for saved bytes / checks)
     grads: object = None         # () -> dict of gradients after a step (for checks)
+    flops: int | None = None     # GEMM FLOPs of one step, where the candidate knows them exactly
 
 
 def _build_candidates(s: Shape, dtype, device, names, seed: int = 0):
@@ -302,7 +303,8 @@ def _dense_candidate(s: Shape, dtype, device, preallocated: bool, name: str) -> 
             for a, b in products:
                 torch.mm(a, b)
 
-    return Candidate(name, step, lambda: None)
+    flops = sum(2 * a.shape[0] * a.shape[1] * b.shape[1] for a, b in products)
+    return Candidate(name, step, lambda: None, flops=flops)
 
 
 # --------------------------------------------------------------------------------------
