@@ -4,7 +4,8 @@ Every layer exposes `<layer>_forward(...) -> (out, residuals)` and
 `<layer>_backward(residuals, grad_out) -> (grad_in, grads)` with NamedTuple residuals and grads,
 an autograd.Function running that backward, a functional entry point taking
 `backward="explicit" | "autograd"`, and an nn.Module whose `SPECS` give each weight's named-axis
-spec. See docs/model.md for the formulas.
+spec. All take `mesh=None` (single process) or a shardmoe.Mesh (FSDP over d, Megatron over t).
+See docs/model.md for the formulas and layouts.
 """
 from .attention import Attention, AttentionGrads, AttentionResiduals, attention, attention_backward, attention_forward
 from .config import DenseConfig
