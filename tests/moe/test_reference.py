@@ -16,6 +16,15 @@ from shardmoe.moe.reference import (
 H, I, E = 8, 6, 4
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny shapes: intra-op threads only add overhead (and stall on a shared machine)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def random_params(config, seed, dtype=torch.float64):
     gen = torch.Generator().manual_seed(seed)
     return {

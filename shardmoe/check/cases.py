@@ -1,0 +1,167 @@
+"""The configurations the checker runs: the float64 matrix, its quick subset, the precision set.
+
+A CheckCase is one MoE configuration plus the token layout it is fed. The
+matrix crosses every option that changes the math:
+
+  expert kind x activation (x output activation and bias for "mlp")
+  x renormalize on/off x capacity on/off x top_k = 1..E
+
+on S = 13 tokens, with the aux and z losses switched on in half of the cases
+(alternating, so each other option is seen both with and without them), and
+adds the edge cases: an expert that receives no tokens (dropless and with
+capacity), S = 1, S = 0, and tokens with more than one leading dim.
+
+Shapes are tiny (H=8, F=6, E=4) so that the full matrix runs in seconds on a CPU.
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+from dataclasses import dataclass
+
+from shardmoe.moe.config import MoEConfig
+
+HIDDEN, FFN, EXPERTS, TOKENS = 8, 6, 4, 13
+
+# Capacity factor used whenever capacity is on: below 1 so that some pairs are always
+# dropped (E * EC ~ 0.5 * S * k < S * k), which exercises the dropped-pair paths.
+CAPACITY_FACTOR = 0.5
+AUX_LOSS_COEF, Z_LOSS_COEF = 0.5, 0.1
+
+GLU_ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "silu", "identity")
+# "mlp" (activation, output activation) pairs: every activation with identity on the
+# output, and every activation once as the output activation.
+MLP_ACTIVATIONS = (
+    ("relu", "identity"), ("gelu", "identity"), ("gelu_tanh", "identity"), ("silu", "identity"),
+    ("identity", "identity"), ("relu", "gelu"), ("gelu", "gelu_tanh"), ("gelu_tanh", "silu"),
+    ("silu", "relu"), ("identity", "silu"),
+)
+
+
+@dataclass(frozen=True)
+class CheckCase:
+    """One configuration to check.
+
+    tokens_shape: leading dims of x (S = their product), x is [*tokens_shape, H].
+    empty_expert: an expert the inputs are built to route no token to, or None.
+    seed: seeds the random inputs (see inputs.make_inputs).
+    """
+
+    config: MoEConfig
+    tokens_shape: tuple[int, ...] = (TOKENS,)
+    empty_expert: int | None = None
+    seed: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return math.prod(self.tokens_shape)
+
+    @property
+    def name(self) -> str:
+        c = self.config
+        parts = [c.expert, c.activation if c.expert == "glu" else f"{c.activation}>{c.output_activation}"]
+        if c.bias:
+            parts.append("bias")
+        parts.append(f"k{c.top_k}")
+        parts.append("renorm" if c.renormalize else "raw")
+        if c.capacity_factor is not None:
+            parts.append(f"cap{c.capacity_factor:g}")
+        if c.aux_loss_coef or c.z_loss_coef:
+            parts.append("aux")
+        if self.empty_expert is not None:
+            parts.append(f"empty{self.empty_expert}")
+        parts.append("S=" + "x".join(map(str, self.tokens_shape)))
+        return "-".join(parts)
+
+
+def _config(expert: str, activation: str, output_activation: str = "identity", *, bias: bool = False,
+            top_k: int = 2, renormalize: bool = True, capacity: bool = False, aux: bool = False) -> MoEConfig:
+    return MoEConfig(
+        HIDDEN, FFN, EXPERTS, top_k, expert=expert, activation=activation,
+        output_activation=output_activation, bias=bias, renormalize=renormalize,
+        capacity_factor=CAPACITY_FACTOR if capacity else None,
+        aux_loss_coef=AUX_LOSS_COEF if aux else 0.0, z_loss_coef=Z_LOSS_COEF if aux else 0.0,
+    )
+
+
+def _expert_variants() -> list[tuple[str, str, str, bool]]:
+    """(expert, activation, output activation, bias) for every expert kind."""
+    glu = [("glu", act, "identity", False) for act in GLU_ACTIVATIONS]
+    mlp = [("mlp", act, out, bias) for act, out in MLP_ACTIVATIONS for bias in (False, True)]
+    return glu + mlp
+
+
+def core_matrix() -> list[CheckCase]:
+    """Every expert variant x renormalize x capacity x top_k on S tokens."""
+    cases = []
+    for expert, act, out, bias in _expert_variants():
+        for renormalize, capacity, top_k in itertools.product((True, False), (False, True), range(1, EXPERTS + 1)):
+            aux = (top_k + renormalize + capacity) % 2 == 1
+            config = _config(expert, act, out, bias=bias, top_k=top_k, renormalize=renormalize,
+                             capacity=capacity, aux=aux)
+            cases.append(CheckCase(config))
+    return cases
+
+
+def edge_cases() -> list[CheckCase]:
+    """An expert with no tokens, S = 1, S = 0 and multi-dim token layouts, for both expert kinds."""
+    kinds = [("glu", "silu", "identity", False), ("mlp", "gelu", "relu", True)]
+    cases = []
+    for expert, act, out, bias in kinds:
+        for renormalize, capacity in itertools.product((True, False), (False, True)):
+            # top_k = E would select every expert, so an empty expert needs k < E.
+            for top_k in range(1, EXPERTS):
+                config = _config(expert, act, out, bias=bias, top_k=top_k, renormalize=renormalize,
+                                 capacity=capacity, aux=True)
+                cases.append(CheckCase(config, empty_expert=EXPERTS - 1))
+            for top_k in (1, EXPERTS):
+                config = _config(expert, act, out, bias=bias, top_k=top_k, renormalize=renormalize,
+                                 capacity=capacity, aux=True)
+                cases += [CheckCase(config, tokens_shape=shape) for shape in ((1,), (0,), (1, 1), (2, 0))]
+        cases.append(CheckCase(_config(expert, act, out, bias=bias, capacity=True, aux=True), tokens_shape=(3, 5)))
+    return cases
+
+
+def full_matrix() -> list[CheckCase]:
+    return core_matrix() + edge_cases()
+
+
+def quick_matrix() -> list[CheckCase]:
+    """A subset of full_matrix touching every option: each expert variant once, rotating
+    through the routing settings (renormalize x capacity x top_k), plus one case of each
+    edge-case kind."""
+    core, variants = core_matrix(), len(_expert_variants())
+    per_variant = len(core) // variants
+    # A stride coprime with per_variant (16) visits every routing setting in turn.
+    cases = [core[v * per_variant + (5 * v) % per_variant] for v in range(variants)]
+    seen = set()
+    for case in edge_cases():
+        kind = (case.config.expert, case.empty_expert is not None, case.tokens_shape)
+        if kind not in seen:
+            seen.add(kind)
+            cases.append(case)
+    return cases
+
+
+def precision_cases() -> list[CheckCase]:
+    """Configurations compared at fp32 and bf16 against float64: each expert kind with
+    smooth and kinked activations, capacity, raw weights and the losses."""
+    return [
+        CheckCase(_config("glu", "silu", top_k=2)),
+        CheckCase(_config("glu", "gelu", top_k=1, capacity=True, aux=True)),
+        CheckCase(_config("glu", "relu", top_k=3, renormalize=False, aux=True)),
+        CheckCase(_config("mlp", "gelu_tanh", "silu", bias=True, top_k=2, renormalize=False, capacity=True, aux=True)),
+        CheckCase(_config("mlp", "relu", "identity", bias=True, top_k=3)),
+        CheckCase(_config("mlp", "identity", "gelu", top_k=EXPERTS, aux=True)),
+    ]
+
+
+def gradcheck_cases() -> list[CheckCase]:
+    """Small float64 cases for finite differences (every input element costs two forwards)."""
+    small = dict(hidden_size=4, ffn_size=3, num_experts=3)
+    glu = dataclasses.replace(_config("glu", "silu", top_k=2, capacity=True, aux=True), **small)
+    mlp = dataclasses.replace(_config("mlp", "gelu", "gelu_tanh", bias=True, top_k=2, renormalize=False, aux=True),
+                              **small)
+    mlp_relu = dataclasses.replace(_config("mlp", "relu", "identity", bias=True, top_k=3, capacity=True), **small)
+    return [CheckCase(glu, tokens_shape=(5,)), CheckCase(mlp, tokens_shape=(5,)), CheckCase(mlp_relu, tokens_shape=(5,))]

@@ -1,0 +1,125 @@
+"""Random inputs on which a gradient comparison is well posed.
+
+The MoE output is piecewise smooth: it jumps where two experts tie for the
+k-th place, and relu's derivative jumps at 0. Near such a point a tiny
+perturbation (a finite-difference step, or bf16 round-off) changes which
+branch is taken, and two correct implementations disagree by O(1). Random
+inputs hit an exact tie with probability zero, but comparing a bf16 layer with
+a float64 reference needs the inputs to stay clear of every branch point by
+more than the round-off, so inputs are redrawn until
+
+  logits_t[k-th largest] - logits_t[(k+1)-th largest] >= ROUTING_MARGIN   for every token t
+  |u| >= KINK_MARGIN for every relu input u of a kept pair
+      (glu: hg = x Wgate^T; mlp: z1 with activation relu, z2 with output activation relu)
+
+with margins per compute dtype.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from shardmoe.check.cases import CheckCase
+from shardmoe.moe.config import MoEConfig
+from shardmoe.moe.reference import ACTIVATION_FUNCTIONS, parameter_shapes, reference_routing
+
+# Smallest allowed distance to a branch point, per compute dtype: above the forward's
+# round-off in that dtype (bf16 logits err by ~1e-2; a bf16-rounded a1 moves z2 by ~5e-3)
+# and above a float64 finite-difference step (1e-6), yet small enough to redraw rarely.
+ROUTING_MARGIN = {torch.float64: 1e-4, torch.float32: 1e-3, torch.bfloat16: 1e-1}
+KINK_MARGIN = {torch.float64: 1e-5, torch.float32: 1e-4, torch.bfloat16: 2e-2}
+MAX_DRAWS = 500
+# Forcing an expert empty: every token gets this much of feature 0, and the empty
+# expert's gate column this much negative weight on it, so its logit sits ~9 below the rest.
+EMPTY_OFFSET = 3.0
+
+
+@dataclass
+class CaseInputs:
+    """x [*tokens_shape, H], params by layer name, grad_out like x; all in one dtype."""
+
+    x: torch.Tensor
+    params: dict[str, torch.Tensor]
+    grad_out: torch.Tensor
+
+    def to(self, dtype: torch.dtype) -> "CaseInputs":
+        return CaseInputs(self.x.to(dtype), {n: p.to(dtype) for n, p in self.params.items()},
+                          self.grad_out.to(dtype))
+
+
+def _draw(case: CheckCase, generator: torch.Generator) -> CaseInputs:
+    """x ~ N(0, 1), matrices ~ N(0, 1/fan_in), biases ~ N(0, 0.1^2), grad_out ~ N(0, 1)."""
+    config = case.config
+    H = config.hidden_size
+    normal = lambda *shape: torch.randn(shape, generator=generator, dtype=torch.float64)  # noqa: E731
+    params = {}
+    for name, shape in parameter_shapes(config).items():
+        if name in ("b1", "b2"):
+            params[name] = 0.1 * normal(*shape)
+        else:
+            fan_in = H if name == "gate_weight" else shape[-1]
+            params[name] = normal(*shape) / math.sqrt(fan_in)
+    x = normal(*case.tokens_shape, H)
+    if case.empty_expert is not None:
+        x[..., 0] += EMPTY_OFFSET
+        params["gate_weight"][0, case.empty_expert] = -EMPTY_OFFSET
+    return CaseInputs(x, params, normal(*case.tokens_shape, H))
+
+
+def _routing_gap(config: MoEConfig, x: torch.Tensor, gate_weight: torch.Tensor) -> float:
+    """Smallest gap between the k-th and (k+1)-th logit over tokens x [S, H]; inf if k = E or S = 0."""
+    if config.top_k == config.num_experts or x.shape[0] == 0:
+        return math.inf
+    ordered = (x @ gate_weight).sort(dim=-1, descending=True).values
+    return (ordered[:, config.top_k - 1] - ordered[:, config.top_k]).min().item()
+
+
+def _relu_inputs(config: MoEConfig, x: torch.Tensor, params: dict[str, torch.Tensor], e: int) -> list[torch.Tensor]:
+    """The inputs of every relu that expert e applies to tokens x [n, H] (float64)."""
+    if config.expert == "glu":
+        return [x @ params["gate_up_proj"][e, : config.ffn_size].T] if config.activation == "relu" else []
+    z1 = x @ params["w1"][e].T + (params["b1"][e] if config.bias else 0)
+    a1 = ACTIVATION_FUNCTIONS[config.activation](z1)
+    z2 = a1 @ params["w2"][e].T + (params["b2"][e] if config.bias else 0)
+    return [z for z, act in ((z1, config.activation), (z2, config.output_activation)) if act == "relu"]
+
+
+def _kink_gap(config: MoEConfig, inputs: CaseInputs) -> float:
+    """Smallest |relu input| over the kept pairs; inf when no relu applies."""
+    x = inputs.x.reshape(-1, config.hidden_size)
+    routing = reference_routing(x, inputs.params["gate_weight"], config)
+    tokens, slots = routing.kept.nonzero(as_tuple=True)
+    experts = routing.selected[tokens, slots]
+    gap = math.inf
+    for e in range(config.num_experts):
+        for u in _relu_inputs(config, x[tokens[experts == e]], inputs.params, e):
+            if u.numel():
+                gap = min(gap, u.abs().min().item())
+    return gap
+
+
+def make_inputs(case: CheckCase, dtype: torch.dtype = torch.float64) -> CaseInputs:
+    """Inputs for `case`, drawn in float64 from case.seed, rounded to `dtype`.
+
+    The distances to branch points are measured on the rounded values (what
+    both the layer in `dtype` and the float64 reference upcast from them see).
+    Raises if no draw within MAX_DRAWS is clear of them with the empty expert
+    (if any) receiving no token.
+    """
+    generator = torch.Generator().manual_seed(case.seed)
+    for _ in range(MAX_DRAWS):
+        inputs = _draw(case, generator).to(dtype).to(torch.float64)
+        x = inputs.x.reshape(-1, case.config.hidden_size)
+        if _routing_gap(case.config, x, inputs.params["gate_weight"]) < ROUTING_MARGIN[dtype]:
+            continue
+        if _kink_gap(case.config, inputs) < KINK_MARGIN[dtype]:
+            continue
+        if case.empty_expert is not None:
+            routing = reference_routing(inputs.x, inputs.params["gate_weight"], case.config)
+            if (routing.selected == case.empty_expert).any():
+                continue
+        return inputs.to(dtype)
+    raise RuntimeError(f"{case.name}: none of {MAX_DRAWS} input draws kept clear of top-k ties and relu kinks "
+                       f"(margins {ROUTING_MARGIN[dtype]}, {KINK_MARGIN[dtype]} for {dtype})")

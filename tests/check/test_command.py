@@ -1,0 +1,44 @@
+"""`shardmoe check`: the table and the exit code."""
+import subprocess
+import sys
+
+import pytest
+
+import shardmoe
+from shardmoe.cli import main
+
+
+def test_quick_check_passes(capsys):
+    assert main(["check", "--quick"]) == 0
+    out = capsys.readouterr().out
+    assert "float64: fused vs float64 reference" in out and "gradcheck" in out
+    assert "FAIL" not in out and "all passed" in out
+
+
+class _OffByOne(shardmoe.MoE):
+    """Output off by one part in 1e9: invisible in a loose check, a failure here."""
+
+    def forward(self, x):
+        return super().forward(x) * (1 + 1e-9)
+
+
+def test_a_defect_fails_the_run(monkeypatch, capsys):
+    monkeypatch.setattr(shardmoe, "MoE", _OffByOne)
+    assert main(["check", "--quick", "--dtype", "float64", "--no-gradcheck", "--failures-only"]) == 1
+    out = capsys.readouterr().out
+    assert "FAIL" in out and "FAILED" in out.splitlines()[-1]
+
+
+def test_module_entry_point():
+    """`python -m shardmoe check` as the Makefile runs it (float64 quick subset only)."""
+    done = subprocess.run([sys.executable, "-m", "shardmoe", "check", "--quick", "--dtype", "float64"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "all passed" in done.stdout
+
+
+@pytest.mark.parametrize("argv", [["check", "--dtype", "float16"], ["check", "--bogus"]])
+def test_bad_arguments_are_rejected(argv):
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2

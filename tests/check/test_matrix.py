@@ -1,0 +1,107 @@
+"""The fused MoE layer against the float64 reference over the whole configuration matrix."""
+import pytest
+import torch
+
+import shardmoe
+from shardmoe.check.cases import EXPERTS, full_matrix, precision_cases, quick_matrix
+from shardmoe.check.command import single_threaded
+from shardmoe.check.compare import TOLERANCES, compare_with_reference, relative_error
+from shardmoe.check.inputs import make_inputs
+from shardmoe.moe.config import ACTIVATIONS
+from shardmoe.moe.reference import reference_routing
+
+MATRIX = full_matrix()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    with single_threaded():
+        yield
+
+
+@pytest.mark.parametrize("case", MATRIX, ids=lambda c: c.name)
+def test_float64_matches_reference(case):
+    result = compare_with_reference(case, torch.float64)
+    assert result.passed, (result.worst, result.problems)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("case", precision_cases(), ids=lambda c: c.name)
+def test_low_precision_within_tolerance_of_float64(case, dtype):
+    result = compare_with_reference(case, dtype)
+    assert result.passed, (result.worst, result.problems)
+
+
+def test_matrix_covers_every_option():
+    configs = [c.config for c in MATRIX]
+    assert {(c.expert, c.activation) for c in configs} == {(e, a) for e in ("glu", "mlp") for a in ACTIVATIONS}
+    assert {c.output_activation for c in configs if c.expert == "mlp"} == set(ACTIVATIONS)
+    assert {c.top_k for c in configs} == set(range(1, EXPERTS + 1))
+    assert {c.renormalize for c in configs} == {True, False}
+    assert {c.capacity_factor is None for c in configs} == {True, False}
+    assert {c.bias for c in configs if c.expert == "mlp"} == {True, False}
+    assert any(c.aux_loss_coef > 0 and c.z_loss_coef > 0 for c in configs)
+    for expert in ("glu", "mlp"):
+        of_kind = [c for c in MATRIX if c.config.expert == expert]
+        assert {c.num_tokens for c in of_kind} >= {0, 1}
+        assert any(c.empty_expert is not None and c.config.capacity_factor is None for c in of_kind)
+        assert any(len(c.tokens_shape) > 1 for c in of_kind)
+
+
+def test_quick_matrix_is_a_subset_touching_every_activation():
+    quick = quick_matrix()
+    assert set(quick) <= set(MATRIX) and len(quick) < len(MATRIX) / 5
+    assert {(c.config.expert, c.config.activation) for c in quick} == {
+        (c.config.expert, c.config.activation) for c in MATRIX}
+
+
+@pytest.mark.parametrize("case", [c for c in MATRIX if c.config.capacity_factor and c.num_tokens > 1][:24],
+                         ids=lambda c: c.name)
+def test_capacity_cases_drop_pairs(case):
+    """The capacity factor is chosen so the dropped-pair paths always run."""
+    inputs = make_inputs(case)
+    routing = reference_routing(inputs.x, inputs.params["gate_weight"], case.config)
+    assert routing.dropped_pairs > 0
+
+
+@pytest.mark.parametrize("case", [c for c in MATRIX if c.empty_expert is not None][:6], ids=lambda c: c.name)
+def test_empty_expert_gets_no_tokens_and_zero_gradient(case):
+    inputs = make_inputs(case)
+    routing = reference_routing(inputs.x, inputs.params["gate_weight"], case.config)
+    assert routing.tokens_per_expert[case.empty_expert] == 0
+    result = compare_with_reference(case)
+    assert result.passed, (result.worst, result.problems)
+
+
+def test_relative_error_definition():
+    expected = torch.tensor([1.0, -4.0, 2.0], dtype=torch.float64)
+    assert relative_error(expected + torch.tensor([0.0, 0.0, 0.002]), expected) == pytest.approx(0.002 / 4)
+    # Below the floor the error is measured against the floor, not against round-off.
+    assert relative_error(torch.tensor([2e-6]), torch.tensor([1e-17])) == pytest.approx(2e-6 / 1e-3)
+    assert relative_error(torch.zeros(0), torch.zeros(0)) == 0.0
+
+
+class _Perturbed(shardmoe.MoE):
+    """shardmoe.MoE with one deliberate defect, to prove the harness sees it."""
+
+    defect = None
+
+    def forward(self, x):
+        if self.defect == "input_grad":
+            x.register_hook(lambda g: g * (1 + 1e-8))
+        y = super().forward(x)
+        if self.defect == "gate_grad":
+            self.gate_weight.register_hook(lambda g: g * (1 + 1e-8))
+        if self.defect == "aux":
+            self.aux_loss = self.aux_loss * 0.5
+        return y
+
+
+@pytest.mark.parametrize("defect,tensor", [("input_grad", "x"), ("gate_grad", "gate_weight"), ("aux", "aux_loss")])
+def test_harness_catches_small_defects(monkeypatch, defect, tensor):
+    monkeypatch.setattr(_Perturbed, "defect", defect)
+    monkeypatch.setattr(shardmoe, "MoE", _Perturbed)
+    case = next(c for c in MATRIX if c.config.aux_loss_coef and c.config.expert == "glu")
+    result = compare_with_reference(case, torch.float64)
+    assert not result.passed
+    assert result.worst[0] == tensor and result.errors[tensor] > TOLERANCES[torch.float64]
