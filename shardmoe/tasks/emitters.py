@@ -1,0 +1,131 @@
+"""Who creates tasks: the decoders (subscribers reading packets and signals) and the notifiers
+(processors that push the next stage after a sync counter reaches its threshold).
+
+Forward
+  initial decoder   (expert device, packet of x rows arrived)  TN preGEMM           -> tQ
+  notifyNext        (preGEMM counter reached TN)                TNx postGEMM         -> ptQ @0
+  final decoder     (token device, flag or heap signal)         TNx combine          -> tQ
+Backward
+  initial decoder   (expert device, packet of g rows arrived)   TNx gradCombine
+                                                                + 1 gradGateCombine  -> tQ
+  notifyGradient    (combine counter reached TNx+1)             TN gradPostGEMM      -> ptQ @0
+  notifyGateGradient                                            TNx gradGateGEMM     -> ptQ @TN
+      per-token mode: token tile g of the token device, when every kept pair of each of
+      its tokens has delivered its dot (gate domain tQH[2*gtQCl+g]);
+      seeds' row-tile mode: row tile s, when its combine counter reached TNx+1 (primary)
+  notifyGradPreGEMM (gradPostGEMM counter reached TN)           TNx gradPreGEMM      -> ptQ @TN+TNx
+  P2P final decoder (token device, flag set by the expert)     TNx gradInputCombine -> tQ
+                    reading the expert's dL/dx rows directly (isPeerRemote = false)
+  remote final decoder (token device, heap signal)             TNx gradInputCombine -> tQ
+                    only if isRemoteExpert = (peer != own rank); reads the heap cell
+gradGateCombine comes from the initial decoder only: a second one per row tile (the final
+decoder also emitting it) completes its counters twice, which the counters reject.
+"""
+from __future__ import annotations
+
+from shardmoe.tasks.plan import Plan, Ref, RowTile, Task, TaskType, TokenTile
+from shardmoe.tasks.queues import DeviceQueues
+
+
+class Emitters:
+    """Task factories bound to a plan and the devices' queues."""
+
+    def __init__(self, plan: Plan, queues: list[DeviceQueues], gate_dependency: str = "token",
+                 final_gate_combine: bool = False):
+        self.plan, self.queues = plan, queues
+        self.gate_dependency, self.final_gate_combine = gate_dependency, final_gate_combine
+
+    def _task(self, kind: TaskType, tile: RowTile, device: int, n: int, emitter: str, **operands) -> Task:
+        return Task(kind, device, tile.sync_idx, n, tile.expert, tile.peer, operands,
+                    self.plan.is_remote(tile.device, tile.peer), emitter)
+
+    # --- forward -------------------------------------------------------------------------------
+    def forward_initial_decoder(self, tile: RowTile) -> None:
+        d, s = tile.device, tile.sync_idx
+        for n in range(self.plan.tn):
+            self.queues[d].write_tq(self._task(TaskType.preGEMM, tile, d, n, "initial decoder",
+                                               x=Ref(d, "x_rows", s), z=Ref(d, "z1", s), a=Ref(d, "xm", s)))
+
+    def notify_next(self, tile: RowTile) -> None:
+        d, s = tile.device, tile.sync_idx
+        for n in range(self.plan.tnx):
+            task = self._task(TaskType.postGEMM, tile, d, n, "notifyNext",
+                              a=Ref(d, "xm", s), z2=Ref(d, "z2", s), y=Ref(d, "y_rows", s))
+            self.queues[d].write_ptq(task, s, "primary")
+
+    def forward_final_decoder(self, tile: RowTile) -> None:
+        d, h, s = tile.device, tile.peer, tile.sync_idx
+        source = Ref(h, "heap", (d, s)) if self.plan.is_remote(d, h) else Ref(d, "y_rows", s)
+        for n in range(self.plan.tnx):
+            self.queues[h].write_tq(self._task(TaskType.combine, tile, h, n, "final decoder",
+                                               y=source, out=Ref(h, "out")))
+
+    # --- backward ------------------------------------------------------------------------------
+    def _gate_combine(self, tile: RowTile, device: int, emitter: str) -> Task:
+        d, h, s = tile.device, tile.peer, tile.sync_idx
+        # Per-token mode: a P2P expert stores the dots straight into the token device's gate_dots;
+        # a remote one puts them into a heap cell. The seeds' mode writes the global buffer.
+        remote_cell = self.gate_dependency == "token" and self.plan.is_remote(d, h)
+        out = Ref(h, "gate_heap", (d, s)) if remote_cell else Ref(h, "gate_dots")
+        return self._task(TaskType.gradGateCombine, tile, device, 0, emitter,
+                          g=Ref(d, "grad_packet", s), z2=Ref(d, "z2", s), out=out)
+
+    def backward_initial_decoder(self, tile: RowTile) -> None:
+        d, s = tile.device, tile.sync_idx
+        for n in range(self.plan.tnx):
+            self.queues[d].write_tq(self._task(TaskType.gradCombine, tile, d, n, "initial decoder",
+                                               g=Ref(d, "grad_packet", s), out=Ref(d, "grad_expert", s)))
+        self.queues[d].write_tq(self._gate_combine(tile, d, "initial decoder"))
+
+    def notify_gradient(self, tile: RowTile) -> None:
+        d, s = tile.device, tile.sync_idx
+        for n in range(self.plan.tn):
+            task = self._task(TaskType.gradPostGEMM, tile, d, n, "notifyGradient",
+                              ge=Ref(d, "grad_expert", s), z2=Ref(d, "z2", s), a=Ref(d, "xm", s),
+                              out=Ref(d, "grad_xm", s), dw=Ref(d, "expert_grad"))
+            self.queues[d].write_ptq(task, s, "primary")
+
+    def notify_gate_gradient_row_tile(self, tile: RowTile, tokens) -> None:
+        """The seeds' notifyGateGradient: gradGateGEMM of a row tile, run by the expert device on
+        the tokens it owns (their first kept pair), reading the token device's gate_dots."""
+        d, h, s = tile.device, tile.peer, tile.sync_idx
+        for n in range(self.plan.tnx):
+            task = self._task(TaskType.gradGateGEMM, tile, d, n, "notifyGateGradient", tokens=tokens,
+                              x=Ref(h, "x"), dots=Ref(h, "gate_dots"), out=Ref(h, "grad_x"),
+                              dwg=Ref(d, "gate_weight_grad"))
+            self.queues[d].write_ptq(task, s, "primary")
+
+    def notify_gate_gradient_tokens(self, tile: TokenTile) -> None:
+        """gradGateGEMM of a token tile whose tokens have all their dots, on the token device."""
+        h, g = tile.device, tile.index
+        for n in range(self.plan.tnx):
+            task = Task(TaskType.gradGateGEMM, h, g, n, -1, h,
+                        dict(tokens=tile.tokens, x=Ref(h, "x"), dots=Ref(h, "gate_dots"), out=Ref(h, "grad_x"),
+                             dwg=Ref(h, "gate_weight_grad")), False, "notifyGateGradient")
+            self.queues[h].write_ptq(task, g, "gate")
+
+    def notify_grad_pre_gemm(self, tile: RowTile) -> None:
+        d, s = tile.device, tile.sync_idx
+        for n in range(self.plan.tnx):
+            task = self._task(TaskType.gradPreGEMM, tile, d, n, "notifyGradPreGEMM",
+                              grad=Ref(d, "grad_xm", s), z=Ref(d, "z1", s), x=Ref(d, "x_rows", s),
+                              out=Ref(d, "grad_x_rows", s), dw=Ref(d, "expert_grad"))
+            self.queues[d].write_ptq(task, s, "secondary")
+
+    def p2p_final_decoder(self, tile: RowTile) -> None:
+        d, h, s = tile.device, tile.peer, tile.sync_idx
+        for n in range(self.plan.tnx):
+            self.queues[h].write_tq(self._task(TaskType.gradInputCombine, tile, h, n, "P2P final decoder",
+                                               src=Ref(d, "grad_x_rows", s), out=Ref(h, "grad_x")))
+        if self.final_gate_combine:
+            self.queues[h].write_tq(self._gate_combine(tile, h, "P2P final decoder"))
+
+    def remote_final_decoder(self, tile: RowTile, own_rank: int) -> None:
+        d, h, s = tile.device, tile.peer, tile.sync_idx
+        is_remote_expert = d != own_rank  # the seeds' guard; a rank is never remote to itself
+        if is_remote_expert:
+            for n in range(self.plan.tnx):
+                self.queues[h].write_tq(self._task(TaskType.gradInputCombine, tile, h, n, "remote final decoder",
+                                                   src=Ref(h, "heap", (d, s)), out=Ref(h, "grad_x")))
+        if self.final_gate_combine:
+            self.queues[h].write_tq(self._gate_combine(tile, h, "remote final decoder"))
