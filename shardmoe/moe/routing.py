@@ -115,6 +115,7 @@ def grad_gate_gemm(
     grad_weight: torch.Tensor,
     grad_loss: torch.Tensor | None,
     config: MoEConfig,
+    num_tokens: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Stage 6: from dL/dw_tj to the gate weight and input gradients.
 
@@ -125,10 +126,13 @@ def grad_gate_gemm(
       dp      += aux_coef * E * selected_e / S^2                             (aux loss)
       dlogits  = p * (dp - sum_e p_e dp_e)  +  z_coef * 2 lse_t p_t / S      (softmax, z loss)
       dWg = x^T dlogits  [H, E];   dx = dlogits Wg^T  [S, H]
+    `num_tokens` is the S of the balance losses when `routing` holds a subset of the tokens
+    (a tile of them); by default the rows of `routing`.
     Returns (dx [S, H], dWg [H, E]) in the accumulation dtype.
     """
     probs = routing.probs
-    acc, num_tokens = probs.dtype, probs.shape[0]
+    acc = probs.dtype
+    num_tokens = probs.shape[0] if num_tokens is None else num_tokens
     grad_weight = grad_weight.to(acc)
     if config.renormalize:
         coupled = (routing.weight * grad_weight).sum(-1, keepdim=True)

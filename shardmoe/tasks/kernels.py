@@ -19,7 +19,6 @@ W[e:e+1] with Groups((m,)) turns the grouped stage functions into tile functions
 """
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -164,13 +163,6 @@ def _token_routing(routing: Routing, tokens: torch.Tensor) -> Routing:
                    routing.kept_per_expert, routing.row_pair[:0])
 
 
-def _token_config(config, subset: int, total: int):
-    """grad_gate_gemm normalises the aux term by S^2 and the z term by S with S = its rows; on a
-    subset of m rows the coefficients are rescaled by (m/S)^2 and m/S to keep the layer's S."""
-    return dataclasses.replace(config, aux_loss_coef=config.aux_loss_coef * (subset / total) ** 2,
-                               z_loss_coef=config.z_loss_coef * subset / total)
-
-
 def grad_gate_gemm_tile(task: Task, ctx: KernelContext) -> None:
     """Column tile n of the gate backward for the tokens in operands["tokens"] (global indices, all
     homed on task.peer); reads their gate dots, which must hold every kept pair's dw by now."""
@@ -180,10 +172,9 @@ def grad_gate_gemm_tile(task: Task, ctx: KernelContext) -> None:
         return
     cols = plan.columns(task.tile_idx, plan.config.hidden_size)
     rows = plan.local_tokens(tokens, task.peer)
-    config = _token_config(plan.config, tokens.numel(), plan.num_tokens)
     grad_x, grad_gate = grad_gate_gemm(mem[op["x"]][rows][:, cols], ctx.params["gate_weight"][cols],
                                        _token_routing(plan.routing, tokens), mem[op["dots"]][rows],
-                                       ctx.grad_loss, config)
+                                       ctx.grad_loss, plan.config, num_tokens=plan.num_tokens)
     mem[op["out"]][rows, cols] += grad_x.to(mem[op["out"]].dtype)
     mem[op["dwg"]][cols] += grad_gate.to(mem[op["dwg"]].dtype)
 
