@@ -131,10 +131,22 @@ def measure_saved_bytes(forward, params=(), inputs=()) -> tuple[SavedBytes, obje
 # --------------------------------------------------------------------------------------
 # Candidates: each builds a step() that runs one forward + backward
 # --------------------------------------------------------------------------------------
-def _mixtral_block(s: Shape, dtype, device, seed: int):
-    """A MixtralSparseMoeBlock from a local config (no downloads), experts_implementation
-    "grouped_mm", weights drawn so activations stay O(1): router and gate_up ~ N(0, 1/H),
-    down ~ N(0, 1/F)."""
+def _init_weights(s: Shape, seed: int):
+    """The benchmark's weights, in transformers' layouts: router [E, H], gate_up_proj
+    [E, 2F, H], down_proj [E, H, F]; router and gate_up ~ N(0, 1/H), down ~ N(0, 1/F), so
+    activations stay O(1) in bf16."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    router = torch.randn(s.experts, s.hidden, generator=gen) / s.hidden ** 0.5
+    gate_up = torch.randn(s.experts, 2 * s.ffn, s.hidden, generator=gen) / s.hidden ** 0.5
+    down = torch.randn(s.experts, s.hidden, s.ffn, generator=gen) / s.ffn ** 0.5
+    return router, gate_up, down
+
+
+def _mixtral_block(s: Shape, weights, dtype, device):
+    """A MixtralSparseMoeBlock from a local config (no downloads) with
+    experts_implementation="grouped_mm", holding `weights` (see _init_weights)."""
     import torch
     from transformers import MixtralConfig
     from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
@@ -143,11 +155,11 @@ def _mixtral_block(s: Shape, dtype, device, seed: int):
                            num_experts_per_tok=s.top_k, hidden_act="silu", router_jitter_noise=0.0,
                            experts_implementation="grouped_mm")
     block = MixtralSparseMoeBlock(config)
-    gen = torch.Generator().manual_seed(seed)
+    router, gate_up, down = weights
     with torch.no_grad():
-        for p, fan_in in ((block.gate.weight, s.hidden), (block.experts.gate_up_proj, s.hidden),
-                          (block.experts.down_proj, s.ffn)):
-            p.copy_(torch.randn(p.shape, generator=gen) / fan_in ** 0.5)
+        block.gate.weight.copy_(router)
+        block.experts.gate_up_proj.copy_(gate_up)
+        block.experts.down_proj.copy_(down)
     return block.to(device=device, dtype=dtype)
 
 
@@ -204,7 +216,10 @@ def _build_candidates(s: Shape, dtype, device, names, seed: int = 0):
     x_base = torch.randn(1, s.tokens, s.hidden, generator=gen).to(device=device, dtype=dtype)
     grad_out = (torch.randn(1, s.tokens, s.hidden, generator=gen) / s.hidden ** 0.5).to(device=device, dtype=dtype)
     cands: dict[str, Candidate] = {}
-    block = _mixtral_block(s, dtype, device, seed) if ("transformers" in names or "shardmoe" in names) else None
+    weights = _init_weights(s, seed)
+    block = None
+    if "transformers" in names or ("shardmoe" in names and _transformers_available()):
+        block = _mixtral_block(s, weights, dtype, device)
 
     def module_candidate(name, module, params, x_shape, gate_transposed=False):
         """gate_transposed: params[0] is [H, E] (the router holds [E, H]); its gradient
@@ -240,20 +255,20 @@ def _build_candidates(s: Shape, dtype, device, names, seed: int = 0):
     if "shardmoe" in names:
         import shardmoe
 
-        layer = shardmoe.MoE.from_mixtral(block)
+        if block is not None:
+            layer = shardmoe.MoE.from_mixtral(block)
+        else:  # the same weights, copied by hand (router [E, H] -> gate_weight [H, E])
+            layer = shardmoe.MoE(s.hidden, s.ffn, s.experts, s.top_k, dtype=dtype, device=device)
+            with torch.no_grad():
+                for p, w in zip((layer.gate_weight, layer.gate_up_proj, layer.down_proj),
+                                (weights[0].t(), weights[1], weights[2])):
+                    p.copy_(w)
         params = (layer.gate_weight, layer.gate_up_proj, layer.down_proj)
         cands["shardmoe"], inputs["shardmoe"] = module_candidate(
             "shardmoe", layer, params, (1, s.tokens, s.hidden), gate_transposed=True)
     if "loop" in names:
-        if block is not None:
-            wg = block.gate.weight.detach().t().clone().requires_grad_()
-            wgu = block.experts.gate_up_proj.detach().clone().requires_grad_()
-            wd = block.experts.down_proj.detach().clone().requires_grad_()
-        else:
-            g2 = torch.Generator().manual_seed(seed)
-            wg = (torch.randn(s.hidden, s.experts, generator=g2) / s.hidden ** 0.5).to(device, dtype).requires_grad_()
-            wgu = (torch.randn(s.experts, 2 * s.ffn, s.hidden, generator=g2) / s.hidden ** 0.5).to(device, dtype).requires_grad_()
-            wd = (torch.randn(s.experts, s.hidden, s.ffn, generator=g2) / s.ffn ** 0.5).to(device, dtype).requires_grad_()
+        wg, wgu, wd = (w.to(device=device, dtype=dtype).requires_grad_()
+                       for w in (weights[0].t().contiguous(), weights[1], weights[2]))
         params = (wg, wgu, wd)
         cands["loop"], inputs["loop"] = module_candidate(
             "loop", lambda x: loop_moe(x, wg, wgu, wd, s.top_k), params, (s.tokens, s.hidden),

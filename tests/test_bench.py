@@ -161,3 +161,13 @@ def test_cli_rejects_cuda_without_cuda(capsys):
     if torch.cuda.is_available():
         pytest.skip("CUDA is available here")
     assert bench.main(["--device", "cuda"]) == 2
+
+
+def test_run_case_without_transformers(monkeypatch):
+    monkeypatch.setattr(bench, "_transformers_available", lambda: False)
+    s = bench.Shape(tokens=32, hidden=16, ffn=32, experts=4, top_k=2)
+    r = bench.run_case("tiny", s, "fp32", "cpu", warmup=1, repeats=1)
+    assert [row.candidate for row in r.rows] == ["loop", "dense", "dense+alloc", "shardmoe"]
+    assert any("transformers" in note for note in r.notes)
+    assert all(row.speedup_vs_transformers is None for row in r.rows)
+    assert r.targets()["speedup vs transformers"] == (None, bench.TARGET_SPEEDUP_VS_TRANSFORMERS, None)
