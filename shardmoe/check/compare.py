@@ -28,6 +28,7 @@ import torch
 
 from shardmoe.check.cases import CheckCase
 from shardmoe.check.inputs import CaseInputs, make_inputs
+from shardmoe.moe.config import MoEConfig
 from shardmoe.moe.reference import reference_forward_backward, reference_routing
 
 # Worst relative error allowed per tensor, by the dtype the layer computes in.
@@ -80,17 +81,24 @@ class CaseResult:
         return not self.problems and all(err <= self.tolerance for err in self.errors.values())
 
 
-def _run_fused(case: CheckCase, inputs: CaseInputs, device):
-    """Forward and backward of shardmoe.MoE on `inputs`: (layer, y, x.grad)."""
+def fused_layer(config: MoEConfig, dtype: torch.dtype, device="cpu"):
+    """A shardmoe.MoE built from `config` (looked up at call time, so tests can substitute it)."""
     import shardmoe
 
-    c = case.config
-    layer = shardmoe.MoE(
+    c = config
+    return shardmoe.MoE(
         c.hidden_size, c.ffn_size, c.num_experts, c.top_k, expert=c.expert, activation=c.activation,
         output_activation=c.output_activation, bias=c.bias, renormalize=c.renormalize,
         capacity_factor=c.capacity_factor, aux_loss_coef=c.aux_loss_coef, z_loss_coef=c.z_loss_coef,
-        dtype=inputs.x.dtype, device=device,
+        dtype=dtype, device=device,
     )
+
+
+def run_fused(config: MoEConfig, inputs: CaseInputs, device="cpu"):
+    """Forward and backward of the fused layer on `inputs`: (layer, y, x.grad).
+
+    The layer holds the parameter gradients of L = sum(y * grad_out) + aux_loss."""
+    layer = fused_layer(config, inputs.x.dtype, device)
     with torch.no_grad():
         for name, value in inputs.params.items():
             getattr(layer, name).copy_(value)
@@ -127,7 +135,7 @@ def compare_with_reference(case: CheckCase, dtype: torch.dtype = torch.float64, 
     inputs64 = inputs.to(torch.float64)
     ref_out, ref_aux, ref_grads = reference_forward_backward(inputs64.x, inputs64.params, case.config,
                                                              inputs64.grad_out)
-    layer, y, x_grad = _run_fused(case, inputs, device)
+    layer, y, x_grad = run_fused(case.config, inputs, device)
 
     if y.shape != inputs.x.shape or y.dtype != dtype:
         result.problems.append(f"output is {tuple(y.shape)} {y.dtype}, expected {tuple(inputs.x.shape)} {dtype}")

@@ -22,6 +22,7 @@ import torch
 from torch.autograd.gradcheck import GradcheckError, gradcheck
 
 from shardmoe.check.cases import CheckCase
+from shardmoe.check.compare import fused_layer
 from shardmoe.check.inputs import make_inputs
 
 EPS, ATOL, RTOL = 1e-6, 1e-7, 1e-6
@@ -36,15 +37,7 @@ class GradcheckResult:
 
 def fused_gradcheck(case: CheckCase) -> GradcheckResult:
     """gradcheck of shardmoe.MoE (float64) on the case's inputs, wrt x and every parameter."""
-    import shardmoe
-
-    c = case.config
-    layer = shardmoe.MoE(
-        c.hidden_size, c.ffn_size, c.num_experts, c.top_k, expert=c.expert, activation=c.activation,
-        output_activation=c.output_activation, bias=c.bias, renormalize=c.renormalize,
-        capacity_factor=c.capacity_factor, aux_loss_coef=c.aux_loss_coef, z_loss_coef=c.z_loss_coef,
-        dtype=torch.float64,
-    )
+    layer = fused_layer(case.config, torch.float64)
     inputs = make_inputs(case, torch.float64)
     names = list(inputs.params)
 

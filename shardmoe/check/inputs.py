@@ -53,7 +53,10 @@ def _draw(case: CheckCase, generator: torch.Generator) -> CaseInputs:
     """x ~ N(0, 1), matrices ~ N(0, 1/fan_in), biases ~ N(0, 0.1^2), grad_out ~ N(0, 1)."""
     config = case.config
     H = config.hidden_size
-    normal = lambda *shape: torch.randn(shape, generator=generator, dtype=torch.float64)  # noqa: E731
+
+    def normal(*shape):
+        return torch.randn(shape, generator=generator, dtype=torch.float64)
+
     params = {}
     for name, shape in parameter_shapes(config).items():
         if name in ("b1", "b2"):

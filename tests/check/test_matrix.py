@@ -5,7 +5,7 @@ import torch
 import shardmoe
 from shardmoe.check.cases import EXPERTS, full_matrix, precision_cases, quick_matrix
 from shardmoe.check.command import single_threaded
-from shardmoe.check.compare import TOLERANCES, compare_with_reference, relative_error
+from shardmoe.check.compare import TOLERANCES, compare_with_reference, relative_error, run_fused
 from shardmoe.check.inputs import make_inputs
 from shardmoe.moe.config import ACTIVATIONS
 from shardmoe.moe.reference import reference_routing
@@ -55,22 +55,24 @@ def test_quick_matrix_is_a_subset_touching_every_activation():
         (c.config.expert, c.config.activation) for c in MATRIX}
 
 
-@pytest.mark.parametrize("case", [c for c in MATRIX if c.config.capacity_factor and c.num_tokens > 1][:24],
-                         ids=lambda c: c.name)
-def test_capacity_cases_drop_pairs(case):
-    """The capacity factor is chosen so the dropped-pair paths always run."""
-    inputs = make_inputs(case)
-    routing = reference_routing(inputs.x, inputs.params["gate_weight"], case.config)
-    assert routing.dropped_pairs > 0
+def test_capacity_cases_drop_pairs():
+    """The capacity factor is chosen so that the dropped-pair paths always run."""
+    for case in MATRIX:
+        if case.config.capacity_factor and case.num_tokens > 1:
+            inputs = make_inputs(case)
+            routing = reference_routing(inputs.x, inputs.params["gate_weight"], case.config)
+            assert routing.dropped_pairs > 0, case.name
 
 
-@pytest.mark.parametrize("case", [c for c in MATRIX if c.empty_expert is not None][:6], ids=lambda c: c.name)
-def test_empty_expert_gets_no_tokens_and_zero_gradient(case):
+@pytest.mark.parametrize("case", [c for c in MATRIX if c.empty_expert is not None], ids=lambda c: c.name)
+def test_empty_expert_gets_exactly_zero_gradient(case):
+    """The relative-error floor would tolerate 1e-13 here; an expert with no tokens must get exact zeros."""
     inputs = make_inputs(case)
-    routing = reference_routing(inputs.x, inputs.params["gate_weight"], case.config)
-    assert routing.tokens_per_expert[case.empty_expert] == 0
-    result = compare_with_reference(case)
-    assert result.passed, (result.worst, result.problems)
+    layer, _, _ = run_fused(case.config, inputs)
+    assert layer.stats["tokens_per_expert"][case.empty_expert] == 0
+    for name in inputs.params:
+        if name != "gate_weight":
+            assert not getattr(layer, name).grad[case.empty_expert].any(), name
 
 
 def test_relative_error_definition():
