@@ -6,7 +6,10 @@
 
 Parameters (design.md section 3): gate_weight [H, E]; "glu": gate_up_proj [E, 2F, H],
 down_proj [E, H, F]; "mlp": w1 [E, P, H], b1 [E, P], w2 [E, H, P], b2 [E, H].
-The forward and backward are FusedMoE (shardmoe/moe/function.py).
+Single process (mesh None or of one rank), forward and backward are FusedMoE
+(shardmoe/moe/function.py). With a mesh, parameters hold this rank's shard (experts split over
+'e' in contiguous blocks, the intermediate dim over 't': shardmoe/parallel/expert_tensor.py), x
+holds this rank's tokens, and the forward is shardmoe.parallel.ExpertParallel.
 """
 from __future__ import annotations
 
@@ -17,6 +20,9 @@ from torch import nn
 
 from shardmoe.moe.config import MoEConfig
 from shardmoe.moe.function import FusedMoE, expert_param_names
+from shardmoe.parallel import expert_tensor as etp
+from shardmoe.parallel.expert_parallel import ExpertParallel
+from shardmoe.parallel.sync import EXPERT, REPLICATED, mark_grad_sync
 
 # shardmoe activation name <-> transformers ACT2FN name
 _MIXTRAL_ACT = {"silu": "silu", "gelu": "gelu", "gelu_tanh": "gelu_pytorch_tanh", "relu": "relu"}
@@ -33,37 +39,57 @@ class MoE(nn.Module):
                                 activation=activation, output_activation=output_activation, bias=bias,
                                 renormalize=renormalize, capacity_factor=capacity_factor,
                                 aux_loss_coef=aux_loss_coef, z_loss_coef=z_loss_coef)
-        if mesh is not None and (mesh.size("e") > 1 or mesh.size("t") > 1):
-            raise ValueError(f"mesh: expert or tensor parallelism (e={mesh.size('e')}, t={mesh.size('t')}) "
-                             "is not available in this build; expected a mesh with e=1 and t=1")
+        etp.check_layout(self.config, mesh)  # before any communication
         self.mesh = mesh
-        H, F, E = hidden_size, ffn_size, num_experts
         kw = {"dtype": dtype, "device": device}
-        self.gate_weight = nn.Parameter(torch.empty(H, E, **kw))
+        H, F, E = hidden_size, ffn_size, num_experts
+        self._whole_shapes = {"gate_weight": (H, E)}
         if expert == "glu":
-            self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * F, H, **kw))
-            self.down_proj = nn.Parameter(torch.empty(E, H, F, **kw))
+            self._whole_shapes.update(gate_up_proj=(E, 2 * F, H), down_proj=(E, H, F))
         else:
-            self.w1 = nn.Parameter(torch.empty(E, F, H, **kw))
-            self.w2 = nn.Parameter(torch.empty(E, H, F, **kw))
-            self.b1 = nn.Parameter(torch.empty(E, F, **kw)) if bias else None
-            self.b2 = nn.Parameter(torch.empty(E, H, **kw)) if bias else None
+            self._whole_shapes.update(w1=(E, F, H), w2=(E, H, F), b1=(E, F), b2=(E, H))
+        self.gate_weight = nn.Parameter(torch.empty(H, E, **kw))
+        mark_grad_sync(self.gate_weight, REPLICATED)
+        for name, shape in list(self._whole_shapes.items())[1:]:
+            param = None
+            if bias or name not in ("b1", "b2"):
+                param = nn.Parameter(torch.empty(etp.shard_shape(name, shape, mesh), **kw))
+                mark_grad_sync(param, EXPERT)
+            setattr(self, name, param)
         self.reset_parameters()
         self.aux_loss: torch.Tensor | None = None
         self.stats: dict = {}
+        self._parallel = ExpertParallel(self.config, mesh) if mesh is not None and mesh.size() > 1 else None
+
+    @property
+    def local_experts(self) -> range:
+        """Global indices of the experts whose parameters this rank holds."""
+        ep = 1 if self.mesh is None else self.mesh.size("e")
+        per_rank = self.config.num_experts // ep
+        first = 0 if self.mesh is None else self.mesh.coord("e") * per_rank
+        return range(first, first + per_rank)
 
     def reset_parameters(self) -> None:
-        """Uniform(+-1/sqrt(fan_in)) for every matrix, as nn.Linear; zero biases."""
-        for name in ("gate_weight", *expert_param_names(self.config)):
-            p = getattr(self, name)
-            if p is None:
-                continue
-            if name in ("b1", "b2"):
-                nn.init.zeros_(p)
-            else:
-                fan_in = p.shape[0] if name == "gate_weight" else p.shape[-1]
-                bound = 1.0 / math.sqrt(fan_in)
-                nn.init.uniform_(p, -bound, bound)
+        """Uniform(+-1/sqrt(fan_in)) for every matrix, as nn.Linear; zero biases.
+
+        With a sharded mesh each whole parameter is drawn (one at a time) and this rank keeps its
+        shard, so ranks seeded alike hold exactly the shards of the single-process layer."""
+        sharded = etp.is_sharded(self.mesh)
+        with torch.no_grad():
+            for name in ("gate_weight", *expert_param_names(self.config)):
+                p = getattr(self, name)
+                if p is None:
+                    continue
+                shape = self._whole_shapes[name]
+                whole = torch.empty(shape, dtype=p.dtype, device=p.device) if sharded and name != "gate_weight" else p
+                if name in ("b1", "b2"):
+                    nn.init.zeros_(whole)
+                else:
+                    fan_in = shape[0] if name == "gate_weight" else shape[-1]
+                    bound = 1.0 / math.sqrt(fan_in)
+                    nn.init.uniform_(whole, -bound, bound)
+                if whole is not p:
+                    p.copy_(etp.shard_expert_param(name, whole, self.mesh))
 
     def expert_parameters(self) -> list[torch.Tensor | None]:
         return [getattr(self, n) for n in expert_param_names(self.config)]
@@ -83,15 +109,19 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self._check_input(x)
         stats: dict = {}
-        out, loss = FusedMoE.apply(x.reshape(-1, x.shape[-1]), self.config, stats, self.gate_weight,
-                                   *self.expert_parameters())
+        tokens = x.reshape(-1, x.shape[-1])
+        if self._parallel is None:
+            out, loss = FusedMoE.apply(tokens, self.config, stats, self.gate_weight, *self.expert_parameters())
+        else:
+            out, loss = self._parallel(tokens, stats, self.gate_weight, *self.expert_parameters())
         self.aux_loss, self.stats = loss, stats
         return out.view(x.shape)
 
     def extra_repr(self) -> str:
         c = self.config
         return (f"hidden={c.hidden_size}, ffn={c.ffn_size}, experts={c.num_experts}, top_k={c.top_k}, "
-                f"expert={c.expert}, activation={c.activation}")
+                f"expert={c.expert}, activation={c.activation}"
+                + ("" if self.mesh is None else f", mesh={self.mesh!r}"))
 
     # --- transformers interop -------------------------------------------------------------
     @classmethod
@@ -99,8 +129,9 @@ class MoE(nn.Module):
         """A MoE holding the weights of a transformers MixtralSparseMoeBlock.
 
         The block's router (weight [E, H]) becomes gate_weight [H, E]; its experts'
-        gate_up_proj [E, 2F, H] and down_proj [E, H, F] are copied as they are. Mixtral
-        always renormalises its top-k weights; `overrides` replace constructor options."""
+        gate_up_proj [E, 2F, H] and down_proj [E, H, F] are copied as they are, or, with a
+        sharded mesh, this rank's shard of them. Mixtral always renormalises its top-k
+        weights; `overrides` replace constructor options."""
         router, experts = block.gate, block.experts
         act = getattr(getattr(experts, "config", None), "hidden_act", "silu")
         by_mixtral_name = {v: k for k, v in _MIXTRAL_ACT.items()}
@@ -113,17 +144,20 @@ class MoE(nn.Module):
         layer = cls(H, two_f // 2, E, router.top_k, mesh=mesh, **options)
         with torch.no_grad():
             layer.gate_weight.copy_(router.weight.t())
-            layer.gate_up_proj.copy_(experts.gate_up_proj)
-            layer.down_proj.copy_(experts.down_proj)
+            layer.gate_up_proj.copy_(etp.shard_expert_param("gate_up_proj", experts.gate_up_proj, mesh))
+            layer.down_proj.copy_(etp.shard_expert_param("down_proj", experts.down_proj, mesh))
         return layer
 
     def to_mixtral_state_dict(self) -> dict[str, torch.Tensor]:
-        """State dict of the equivalent MixtralSparseMoeBlock ('gate.weight', 'experts.*')."""
+        """State dict of the equivalent MixtralSparseMoeBlock ('gate.weight', 'experts.*').
+
+        With a sharded mesh the expert tensors are gathered whole: collective over ('e', 't')."""
         c = self.config
         if c.expert != "glu" or c.activation not in _MIXTRAL_ACT or not c.renormalize:
             raise ValueError("to_mixtral_state_dict: expected expert='glu', renormalize=True and activation in "
                              f"{sorted(_MIXTRAL_ACT)}, got expert={c.expert!r}, renormalize={c.renormalize}, "
                              f"activation={c.activation!r}")
         return {"gate.weight": self.gate_weight.detach().t().contiguous(),
-                "experts.gate_up_proj": self.gate_up_proj.detach().clone(),
-                "experts.down_proj": self.down_proj.detach().clone()}
+                "experts.gate_up_proj": etp.gather_expert_param("gate_up_proj", self.gate_up_proj.detach(),
+                                                                self.mesh).clone(),
+                "experts.down_proj": etp.gather_expert_param("down_proj", self.down_proj.detach(), self.mesh).clone()}

@@ -1,0 +1,15 @@
+"""Expert parallelism over 'e', expert tensor parallelism over 't', and gradient sync over 'd', 'e'.
+
+    layer = shardmoe.MoE(H, F, E, k, mesh=shardmoe.Mesh(dp=2, ep=2, tp=1))   # this rank's shards
+    y = layer(x)                                    # x: this rank's tokens (any number, zero too)
+    loss.backward(); shardmoe.parallel.sync_grads(model, mesh); optimizer.step()
+
+Modules: dispatch (counts, global capacity, splits), exchange (rows over 'e': P2P shared memory
+within a node, collectives across nodes), symmetric_heap (the shared memory), expert_parallel
+(the autograd.Function), expert_tensor (shards and psums over 't'), sync (sync_grads),
+bench (the distributed benchmark). docs/parallel.md has the decisions.
+"""
+from shardmoe.parallel.expert_parallel import ExpertParallel
+from shardmoe.parallel.sync import mark_grad_sync, sync_grads
+
+__all__ = ["ExpertParallel", "mark_grad_sync", "sync_grads"]

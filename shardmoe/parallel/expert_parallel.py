@@ -1,0 +1,236 @@
+"""ExpertParallelMoE: the MoE layer over a dp x ep x tp mesh, with an explicit backward.
+
+Each token-parallel rank (d, e) routes its own S tokens; experts are split over 'e' in
+contiguous blocks; ranks along 't' hold the same tokens and one slice of every expert's
+intermediate dim (expert_tensor). Forward, on rank (d, e, t):
+
+  route          x 'S H' -> dropless top-k routing, locally                     (routing.route)
+  plan           all-gather counts over (d, e): global capacity, splits          (dispatch)
+  dispatch       rows xs = x[token of each kept pair] 'N_send H', grouped by destination peer,
+                 to the peers along 'e' -> 'N_recv H' (P2P or remote path)      (exchange)
+  experts        the fused path's expert math on the local experts' rows, psum over 't'
+  combine        rows y back along 'e' (reverse splits) -> out_t = sum_j w_tj y_j(x_t)
+  aux loss       this rank's share of the global aux + z loss (global counts)
+
+Backward, the six stages of the fused path with the exchanges in between:
+  token side     g rows and their weights w go to the experts         (dispatch, reverse of combine)
+  expert side    stage 1 grad_combine, 2 grad_gate_combine, 3 grad_post_gemm, 4 grad_pre_gemm;
+                 psum over 't' of the input gradient (and of the glu gate dots)
+  token side     dx rows and gate dots dw come back                   (combine, reverse of dispatch)
+                 stage 5 grad_input_combine, stage 6 grad_gate_gemm
+
+Results: the outputs and input gradients are the single-process layer's on the concatenation of
+all token-parallel ranks' tokens; gate_weight.grad is the gradient of this rank's share of the
+loss (its tokens' outputs and its share of the aux loss); expert shard gradients cover the tokens
+of this rank's d slice. sync_grads completes both. Every rank of the mesh must run the forward and
+the backward of every layer, in the same order (they exchange rows with each other).
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import torch
+
+from shardmoe.moe import combine as comb
+from shardmoe.moe import experts as ex
+from shardmoe.moe.activations import activate
+from shardmoe.moe.config import MoEConfig
+from shardmoe.moe.function import expert_param_names
+from shardmoe.moe.routing import Routing, accumulation_dtype, balance_loss, grad_gate_gemm, route
+from shardmoe.parallel import expert_tensor as etp
+from shardmoe.parallel.dispatch import DispatchPlan, peer_tokens, plan_dispatch
+from shardmoe.parallel.exchange import RowExchange, pack_rows, shared_exchange, unpack_rows
+
+PHASES = ("route", "dispatch", "experts", "combine")
+
+
+class ExpertParallel:
+    """The distributed forward of one layer: config, mesh and the exchange along 'e'."""
+
+    def __init__(self, config: MoEConfig, mesh):
+        etp.check_layout(config, mesh)
+        self.config, self.mesh = config, mesh
+        self.exchange = shared_exchange(mesh, "e")
+
+    def __call__(self, x: torch.Tensor, stats: dict, gate_weight: torch.Tensor, *expert_weights):
+        """x 'S H' (this rank's tokens) -> (out 'S H', this rank's share of the aux loss [])."""
+        return ExpertParallelMoE.apply(x, self, stats, gate_weight, *expert_weights)
+
+
+class _Clock:
+    """Wall time per phase, accumulated into stats['seconds'] (forward and backward together)."""
+
+    def __init__(self, seconds: dict):
+        self.seconds, self.last = seconds, time.perf_counter()
+
+    def lap(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.seconds[phase] += now - self.last
+        self.last = now
+
+
+def global_share(routing: Routing, plan: DispatchPlan) -> tuple[Routing, float]:
+    """This rank's tokens as a fraction f = S/S_global of the global batch, for the aux and z losses.
+
+    The global losses are aux = coef E sum_e (C_e/S_g) (sum_t p_te)/S_g and z = zcoef sum_t lse_t^2/S_g
+    over all ranks' tokens t, with global selection counts C_e. balance_loss and grad_gate_gemm
+    use local means; giving them counts C_e * f and scaling their loss (and incoming loss
+    gradient) by f turns each local mean into this rank's share of the global one:
+        f * coef E sum_e (C_e f / S) (sum_t p_te / S) = coef E sum_e (C_e / S_g) (sum_t p_te / S_g).
+    The shares sum, over the token-parallel ranks, to the single-process loss of the concatenation.
+    """
+    num_tokens, total = routing.probs.shape[0], plan.global_tokens
+    fraction = num_tokens / total if total else 0.0
+    counts = plan.selected.sum(0).to(routing.probs.dtype) * fraction
+    return dataclasses.replace(routing, selected_per_expert=counts), fraction
+
+
+class ExpertParallelMoE(torch.autograd.Function):
+    """apply(x 'S H', parallel: ExpertParallel, stats: dict, gate_weight 'H E', *expert shards)
+    -> (out 'S H', aux share [])."""
+
+    @staticmethod
+    def forward(ctx, x, parallel: ExpertParallel, stats: dict, gate_weight, *expert_weights):
+        config, mesh, exchange = parallel.config, parallel.mesh, parallel.exchange
+        num_tokens, k = x.shape[0], config.top_k
+        clock = _Clock(dict.fromkeys(PHASES, 0.0))
+        routing, plan = _route(x, gate_weight, config, mesh)
+        clock.lap("route")
+
+        row_token = routing.row_pair // k
+        weight_rows = routing.weight.reshape(-1)[routing.row_pair]
+        data, layout = pack_rows(x[row_token])
+        (xs,) = unpack_rows(exchange.exchange(data, plan.counts), layout)
+        order = plan.expert_major_order()
+        xs = xs[order]
+        clock.lap("dispatch")
+
+        params = dict(zip(expert_param_names(config), expert_weights))
+        groups = ex.Groups.from_counts(plan.rows_per_local_expert)
+        y, saved = _experts_forward(config, mesh, xs, params, groups)
+        clock.lap("experts")
+
+        y_recv = torch.empty_like(y)
+        y_recv[order] = y
+        data, layout = pack_rows(y_recv)
+        (y_send,) = unpack_rows(exchange.exchange(data, _transposed(plan.counts)), layout)
+        out = comb.combine(y_send, weight_rows, routing.row_pair, num_tokens, k).to(x.dtype)
+        share_routing, fraction = global_share(routing, plan)
+        loss = balance_loss(share_routing, config) * fraction
+        clock.lap("combine")
+
+        stats.update(plan.stats())
+        stats.update(rows=_row_stats(routing, plan, exchange), seconds=clock.seconds)
+        ctx.config, ctx.parallel, ctx.plan, ctx.fraction, ctx.seconds = config, parallel, plan, fraction, clock.seconds
+        ctx.save_for_backward(
+            x, gate_weight, *expert_weights,
+            share_routing.probs, share_routing.logsumexp, share_routing.top_idx, share_routing.top_prob,
+            share_routing.weight, share_routing.selected_per_expert, share_routing.kept_per_expert,
+            share_routing.row_pair, order, xs, *saved,
+        )
+        return out, loss
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_loss):
+        config, plan, exchange, mesh = ctx.config, ctx.plan, ctx.parallel.exchange, ctx.parallel.mesh
+        clock = _Clock(ctx.seconds)
+        n_expert = len(expert_param_names(config))
+        x, gate_weight, *rest = ctx.saved_tensors
+        expert_weights, rest = rest[:n_expert], rest[n_expert:]
+        routing = Routing(*rest[:8])
+        order, xs, *saved = rest[8:]
+        params = dict(zip(expert_param_names(config), expert_weights))
+        num_tokens, k = x.shape[0], config.top_k
+        acc = accumulation_dtype(x.dtype)
+
+        # Token side -> experts: the unscaled output gradient rows and their combine weights
+        # (the glu expert applies w after its Wdown GEMM so that stage 2 can reuse that GEMM).
+        row_token = routing.row_pair // k
+        weight_rows = routing.weight.reshape(-1)[routing.row_pair]
+        data, layout = pack_rows(grad_out.contiguous()[row_token], weight_rows)
+        grad_rows, weight_recv = unpack_rows(exchange.exchange(data, plan.counts), layout)
+        grad_rows, weight_recv = grad_rows[order], weight_recv[order]
+        clock.lap("dispatch")
+
+        groups = ex.Groups.from_counts(plan.rows_per_local_expert)
+        grad_xs, grad_dots, grads = _experts_backward(config, mesh, grad_rows, weight_recv, xs, saved, params, groups)
+        clock.lap("experts")
+
+        back = torch.empty_like(grad_xs)
+        back[order] = grad_xs
+        dots_back = torch.empty_like(grad_dots)
+        dots_back[order] = grad_dots
+        data, layout = pack_rows(back, dots_back)
+        grad_xs, grad_dots = unpack_rows(exchange.exchange(data, _transposed(plan.counts)), layout)
+        grad_x = comb.grad_input_combine(grad_xs, routing.row_pair, num_tokens, k)
+        clock.lap("combine")
+
+        grad_weight = x.new_zeros(num_tokens * k, dtype=acc)
+        grad_weight[routing.row_pair] = grad_dots
+        grad_x_gate, grad_gate = grad_gate_gemm(x, gate_weight, routing, grad_weight.view(num_tokens, k),
+                                                grad_loss * ctx.fraction, config)
+        grad_x = (grad_x + grad_x_gate).to(x.dtype)
+        clock.lap("route")
+        expert_grads = [None if g is None else g.to(p.dtype)
+                        for g, p in zip((grads[n] for n in expert_param_names(config)), expert_weights)]
+        return (grad_x, None, None, grad_gate.to(gate_weight.dtype), *expert_grads)
+
+
+def _route(x, gate_weight, config: MoEConfig, mesh) -> tuple[Routing, DispatchPlan]:
+    """Dropless local routing, then the global plan (which applies the global capacity)."""
+    routing = route(x, gate_weight, dataclasses.replace(config, capacity_factor=None))
+    plan, routing = plan_dispatch(routing, config, mesh)
+    return routing, plan
+
+
+def _experts_forward(config: MoEConfig, mesh, xs, params, groups):
+    """y 'N H' (whole over 't') for rows xs of the local experts, and what backward keeps:
+    "glu": (h,) with h 'N 2F/t'; "mlp": (z1, z2) with z1 'N P/t' and z2 'N H' (whole)."""
+    if config.expert == "glu":
+        y_partial, saved = ex.expert_forward("glu", config.activation, "identity", xs, params, groups)
+        return etp.reduce_expert_output(y_partial, mesh), saved
+    # b2 and act_out need the whole z2: run the GEMMs without them, psum, then add b2 once.
+    no_b2 = {**params, "b2": None}
+    z2_partial, (z1, _) = ex.expert_forward("mlp", config.activation, "identity", xs, no_b2, groups)
+    z2 = etp.reduce_expert_output(z2_partial, mesh)
+    if params["b2"] is not None:
+        z2 = z2 + params["b2"][groups.row_expert(z2.device)]
+    return activate(config.output_activation, z2), (z1, z2)
+
+
+def _experts_backward(config: MoEConfig, mesh, grad_rows, weight_rows, xs, saved, params, groups):
+    """Stages 1-4 on the expert side: (dx rows 'N H', gate dots dw 'N', expert shard gradients)."""
+    if config.expert == "glu":
+        (h,) = saved
+        a, act_gate = ex.glu_activation(h, config.activation)
+        grad_a, grad_down, g_down = ex.grad_post_gemm_glu(grad_rows, weight_rows, a, params["down_proj"], groups)
+        grad_dots = etp.reduce_gate_dot(comb.grad_gate_combine(g_down, a), mesh)
+        grad_xs, grad_gate_up = ex.grad_pre_gemm_glu(grad_a, h, act_gate, xs, params["gate_up_proj"], groups,
+                                                     config.activation)
+        grads = {"gate_up_proj": grad_gate_up, "down_proj": grad_down}
+    else:
+        z1, z2 = saved
+        has_bias = params["b1"] is not None
+        grad_expert = comb.grad_combine(grad_rows, weight_rows)
+        grad_dots = comb.grad_gate_combine(grad_rows, activate(config.output_activation, z2))
+        grad_a1, grad_w2, grad_b2 = ex.grad_post_gemm_mlp(
+            grad_expert, z2, activate(config.activation, z1), params["w2"], has_bias, groups, config.output_activation)
+        grad_xs, grad_w1, grad_b1 = ex.grad_pre_gemm_mlp(grad_a1, z1, xs, params["w1"], has_bias, groups,
+                                                         config.activation)
+        grads = {"w1": grad_w1, "b1": grad_b1, "w2": grad_w2, "b2": grad_b2}
+    return etp.reduce_input_grad(grad_xs, mesh), grad_dots, grads
+
+
+def _transposed(counts: list[list[int]]) -> list[list[int]]:
+    return [list(column) for column in zip(*counts)]
+
+
+def _row_stats(routing: Routing, plan: DispatchPlan, exchange: RowExchange) -> dict:
+    """Rows this rank dispatches per path, and the distinct (token, peer) pairs the routing needs."""
+    rows = {"self": 0, "p2p": 0, "remote": 0}
+    for dest, count in enumerate(plan.counts[plan.peer]):
+        rows[exchange.path(plan.peer, dest)] += count
+    rows["min_to_peers"] = peer_tokens(routing, plan)
+    rows["received"] = sum(row[plan.peer] for row in plan.counts)
+    return rows

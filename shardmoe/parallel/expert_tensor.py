@@ -1,0 +1,112 @@
+"""Expert tensor parallelism over mesh axis 't' (seed 003), and the expert shard layout.
+
+Each expert's intermediate dim (F for "glu", P for "mlp") is split over 't'; experts are split
+over 'e' in contiguous blocks. In notation, with gate_up_proj viewed as [E, 2, F, H] (its gate
+rows, then its up rows):
+
+    gate_up_proj  'E/e 2 F/t H'   this rank's gate rows, then the same slice of the up rows
+    down_proj     'E/e H F/t'     the same slice of its last dim
+    w1 'E/e P/t H'   b1 'E/e P/t'   w2 'E/e H P/t'   b2 'E/e H' (whole on every t rank)
+    gate_weight   'H E'           replicated
+
+On rows xs 'N H' that every rank of a t group holds alike (they come from the same tokens):
+    h   = xs Wgu_t^T            'N 2F/t'   column-parallel: no communication
+    a   = act(hg) * hu          'N F/t'
+    y_t = a Wdown_t^T           'N H' unreduced over t (row-parallel: contracts F/t)
+    y   = psum_t(y_t)           forward all-reduce; its backward is the identity
+and for the input: identity forward, psum_t of the input gradient backward, because each rank's
+dx = dh_t Wgu_t only covers its slice of F. The "glu" gate dot product g . y is taken as
+(g Wdown_t) . a_t, which is also unreduced over t and summed the same way (seed 003's "+1 for
+routing weights gradient"). For "mlp" the psum comes before b2 and act_out, which need the whole
+z2; b2 is added once.
+"""
+from __future__ import annotations
+
+import torch
+
+from shardmoe import shardops
+
+# parameter name -> (spec of the whole tensor, spec of this rank's shard); gate_up_proj in its
+# [E, 2, F, H] view so that 't' splits the gate and the up rows alike.
+SHARD_SPECS = {
+    "gate_up_proj": ("E 2 F H", "E/e 2 F/t H"),
+    "down_proj": ("E H F", "E/e H F/t"),
+    "w1": ("E P H", "E/e P/t H"),
+    "b1": ("E P", "E/e P/t"),
+    "w2": ("E H P", "E/e H P/t"),
+    "b2": ("E H", "E/e H"),
+}
+
+
+def check_layout(config, mesh) -> None:
+    """Raise ValueError, before any communication, when the mesh cannot split this layer."""
+    if mesh is None:
+        return
+    ep, tp = mesh.size("e"), mesh.size("t")
+    if config.num_experts % ep:
+        raise ValueError(f"num_experts: expected a multiple of the mesh's ep = {ep} (experts are split over 'e'), "
+                         f"got {config.num_experts}")
+    if config.ffn_size % tp:
+        raise ValueError(f"ffn_size: expected a multiple of the mesh's tp = {tp} (the expert intermediate dim is "
+                         f"split over 't'), got {config.ffn_size}")
+
+
+def is_sharded(mesh) -> bool:
+    return mesh is not None and (mesh.size("e") > 1 or mesh.size("t") > 1)
+
+
+def shard_shape(name: str, shape: tuple[int, ...], mesh) -> tuple[int, ...]:
+    """Local shape of expert parameter `name` whose whole shape is `shape`."""
+    if not is_sharded(mesh):
+        return tuple(shape)
+    ep, tp = mesh.size("e"), mesh.size("t")
+    if name == "gate_up_proj":
+        E, two_f, H = shape
+        return (E // ep, two_f // tp, H)
+    local = [shape[0] // ep, *shape[1:]]
+    split = {"down_proj": 2, "w1": 1, "b1": 1, "w2": 2}.get(name)
+    if split is not None:
+        local[split] //= tp
+    return tuple(local)
+
+
+def shard_expert_param(name: str, whole: torch.Tensor, mesh) -> torch.Tensor:
+    """This rank's shard of a whole expert parameter (a contiguous copy; no communication)."""
+    if not is_sharded(mesh):
+        return whole
+    source, target = SHARD_SPECS[name]
+    view = _packed(name, whole)
+    local = shardops.shard(f"{source} -> {target}", view, mesh)
+    return local.reshape(shard_shape(name, tuple(whole.shape), mesh)).contiguous()
+
+
+def gather_expert_param(name: str, local: torch.Tensor, mesh) -> torch.Tensor:
+    """The whole expert parameter from every rank's shard. Collective over ('e', 't')."""
+    if not is_sharded(mesh):
+        return local
+    source, target = SHARD_SPECS[name]
+    whole = shardops.all_gather(f"{target} -> {source}", _packed(name, local), mesh)
+    return whole.reshape(whole.shape[0], -1, whole.shape[-1]) if name == "gate_up_proj" else whole
+
+
+def _packed(name: str, t: torch.Tensor) -> torch.Tensor:
+    if name != "gate_up_proj":
+        return t
+    E, two_f, H = t.shape
+    return t.view(E, 2, two_f // 2, H)
+
+
+def reduce_expert_output(partial: torch.Tensor, mesh) -> torch.Tensor:
+    """psum over 't' of row-parallel partial outputs 'N H' (forward; backward is the identity)."""
+    return shardops.psum("N H -> N H", partial, mesh, axes="t")
+
+
+def reduce_input_grad(partial: torch.Tensor, mesh) -> torch.Tensor:
+    """psum over 't' of the expert-input gradient 'N H' (the backward of the identity at the
+    column-parallel input)."""
+    return shardops.psum("N H -> N H", partial, mesh, axes="t")
+
+
+def reduce_gate_dot(partial: torch.Tensor, mesh) -> torch.Tensor:
+    """psum over 't' of the "glu" gate dot products 'N', (g Wdown_t) . a_t."""
+    return shardops.psum("N -> N", partial, mesh, axes="t")

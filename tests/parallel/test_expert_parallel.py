@@ -1,0 +1,437 @@
+"""Expert and expert-tensor parallelism against the single-process float64 reference.
+
+Two spawned gloo worlds carry every distributed check (spawning costs seconds):
+  4 ranks: ep=4, ep2 x tp2, dp2 x ep2, each on all-P2P, mixed and all-remote topologies, three
+           layer configurations each (glu dropless with aux + z loss and a rank without tokens;
+           mlp with biases, a nonlinear output activation and capacity drops; every token routed
+           to one rank's experts, with capacity), plus the raw row exchange with heap growth.
+  2 ranks: ep=2 (P2P and remote), tp=2, dp=2, seed 003's worked example, bad configurations,
+           and the distributed benchmark on tiny shapes.
+The parent computes every expected value with shardmoe.moe.reference (plain autograd, float64):
+outputs and input gradients of the concatenation of all ranks' tokens; the gate gradient of each
+rank's share of the loss; expert shard gradients of each d slice's tokens; after sync_grads, the
+gradients of the whole loss. Relative error bar 1e-10; topologies must agree bit for bit.
+"""
+import json
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import shardmoe
+from shardmoe.mesh import Mesh
+from shardmoe.moe.config import MoEConfig
+from shardmoe.moe.reference import reference_forward_backward, reference_moe, reference_routing
+from shardmoe.parallel import bench, sync_grads
+from shardmoe.parallel import expert_tensor as etp
+from shardmoe.parallel.exchange import RowExchange
+from shardmoe.testing import run_distributed
+
+TOL = 1e-10
+H, FFN = 8, 12
+CONFIGS = {
+    "glu_dropless_aux": dict(ffn_size=FFN, num_experts=8, top_k=2, aux_loss_coef=0.05, z_loss_coef=0.01),
+    "mlp_bias_capacity": dict(ffn_size=FFN, num_experts=4, top_k=2, expert="mlp", activation="gelu",
+                              output_activation="gelu_tanh", bias=True, renormalize=False, capacity_factor=0.5),
+    "one_block_capacity": dict(ffn_size=FFN, num_experts=8, top_k=2, capacity_factor=1.0, aux_loss_coef=0.05),
+}
+TOKENS = {1: [10], 2: [0, 11], 4: [5, 0, 7, 4]}  # tokens per token-parallel rank (d, e); one holds none
+
+
+# -- inputs and references (parent) ------------------------------------------------------------
+
+
+def _case(name: str, layout: tuple[int, int, int], seed: int) -> dict:
+    kw = dict(CONFIGS[name])
+    config = MoEConfig(H, kw.pop("ffn_size"), kw.pop("num_experts"), kw.pop("top_k"), **kw)
+    counts = TOKENS[layout[0] * layout[1]]
+    gen = torch.Generator().manual_seed(seed)
+    S, E = sum(counts), config.num_experts
+
+    def randn(*shape, scale=1.0):
+        return torch.randn(*shape, generator=gen, dtype=torch.float64) * scale
+
+    x = randn(S, H)
+    params = {"gate_weight": randn(H, E)}
+    if name == "one_block_capacity":
+        # A large positive feature and gate column 0, 1 make experts 0 and 1 (peer 0's block under
+        # any ep dividing 4) every token's top 2.
+        x[:, 0] = 4.0 + torch.rand(S, generator=gen, dtype=torch.float64)
+        params["gate_weight"] = randn(H, E, scale=0.1)
+        params["gate_weight"][0, :2] = torch.tensor([2.0, 1.6], dtype=torch.float64)
+    for pname, shape in _whole_shapes(config).items():
+        params[pname] = randn(*shape, scale=0.4)
+    return dict(name=name, layout=layout, config=config, counts=counts, x=x, params=params, grad_out=randn(S, H))
+
+
+def _whole_shapes(config: MoEConfig) -> dict:
+    E, F_ = config.num_experts, config.ffn_size
+    if config.expert == "glu":
+        return {"gate_up_proj": (E, 2 * F_, H), "down_proj": (E, H, F_)}
+    shapes = {"w1": (E, F_, H), "w2": (E, H, F_)}
+    if config.bias:
+        shapes.update(b1=(E, F_), b2=(E, H))
+    return shapes
+
+
+def _share_grads(case: dict, mask: torch.Tensor) -> tuple[float, dict]:
+    """Float64 autograd of one share of the loss: the outputs of the masked tokens times their
+    output gradient, plus the masked tokens' share of the global aux + z loss (global counts)."""
+    config, params = case["config"], case["params"]
+    leaves = {n: p.detach().clone().requires_grad_(True) for n, p in params.items()}
+    x = case["x"]
+    out, _ = reference_moe(x, leaves, config)
+    routing = reference_routing(x, leaves["gate_weight"], config)
+    S, E = x.shape[0], config.num_experts
+    counts = torch.bincount(routing.selected.reshape(-1), minlength=E).to(torch.float64)
+    share = config.aux_loss_coef * E * (counts / S * routing.probs[mask].sum(0) / S).sum()
+    share = share + config.z_loss_coef * torch.logsumexp(routing.logits[mask], -1).square().sum() / S
+    loss = (out[mask] * case["grad_out"][mask]).sum() + share
+    grads = torch.autograd.grad(loss, list(leaves.values()))
+    return share.item(), dict(zip(leaves, grads))
+
+
+def _offsets(counts):
+    return [sum(counts[:r]) for r in range(len(counts))]
+
+
+def _assert_close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
+    assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    err = (actual - expected).abs().max().item() if expected.numel() else 0.0
+    scale = expected.abs().max().item() if expected.numel() else 0.0
+    assert err <= TOL * max(scale, 1e-300), f"{what}: max error {err:.3e} against max |expected| {scale:.3e}"
+
+
+def _local_shard(name: str, whole: torch.Tensor, coords: dict, layout) -> torch.Tensor:
+    """This rank's shard, cut here by hand (not with the code under test)."""
+    dp, ep, tp = layout
+    if name == "gate_weight":
+        return whole
+    El = whole.shape[0] // ep
+    block = whole[coords["e"] * El : (coords["e"] + 1) * El]
+    if name == "gate_up_proj":
+        F_ = whole.shape[1] // 2
+        Ft = F_ // tp
+        t = coords["t"]
+        return torch.cat([block[:, t * Ft : (t + 1) * Ft], block[:, F_ + t * Ft : F_ + (t + 1) * Ft]], dim=1)
+    split = {"down_proj": 2, "w1": 1, "b1": 1, "w2": 2}.get(name)
+    if split is None:
+        return block
+    size = block.shape[split] // tp
+    return block.narrow(split, coords["t"] * size, size)
+
+
+def _check_case(case: dict, results: list[dict]) -> None:
+    """Every rank's results against the float64 references of its share."""
+    layout, counts = case["layout"], case["counts"]
+    dp, ep, tp = layout
+    out, aux, full = reference_forward_backward(case["x"], case["params"], case["config"], case["grad_out"])
+    offsets = _offsets(counts)
+    routing = reference_routing(case["x"], case["params"]["gate_weight"], case["config"])
+    shares, slices = {}, {}
+    for rank, res in enumerate(results):
+        coords = {"d": rank // (ep * tp), "e": rank // tp % ep, "t": rank % tp}
+        r, d = coords["d"] * ep + coords["e"], coords["d"]
+        rows = slice(offsets[r], offsets[r] + counts[r])
+        what = f"{case['name']} {layout} rank {rank}"
+        _assert_close(res["out"], out[rows], f"{what} output")
+        _assert_close(res["grad_x"], full["x"][rows], f"{what} input gradient")
+        mask = torch.zeros(sum(counts), dtype=torch.bool)
+        mask[rows] = True
+        if r not in shares:
+            shares[r] = _share_grads(case, mask)
+        share, share_grads = shares[r]
+        assert res["aux"] == pytest.approx(share, rel=TOL, abs=1e-300), f"{what} aux share"
+        _assert_close(res["local"]["gate_weight"], share_grads["gate_weight"], f"{what} local gate gradient")
+        if d not in slices:
+            d_mask = torch.zeros(sum(counts), dtype=torch.bool)
+            d_mask[offsets[d * ep] : offsets[d * ep] + sum(counts[d * ep : (d + 1) * ep])] = True
+            slices[d] = _share_grads(case, d_mask)[1]
+        for name in _whole_shapes(case["config"]):
+            expected = _local_shard(name, slices[d][name], coords, layout)
+            _assert_close(res["local"][name], expected, f"{what} local {name} gradient")
+            _assert_close(res["synced"][name], _local_shard(name, full[name], coords, layout), f"{what} synced {name}")
+        _assert_close(res["synced"]["gate_weight"], full["gate_weight"], f"{what} synced gate gradient")
+        assert torch.equal(res["tokens_per_expert"], routing.tokens_per_expert), f"{what} tokens_per_expert"
+        assert res["dropped_tokens"] == routing.dropped_pairs, f"{what} dropped_tokens"
+        assert res["capacity"] == case["config"].capacity(sum(counts))
+    assert sum(shares[r][0] for r in shares) == pytest.approx(aux.item(), rel=TOL), "aux shares sum to the loss"
+
+
+def _assert_same(a: dict, b: dict, what: str) -> None:
+    for key in ("out", "grad_x", "aux"):
+        assert torch.equal(torch.as_tensor(a[key]), torch.as_tensor(b[key])), f"{what}: {key} differs"
+    for group in ("local", "synced"):
+        for name in a[group]:
+            assert torch.equal(a[group][name], b[group][name]), f"{what}: {group} {name} differs"
+
+
+# -- what the ranks run --------------------------------------------------------------------------
+
+
+def _run_case(case: dict, mesh: Mesh) -> dict:
+    config = case["config"]
+    kw = {f: getattr(config, f) for f in ("expert", "activation", "output_activation", "bias", "renormalize",
+                                          "capacity_factor", "aux_loss_coef", "z_loss_coef")}
+    layer = shardmoe.MoE(H, config.ffn_size, config.num_experts, config.top_k, mesh=mesh, dtype=torch.float64, **kw)
+    with torch.no_grad():
+        for name, p in layer.named_parameters():
+            p.copy_(case["params"][name] if name == "gate_weight" else
+                    etp.shard_expert_param(name, case["params"][name], mesh))
+    r = mesh.coord(("d", "e"))
+    start = _offsets(case["counts"])[r]
+    rows = slice(start, start + case["counts"][r])
+    results = []
+    for _ in range(2):  # a second step reuses the shared heap and must give the same bits
+        layer.zero_grad(set_to_none=True)
+        x = case["x"][rows].clone().requires_grad_(True)
+        out = layer(x)
+        ((out * case["grad_out"][rows]).sum() + layer.aux_loss).backward()
+        local = {n: p.grad.clone() for n, p in layer.named_parameters()}
+        sync_grads(layer, mesh)
+        stats = layer.stats
+        results.append(dict(out=out.detach(), grad_x=x.grad, aux=layer.aux_loss.item(), local=local,
+                            synced={n: p.grad.clone() for n, p in layer.named_parameters()},
+                            tokens_per_expert=stats["tokens_per_expert"], dropped_tokens=stats["dropped_tokens"],
+                            capacity=stats["capacity"], rows=stats["rows"]))
+    _assert_same(results[0], results[1], "second step")
+    return results[0]
+
+
+def _exchange_checks(ranks_per_node: int) -> list[bool]:
+    """Rows tagged (source, destination, index, trial) through RowExchange, sizes that grow the heap."""
+    mesh = Mesh(ep=dist.get_world_size(), ranks_per_node=ranks_per_node)
+    exchange, me, size = RowExchange(mesh, "e"), mesh.coord("e"), mesh.size("e")
+    gen = torch.Generator().manual_seed(7)
+    ok = []
+    for trial, scale in enumerate((1, 3000, 2)):
+        counts = (torch.randint(0, 3, (size, size), generator=gen) * scale).tolist()
+
+        def tagged(source, dest):
+            n = counts[source][dest]
+            return torch.stack([torch.full((n,), source), torch.full((n,), dest), torch.arange(n),
+                                torch.full((n,), trial)], 1).to(torch.int32)
+
+        rows = torch.cat([tagged(me, q) for q in range(size)]).view(torch.uint8)
+        received = exchange.exchange(rows, counts).view(torch.int32)
+        ok.append(torch.equal(received, torch.cat([tagged(s, me) for s in range(size)])))
+    return ok
+
+
+def _world(cases: list[dict], topologies: tuple[int, ...]) -> dict:
+    meshes, results = {}, {}
+    for case in cases:
+        for rpn in topologies:
+            key = (case["layout"], rpn)
+            if key not in meshes:
+                dp, ep, tp = case["layout"]
+                meshes[key] = Mesh(dp=dp, ep=ep, tp=tp, ranks_per_node=rpn)
+            results[(case["name"], case["layout"], rpn)] = _run_case(case, meshes[key])
+    return {"cases": results, "meshes": meshes}
+
+
+def _four_rank_world(cases: list[dict]) -> dict:
+    out = _world(cases, (4, 2, 1))
+    out["exchange"] = {rpn: _exchange_checks(rpn) for rpn in (4, 2, 1)}
+    out["paths"] = {rpn: RowExchange(Mesh(ep=4, ranks_per_node=rpn)).path(0, 3) for rpn in (4, 1)}
+    del out["meshes"]
+    return out
+
+
+def _two_rank_world(cases: list[dict], seed003: dict, bench_json: str) -> dict:
+    out = _world(cases, (2, 1))
+    meshes = out.pop("meshes")
+    out["seed003"] = _run_seed003(seed003)
+    out["errors"] = _bad_configurations(meshes[((1, 2, 1), 2)], meshes[((1, 1, 2), 2)])
+    out["bench_exit"] = bench.run_distributed(SimpleNamespace(mesh="e=2", quick=True, dtype="fp32", json=bench_json,
+                                                              device="cpu", threads=None))
+    return out
+
+
+def _bad_configurations(ep_mesh: Mesh, tp_mesh: Mesh) -> list[str]:
+    """Rank 0 alone builds bad layers: had any constructor communicated, rank 0 would block (its peer
+    sits in the barrier below) and the world would time out instead of reporting."""
+    messages = []
+    if dist.get_rank() == 0:
+        for build in (lambda: shardmoe.MoE(H, FFN, 3, 1, mesh=ep_mesh),
+                      lambda: shardmoe.MoE(H, 5, 4, 1, mesh=tp_mesh),
+                      lambda: Mesh(dp=3)):
+            with pytest.raises(ValueError) as info:
+                build()
+            messages.append(str(info.value))
+    dist.barrier()
+    return messages
+
+
+# -- seed 003: H=4, F=4, E=2, k=1, tp=2 ------------------------------------------------------------
+
+
+def _seed003() -> dict:
+    """The worked example's inputs. Routing weight 0.6 on expert 0: softmax probability 0.6 from a
+    gate whose logits differ by ln 1.5, kept as is (renormalize=False; top-1 would renormalise to 1)."""
+    f64 = dict(dtype=torch.float64)
+    gate_rows = torch.tensor([[0.1, 0.2, 0.3, 0.4]] * 2 + [[0.5, 0.6, 0.7, 0.8]] * 2, **f64)
+    up_rows = torch.tensor([[0.1] * 4] * 2 + [[0.2] * 4] * 2, **f64)
+    gate_up = torch.stack([torch.cat([gate_rows, up_rows]), torch.full((8, 4), 0.3, **f64)])
+    down = torch.stack([torch.full((4, 4), 0.1, **f64), torch.full((4, 4), 0.2, **f64)])
+    router = torch.zeros(2, 4, **f64)
+    router[0, 0] = math.log(1.5)
+    shards = [  # each GPU's expert 0 shard, as the seed prints it
+        (torch.tensor([[0.1, 0.2, 0.3, 0.4]] * 2 + [[0.1] * 4] * 2, **f64), torch.full((4, 2), 0.1, **f64)),
+        (torch.tensor([[0.5, 0.6, 0.7, 0.8]] * 2 + [[0.2] * 4] * 2, **f64), torch.full((4, 2), 0.1, **f64)),
+    ]
+    return dict(x=torch.tensor([[1.0, 2.0, 3.0, 4.0]], **f64), gate_up=gate_up, down=down, router=router,
+                shards=shards)
+
+
+def _run_seed003(example: dict) -> dict:
+    mesh = Mesh(tp=2, ranks_per_node=2)
+    # A stand-in with the attributes from_mixtral reads of a MixtralSparseMoeBlock (importing
+    # transformers in every rank would cost seconds; the real block is covered in tests/moe).
+    block = SimpleNamespace(gate=SimpleNamespace(weight=example["router"], top_k=1),
+                            experts=SimpleNamespace(gate_up_proj=example["gate_up"], down_proj=example["down"],
+                                                    config=SimpleNamespace(hidden_act="silu")))
+    layer = shardmoe.MoE.from_mixtral(block, mesh=mesh, renormalize=False)
+    x = example["x"].clone().requires_grad_(True)
+    out = layer(x)
+    out.sum().backward()
+    grads = {n: p.grad.clone() for n, p in layer.named_parameters()}
+    return dict(out=out.detach(), grad_x=x.grad, grads=grads, gate_up=layer.gate_up_proj.detach().clone(),
+                down=layer.down_proj.detach().clone(),
+                whole={n: etp.gather_expert_param(n, getattr(layer, n).detach(), mesh) for n in ("gate_up_proj", "down_proj")})
+
+
+def _seed003_expected(example: dict) -> dict:
+    """Float64 autograd of the example written out from scratch: out = p0 * expert0(x)."""
+    x = example["x"].clone().requires_grad_(True)
+    gate_up = example["gate_up"].clone().requires_grad_(True)
+    down = example["down"].clone().requires_grad_(True)
+    router = example["router"].clone().requires_grad_(True)
+    p0 = torch.softmax(x @ router.t(), -1)[:, 0:1]
+    hidden = F.silu(x @ gate_up[0, :4].t()) * (x @ gate_up[0, 4:].t())
+    out = p0 * (hidden @ down[0].t())
+    out.sum().backward()
+    return dict(out=out.detach(), grad_x=x.grad, gate_up=gate_up.grad, down=down.grad, gate=router.grad.t())
+
+
+# -- tests ---------------------------------------------------------------------------------------
+
+LAYOUTS_4 = [(1, 4, 1), (1, 2, 2), (2, 2, 1)]
+LAYOUTS_2 = [(1, 2, 1), (1, 1, 2), (2, 1, 1)]
+
+
+@pytest.fixture(scope="module")
+def four_rank_results():
+    cases = [_case(name, layout, seed) for seed, (layout, name) in
+             enumerate((layout, name) for layout in LAYOUTS_4 for name in CONFIGS)]
+    return cases, run_distributed(_four_rank_world, 4, args=(cases,), timeout=240)
+
+
+@pytest.fixture(scope="module")
+def two_rank_results(tmp_path_factory):
+    cases = [_case(name, layout, 100 + seed) for seed, (layout, name) in
+             enumerate((layout, name) for layout in LAYOUTS_2 for name in CONFIGS
+                       if not (layout == (1, 1, 2) and name == "one_block_capacity"))]
+    example = _seed003()
+    bench_json = str(tmp_path_factory.mktemp("bench") / "report.json")
+    results = run_distributed(_two_rank_world, 2, args=(cases, example, bench_json), timeout=180)
+    with open(bench_json) as f:
+        results[0]["bench"] = json.load(f)
+    return cases, example, results
+
+
+def _check_world(cases, results, topologies):
+    for case in cases:
+        per_topology = [[rank["cases"][(case["name"], case["layout"], rpn)] for rank in results] for rpn in topologies]
+        _check_case(case, per_topology[0])
+        for rpn, other in zip(topologies[1:], per_topology[1:]):
+            for rank, (a, b) in enumerate(zip(per_topology[0], other)):
+                _assert_same(a, b, f"{case['name']} {case['layout']} rank {rank}: ranks_per_node {rpn}")
+
+
+def test_four_ranks_every_layout_and_topology_matches_the_reference(four_rank_results):
+    cases, results = four_rank_results
+    _check_world(cases, results, (4, 2, 1))
+
+
+def test_four_ranks_paths_follow_the_topology(four_rank_results):
+    _, results = four_rank_results
+    assert results[0]["paths"] == {4: "p2p", 1: "remote"}
+    rows = {rpn: [rank["cases"][("glu_dropless_aux", (1, 4, 1), rpn)]["rows"] for rank in results] for rpn in (4, 2, 1)}
+    assert all(r["remote"] == 0 for r in rows[4]) and sum(r["p2p"] for r in rows[4]) > 0
+    assert all(r["p2p"] == 0 for r in rows[1]) and sum(r["remote"] for r in rows[1]) > 0
+    assert sum(r["p2p"] for r in rows[2]) > 0 and sum(r["remote"] for r in rows[2]) > 0
+    for r in rows[4] + rows[2] + rows[1]:
+        assert r["min_to_peers"] <= r["p2p"] + r["remote"]
+
+
+def test_row_exchange_is_exact_on_every_topology_and_grows_its_heap(four_rank_results):
+    _, results = four_rank_results
+    for rank in results:
+        assert rank["exchange"] == {4: [True] * 3, 2: [True] * 3, 1: [True] * 3}
+
+
+def test_all_tokens_on_one_block_and_capacity_drop_pairs(four_rank_results):
+    cases, results = four_rank_results
+    case = next(c for c in cases if c["name"] == "one_block_capacity" and c["layout"] == (1, 4, 1))
+    stats = [rank["cases"][("one_block_capacity", (1, 4, 1), 4)] for rank in results]
+    assert int(stats[0]["tokens_per_expert"][2:].sum()) == 0
+    assert stats[0]["dropped_tokens"] > 0
+    # Every kept row lands on peer 0; global capacity leaves the last ranks' tokens nothing.
+    assert [r["rows"]["received"] for r in stats] == [int(stats[0]["tokens_per_expert"].sum()), 0, 0, 0]
+    assert case["config"].capacity(sum(case["counts"])) == stats[0]["capacity"]
+
+
+def test_two_ranks_ep2_and_tp2_match_the_reference(two_rank_results):
+    cases, _, results = two_rank_results
+    _check_world(cases, results, (2, 1))
+
+
+def test_seed003_worked_example(two_rank_results):
+    _, example, results = two_rank_results
+    expected = _seed003_expected(example)
+    for t, rank in enumerate(results):
+        got = rank["seed003"]
+        gate_shard, down_shard = example["shards"][t]
+        assert torch.equal(got["gate_up"][0], gate_shard) and torch.equal(got["down"][0], down_shard)
+        _assert_close(got["out"], expected["out"], f"rank {t} output")
+        _assert_close(got["grad_x"], expected["grad_x"], f"rank {t} input gradient")
+        _assert_close(got["grads"]["gate_weight"], expected["gate"], f"rank {t} gate gradient")
+        _assert_close(got["grads"]["gate_up_proj"], _local_shard("gate_up_proj", expected["gate_up"], {"e": 0, "t": t},
+                                                                  (1, 1, 2)), f"rank {t} gate_up_proj gradient")
+        _assert_close(got["grads"]["down_proj"], _local_shard("down_proj", expected["down"], {"e": 0, "t": t},
+                                                               (1, 1, 2)), f"rank {t} down_proj gradient")
+        assert torch.equal(got["whole"]["gate_up_proj"], example["gate_up"])
+        assert torch.equal(got["whole"]["down_proj"], example["down"])
+
+
+def test_bad_configurations_raise_before_any_communication(two_rank_results):
+    _, _, results = two_rank_results
+    first, second, third = results[0]["errors"]
+    assert first == "num_experts: expected a multiple of the mesh's ep = 2 (experts are split over 'e'), got 3"
+    assert second.startswith("ffn_size: expected a multiple of the mesh's tp = 2") and second.endswith("got 5")
+    assert "dp*ep*tp = 3 but the world size is 2" in third
+    assert results[1]["errors"] == []
+
+
+def test_distributed_benchmark_reports_both_paths(two_rank_results):
+    _, _, results = two_rank_results
+    assert [r["bench_exit"] for r in results] == [0, 0]
+    (report,) = results[0]["bench"]
+    assert report["world"] == 2 and report["mesh"] == {"d": 1, "e": 2, "t": 1} and report["bit_identical"]
+    p2p, remote = report["paths"]["p2p"], report["paths"]["remote"]
+    assert p2p["remote_rows"] == 0 and p2p["p2p_rows"] > 0
+    assert remote["p2p_rows"] == 0 and remote["remote_rows"] == p2p["p2p_rows"]
+    for path in (p2p, remote):
+        assert path["tokens_per_s_per_rank"] > 0 and set(path["phases_s"]) == set(bench.PHASES)
+        assert path["bytes_sent_per_rank"] >= path["bytes_min_per_rank"] > 0
+
+
+def test_benchmark_mesh_option():
+    assert bench.parse_mesh("d=2,e=2") == {"d": 2, "e": 2, "t": 1}
+    assert bench.parse_mesh("e=4") == {"d": 1, "e": 4, "t": 1}
+    with pytest.raises(ValueError, match=r"--mesh: expected items like 'e=4' over axes d, e, t, got 'x=2'"):
+        bench.parse_mesh("x=2")
