@@ -31,13 +31,18 @@ def combine_rows(rows: torch.Tensor, row_pair: torch.Tensor, num_tokens: int, to
 
 def combine(expert_out: torch.Tensor, weight_rows: torch.Tensor, row_pair: torch.Tensor,
             num_tokens: int, top_k: int) -> torch.Tensor:
-    """Forward combine: out_t = sum_j w_tj y_j(x_t) over kept pairs. Returns [S, H], acc dtype."""
-    return combine_rows(grad_combine(expert_out, weight_rows), row_pair, num_tokens, top_k)
+    """Forward combine: out_t = sum_j w_tj y_j(x_t) over kept pairs. Returns [S, H], acc dtype.
+
+    w stays in the acc dtype, so w * y is formed exactly (bf16 * fp32 promotes) before the sum."""
+    acc = accumulation_dtype(expert_out.dtype)
+    return combine_rows(expert_out * weight_rows.to(acc)[:, None], row_pair, num_tokens, top_k)
 
 
 def grad_combine(grad_rows: torch.Tensor, weight_rows: torch.Tensor) -> torch.Tensor:
-    """Stage 1: ge_r = w_r g_r, the gradient each kept pair's expert receives. [N, D] -> [N, D]."""
-    return grad_rows * weight_rows.to(grad_rows.dtype)[:, None]
+    """Stage 1: ge_r = w_r g_r, the gradient each kept pair's expert receives. [N, D] -> [N, D].
+
+    The product is formed in w's acc dtype and written to grad_rows' dtype: one rounding for bf16."""
+    return torch.mul(grad_rows, weight_rows[:, None], out=torch.empty_like(grad_rows))
 
 
 def grad_gate_combine(grad_rows: torch.Tensor, out_rows: torch.Tensor) -> torch.Tensor:
@@ -46,7 +51,9 @@ def grad_gate_combine(grad_rows: torch.Tensor, out_rows: torch.Tensor) -> torch.
     With (g, y) this is dL/dw for the pair. Any factorisation of the same dot works:
     the glu expert passes (g Wdown, a), since g . (a Wdown^T) = (g Wdown) . a, so y is never saved.
     """
-    return (grad_rows * out_rows).sum(-1, dtype=accumulation_dtype(grad_rows.dtype))
+    # Products are formed in the acc dtype too: rounding each one to bf16 before the sum costs
+    # more accuracy than the routing gradient's cancellations can afford.
+    return (grad_rows.to(accumulation_dtype(grad_rows.dtype)) * out_rows).sum(-1)
 
 
 def grad_input_combine(dx_rows: torch.Tensor, row_pair: torch.Tensor, num_tokens: int, top_k: int) -> torch.Tensor:

@@ -50,13 +50,23 @@ def _use_grouped_mm(*operands: torch.Tensor) -> bool:
     return all(t.dtype in (torch.float32, torch.bfloat16) and _aligned(t) for t in operands)
 
 
-def grouped_linear(rows: torch.Tensor, weight: torch.Tensor, groups: Groups) -> torch.Tensor:
-    """out_r = rows_r W_e^T for the expert e of row r: rows [N, K], weight [E, O, K] -> [N, O]."""
+def grouped_linear(rows: torch.Tensor, weight: torch.Tensor, groups: Groups,
+                   bias: torch.Tensor | None = None) -> torch.Tensor:
+    """out_r = rows_r W_e^T (+ b_e) for the expert e of row r: rows [N, K], weight [E, O, K],
+    bias [E, O] -> [N, O].
+
+    With a bias each expert runs one addmm, which adds b_e inside the GEMM and rounds once
+    (grouped_mm takes no bias on CPU, and adding it after a bf16 GEMM rounds twice)."""
     weight_t = weight.transpose(-2, -1)
-    if _use_grouped_mm(rows, weight_t):
+    if bias is None and _use_grouped_mm(rows, weight_t):
         return F.grouped_mm(rows, weight_t, offs=groups.offsets)
-    parts = rows.split(groups.sizes)
-    return torch.cat([part @ weight[e].t() for e, part in enumerate(parts)]) if parts else rows.new_zeros(0, weight.shape[1])
+    out = rows.new_empty((rows.shape[0], weight.shape[1]))
+    for e, (part, dest) in enumerate(zip(rows.split(groups.sizes), out.split(groups.sizes))):
+        if bias is None:
+            torch.mm(part, weight_t[e], out=dest)
+        else:
+            torch.addmm(bias[e], part, weight_t[e], out=dest)
+    return out
 
 
 def grouped_linear_t(rows: torch.Tensor, weight: torch.Tensor, groups: Groups) -> torch.Tensor:
@@ -89,17 +99,13 @@ def grouped_bias_grad(grad_rows: torch.Tensor, groups: Groups) -> torch.Tensor:
     return out.to(grad_rows.dtype)
 
 
-def glu_activation(h: torch.Tensor, activation: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """For h = [hg | hu] [N, 2F]: (a = act(hg) * hu, act(hg)), both [N, F]."""
+def glu_activation(h: torch.Tensor, activation: str, dtype: torch.dtype | None = None):
+    """For h = [hg | hu] [N, 2F]: (a = act(hg) * hu in `dtype` (default h's), act(hg)), both [N, F].
+
+    With dtype=float32 and bf16 h the product is formed exactly (bf16 * fp32 promotes)."""
     gate, up = h.chunk(2, dim=-1)
     act_gate = activate(activation, gate)
-    return act_gate * up, act_gate
-
-
-def _add_row_bias(z: torch.Tensor, bias: torch.Tensor | None, groups: Groups) -> torch.Tensor:
-    if bias is None:
-        return z
-    return z + bias[groups.row_expert(z.device)]
+    return (act_gate if dtype is None else act_gate.to(dtype)) * up, act_gate
 
 
 def expert_forward(expert: str, activation: str, output_activation: str, xs: torch.Tensor,
@@ -110,8 +116,8 @@ def expert_forward(expert: str, activation: str, output_activation: str, xs: tor
         h = grouped_linear(xs, params["gate_up_proj"], groups)
         y = grouped_linear(glu_activation(h, activation)[0], params["down_proj"], groups)
         return y, (h,)
-    z1 = _add_row_bias(grouped_linear(xs, params["w1"], groups), params["b1"], groups)
-    z2 = _add_row_bias(grouped_linear(activate(activation, z1), params["w2"], groups), params["b2"], groups)
+    z1 = grouped_linear(xs, params["w1"], groups, params["b1"])
+    z2 = grouped_linear(activate(activation, z1), params["w2"], groups, params["b2"])
     return activate(output_activation, z2), (z1, z2)
 
 

@@ -87,10 +87,13 @@ class FusedMoE(torch.autograd.Function):
 
         if config.expert == "glu":
             (h,) = saved
-            a, act_gate = ex.glu_activation(h, config.activation)
+            # a in the acc dtype for stage 2: a bf16-rounded a costs the routing gradient,
+            # whose renormalisation cancels terms, more than its bf16 error budget
+            a_acc, act_gate = ex.glu_activation(h, config.activation, accumulation_dtype(h.dtype))
+            a = a_acc.to(h.dtype)
             # stages 1 and 3 (w applied on both sides of the Wdown GEMM), then 2 on (g Wdown, a)
             grad_a, grad_down, g_down = ex.grad_post_gemm_glu(grad_rows, weight_rows, a, params["down_proj"], groups)
-            grad_weight_rows = comb.grad_gate_combine(g_down, a)
+            grad_weight_rows = comb.grad_gate_combine(g_down, a_acc)
             grad_xs, grad_gate_up = ex.grad_pre_gemm_glu(grad_a, h, act_gate, xs, params["gate_up_proj"], groups,
                                                          config.activation)
             grads = {"gate_up_proj": grad_gate_up, "down_proj": grad_down}
