@@ -101,11 +101,11 @@ class RowExchange:
         self.heap = SymmetricHeap(self.ranks, self.index, node, self.group, timeout) if self.any_p2p else None
         self.seq = 0
 
-    def path(self, source: int, dest: int) -> str:
-        """'self', 'p2p' or 'remote' for rows from group index source to dest."""
+    def path(self, source: int, dest: int, device_type: str = "cpu") -> str:
+        """'self', 'p2p' or 'remote' for rows (on a device of device_type) from group index source to dest."""
         if source == dest:
             return "self"
-        return "p2p" if self.same_node[source][dest] else "remote"
+        return "p2p" if self.same_node[source][dest] and device_type == "cpu" else "remote"
 
     def exchange(self, rows: torch.Tensor, counts: list[list[int]]) -> torch.Tensor:
         """Send rows [sum(counts[me]), B] (uint8, grouped by destination) -> [sum_s counts[s][me], B]."""

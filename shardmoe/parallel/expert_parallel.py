@@ -230,7 +230,7 @@ def _row_stats(routing: Routing, plan: DispatchPlan, exchange: RowExchange) -> d
     """Rows this rank dispatches per path, and the distinct (token, peer) pairs the routing needs."""
     rows = {"self": 0, "p2p": 0, "remote": 0}
     for dest, count in enumerate(plan.counts[plan.peer]):
-        rows[exchange.path(plan.peer, dest)] += count
+        rows[exchange.path(plan.peer, dest, routing.top_idx.device.type)] += count
     rows["min_to_peers"] = peer_tokens(routing, plan)
     rows["received"] = sum(row[plan.peer] for row in plan.counts)
     return rows

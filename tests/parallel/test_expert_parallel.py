@@ -233,8 +233,17 @@ def _world(cases: list[dict], topologies: tuple[int, ...]) -> dict:
     return {"cases": results, "meshes": meshes}
 
 
+def _seeded_shards() -> dict:
+    """Parameters of a layer built on an ep2 x tp2 mesh right after torch.manual_seed(3)."""
+    mesh = Mesh(ep=2, tp=2)
+    torch.manual_seed(3)
+    layer = shardmoe.MoE(H, FFN, 4, 2, expert="mlp", bias=True, mesh=mesh, dtype=torch.float64)
+    return {n: p.detach().clone() for n, p in layer.named_parameters()}
+
+
 def _four_rank_world(cases: list[dict]) -> dict:
     out = _world(cases, (4, 2, 1))
+    out["seeded"] = _seeded_shards()
     out["exchange"] = {rpn: _exchange_checks(rpn) for rpn in (4, 2, 1)}
     out["paths"] = {rpn: RowExchange(Mesh(ep=4, ranks_per_node=rpn)).path(0, 3) for rpn in (4, 1)}
     del out["meshes"]
@@ -366,6 +375,16 @@ def test_four_ranks_paths_follow_the_topology(four_rank_results):
     assert sum(r["p2p"] for r in rows[2]) > 0 and sum(r["remote"] for r in rows[2]) > 0
     for r in rows[4] + rows[2] + rows[1]:
         assert r["min_to_peers"] <= r["p2p"] + r["remote"]
+
+
+def test_seeded_construction_holds_the_single_process_layers_shards(four_rank_results):
+    _, results = four_rank_results
+    torch.manual_seed(3)
+    whole = shardmoe.MoE(H, FFN, 4, 2, expert="mlp", bias=True, dtype=torch.float64)
+    for rank, result in enumerate(results):
+        coords = {"e": rank // 2, "t": rank % 2}
+        for name, p in whole.named_parameters():
+            assert torch.equal(result["seeded"][name], _local_shard(name, p.detach(), coords, (1, 2, 2))), name
 
 
 def test_row_exchange_is_exact_on_every_topology_and_grows_its_heap(four_rank_results):
