@@ -1,0 +1,47 @@
+"""Triton kernels for the fused MoE layer's CUDA path.
+
+The per-stage functions in shardmoe/moe/experts.py and combine.py stay the one place
+that decides which implementation runs: each asks `available(tensor)` and, when it
+says yes, calls the wrapper of the same name and signature in
+shardmoe.kernels.experts or shardmoe.kernels.combine (see docs/kernels.md for the
+map). This module itself never imports triton unless a CUDA tensor asks, so CPU-only
+installs without triton import it freely.
+
+Set SHARDMOE_KERNELS=0 to keep every stage on the torch path (to compare the two).
+"""
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+
+import torch
+
+KERNEL_DTYPES = (torch.float32, torch.bfloat16)
+
+
+@functools.cache
+def triton_importable() -> bool:
+    """Whether `import triton` succeeds here (checked once per process)."""
+    if importlib.util.find_spec("triton") is None:
+        return False
+    try:
+        import triton  # noqa: F401
+    except Exception:  # a broken install fails in many ways; any of them means "no"
+        return False
+    return True
+
+
+def available(tensor: torch.Tensor) -> bool:
+    """True when the Triton kernels should handle this tensor: a CUDA tensor of a
+    kernel dtype (float32 or bfloat16), triton importable, SHARDMOE_KERNELS not 0.
+
+    CPU tensors always get False, even under TRITON_INTERPRET=1: the interpreter is
+    a test vehicle, far too slow to route real CPU work through.
+    """
+    return (
+        tensor.is_cuda
+        and tensor.dtype in KERNEL_DTYPES
+        and os.environ.get("SHARDMOE_KERNELS", "1") != "0"
+        and triton_importable()
+    )

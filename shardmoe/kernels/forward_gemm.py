@@ -1,0 +1,145 @@
+"""The forward grouped GEMM: gathered rows in, activation and combine fused in the epilogue.
+
+For each dispatched row r of expert e (N rows, expert-sorted; W [E, O_total, K]):
+
+  a_r   = A[index[r]] if an index is given (the in-kernel gather: x[row_token] is never
+          materialised) else A[r]                                              [K]
+  z_r   = a_r W_e^T (+ b_e)                                                   [O_total]
+  post_r = act(z_r)                          (O = O_total)
+         = act(z_r[:O]) * z_r[O:]           (GLU: O_total = 2 O; rows 0:O gate, O:2O up)
+  then optionally post_r *= s_r (routing weight) and stored at row dest[r] (a slot
+  index) instead of r.
+
+Outputs: `pre` [N, O_total] = z (what backward saves: h for GLU, z1 or z2 for MLP) and
+`post` [*, O]. Storing post scaled at slot t*k + j makes the second expert GEMM write
+each (token, expert) contribution exactly once, with no atomics; for top-1 routing the
+slot buffer is the combined output itself.
+
+Tiling: one program per (row tile of one expert, BLOCK_N output columns), the row tile
+taken from the host schedule (schedule.py); the K loop walks BLOCK_K columns of a and
+of W_e. GLU keeps two accumulators (gate and up columns n and O + n), so the epilogue
+has both halves of the product in registers. Autotuned over BLOCK_N, BLOCK_K, warps and
+stages, keyed on (O, K, BLOCK_M, GLU, ACT) and the dtypes.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from shardmoe.kernels.activations import activation
+from shardmoe.kernels.schedule import choose_block_m, row_tile_schedule
+from shardmoe.kernels.tiles import dot_acc
+from shardmoe.kernels.tuning import configs, dot_settings, unit_columns
+
+_GPU_TILES = [{"BLOCK_N": n, "BLOCK_K": k} for n in (64, 128) for k in (32, 64)]
+
+
+@triton.autotune(configs=configs(_GPU_TILES, {"BLOCK_N": 32, "BLOCK_K": 32}),
+                 key=["O", "K", "BLOCK_M", "GLU", "ACT"])
+@triton.jit
+def forward_gemm_kernel(
+    a_ptr, a_index_ptr, stride_a,
+    w_ptr, stride_we, stride_wo, stride_wk,
+    bias_ptr, stride_be,
+    schedule_ptr,
+    pre_ptr, stride_pre,
+    post_ptr, dest_ptr, stride_post,
+    scale_ptr,
+    O, K,
+    ACT: tl.constexpr, GLU: tl.constexpr, GATHER: tl.constexpr, HAS_BIAS: tl.constexpr,
+    STORE_PRE: tl.constexpr, STORE_POST: tl.constexpr, SCALE: tl.constexpr, SCATTER: tl.constexpr,
+    DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    expert = tl.load(schedule_ptr + tile * 3).to(tl.int64)
+    row_start = tl.load(schedule_ptr + tile * 3 + 1)
+    row_end = tl.load(schedule_ptr + tile * 3 + 2)
+    rows = row_start + tl.arange(0, BLOCK_M)
+    row_mask = rows < row_end
+    rows = rows.to(tl.int64)  # row * stride can pass 2^31 elements
+    if GATHER:
+        a_rows = tl.load(a_index_ptr + rows, mask=row_mask, other=0).to(tl.int64)
+    else:
+        a_rows = rows
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < O
+    w_expert = w_ptr + expert * stride_we
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if GLU:
+        acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_mask = ks < K
+        a = tl.load(a_ptr + a_rows[:, None] * stride_a + ks[None, :],
+                    mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+        w_mask = k_mask[:, None] & col_mask[None, :]
+        w = tl.load(w_expert + ks[:, None] * stride_wk + cols[None, :] * stride_wo, mask=w_mask, other=0.0)
+        acc = dot_acc(a, w, acc, DOT_FP32, PRECISION)
+        if GLU:
+            w_up = tl.load(w_expert + ks[:, None] * stride_wk + (cols + O)[None, :] * stride_wo,
+                           mask=w_mask, other=0.0)
+            acc_up = dot_acc(a, w_up, acc_up, DOT_FP32, PRECISION)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + expert * stride_be + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+
+    out_mask = row_mask[:, None] & col_mask[None, :]
+    if STORE_PRE:
+        pre = pre_ptr + rows[:, None] * stride_pre + cols[None, :]
+        tl.store(pre, acc.to(pre_ptr.dtype.element_ty), mask=out_mask)
+        if GLU:
+            tl.store(pre + O, acc_up.to(pre_ptr.dtype.element_ty), mask=out_mask)
+    if STORE_POST:
+        post = activation(acc, ACT)
+        if GLU:
+            post = post * acc_up
+        if SCALE:
+            post = post * tl.load(scale_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)[:, None]
+        if SCATTER:
+            dest = tl.load(dest_ptr + rows, mask=row_mask, other=0).to(tl.int64)
+        else:
+            dest = rows
+        tl.store(post_ptr + dest[:, None] * stride_post + cols[None, :], post.to(post_ptr.dtype.element_ty),
+                 mask=out_mask)
+
+
+def forward_gemm(a: torch.Tensor, weight: torch.Tensor, groups, *, a_index: torch.Tensor | None = None,
+                 bias: torch.Tensor | None = None, activation: str = "identity", glu: bool = False,
+                 store_pre: bool = True, post: torch.Tensor | None = None, scale: torch.Tensor | None = None,
+                 dest: torch.Tensor | None = None) -> torch.Tensor | None:
+    """Launch forward_gemm_kernel over the N = sum(groups.sizes) dispatched rows.
+
+    a [N, K] (or [S, K] gathered through a_index [N]); weight [E, O_total, K]; bias
+    [E, O_total]. Returns pre [N, O_total] in a's dtype when store_pre, else None.
+    `post` (preallocated, [N, O] or [slots, O] with dest [N]) receives the activation,
+    times scale [N] when given. Row strides may be anything; columns must be unit-stride.
+    """
+    if glu and bias is not None:
+        raise ValueError("forward_gemm: the GLU epilogue takes no bias (the 'glu' expert has none)")
+    num_rows = sum(groups.sizes)
+    out_total = weight.shape[1]
+    width = out_total // 2 if glu else out_total
+    pre = a.new_empty((num_rows, out_total)) if store_pre else None
+    if num_rows == 0:
+        return pre
+    a = unit_columns(a)
+    bias = None if bias is None else unit_columns(bias)
+    block_m = choose_block_m(groups.sizes)
+    schedule = row_tile_schedule(groups.sizes, block_m, a.device)
+    grid = lambda meta: (schedule.shape[0], triton.cdiv(width, meta["BLOCK_N"]))  # noqa: E731
+    forward_gemm_kernel[grid](
+        a, a_index, a.stride(0),
+        weight, weight.stride(0), weight.stride(1), weight.stride(2),
+        bias, 0 if bias is None else bias.stride(0),
+        schedule,
+        pre, 0 if pre is None else pre.stride(0),
+        post, dest, 0 if post is None else post.stride(0),
+        scale,
+        width, a.shape[1],
+        ACT=activation, GLU=glu, GATHER=a_index is not None, HAS_BIAS=bias is not None,
+        STORE_PRE=store_pre, STORE_POST=post is not None, SCALE=scale is not None, SCATTER=dest is not None,
+        BLOCK_M=block_m, **dot_settings(a.dtype),
+    )
+    return pre

@@ -1,0 +1,140 @@
+"""A whole MoE layer, forward and backward, assembled from the kernels in float32, against
+the fused layer (shardmoe.moe.function.FusedMoE) in float64.
+
+The assembly follows FusedMoE's stages with the fused kernel entry points, the way the
+layer would run them on a GPU: rows are gathered inside the kernels (no x[row_token] or
+grad_out[row_token] copies), the second GEMM writes weighted slots, stages 1 + 2 (mlp)
+or 2 + 3 (glu) run as one kernel. Routing and stage 6 stay on torch (routing.py).
+"""
+import pytest
+import torch
+
+from shardmoe.kernels import triton_importable
+
+if not triton_importable():
+    pytest.skip("triton cannot be imported; install triton==3.9.0 to run the kernel tests", allow_module_level=True)
+
+from shardmoe.kernels import combine as kcomb  # noqa: E402
+from shardmoe.kernels import experts as kex  # noqa: E402
+from shardmoe.moe.activations import activate  # noqa: E402
+from shardmoe.moe.config import MoEConfig  # noqa: E402
+from shardmoe.moe.experts import Groups, glu_activation  # noqa: E402
+from shardmoe.moe.function import FusedMoE, expert_param_names  # noqa: E402
+from shardmoe.moe.routing import balance_loss, grad_gate_gemm, route  # noqa: E402
+
+TOL = 1e-5
+F32, F64 = torch.float32, torch.float64
+
+
+def kernel_moe(x, gate_weight, params, config: MoEConfig, grad_out, grad_loss):
+    """(out [S, H], loss, {"x", "gate_weight", *expert params: gradient}, routing)."""
+    num_tokens, k, act, act_out = x.shape[0], config.top_k, config.activation, config.output_activation
+    routing = route(x, gate_weight, config)
+    groups = Groups.from_counts(routing.kept_per_expert)
+    row_token = routing.row_pair // k
+    weight_rows = routing.weight.reshape(-1)[routing.row_pair]
+    out, saved = kex.expert_forward_combine(config.expert, act, act_out, x, row_token, weight_rows,
+                                            routing.row_pair, params, groups, k)
+    loss = balance_loss(routing, config)
+
+    if config.expert == "glu":
+        (h,) = saved
+        a, act_gate = glu_activation(h, act)
+        grad_a, grad_down, grad_weight_rows = kex.grad_gate_post_gemm_glu(
+            grad_out, weight_rows, a, params["down_proj"], groups, row_index=row_token)
+        grad_xs, grad_gate_up = kex.grad_pre_gemm_glu(grad_a, h, act_gate, x, params["gate_up_proj"], groups, act,
+                                                      row_index=row_token)
+        grads = {"gate_up_proj": grad_gate_up, "down_proj": grad_down}
+    else:
+        z1, z2 = saved
+        has_bias = params["b1"] is not None
+        grad_expert, grad_weight_rows = kcomb.grad_combine_gate(grad_out, z2, weight_rows,
+                                                                output_activation=act_out, row_index=row_token)
+        grad_a1, grad_w2, grad_b2 = kex.grad_post_gemm_mlp(grad_expert, z2, activate(act, z1), params["w2"],
+                                                           has_bias, groups, act_out)
+        grad_xs, grad_w1, grad_b1 = kex.grad_pre_gemm_mlp(grad_a1, z1, x, params["w1"], has_bias, groups, act,
+                                                          row_index=row_token)
+        grads = {"w1": grad_w1, "b1": grad_b1, "w2": grad_w2, "b2": grad_b2}
+
+    grad_x = kcomb.grad_input_combine(grad_xs, routing.row_pair, num_tokens, k)
+    grad_weight = grad_weight_rows.new_zeros(num_tokens * k)
+    grad_weight[routing.row_pair] = grad_weight_rows
+    grad_x_gate, grads["gate_weight"] = grad_gate_gemm(x, gate_weight, routing, grad_weight.view(num_tokens, k),
+                                                       grad_loss, config)
+    grads["x"] = grad_x + grad_x_gate
+    return out, loss, grads, routing
+
+
+def fused_float64(x, gate_weight, params, config: MoEConfig, grad_out, grad_loss):
+    """(out, loss, grads, routing) of FusedMoE in float64, gradients by its explicit backward."""
+    names = expert_param_names(config)
+    leaves = {"x": x, "gate_weight": gate_weight, **{n: params[n] for n in names}}
+    leaves = {n: None if t is None else t.detach().clone().requires_grad_(True) for n, t in leaves.items()}
+    out, loss = FusedMoE.apply(leaves["x"], config, {}, leaves["gate_weight"], *(leaves[n] for n in names))
+    torch.autograd.backward([out, loss], [grad_out, grad_loss])
+    grads = {n: None if t is None else t.grad for n, t in leaves.items()}
+    return out.detach(), loss.detach(), grads, route(x, gate_weight, config)
+
+
+CONFIGS = [
+    dict(expert="glu", activation="silu"),
+    dict(expert="mlp", activation="gelu", output_activation="gelu_tanh", bias=True),
+]
+
+
+@pytest.mark.parametrize("options", CONFIGS, ids=["glu-silu", "mlp-gelu-bias"])
+def test_layer_forward_backward(device, routed, expert_params, cast, rel_err, options):
+    config = MoEConfig(hidden_size=routed.x.shape[1], ffn_size=expert_params("glu", False, "cpu")["down_proj"].shape[2],
+                       num_experts=6, top_k=2, capacity_factor=1.0, aux_loss_coef=0.01, z_loss_coef=0.001, **options)
+    gen = torch.Generator().manual_seed(11)
+    gate_weight = torch.randn(config.hidden_size, config.num_experts, generator=gen, dtype=F64).to(device)
+    # A constant feature with a large negative gate weight keeps expert 4 out of every top-k.
+    x = routed.x.clone()
+    x[:, 0] = 3.0
+    gate_weight[0, 4] = -10.0
+    params = expert_params(config.expert, config.bias, device)
+    grad_loss = torch.tensor(0.7, dtype=F64, device=device)
+    expected = fused_float64(x, gate_weight, params, config, routed.grad_out, grad_loss)
+    got = kernel_moe(*cast((x, gate_weight, params), F32), config, routed.grad_out.to(F32), grad_loss.to(F32))
+
+    # Same routing decisions in both precisions: an empty expert and capacity drops included.
+    assert torch.equal(got[3].row_pair, expected[3].row_pair)
+    assert expected[3].kept_per_expert[4] == 0
+    assert expected[3].kept_per_expert.sum() < routed.num_tokens * config.top_k
+    assert rel_err(got[0], expected[0]) < TOL
+    assert rel_err(got[1], expected[1]) < TOL
+    assert set(got[2]) == set(expected[2])
+    for name, grad in expected[2].items():
+        if grad is None:
+            assert got[2][name] is None
+        else:
+            assert got[2][name].dtype == F32, name
+            assert rel_err(got[2][name], grad) < TOL, name
+
+
+@pytest.mark.parametrize("options", CONFIGS, ids=["glu-silu", "mlp-gelu-bias"])
+def test_layer_forward_backward_bf16(device, routed, expert_params, cast, rel_err, options):
+    """bfloat16 storage, float32 accumulation: within bfloat16 round-off (unit round-off
+    2^-9, a few roundings per stage) of the float64 layer on the same bf16-representable
+    inputs. On CPU the interpreter multiplies in float32 (its bfloat16 dot is wrong), so
+    there this checks the bfloat16 loads, stores and rounding points; on a GPU the dots
+    run on bfloat16 tensor cores."""
+    config = MoEConfig(hidden_size=routed.x.shape[1], ffn_size=expert_params("glu", False, "cpu")["down_proj"].shape[2],
+                       num_experts=6, top_k=2, **options)
+    gen = torch.Generator().manual_seed(12)
+    gate_weight = torch.randn(config.hidden_size, config.num_experts, generator=gen, dtype=F64).to(device)
+    bf16 = torch.bfloat16
+    x, gate_weight, params = cast(cast((routed.x, gate_weight, expert_params(config.expert, config.bias, device)),
+                                       bf16), F64)
+    grad_out = routed.grad_out.to(bf16)
+    grad_loss = torch.tensor(1.0, dtype=F64, device=device)
+    expected = fused_float64(x, gate_weight, params, config, grad_out.to(F64), grad_loss)
+    got = kernel_moe(*cast((x, gate_weight, params), bf16), config, grad_out, grad_loss.to(F32))
+
+    assert torch.equal(got[3].row_pair, expected[3].row_pair)
+    assert got[0].dtype == F32 and rel_err(got[0], expected[0]) < 2e-2
+    for name, grad in expected[2].items():
+        if grad is not None and name not in ("x", "gate_weight"):  # those two come back in float32
+            assert got[2][name].dtype == bf16, name
+        if grad is not None:
+            assert rel_err(got[2][name], grad) < 2e-2, name

@@ -1,0 +1,100 @@
+"""Forward kernels (float32) against the float64 torch path of shardmoe.moe.experts / combine."""
+import pytest
+import torch
+
+from shardmoe.kernels import triton_importable
+
+if not triton_importable():
+    pytest.skip("triton cannot be imported; install triton==3.9.0 to run the kernel tests", allow_module_level=True)
+
+from shardmoe.kernels import experts as kex  # noqa: E402
+from shardmoe.moe import combine as comb  # noqa: E402
+from shardmoe.moe import experts as ex  # noqa: E402
+
+TOL = 1e-5
+F32, F64 = torch.float32, torch.float64
+# Every activation appears once as act and once as act_out, with and without biases.
+MLP_CASES = [("relu", "identity", True), ("gelu", "silu", False), ("gelu_tanh", "gelu_tanh", True),
+             ("silu", "relu", True), ("identity", "gelu", False)]
+ACTIVATIONS = ["relu", "gelu", "gelu_tanh", "silu", "identity"]
+
+
+def groups_of(routed):
+    return ex.Groups.from_counts(routed.counts)
+
+
+@pytest.mark.parametrize("gather", [False, True], ids=["rows", "gathered"])
+def test_grouped_linear(routed, expert_params, cast, rel_err, gather):
+    groups = groups_of(routed)
+    weight = expert_params("glu", False, routed.x.device)["gate_up_proj"]
+    expected = ex.grouped_linear(routed.x[routed.row_token], weight, groups)
+    x32, w32 = routed.x.to(F32), weight.to(F32)
+    got = (kex.grouped_linear(x32, w32, groups, row_index=routed.row_token) if gather
+           else kex.grouped_linear(x32[routed.row_token], w32, groups))
+    assert got.dtype == F32 and got.shape == expected.shape
+    assert rel_err(got, expected) < TOL
+
+
+def _check_expert_forward(routed, params, cast, rel_err, expert, act, act_out):
+    groups = groups_of(routed)
+    y_ref, saved_ref = ex.expert_forward(expert, act, act_out, routed.x[routed.row_token], params, groups)
+    y, saved = kex.expert_forward(expert, act, act_out, routed.x.to(F32), cast(params, F32), groups,
+                                  row_index=routed.row_token)
+    assert y.dtype == F32 and len(saved) == len(saved_ref)
+    assert rel_err(y, y_ref) < TOL
+    for got, expected in zip(saved, saved_ref):
+        assert rel_err(got, expected) < TOL
+
+
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+def test_expert_forward_glu(routed, expert_params, cast, rel_err, activation):
+    params = expert_params("glu", False, routed.x.device)
+    _check_expert_forward(routed, params, cast, rel_err, "glu", activation, "identity")
+
+
+@pytest.mark.parametrize("activation,output_activation,bias", MLP_CASES)
+def test_expert_forward_mlp(routed, expert_params, cast, rel_err, activation, output_activation, bias):
+    params = expert_params("mlp", bias, routed.x.device)
+    _check_expert_forward(routed, params, cast, rel_err, "mlp", activation, output_activation)
+
+
+def test_expert_forward_without_gather_matches_gathered(routed, expert_params, cast):
+    """The same-signature call (pre-gathered rows) and the in-kernel gather agree exactly."""
+    groups = groups_of(routed)
+    params = cast(expert_params("glu", False, routed.x.device), F32)
+    x = routed.x.to(F32)
+    y_rows, _ = kex.expert_forward("glu", "silu", "identity", x[routed.row_token], params, groups)
+    y_gathered, _ = kex.expert_forward("glu", "silu", "identity", x, params, groups, row_index=routed.row_token)
+    torch.testing.assert_close(y_rows, y_gathered, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("expert,activation,output_activation,bias,top_k,drop_every",
+                         [("glu", "silu", "identity", False, 2, 7), ("mlp", "gelu", "silu", True, 2, 7),
+                          ("mlp", "relu", "identity", True, 1, 0), ("glu", "gelu_tanh", "identity", False, 1, 5)],
+                         ids=["glu-k2-drops", "mlp-k2-drops", "mlp-k1", "glu-k1-drops"])
+def test_expert_forward_combine(device, make_routed_batch, expert_params, cast, rel_err,
+                                expert, activation, output_activation, bias, top_k, drop_every):
+    routed = make_routed_batch(device, top_k=top_k, drop_every=drop_every)
+    groups = groups_of(routed)
+    params = expert_params(expert, bias, device)
+    y_ref, saved_ref = ex.expert_forward(expert, activation, output_activation, routed.x[routed.row_token],
+                                         params, groups)
+    out_ref = comb.combine(y_ref, routed.weight_rows, routed.row_pair, routed.num_tokens, top_k)
+    r32 = routed.cast(F32)
+    out, saved = kex.expert_forward_combine(expert, activation, output_activation, r32.x, r32.row_token,
+                                            r32.weight_rows, r32.row_pair, cast(params, F32), groups, top_k)
+    assert out.dtype == F32 and out.shape == (routed.num_tokens, routed.x.shape[1])
+    assert rel_err(out, out_ref) < TOL
+    for got, expected in zip(saved, saved_ref, strict=True):
+        assert rel_err(got, expected) < TOL
+
+
+def test_no_kept_rows(device, expert_params, cast):
+    """Every pair dropped: the layer output is zero and the first GEMM saves an empty h."""
+    groups = ex.Groups.from_counts(torch.zeros(6, dtype=torch.int64))
+    none = torch.zeros(0, dtype=torch.int64, device=device)
+    x = torch.randn(5, 40, device=device)
+    params = cast(expert_params("glu", False, device), F32)
+    out, (h,) = kex.expert_forward_combine("glu", "silu", "identity", x, none, none.to(F32), none, params, groups, 2)
+    assert torch.equal(out, torch.zeros(5, 40, device=device))
+    assert h.shape == (0, 2 * params["down_proj"].shape[2])
