@@ -6,7 +6,9 @@ Rows [N, .] are grouped by expert (Groups). Parameters, per expert e:
   "mlp":  w1 [E, P, H], b1 [E, P], w2 [E, H, P], b2 [E, H]
           z1 = x W1_e^T + b1_e;  a1 = act(z1);  z2 = a1 W2_e^T + b2_e;  y = act_out(z2)
 
-GEMMs use torch.nn.functional.grouped_mm for fp32/bf16 operands whose strides are
+The stage functions below are the one place that picks an implementation: CUDA tensors go to
+the Triton kernels of shardmoe/kernels (same signatures) when kernels.available() says so.
+On CPU, GEMMs use torch.nn.functional.grouped_mm for fp32/bf16 operands whose strides are
 16-byte aligned (its kernels require it), and a per-expert loop otherwise (float64,
 odd tiny shapes). Elementwise math stays in the input dtype: the activation kernels
 compute in float32 internally and round once, and a bf16 -> fp32 -> bf16 round trip
@@ -19,6 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from shardmoe import kernels
 from shardmoe.moe.activations import activate, activate_backward
 from shardmoe.moe.combine import grad_combine
 from shardmoe.moe.routing import accumulation_dtype
@@ -112,6 +115,9 @@ def expert_forward(expert: str, activation: str, output_activation: str, xs: tor
                    params: dict[str, torch.Tensor | None], groups: Groups):
     """y [N, H] for dispatched rows xs [N, H], and the tensors backward keeps:
     "glu": (h,) with h [N, 2F];  "mlp": (z1, z2) with z1 [N, P], z2 [N, H]."""
+    if kernels.available(xs):
+        from shardmoe.kernels import experts as triton_experts
+        return triton_experts.expert_forward(expert, activation, output_activation, xs, params, groups)
     if expert == "glu":
         h = grouped_linear(xs, params["gate_up_proj"], groups)
         y = grouped_linear(glu_activation(h, activation)[0], params["down_proj"], groups)
@@ -128,6 +134,9 @@ def grad_post_gemm_glu(grad_rows: torch.Tensor, weight_rows: torch.Tensor, a: to
       dA     = w g_down = ge Wdown_e [N, F]
       dWdown_e = sum ge^T a          [E, H, F]
     Applying w after the GEMM is exact (it is linear) and lets stage 2 reuse the GEMM."""
+    if kernels.available(grad_rows):
+        from shardmoe.kernels import experts as triton_experts
+        return triton_experts.grad_post_gemm_glu(grad_rows, weight_rows, a, down_proj, groups)
     g_down = grouped_linear_t(grad_rows, down_proj, groups)
     grad_a = grad_combine(g_down, weight_rows)
     grad_down = grouped_weight_grad(grad_combine(grad_rows, weight_rows), a, groups)
@@ -139,6 +148,9 @@ def grad_pre_gemm_glu(grad_a: torch.Tensor, h: torch.Tensor, act_gate: torch.Ten
     """Stage 4 for "glu", given act(hg) from the recomputed forward:
       dhg = (dA * hu) * act'(hg);  dhu = dA * act(hg);  dh = [dhg | dhu]   [N, 2F]
       dWgu_e = sum dh^T x   [E, 2F, H];   dx = dh Wgu_e   [N, H]"""
+    if kernels.available(grad_a):
+        from shardmoe.kernels import experts as triton_experts
+        return triton_experts.grad_pre_gemm_glu(grad_a, h, act_gate, xs, gate_up_proj, groups, activation)
     gate, up = h.chunk(2, dim=-1)
     ffn = gate.shape[-1]
     grad_h = torch.empty_like(h)
@@ -151,6 +163,9 @@ def grad_post_gemm_mlp(grad_expert: torch.Tensor, z2: torch.Tensor, a1: torch.Te
                        has_bias: bool, groups: Groups, output_activation: str):
     """Stage 3 for "mlp", fed ge [N, H] from grad_combine:
       dz2 = ge * act_out'(z2);  dW2_e = sum dz2^T a1;  db2_e = sum dz2;  da1 = dz2 W2_e  [N, P]"""
+    if kernels.available(grad_expert):
+        from shardmoe.kernels import experts as triton_experts
+        return triton_experts.grad_post_gemm_mlp(grad_expert, z2, a1, w2, has_bias, groups, output_activation)
     grad_z2 = activate_backward(output_activation, grad_expert, z2)
     grad_b2 = grouped_bias_grad(grad_z2, groups) if has_bias else None
     return grouped_linear_t(grad_z2, w2, groups), grouped_weight_grad(grad_z2, a1, groups), grad_b2
@@ -159,6 +174,9 @@ def grad_post_gemm_mlp(grad_expert: torch.Tensor, z2: torch.Tensor, a1: torch.Te
 def grad_pre_gemm_mlp(grad_a1: torch.Tensor, z1: torch.Tensor, xs: torch.Tensor, w1: torch.Tensor,
                       has_bias: bool, groups: Groups, activation: str):
     """Stage 4 for "mlp": dz1 = da1 * act'(z1);  dW1_e = sum dz1^T x;  db1_e = sum dz1;  dx = dz1 W1_e"""
+    if kernels.available(grad_a1):
+        from shardmoe.kernels import experts as triton_experts
+        return triton_experts.grad_pre_gemm_mlp(grad_a1, z1, xs, w1, has_bias, groups, activation)
     grad_z1 = activate_backward(activation, grad_a1, z1)
     grad_b1 = grouped_bias_grad(grad_z1, groups) if has_bias else None
     return grouped_linear_t(grad_z1, w1, groups), grouped_weight_grad(grad_z1, xs, groups), grad_b1
