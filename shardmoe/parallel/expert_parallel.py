@@ -187,12 +187,11 @@ def _route(x, gate_weight, config: MoEConfig, mesh) -> tuple[Routing, DispatchPl
 def _experts_forward(config: MoEConfig, mesh, xs, params, groups):
     """y 'N H' (whole over 't') for rows xs of the local experts, and what backward keeps:
     "glu": (h,) with h 'N 2F/t'; "mlp": (z1, z2) with z1 'N P/t' and z2 'N H' (whole)."""
-    if config.expert == "glu":
-        y_partial, saved = ex.expert_forward("glu", config.activation, "identity", xs, params, groups)
-        return etp.reduce_expert_output(y_partial, mesh), saved
-    # b2 and act_out need the whole z2: run the GEMMs without them, psum, then add b2 once.
-    no_b2 = {**params, "b2": None}
-    z2_partial, (z1, _) = ex.expert_forward("mlp", config.activation, "identity", xs, no_b2, groups)
+    if config.expert == "glu" or mesh.size("t") == 1:
+        y, saved = ex.expert_forward(config.expert, config.activation, config.output_activation, xs, params, groups)
+        return etp.reduce_expert_output(y, mesh), saved
+    # b2 and act_out need the whole z2: run the GEMMs without b2, psum, then add b2 once.
+    z2_partial, (z1, _) = ex.expert_forward("mlp", config.activation, "identity", xs, {**params, "b2": None}, groups)
     z2 = etp.reduce_expert_output(z2_partial, mesh)
     if params["b2"] is not None:
         z2 = z2 + params["b2"][groups.row_expert(z2.device)]
@@ -203,9 +202,11 @@ def _experts_backward(config: MoEConfig, mesh, grad_rows, weight_rows, xs, saved
     """Stages 1-4 on the expert side: (dx rows 'N H', gate dots dw 'N', expert shard gradients)."""
     if config.expert == "glu":
         (h,) = saved
-        a, act_gate = ex.glu_activation(h, config.activation)
+        # As the fused path: a in the acc dtype for the stage 2 dots, rounded for the GEMMs.
+        a_acc, act_gate = ex.glu_activation(h, config.activation, accumulation_dtype(h.dtype))
+        a = a_acc.to(h.dtype)
         grad_a, grad_down, g_down = ex.grad_post_gemm_glu(grad_rows, weight_rows, a, params["down_proj"], groups)
-        grad_dots = etp.reduce_gate_dot(comb.grad_gate_combine(g_down, a), mesh)
+        grad_dots = etp.reduce_gate_dot(comb.grad_gate_combine(g_down, a_acc), mesh)
         grad_xs, grad_gate_up = ex.grad_pre_gemm_glu(grad_a, h, act_gate, xs, params["gate_up_proj"], groups,
                                                      config.activation)
         grads = {"gate_up_proj": grad_gate_up, "down_proj": grad_down}

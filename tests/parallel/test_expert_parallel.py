@@ -255,9 +255,45 @@ def _two_rank_world(cases: list[dict], seed003: dict, bench_json: str) -> dict:
     meshes = out.pop("meshes")
     out["seed003"] = _run_seed003(seed003)
     out["errors"] = _bad_configurations(meshes[((1, 2, 1), 2)], meshes[((1, 1, 2), 2)])
+    out["low_precision"] = {name: _run_low_precision(meshes[((1, 2, 1), 2)], name) for name in LOW_PRECISION}
     out["bench_exit"] = bench.run_distributed(SimpleNamespace(mesh="e=2", quick=True, dtype="fp32", json=bench_json,
                                                               device="cpu", threads=None))
     return out
+
+
+LOW_PRECISION = {"fp32": (torch.float32, 1e-5), "bf16": (torch.bfloat16, 2e-2)}
+
+
+def _low_precision_inputs(dtype: torch.dtype) -> dict:
+    gen = torch.Generator().manual_seed(11)
+    params = {"gate_weight": torch.randn(16, 4, generator=gen), "gate_up_proj": torch.randn(4, 64, 16, generator=gen) * 0.3,
+              "down_proj": torch.randn(4, 16, 32, generator=gen) * 0.3}
+    return dict(params={n: p.to(dtype) for n, p in params.items()}, x=torch.randn(15, 16, generator=gen).to(dtype),
+                grad_out=torch.randn(15, 16, generator=gen).to(dtype), counts=[6, 9])
+
+
+def _low_precision_step(layer, x, grad_out) -> dict:
+    x = x.clone().requires_grad_(True)
+    out = layer(x)
+    ((out.float() * grad_out.float()).sum() + layer.aux_loss).backward()
+    return dict(out=out.detach(), grad_x=x.grad)
+
+
+def _run_low_precision(mesh: Mesh, name: str) -> dict:
+    """fp32 / bf16 on ep=2: the grouped_mm kernels, mixed-dtype row packing, synced gradients."""
+    dtype = LOW_PRECISION[name][0]
+    inputs = _low_precision_inputs(dtype)
+    layer = shardmoe.MoE(16, 32, 4, 2, aux_loss_coef=0.01, mesh=mesh, dtype=dtype)
+    with torch.no_grad():
+        for pname, p in layer.named_parameters():
+            whole = inputs["params"][pname]
+            p.copy_(whole if pname == "gate_weight" else etp.shard_expert_param(pname, whole, mesh))
+    start = sum(inputs["counts"][: mesh.coord("e")])
+    rows = slice(start, start + inputs["counts"][mesh.coord("e")])
+    result = _low_precision_step(layer, inputs["x"][rows], inputs["grad_out"][rows])
+    sync_grads(layer, mesh)
+    result["grads"] = {n: p.grad for n, p in layer.named_parameters()}
+    return result
 
 
 def _bad_configurations(ep_mesh: Mesh, tp_mesh: Mesh) -> list[str]:
@@ -454,3 +490,28 @@ def test_benchmark_mesh_option():
     assert bench.parse_mesh("e=4") == {"d": 1, "e": 4, "t": 1}
     with pytest.raises(ValueError, match=r"--mesh: expected items like 'e=4' over axes d, e, t, got 'x=2'"):
         bench.parse_mesh("x=2")
+
+
+@pytest.mark.parametrize("name", list(LOW_PRECISION))
+def test_fp32_and_bf16_expert_parallel_track_the_single_process_layer(two_rank_results, name):
+    _, _, results = two_rank_results
+    dtype, tol = LOW_PRECISION[name]
+    inputs = _low_precision_inputs(dtype)
+    single = shardmoe.MoE(16, 32, 4, 2, aux_loss_coef=0.01, dtype=dtype)
+    with torch.no_grad():
+        for pname, p in single.named_parameters():
+            p.copy_(inputs["params"][pname])
+    expected = _low_precision_step(single, inputs["x"], inputs["grad_out"])
+
+    def rel(a, b):
+        return ((a.double() - b.double()).abs().max() / b.double().abs().max()).item()
+
+    out = torch.cat([r["low_precision"][name]["out"] for r in results])
+    grad_x = torch.cat([r["low_precision"][name]["grad_x"] for r in results])
+    assert out.dtype == dtype and rel(out, expected["out"]) <= tol
+    assert rel(grad_x, expected["grad_x"]) <= tol
+    for pname, p in single.named_parameters():
+        for e, r in enumerate(results):
+            got = r["low_precision"][name]["grads"][pname]
+            want = p.grad if pname == "gate_weight" else p.grad[2 * e : 2 * e + 2]
+            assert rel(got, want) <= tol, (pname, e)
