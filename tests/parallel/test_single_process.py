@@ -34,3 +34,15 @@ def test_benchmark_runs_one_rank_without_torchrun(tmp_path):
     (report,) = json.loads(report_path.read_text())
     assert report["world"] == 1 and list(report["paths"]) == ["local"]
     assert report["paths"]["local"]["tokens_per_s_per_rank"] > 0
+
+
+def test_benchmark_options_compose_with_the_single_process_bench_parser():
+    import argparse
+
+    from shardmoe import bench as single_process_bench
+
+    parser = argparse.ArgumentParser()
+    single_process_bench.add_arguments(parser)
+    bench.add_arguments(parser)  # adds only what the parser lacks
+    args = parser.parse_args(["--mesh", "e=4", "--quick", "--threads", "1", "--hidden", "32"])
+    assert (args.mesh, args.quick, args.threads, args.hidden, args.top_k) == ("e=4", True, 1, 32, None)
