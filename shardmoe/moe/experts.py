@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from shardmoe import kernels
 from shardmoe.moe.activations import activate, activate_backward
-from shardmoe.moe.combine import grad_combine
+from shardmoe.moe.combine import grad_combine, grad_gate_combine
 from shardmoe.moe.routing import accumulation_dtype
 
 
@@ -180,3 +180,31 @@ def grad_pre_gemm_mlp(grad_a1: torch.Tensor, z1: torch.Tensor, xs: torch.Tensor,
     grad_z1 = activate_backward(activation, grad_a1, z1)
     grad_b1 = grouped_bias_grad(grad_z1, groups) if has_bias else None
     return grouped_linear_t(grad_z1, w1, groups), grouped_weight_grad(grad_z1, xs, groups), grad_b1
+
+
+def expert_backward(expert: str, activation: str, output_activation: str, grad_rows: torch.Tensor,
+                    weight_rows: torch.Tensor, xs: torch.Tensor, saved: tuple, params: dict, groups: Groups):
+    """Stages 1-4 on dispatched rows, given the unscaled output gradient g [N, H], the combine
+    weights w [N], the rows xs [N, H] and what expert_forward saved.
+
+    Returns (dx rows [N, H], gate dots dw [N] in the acc dtype, {parameter name: gradient}).
+    "glu" takes the gate dot over F, as (g Wdown) . a: with F sharded that is a partial sum.
+    """
+    if expert == "glu":
+        (h,) = saved
+        # a in the acc dtype for the stage 2 dots: a bf16-rounded a costs the routing gradient,
+        # whose renormalisation cancels terms, more than its bf16 error budget
+        a_acc, act_gate = glu_activation(h, activation, accumulation_dtype(h.dtype))
+        grad_a, grad_down, g_down = grad_post_gemm_glu(grad_rows, weight_rows, a_acc.to(h.dtype),
+                                                       params["down_proj"], groups)
+        grad_dots = grad_gate_combine(g_down, a_acc)
+        grad_xs, grad_gate_up = grad_pre_gemm_glu(grad_a, h, act_gate, xs, params["gate_up_proj"], groups, activation)
+        return grad_xs, grad_dots, {"gate_up_proj": grad_gate_up, "down_proj": grad_down}
+    z1, z2 = saved
+    has_bias = params["b1"] is not None
+    grad_dots = grad_gate_combine(grad_rows, activate(output_activation, z2))
+    grad_a1, grad_w2, grad_b2 = grad_post_gemm_mlp(grad_combine(grad_rows, weight_rows), z2,
+                                                   activate(activation, z1), params["w2"], has_bias, groups,
+                                                   output_activation)
+    grad_xs, grad_w1, grad_b1 = grad_pre_gemm_mlp(grad_a1, z1, xs, params["w1"], has_bias, groups, activation)
+    return grad_xs, grad_dots, {"w1": grad_w1, "b1": grad_b1, "w2": grad_w2, "b2": grad_b2}

@@ -25,7 +25,6 @@ import torch
 
 from shardmoe.moe import combine as comb
 from shardmoe.moe import experts as ex
-from shardmoe.moe.activations import activate
 from shardmoe.moe.config import MoEConfig
 from shardmoe.moe.routing import Routing, accumulation_dtype, balance_loss, grad_gate_gemm, route
 
@@ -85,30 +84,10 @@ class FusedMoE(torch.autograd.Function):
         xs = x[row_token]
         grad_rows = grad_out.contiguous()[row_token]
 
-        if config.expert == "glu":
-            (h,) = saved
-            # a in the acc dtype for stage 2: a bf16-rounded a costs the routing gradient,
-            # whose renormalisation cancels terms, more than its bf16 error budget
-            a_acc, act_gate = ex.glu_activation(h, config.activation, accumulation_dtype(h.dtype))
-            a = a_acc.to(h.dtype)
-            # stages 1 and 3 (w applied on both sides of the Wdown GEMM), then 2 on (g Wdown, a)
-            grad_a, grad_down, g_down = ex.grad_post_gemm_glu(grad_rows, weight_rows, a, params["down_proj"], groups)
-            grad_weight_rows = comb.grad_gate_combine(g_down, a_acc)
-            grad_xs, grad_gate_up = ex.grad_pre_gemm_glu(grad_a, h, act_gate, xs, params["gate_up_proj"], groups,
-                                                         config.activation)
-            grads = {"gate_up_proj": grad_gate_up, "down_proj": grad_down}
-        else:
-            z1, z2 = saved
-            has_bias = params["b1"] is not None
-            grad_expert = comb.grad_combine(grad_rows, weight_rows)
-            grad_weight_rows = comb.grad_gate_combine(grad_rows, activate(config.output_activation, z2))
-            grad_a1, grad_w2, grad_b2 = ex.grad_post_gemm_mlp(
-                grad_expert, z2, activate(config.activation, z1), params["w2"], has_bias, groups,
-                config.output_activation)
-            grad_xs, grad_w1, grad_b1 = ex.grad_pre_gemm_mlp(grad_a1, z1, xs, params["w1"], has_bias, groups,
-                                                             config.activation)
-            grads = {"w1": grad_w1, "b1": grad_b1, "w2": grad_w2, "b2": grad_b2}
-
+        # stages 1-4 (for "glu": 1 and 3 with w on both sides of the Wdown GEMM, 2 on (g Wdown, a))
+        grad_xs, grad_weight_rows, grads = ex.expert_backward(
+            config.expert, config.activation, config.output_activation, grad_rows, weight_rows, xs, saved,
+            params, groups)
         grad_x = comb.grad_input_combine(grad_xs, routing.row_pair, num_tokens, k)
         acc = accumulation_dtype(x.dtype)
         grad_weight = x.new_zeros(num_tokens * k, dtype=acc)

@@ -88,23 +88,25 @@ def dispatch_order(top_idx: torch.Tensor, num_experts: int, capacity: int | None
     return order[keep], selected, selected.clamp(max=capacity)
 
 
-def balance_loss(routing: Routing, config: MoEConfig) -> torch.Tensor:
+def balance_loss(routing: Routing, config: MoEConfig, num_tokens: int | None = None) -> torch.Tensor:
     """Weighted aux + z loss (a scalar in the accumulation dtype).
 
-    aux = E * sum_e (selected_e / S) * mean_t p_te   (Switch / Mixtral load balancing;
+    aux = E * sum_e (selected_e / S) * (sum_t p_te / S)   (Switch / Mixtral load balancing;
           selected_e counts top-k choices before capacity, as transformers does)
-    z   = mean_t logsumexp(logits_t)^2
+    z   = sum_t logsumexp(logits_t)^2 / S
+    S is the rows of `routing` unless `num_tokens` says otherwise: a rank holding part of a
+    batch passes the batch's S and its selected counts, and gets its share of the batch's loss.
     """
     probs = routing.probs
-    num_tokens = probs.shape[0]
-    if num_tokens == 0:
-        return probs.new_zeros(())
+    num_tokens = probs.shape[0] if num_tokens is None else num_tokens
     loss = probs.new_zeros(())
+    if num_tokens == 0:
+        return loss
     if config.aux_loss_coef:
         fraction = routing.selected_per_expert.to(probs.dtype) / num_tokens
-        loss = loss + config.aux_loss_coef * config.num_experts * (fraction * probs.mean(0)).sum()
+        loss = loss + config.aux_loss_coef * config.num_experts * (fraction * probs.sum(0)).sum() / num_tokens
     if config.z_loss_coef:
-        loss = loss + config.z_loss_coef * routing.logsumexp.square().mean()
+        loss = loss + config.z_loss_coef * routing.logsumexp.square().sum() / num_tokens
     return loss
 
 
@@ -127,7 +129,7 @@ def grad_gate_gemm(
       dlogits  = p * (dp - sum_e p_e dp_e)  +  z_coef * 2 lse_t p_t / S      (softmax, z loss)
       dWg = x^T dlogits  [H, E];   dx = dlogits Wg^T  [S, H]
     `num_tokens` is the S of the balance losses when `routing` holds a subset of the tokens
-    (a tile of them); by default the rows of `routing`.
+    (a tile of them, or one rank's share of a batch, as in balance_loss); by default its rows.
     Returns (dx [S, H], dWg [H, E]) in the accumulation dtype.
     """
     probs = routing.probs

@@ -70,20 +70,13 @@ class _Clock:
         self.last = now
 
 
-def global_share(routing: Routing, plan: DispatchPlan) -> tuple[Routing, float]:
-    """This rank's tokens as a fraction f = S/S_global of the global batch, for the aux and z losses.
-
-    The global losses are aux = coef E sum_e (C_e/S_g) (sum_t p_te)/S_g and z = zcoef sum_t lse_t^2/S_g
-    over all ranks' tokens t, with global selection counts C_e. balance_loss and grad_gate_gemm
-    use local means; giving them counts C_e * f and scaling their loss (and incoming loss
-    gradient) by f turns each local mean into this rank's share of the global one:
-        f * coef E sum_e (C_e f / S) (sum_t p_te / S) = coef E sum_e (C_e / S_g) (sum_t p_te / S_g).
-    The shares sum, over the token-parallel ranks, to the single-process loss of the concatenation.
-    """
-    num_tokens, total = routing.probs.shape[0], plan.global_tokens
-    fraction = num_tokens / total if total else 0.0
-    counts = plan.selected.sum(0).to(routing.probs.dtype) * fraction
-    return dataclasses.replace(routing, selected_per_expert=counts), fraction
+def global_counts(routing: Routing, plan: DispatchPlan) -> Routing:
+    """This rank's routing with the batch's selection counts C_e, so that balance_loss and
+    grad_gate_gemm with num_tokens=S_g give this rank's share of the global losses,
+        aux = coef E sum_e (C_e / S_g) (sum_t p_te) / S_g,   z = zcoef sum_t lse_t^2 / S_g,
+    summed over its tokens t; the shares sum, over the token-parallel ranks, to the
+    single-process loss of the concatenation."""
+    return dataclasses.replace(routing, selected_per_expert=plan.selected.sum(0))
 
 
 class ExpertParallelMoE(torch.autograd.Function):
@@ -116,13 +109,13 @@ class ExpertParallelMoE(torch.autograd.Function):
         data, layout = pack_rows(y_recv)
         (y_send,) = unpack_rows(exchange.exchange(data, _transposed(plan.counts)), layout)
         out = comb.combine(y_send, weight_rows, routing.row_pair, num_tokens, k).to(x.dtype)
-        share_routing, fraction = global_share(routing, plan)
-        loss = balance_loss(share_routing, config) * fraction
+        share_routing = global_counts(routing, plan)
+        loss = balance_loss(share_routing, config, num_tokens=plan.global_tokens)
         clock.lap("combine")
 
         stats.update(plan.stats())
         stats.update(rows=_row_stats(routing, plan, exchange), seconds=clock.seconds)
-        ctx.config, ctx.parallel, ctx.plan, ctx.fraction, ctx.seconds = config, parallel, plan, fraction, clock.seconds
+        ctx.config, ctx.parallel, ctx.plan, ctx.seconds = config, parallel, plan, clock.seconds
         ctx.save_for_backward(
             x, gate_weight, *expert_weights,
             share_routing.probs, share_routing.logsumexp, share_routing.top_idx, share_routing.top_prob,
@@ -169,7 +162,7 @@ class ExpertParallelMoE(torch.autograd.Function):
         grad_weight = x.new_zeros(num_tokens * k, dtype=acc)
         grad_weight[routing.row_pair] = grad_dots
         grad_x_gate, grad_gate = grad_gate_gemm(x, gate_weight, routing, grad_weight.view(num_tokens, k),
-                                                grad_loss * ctx.fraction, config)
+                                                grad_loss, config, num_tokens=plan.global_tokens)
         grad_x = (grad_x + grad_x_gate).to(x.dtype)
         clock.lap("route")
         expert_grads = [None if g is None else g.to(p.dtype)
@@ -199,27 +192,12 @@ def _experts_forward(config: MoEConfig, mesh, xs, params, groups):
 
 
 def _experts_backward(config: MoEConfig, mesh, grad_rows, weight_rows, xs, saved, params, groups):
-    """Stages 1-4 on the expert side: (dx rows 'N H', gate dots dw 'N', expert shard gradients)."""
+    """Stages 1-4 on the expert side: (dx rows 'N H', gate dots dw 'N', expert shard gradients).
+    With F split over 't' the glu dots (taken over F) and the input-gradient rows are partial sums."""
+    grad_xs, grad_dots, grads = ex.expert_backward(config.expert, config.activation, config.output_activation,
+                                                   grad_rows, weight_rows, xs, saved, params, groups)
     if config.expert == "glu":
-        (h,) = saved
-        # As the fused path: a in the acc dtype for the stage 2 dots, rounded for the GEMMs.
-        a_acc, act_gate = ex.glu_activation(h, config.activation, accumulation_dtype(h.dtype))
-        a = a_acc.to(h.dtype)
-        grad_a, grad_down, g_down = ex.grad_post_gemm_glu(grad_rows, weight_rows, a, params["down_proj"], groups)
-        grad_dots = etp.reduce_gate_dot(comb.grad_gate_combine(g_down, a_acc), mesh)
-        grad_xs, grad_gate_up = ex.grad_pre_gemm_glu(grad_a, h, act_gate, xs, params["gate_up_proj"], groups,
-                                                     config.activation)
-        grads = {"gate_up_proj": grad_gate_up, "down_proj": grad_down}
-    else:
-        z1, z2 = saved
-        has_bias = params["b1"] is not None
-        grad_expert = comb.grad_combine(grad_rows, weight_rows)
-        grad_dots = comb.grad_gate_combine(grad_rows, activate(config.output_activation, z2))
-        grad_a1, grad_w2, grad_b2 = ex.grad_post_gemm_mlp(
-            grad_expert, z2, activate(config.activation, z1), params["w2"], has_bias, groups, config.output_activation)
-        grad_xs, grad_w1, grad_b1 = ex.grad_pre_gemm_mlp(grad_a1, z1, xs, params["w1"], has_bias, groups,
-                                                         config.activation)
-        grads = {"w1": grad_w1, "b1": grad_b1, "w2": grad_w2, "b2": grad_b2}
+        grad_dots = etp.reduce_gate_dot(grad_dots, mesh)
     return etp.reduce_input_grad(grad_xs, mesh), grad_dots, grads
 
 
