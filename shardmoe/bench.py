@@ -209,12 +209,19 @@ class Candidate:
     flops: int | None = None     # GEMM FLOPs of one step, where the candidate knows them exactly
 
 
-def _build_candidates(s: Shape, dtype, device, names, seed: int = 0):
+def _build_candidates(s: Shape, dtype, device, names, seed: int = 0, fresh_inputs: int = 0):
+    """Candidates on the same weights and inputs. With fresh_inputs=R > 0 each module
+    candidate cycles through R + 1 different inputs (so routing, and each expert's row
+    count, change every step, as in training); input 0 serves forward() (the check pass),
+    steps use inputs 1..R. Every candidate steps once per round, so all see the same input
+    in the same round."""
     import torch
 
     gen = torch.Generator().manual_seed(seed + 1)
     x_base = torch.randn(1, s.tokens, s.hidden, generator=gen).to(device=device, dtype=dtype)
     grad_out = (torch.randn(1, s.tokens, s.hidden, generator=gen) / s.hidden ** 0.5).to(device=device, dtype=dtype)
+    x_pool = [x_base] + [torch.randn(1, s.tokens, s.hidden, generator=gen).to(device=device, dtype=dtype)
+                         for _ in range(fresh_inputs)]
     cands: dict[str, Candidate] = {}
     weights = _init_weights(s, seed)
     block = None
@@ -224,17 +231,22 @@ def _build_candidates(s: Shape, dtype, device, names, seed: int = 0):
     def module_candidate(name, module, params, x_shape, gate_transposed=False):
         """gate_transposed: params[0] is [H, E] (the router holds [E, H]); its gradient
         is compared transposed."""
-        x = x_base.reshape(x_shape).clone().requires_grad_()
+        xs = [xb.reshape(x_shape).clone().requires_grad_() for xb in x_pool]
+        x = xs[0]
         g = grad_out.reshape(x_shape)
+        turn = [0]
 
         def forward():
             return module(x)
 
         def step():
-            module(x).backward(g)
+            xi = x if len(xs) == 1 else xs[1 + turn[0] % (len(xs) - 1)]
+            turn[0] += 1
+            module(xi).backward(g)
 
         def reset():
-            x.grad = None
+            for xi in xs:
+                xi.grad = None
             for p in params:
                 p.grad = None
 
@@ -399,6 +411,7 @@ class CaseResult:
     router_flops: int
     warmup: int
     repeats: int
+    routing: str = "fixed"
     rows: list[Row] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
 
@@ -433,7 +446,7 @@ def relative_error(a: dict, b: dict) -> float:
 
 
 def run_case(shape_name: str, s: Shape, dtype_name: str, device: str, warmup: int, repeats: int,
-             names=CANDIDATES, budget_s: float | None = None) -> CaseResult:
+             names=CANDIDATES, budget_s: float | None = None, routing: str = "fixed") -> CaseResult:
     """Build every candidate on the same weights and input, measure saved bytes and
     cross-check outputs and gradients against transformers (this pass is the first
     warm-up round), then time the rest of the warm-up and the repeats interleaved."""
@@ -445,7 +458,11 @@ def run_case(shape_name: str, s: Shape, dtype_name: str, device: str, warmup: in
                         warmup, repeats)
     if "transformers" not in names:
         result.notes.append("transformers is not installed: its anchor is skipped")
-    cands, inputs = _build_candidates(s, dtype, device, names)
+    if routing not in ("fixed", "fresh"):
+        raise ValueError(f"routing: expected 'fixed' or 'fresh', got {routing!r}")
+    fresh = max(warmup - 1, 0) + repeats if routing == "fresh" else 0
+    cands, inputs = _build_candidates(s, dtype, device, names, fresh_inputs=fresh)
+    result.routing = routing
 
     saved: dict[str, SavedBytes] = {}
     outputs: dict[str, dict] = {}
@@ -499,7 +516,7 @@ def format_case(r: CaseResult) -> str:
     lines = [
         f"[{r.shape_name} {r.dtype}] {s}   GEMM FLOPs fwd+bwd {r.flops / 1e9:.2f} G "
         f"(experts {r.expert_flops / 1e9:.2f} + router {r.router_flops / 1e9:.2f}); "
-        f"median of n timed rounds (<= {r.repeats}) after {r.warmup} warm-up",
+        f"median of n timed rounds (<= {r.repeats}) after {r.warmup} warm-up; {r.routing} routing",
         f"  {'candidate':<13}{'median ms':>10}{'min ms':>9}{'GFLOP/s':>9}{'x dense':>9}{'vs tf':>7}"
         f"{'vs loop':>8}{'saved B/tok':>12}{'saved/tf':>9}{'rel err':>9}{'n':>4}",
     ]
@@ -566,6 +583,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=None,
                         help="torch.set_num_threads before timing (default: leave torch's setting as it is)")
     parser.add_argument("--candidates", nargs="+", choices=CANDIDATES, default=list(CANDIDATES))
+    parser.add_argument("--routing", choices=("fixed", "fresh"), default="fixed",
+                        help="fixed: the same input every step; fresh: a new input (new routing, new "
+                             "per-expert row counts) every step, as in training")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--json", metavar="PATH", default=None, help="write every number to this JSON file")
     parser.add_argument("--strict", action="store_true", help="exit 1 when a target is missed")
@@ -601,7 +621,8 @@ def run(args: argparse.Namespace) -> int:
         S, H, F, E, k = SHAPES[shape_name]
         s = Shape(tokens if tokens is not None else S, H, F, E, k)
         for dtype_name in dtype_names:
-            r = run_case(shape_name, s, dtype_name, args.device, warmup, repeats, tuple(args.candidates), budget)
+            r = run_case(shape_name, s, dtype_name, args.device, warmup, repeats, tuple(args.candidates), budget,
+                         args.routing)
             results.append(r)
             print(format_case(r), flush=True)
     print(format_targets(results))

@@ -171,3 +171,18 @@ def test_run_case_without_transformers(monkeypatch):
     assert any("transformers" in note for note in r.notes)
     assert all(row.speedup_vs_transformers is None for row in r.rows)
     assert r.targets()["speedup vs transformers"] == (None, bench.TARGET_SPEEDUP_VS_TRANSFORMERS, None)
+
+
+def test_fresh_routing_feeds_a_new_input_each_step():
+    s = bench.Shape(tokens=32, hidden=16, ffn=32, experts=4, top_k=2)
+    cands, inputs = bench._build_candidates(s, torch.float32, "cpu", ["loop"], fresh_inputs=2)
+    loop = cands["loop"]
+    outs = []
+    for _ in range(4):
+        loop.reset()
+        loop.step()
+        outs.append(loop.params[0].grad.clone())   # the gate gradient depends on the input
+    assert not torch.equal(outs[0], outs[1])        # inputs 1 and 2 differ
+    assert torch.equal(outs[0], outs[2]) and torch.equal(outs[1], outs[3])  # and cycle
+    r = bench.run_case("tiny", s, "fp32", "cpu", warmup=1, repeats=2, names=("loop", "dense"), routing="fresh")
+    assert r.routing == "fresh" and "fresh routing" in bench.format_case(r)
