@@ -16,8 +16,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 run: $(STAMP)
-	$(PY) -m shardmoe check
-	$(PY) -m shardmoe bench --quick
+	$(PY) -m shardmoe train
 
 test: $(STAMP)
 	$(PY) -m pytest

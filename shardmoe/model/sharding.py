@@ -61,3 +61,54 @@ def size(mesh, axis: str) -> int:
 def local_shape(spec: str, global_shape: tuple[int, ...], mesh) -> tuple[int, ...]:
     """This rank's block shape of a tensor of `global_shape` laid out as `spec`."""
     return tuple(global_shape) if mesh is None else notation.local_shape(spec, global_shape, mesh)
+
+
+class _KeepBlock(torch.autograd.Function):
+    """Forward: this rank's block of a replicated tensor. Backward: all_gather of the block gradients."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, spec: str, mesh) -> Tensor:
+        ctx.spec, ctx.mesh = spec, mesh
+        return shardops.shard(spec, x, mesh).contiguous()
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        source, target = ctx.spec.split("->")
+        return shardops.all_gather(f"{target} -> {source}", grad.contiguous(), ctx.mesh), None, None
+
+
+def keep_block(spec: str, x: Tensor, mesh) -> Tensor:
+    """This rank's block of a tensor that every rank holds whole, e.g. 'B L M -> B L M/t'.
+
+    Unlike shardops.shard (whose gradient is zero outside the block, i.e. partial), the gradient
+    leaves *whole* on every rank: the producer of x (the MoE layer, whose row-parallel experts
+    psum their output over t) needs the full output gradient on each t rank.
+    """
+    if mesh is None:
+        return x
+    return _KeepBlock.apply(x, spec, mesh)
+
+
+class _WholeToPartialGrad(torch.autograd.Function):
+    """Forward: identity. Backward: the gradient on coordinate 0 of the axis, zeros elsewhere."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, mesh, axis: str) -> Tensor:
+        ctx.keep = mesh.coord(axis) == 0
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return (grad if ctx.keep else torch.zeros_like(grad)), None, None
+
+
+def whole_to_partial_grad(x: Tensor, mesh, axis: str) -> Tensor:
+    """Mark a replicated x whose consumer returns a *whole* gradient (equal on every rank of
+    `axis`) while x's producer expects a *partial* one (summed over `axis` by its dual).
+
+    The whole gradient is kept on coordinate 0 and zeroed elsewhere: the partials then sum to
+    exactly the whole gradient (dividing by |axis| instead would round for |axis| > 2).
+    """
+    if mesh is None or mesh.size(axis) == 1:
+        return x
+    return _WholeToPartialGrad.apply(x, mesh, axis)

@@ -1,0 +1,330 @@
+"""The assembled Mixtral-like MoE transformer, sharded over the mesh axes d, e and t.
+
+Dims: B rows, L tokens, M d_model, V vocab, K kv heads, Q query heads per kv head, D head dim,
+E experts, F expert intermediate size. Tokens are split over d and e ('B/d/e', each (d, e) rank
+has its own rows) and replicated over t. On every rank:
+
+    x[B/d/e L M/t]  = Embedding(ids)
+    for each block:
+        x          += Attention(RMSNorm(x))          heads over t, weights FSDP over d
+        nx[B L M]   = RMSNorm(x)                     replicated over t
+        y[B L M]    = MoE(nx)                        experts over e, F over t; y whole on each t rank
+        x          += block_t(y)                     this t rank's slice of M
+    loss = CE(Unembedding(RMSNorm(x)), targets) + sum over blocks of the MoE aux loss
+
+Weights (local shard specs): embedding and unembedding 'V/t M/d', norm gains 'M/t/d', w_q and
+w_o 'M/d Q K/t D', w_kv '2 M/d K/t D' (docs/model.md); MoE gate 'H E' (replicated), gate_up_proj
+'E/e 2F/t H', down_proj 'E/e H F/t' (shardmoe/parallel/expert_tensor.py).
+
+Gradient placement. The dense layers reduce-scatter their weight gradients over d (the duals of
+their FSDP gathers), but with tokens also split over e those sums miss the other e ranks' tokens:
+the dense parameters are marked for shardmoe.parallel.sync_grads over ('e',), next to the MoE's
+own marks (gate over ('d', 'e'), experts over ('d',)). `Transformer.sync_grads()` runs it.
+
+The MoE seam over t: the MoE hands back a whole input gradient on every t rank, while the
+RMSNorm before it sums partial gradients over t, so `whole_to_partial_grad` keeps it on t rank 0
+only; and the MoE needs the whole output gradient, so `keep_block` all-gathers the slices' grads.
+
+Initialisation draws every FULL weight from `seed` (identically on every rank, in float64, then
+cast) and keeps this rank's shard, so a model's values do not depend on the mesh layout.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+from torch import Tensor, nn
+
+from shardmoe import shardops
+from shardmoe.moe.config import MoEConfig
+from shardmoe.moe.layer import MoE
+from shardmoe.notation import MESH_AXES, parse_spec
+from shardmoe.parallel import expert_tensor as etp
+from shardmoe.parallel.sync import mark_grad_sync, sync_grads
+
+from .attention import Attention
+from .config import DenseConfig
+from .embedding import Embedding
+from .residuals import check_backward_mode
+from .rmsnorm import RMSNorm
+from .rope import RopeTable, rope_table
+from .segments import packed_layout
+from .sharding import keep_block, whole_to_partial_grad
+from .unembed import Unembedding
+
+DENSE_GRAD_SYNC = ("e",)  # the dense layers already summed over d themselves
+EXPERT_PARAMS = ("gate_up_proj", "down_proj")
+GATE_SPEC = "H E"
+
+
+@dataclass(frozen=True)
+class TransformerConfig:
+    """Dims and MoE options of the model; validated at construction (every error names the option).
+
+    vocab_size includes padding (the byte tokenizer's 257 ids padded to split evenly over t).
+    aux_loss_coef and z_loss_coef weight each block's load-balancing and router z losses.
+    Residual-branch outputs (w_o, down_proj) start at init_std / sqrt(2 n_layers) (GPT-2).
+    """
+
+    vocab_size: int = 320
+    d_model: int = 96
+    n_layers: int = 3
+    n_q_heads: int = 4
+    n_kv_heads: int = 2
+    head_dim: int = 24
+    ffn_size: int = 192
+    num_experts: int = 4
+    top_k: int = 2
+    capacity_factor: float | None = None
+    aux_loss_coef: float = 0.01
+    z_loss_coef: float = 0.0
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    init_std: float = 0.02
+
+    def __post_init__(self) -> None:
+        self.dense(), self.moe()  # their own checks, with messages naming the option
+        if isinstance(self.n_layers, bool) or not isinstance(self.n_layers, int) or self.n_layers < 1:
+            raise ValueError(f"n_layers: expected an int >= 1, got {self.n_layers!r}")
+        std = self.init_std
+        if isinstance(std, bool) or not isinstance(std, (int, float)) or not math.isfinite(std) or std <= 0:
+            raise ValueError(f"init_std: expected a positive finite number, got {std!r}")
+
+    def dense(self) -> DenseConfig:
+        return DenseConfig(self.vocab_size, self.d_model, self.n_q_heads, self.n_kv_heads, self.head_dim,
+                           self.rope_theta, self.norm_eps)
+
+    def moe(self) -> MoEConfig:
+        return MoEConfig(self.d_model, self.ffn_size, self.num_experts, self.top_k, expert="glu",
+                         activation="silu", capacity_factor=self.capacity_factor,
+                         aux_loss_coef=self.aux_loss_coef, z_loss_coef=self.z_loss_coef)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict) -> "TransformerConfig":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"model: unknown option(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        return cls(**values)
+
+
+def check_layout(config: TransformerConfig, dp: int = 1, ep: int = 1, tp: int = 1) -> None:
+    """Raise ValueError when a dp x ep x tp mesh cannot split the model evenly; no communication,
+    so a launcher calls it before creating any process group."""
+    needs = [("vocab_size", config.vocab_size, tp, "the vocabulary is split over t"),
+             ("n_kv_heads", config.n_kv_heads, tp, "key/value heads are split over t"),
+             ("d_model", config.d_model, tp * dp, "norm gains are split over t and d"),
+             ("ffn_size", config.ffn_size, tp, "each expert's intermediate dim is split over t"),
+             ("num_experts", config.num_experts, ep, "experts are split over e")]
+    for name, value, multiple, why in needs:
+        if value % multiple:
+            raise ValueError(f"{name}: expected a multiple of {multiple} on a mesh d={dp}, e={ep}, t={tp} "
+                             f"({why}), got {value}")
+
+
+def full_shapes(config: TransformerConfig) -> dict[str, tuple[int, ...]]:
+    """Name -> unsharded shape of every parameter, in the model's parameter order."""
+    V, M, K, D = config.vocab_size, config.d_model, config.n_kv_heads, config.head_dim
+    Q, E, F = config.n_q_heads // config.n_kv_heads, config.num_experts, config.ffn_size
+    shapes = {"embedding.weight": (V, M)}
+    for i in range(config.n_layers):
+        shapes.update({f"blocks.{i}.attn_norm.weight": (M,), f"blocks.{i}.attention.w_q": (M, Q, K, D),
+                       f"blocks.{i}.attention.w_kv": (2, M, K, D), f"blocks.{i}.attention.w_o": (M, Q, K, D),
+                       f"blocks.{i}.ffn_norm.weight": (M,), f"blocks.{i}.moe.gate_weight": (M, E),
+                       f"blocks.{i}.moe.gate_up_proj": (E, 2 * F, M), f"blocks.{i}.moe.down_proj": (E, M, F)})
+    shapes.update({"final_norm.weight": (M,), "unembedding.weight": (V, M)})
+    return shapes
+
+
+def init_full_weights(config: TransformerConfig, seed: int, dtype: torch.dtype = torch.float32) -> dict[str, Tensor]:
+    """Every full weight drawn from `seed`: norm gains 1, the rest N(0, std^2) with std = init_std,
+    or init_std / sqrt(2 n_layers) for the residual-branch outputs w_o and down_proj."""
+    generator = torch.Generator().manual_seed(seed)
+    residual_std = config.init_std / math.sqrt(2 * config.n_layers)
+    weights = {}
+    for name, shape in full_shapes(config).items():
+        if name.endswith("norm.weight"):
+            weights[name] = torch.ones(shape, dtype=dtype)
+            continue
+        std = residual_std if name.endswith(("w_o", "down_proj")) else config.init_std
+        weights[name] = (torch.randn(shape, generator=generator, dtype=torch.float64) * std).to(dtype)
+    return weights
+
+
+class Losses(NamedTuple):
+    """This rank's terms of the objective. total = ce + aux is what backward starts from.
+
+    ce is summed over d (the cross-entropy psums it) but is a partial sum over e; aux is this
+    rank's share of the global aux loss (a partial sum over d and e). Transformer.global_losses
+    sums them for logging."""
+
+    total: Tensor
+    ce: Tensor
+    aux: Tensor
+
+
+class Block(nn.Module):
+    """x[B L M/t] -> x + Attention(RMSNorm(x)) -> x + MoE(RMSNorm(x)) sliced to M/t."""
+
+    def __init__(self, config: TransformerConfig, mesh, backward: str, dtype: torch.dtype):
+        super().__init__()
+        kw = dict(mesh=mesh, backward=backward, dtype=dtype)
+        self.mesh = mesh
+        self.attn_norm = RMSNorm(config.d_model, config.norm_eps, **kw)
+        self.attention = Attention(config.d_model, config.n_q_heads, config.n_kv_heads, config.head_dim, **kw)
+        self.ffn_norm = RMSNorm(config.d_model, config.norm_eps, **kw)
+        moe = config.moe()
+        self.moe = MoE(moe.hidden_size, moe.ffn_size, moe.num_experts, moe.top_k, expert=moe.expert,
+                       activation=moe.activation, capacity_factor=moe.capacity_factor,
+                       aux_loss_coef=moe.aux_loss_coef, z_loss_coef=moe.z_loss_coef, mesh=mesh, dtype=dtype)
+
+    def forward(self, x: Tensor, segment_ids: Tensor, rope: RopeTable) -> Tensor:
+        x = x + self.attention(self.attn_norm(x), segment_ids, rope)
+        nx = whole_to_partial_grad(self.ffn_norm(x), self.mesh, "t")
+        return x + keep_block("B L M -> B L M/t", self.moe(nx), self.mesh)
+
+
+class Transformer(nn.Module):
+    """The model on this rank: parameters hold local shards (see the module docstring).
+
+    backward: "explicit" (the dense layers' hand-written backward) or "autograd" (autograd through
+    their forward and shardops' collectives); the MoE layer always runs its fused explicit backward.
+    """
+
+    def __init__(self, config: TransformerConfig, *, mesh=None, backward: str = "explicit",
+                 dtype: torch.dtype = torch.float32, seed: int = 0):
+        super().__init__()
+        sizes = [1 if mesh is None else mesh.size(a) for a in MESH_AXES]
+        check_layout(config, *sizes)
+        self.config, self.mesh, self.dtype = config, mesh, dtype
+        self.backward = check_backward_mode(backward)
+        kw = dict(mesh=mesh, backward=backward, dtype=dtype)
+        self.embedding = Embedding(config.vocab_size, config.d_model, **kw)
+        self.blocks = nn.ModuleList(Block(config, mesh, backward, dtype) for _ in range(config.n_layers))
+        self.final_norm = RMSNorm(config.d_model, config.norm_eps, **kw)
+        self.unembedding = Unembedding(config.vocab_size, config.d_model, **kw)
+        self.specs = self._local_specs()
+        for name, param in self.named_parameters():
+            if self._kind(name) == "dense":
+                mark_grad_sync(param, DENSE_GRAD_SYNC)
+        self.load_full_state_dict(init_full_weights(config, seed, dtype))
+
+    # -- layout ------------------------------------------------------------------------------
+
+    def _local_specs(self) -> dict[str, str]:
+        specs = {}
+        for module_name, module in self.named_modules():
+            for param_name, spec in getattr(module, "SPECS", {}).items():
+                specs[f"{module_name}.{param_name}"] = spec
+        for i in range(self.config.n_layers):
+            specs[f"blocks.{i}.moe.gate_weight"] = GATE_SPEC
+            for short in EXPERT_PARAMS:
+                specs[f"blocks.{i}.moe.{short}"] = etp.SHARD_SPECS[short][1]
+        return {name: specs[name] for name, _ in self.named_parameters()}
+
+    @staticmethod
+    def _kind(name: str) -> str:
+        short = name.rsplit(".", 1)[-1]
+        return "expert" if short in EXPERT_PARAMS else "gate" if short == "gate_weight" else "dense"
+
+    def replicas(self, name: str) -> int:
+        """Number of ranks holding the same shard of parameter `name` (its gradient norm counts once)."""
+        if self.mesh is None:
+            return 1
+        sharded = parse_spec(self.specs[name]).axes
+        return math.prod(self.mesh.size(a) for a in MESH_AXES if a not in sharded)
+
+    def shard_full(self, name: str, full: Tensor) -> Tensor:
+        """This rank's shard of a full tensor laid out like parameter `name` (no communication)."""
+        kind = self._kind(name)
+        if self.mesh is None or kind == "gate":
+            return full
+        if kind == "expert":
+            return etp.shard_expert_param(name.rsplit(".", 1)[-1], full, self.mesh)
+        spec = self.specs[name]
+        return shardops.shard(f"{_unsharded(spec)} -> {spec}", full, self.mesh)
+
+    def gather_full(self, name: str, local: Tensor) -> Tensor:
+        """The full tensor from every rank's shard laid out like parameter `name`. Collective."""
+        kind = self._kind(name)
+        if self.mesh is None or kind == "gate":
+            return local
+        if kind == "expert":
+            return etp.gather_expert_param(name.rsplit(".", 1)[-1], local, self.mesh)
+        spec = self.specs[name]
+        return shardops.all_gather(f"{spec} -> {_unsharded(spec)}", local.contiguous(), self.mesh)
+
+    @torch.no_grad()
+    def full_state_dict(self) -> dict[str, Tensor]:
+        """Unsharded parameters by name (equal on every rank). Collective: every rank calls it."""
+        return {name: self.gather_full(name, p.detach()).clone() for name, p in self.named_parameters()}
+
+    @torch.no_grad()
+    def load_full_state_dict(self, state: dict[str, Tensor]) -> None:
+        """Load unsharded parameters, keeping this rank's shards; names and shapes must match."""
+        shapes = full_shapes(self.config)
+        if set(state) != set(shapes):
+            missing, extra = sorted(set(shapes) - set(state)), sorted(set(state) - set(shapes))
+            raise ValueError(f"state dict: missing {missing or 'nothing'}, unexpected {extra or 'nothing'}")
+        for name, param in self.named_parameters():
+            if tuple(state[name].shape) != shapes[name]:
+                raise ValueError(f"state dict: {name} has shape {list(state[name].shape)}, "
+                                 f"expected {list(shapes[name])}")
+            param.copy_(self.shard_full(name, state[name].to(param.dtype)))
+
+    # -- forward -----------------------------------------------------------------------------
+
+    def _trunk(self, ids: Tensor, is_seq_start: Tensor) -> Tensor:
+        """x[B L M/t] after the blocks."""
+        layout = packed_layout(is_seq_start)
+        rope = rope_table(layout.positions, self.config.head_dim, self.config.rope_theta, self.dtype)
+        x = self.embedding(ids)
+        for block in self.blocks:
+            x = block(x, layout.segment_ids, rope)
+        return x
+
+    def forward(self, ids: Tensor, is_seq_start: Tensor, targets: Tensor) -> Losses:
+        """ids, is_seq_start, targets [B/d/e L] -> this rank's Losses (mean over all ranks' tokens)."""
+        x = self._trunk(ids, is_seq_start)
+        token_shards = 1 if self.mesh is None else self.mesh.size(("d", "e"))
+        ce = self.unembedding(self.final_norm(x), targets, targets.numel() * token_shards)
+        aux = sum(block.moe.aux_loss for block in self.blocks)
+        return Losses(ce + aux, ce, aux)
+
+    @torch.no_grad()
+    def logits(self, ids: Tensor, is_seq_start: Tensor) -> Tensor:
+        """logits[B L V] (gathered over t) in the compute dtype, for evaluation and sampling."""
+        local = self.unembedding.logits(self.final_norm(self._trunk(ids, is_seq_start)))
+        return local if self.mesh is None else shardops.all_gather("B L V/t -> B L V", local, self.mesh)
+
+    def moe_stats(self) -> list[dict]:
+        """Each block's MoE routing statistics of the last forward (global over the mesh)."""
+        return [block.moe.stats for block in self.blocks]
+
+    # -- distributed bookkeeping -------------------------------------------------------------
+
+    def sync_grads(self) -> None:
+        """Complete every gradient over the axes whose ranks saw other tokens. Collective."""
+        sync_grads(self, self.mesh)
+
+    @torch.no_grad()
+    def global_losses(self, losses: Losses) -> tuple[float, float]:
+        """(cross-entropy, aux loss) of the whole global batch, equal on every rank. Collective."""
+        ce, aux = losses.ce.detach().reshape(1), losses.aux.detach().reshape(1).to(losses.ce.dtype)
+        if self.mesh is not None:
+            if self.mesh.size("e") > 1:
+                ce = shardops.psum("1 -> 1", ce, self.mesh, axes="e")
+            if self.mesh.size(("d", "e")) > 1:
+                aux = shardops.psum("1 -> 1", aux, self.mesh, axes=("d", "e"))
+        return ce.item(), aux.item()
+
+
+def _unsharded(spec: str) -> str:
+    """'V/t M/d' -> 'V M'."""
+    return " ".join(dim.split("/")[0] for dim in spec.split())

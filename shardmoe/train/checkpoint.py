@@ -1,0 +1,113 @@
+"""Checkpoints: one safetensors file with the FULL (unsharded) training state, written atomically.
+
+    DIR/checkpoint.safetensors
+      tensors   model.<param>                  full weights (the model's dtype)
+                optim.exp_avg.<param>          AdamW first moments, full
+                optim.exp_avg_sq.<param>       AdamW second moments, full
+                rng.torch                      torch's CPU generator state (uint8)
+      metadata  format      "shardmoe-checkpoint/1"
+                step        optimizer steps taken (the run resumes at step + 1)
+                config      the TrainConfig as JSON (model table included)
+                identity    the settings a resume must share (TrainConfig.resume_identity) as JSON
+                data        the batch stream's state_dict as JSON
+
+Weights and moments are gathered whole, so a checkpoint does not depend on the mesh: a run saved
+on d=2 x e=2 resumes on one process and vice versa. Rank 0 writes DIR/checkpoint.safetensors.tmp
+and then os.replace()s it over the old file: a crash mid-write leaves the previous checkpoint
+intact. Gathering is collective: every rank calls save_checkpoint.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from shardmoe.model.transformer import Transformer
+
+from .optim import AdamW
+
+FILE_NAME = "checkpoint.safetensors"
+FORMAT = "shardmoe-checkpoint/1"
+MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+def checkpoint_path(out_dir: str | Path) -> Path:
+    return Path(out_dir) / FILE_NAME
+
+
+def save_checkpoint(out_dir: str | Path, model: Transformer, optimizer: AdamW, step: int, config: dict,
+                    identity: dict, data_state: dict, write: bool) -> None:
+    """Gather the state (collective) and, when `write` (rank 0), write it atomically."""
+    tensors = {f"model.{name}": t for name, t in model.full_state_dict().items()}
+    with torch.no_grad():
+        for key in MOMENTS:
+            for name, local in optimizer.state_dict()[key].items():
+                tensors[f"optim.{key}.{name}"] = model.gather_full(name, local).clone()
+    if not write:
+        return
+    tensors["rng.torch"] = torch.get_rng_state()
+    metadata = {"format": FORMAT, "step": str(step), "config": json.dumps(config),
+                "identity": json.dumps(identity, sort_keys=True), "data": json.dumps(data_state)}
+    path = checkpoint_path(out_dir)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata=metadata)
+    os.replace(tmp, path)
+
+
+def read_metadata(path: str | Path) -> dict:
+    """The checkpoint's metadata (reads only the file header); raises ValueError if unreadable."""
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            metadata = f.metadata() or {}
+    except Exception as err:  # safetensors raises its own error types for corrupt headers
+        raise ValueError(f"checkpoint {path}: not a readable safetensors file ({err})") from None
+    if metadata.get("format") != FORMAT:
+        raise ValueError(f"checkpoint {path}: format {metadata.get('format')!r}, expected {FORMAT!r}")
+    return metadata
+
+
+def check_resumable(path: str | Path, identity: dict) -> int:
+    """Raise ValueError unless the checkpoint at `path` was written with the same identity settings;
+    returns its step. Reads only the header, so a launcher calls it before any process group."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"--resume: no checkpoint at {path}")
+    metadata = read_metadata(path)
+    saved = json.loads(metadata["identity"])
+    differences = _differences(saved, json.loads(json.dumps(identity)))
+    if differences:
+        raise ValueError(f"--resume: checkpoint {path} was written with another config: "
+                         + "; ".join(differences))
+    return int(metadata["step"])
+
+
+def load_checkpoint(path: str | Path, model: Transformer, optimizer: AdamW) -> tuple[int, dict]:
+    """Load weights and optimizer moments (keeping this rank's shards) and the RNG state;
+    returns (step, data state dict). Every rank reads the file itself: no communication."""
+    metadata = read_metadata(path)
+    tensors = load_file(str(path))
+    model.load_full_state_dict({k[len("model."):]: v for k, v in tensors.items() if k.startswith("model.")})
+    state = {"step": int(metadata["step"])}
+    for key in MOMENTS:
+        prefix = f"optim.{key}."
+        state[key] = {name: model.shard_full(name, tensors[prefix + name]) for name, _ in model.named_parameters()}
+    optimizer.load_state_dict(state)
+    torch.set_rng_state(tensors["rng.torch"])
+    return int(metadata["step"]), json.loads(metadata["data"])
+
+
+def _differences(saved, current, prefix: str = "") -> list[str]:
+    """'key: saved X, now Y' for every leaf that differs between two nested dicts."""
+    out = []
+    for key in sorted(set(saved) | set(current)):
+        a, b = saved.get(key), current.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += _differences(a, b, f"{prefix}{key}.")
+        elif a != b:
+            out.append(f"{prefix}{key}: saved {a!r}, now {b!r}")
+    return out

@@ -1,0 +1,158 @@
+"""TrainConfig: every setting of a training run, with defaults, loaded from JSON or TOML.
+
+A config file holds top-level training settings and a `model` table (TransformerConfig fields);
+anything left out keeps its default:
+
+    steps = 300
+    lr = 3e-3
+    [model]
+    d_model = 96
+
+Unknown keys are errors (a typo must not silently train the default). Command-line options
+(--steps, --seed, --backward) override the file.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from shardmoe.model.transformer import TransformerConfig
+
+DTYPES = ("float32", "float64")
+BACKWARDS = ("explicit", "autograd")
+# Settings a resumed run must share with the checkpoint: they fix the weights' shapes and the data
+# stream. Optimizer settings and `steps` may change on resume (docs/training.md).
+RESUME_IDENTITY = ("model", "dtype", "seq_len", "batch_size", "seed", "corpus", "val_fraction")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Defaults train on a 2-core CPU in about three minutes (docs/training.md has the reasons).
+
+    batch_size is global (rows over all data-parallel ranks); seq_len L tokens per row.
+    lr: the peak; linear warm-up over warmup_steps, cosine decay to min_lr_ratio * lr at `steps`.
+    max_grad_norm: clip the global gradient norm (over all shards) to this; 0 disables clipping.
+    corpus: None for the embedded KJV text, or a UTF-8 file whose documents are separated by a
+    blank line. eval_batches: held-out batches scored at the end (and every eval_every steps if > 0).
+    checkpoint_every: also save every so many steps (0: only at the end). health_every: run the
+    gradient health report every so many steps and log flagged parameters (0: never).
+    threads: torch intra-op threads per rank (0: torch's default). One, because on a shared CPU
+    OpenMP threads spin-wait on each other: a step measured up to 10x slower with two threads here.
+    """
+
+    model: TransformerConfig = field(default_factory=TransformerConfig)
+    steps: int = 600
+    batch_size: int = 16
+    seq_len: int = 64
+    lr: float = 6e-3
+    warmup_steps: int = 30
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    adam_eps: float = 1e-8
+    max_grad_norm: float = 1.0
+    seed: int = 0
+    dtype: str = "float32"
+    backward: str = "explicit"
+    corpus: str | None = None
+    val_fraction: float = 0.05
+    eval_every: int = 100
+    eval_batches: int = 8
+    checkpoint_every: int = 100
+    health_every: int = 50
+    sample_bytes: int = 160
+    sample_temperature: float = 0.8
+    threads: int = 1
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model, TransformerConfig):
+            raise ValueError(f"model: expected a TransformerConfig, got {type(self.model).__name__}")
+        for name in ("steps", "batch_size", "seq_len"):
+            _check_int(name, getattr(self, name), 1)
+        for name in ("warmup_steps", "seed", "eval_every", "eval_batches", "checkpoint_every", "health_every",
+                     "sample_bytes", "threads"):
+            _check_int(name, getattr(self, name), 0)
+        _check_number("lr", self.lr, low=0.0, low_open=True)
+        _check_number("min_lr_ratio", self.min_lr_ratio, low=0.0, high=1.0)
+        _check_number("weight_decay", self.weight_decay, low=0.0)
+        _check_number("beta1", self.beta1, low=0.0, high=1.0, high_open=True)
+        _check_number("beta2", self.beta2, low=0.0, high=1.0, high_open=True)
+        _check_number("adam_eps", self.adam_eps, low=0.0, low_open=True)
+        _check_number("max_grad_norm", self.max_grad_norm, low=0.0)
+        _check_number("val_fraction", self.val_fraction, low=0.0, high=1.0, low_open=True, high_open=True)
+        _check_number("sample_temperature", self.sample_temperature, low=0.0, low_open=True)
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype: expected one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.backward not in BACKWARDS:
+            raise ValueError(f"backward: expected one of {', '.join(BACKWARDS)}, got {self.backward!r}")
+        if self.corpus is not None and not isinstance(self.corpus, str):
+            raise ValueError(f"corpus: expected a file path or null, got {self.corpus!r}")
+
+    def to_dict(self) -> dict:
+        values = dataclasses.asdict(self)
+        values["model"] = self.model.to_dict()
+        return values
+
+    @classmethod
+    def from_dict(cls, values: dict) -> "TrainConfig":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"unknown setting(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        values = dict(values)
+        if "model" in values:
+            if not isinstance(values["model"], dict):
+                raise ValueError(f"model: expected a table of model settings, got {values['model']!r}")
+            values["model"] = TransformerConfig.from_dict(values["model"])
+        return cls(**values)
+
+    def replace(self, **changes) -> "TrainConfig":
+        return dataclasses.replace(self, **changes)
+
+    def resume_identity(self) -> dict:
+        """The settings a checkpoint must have been written with to be resumed by this config."""
+        values = self.to_dict()
+        return {key: values[key] for key in RESUME_IDENTITY}
+
+
+def load_config(path: str | Path) -> TrainConfig:
+    """TrainConfig from a .json or .toml file; errors name the file and the setting."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"--config: no such file {str(path)!r}")
+    text = path.read_text(encoding="utf-8")
+    try:
+        if path.suffix == ".toml":
+            values = tomllib.loads(text)
+        elif path.suffix == ".json":
+            values = json.loads(text)
+        else:
+            raise ValueError(f"expected a .json or .toml file, got suffix {path.suffix!r}")
+        if not isinstance(values, dict):
+            raise ValueError("expected a table of settings at the top level")
+        return TrainConfig.from_dict(values)
+    except (ValueError, TypeError, tomllib.TOMLDecodeError) as err:
+        raise ValueError(f"--config {path}: {err}") from None
+
+
+def _check_int(name: str, value, low: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{name}: expected an int >= {low}, got {value!r}")
+
+
+def _check_number(name: str, value, *, low: float | None = None, high: float | None = None,
+                  low_open: bool = False, high_open: bool = False) -> None:
+    ok = not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
+    if ok and low is not None:
+        ok = value > low if low_open else value >= low
+    if ok and high is not None:
+        ok = value < high if high_open else value <= high
+    if not ok:
+        left, right = "(" if low_open else "[", ")" if high_open or high is None else "]"
+        span = f"{left}{low}, {high if high is not None else 'inf'}{right}"
+        raise ValueError(f"{name}: expected a finite number in {span}, got {value!r}")

@@ -1,0 +1,201 @@
+"""The training loop: data -> forward -> explicit backward -> gradient sync -> clip -> AdamW.
+
+One optimizer step n (1-based) on every rank of the mesh:
+    batch      this rank's rows of global batch n ('B/d/e L'; t ranks share rows)
+    losses     model(batch): cross-entropy (mean over the global batch) + MoE aux losses
+    backward   from this rank's total; the dense layers reduce-scatter their gradients over d
+    sync       model.sync_grads(): dense over e, MoE gate over (d, e), experts over d
+    clip       the global gradient norm (all shards, each counted once) to max_grad_norm
+    update     AdamW with the warm-up + cosine learning rate of step n
+and rank 0 appends one JSON row to DIR/metrics.jsonl. The logged `loss` is the cross-entropy of
+the global batch before the update (nats per byte); `aux_loss` the summed weighted MoE losses.
+
+Determinism: initial weights come from config.seed, the batch stream is a pure function of
+(seed, position), the optimizer is elementwise, and nothing else draws random numbers; so a run
+resumed from a checkpoint computes bitwise the same losses as an uninterrupted one (same mesh,
+same thread count).
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from shardmoe.check.health import gradient_health
+from shardmoe.model.transformer import Transformer
+from shardmoe.train.checkpoint import checkpoint_path, load_checkpoint, save_checkpoint
+from shardmoe.train.config import TrainConfig
+from shardmoe.train.data import PackedBatches, load_corpus, split_documents
+from shardmoe.train.flops import measure_peak_flops, train_flops_per_token
+from shardmoe.train.optim import AdamW, clip_grads, global_grad_norm, learning_rate
+
+METRICS_FILE = "metrics.jsonl"
+SPLIT_SEED = 0  # the held-out documents stay the same whatever the training seed
+
+
+@dataclass
+class RunResult:
+    """A run's model (this rank's shards) and its metric rows: the ones kept from before a resume,
+    then this run's. Loss values are global, so every rank holds the same rows."""
+
+    model: Transformer
+    metrics: list[dict] = field(default_factory=list)
+    peak_flops: float = 0.0
+    start_step: int = 0  # steps already taken when this run began (the checkpoint's step on resume)
+
+    @property
+    def new_metrics(self) -> list[dict]:
+        return [m for m in self.metrics if m["step"] > self.start_step]
+
+
+def load_documents(config: TrainConfig) -> list[str]:
+    """The corpus as documents: the embedded KJV text, or config.corpus split at blank lines."""
+    if config.corpus is None:
+        return load_corpus()
+    path = Path(config.corpus)
+    if not path.is_file():
+        raise ValueError(f"corpus: no such file {str(path)!r}")
+    documents = [d for d in path.read_text(encoding="utf-8").split("\n\n") if d.strip()]
+    if len(documents) < 2:
+        raise ValueError(f"corpus: {path} holds {len(documents)} document(s); expected at least 2 "
+                         "(documents are separated by a blank line; some are held out)")
+    return documents
+
+
+def build_streams(config: TrainConfig, dp_rank: int = 0, dp_size: int = 1) -> tuple[PackedBatches, PackedBatches]:
+    """(training stream, held-out stream in corpus order) of this token-parallel rank."""
+    train_docs, val_docs = split_documents(load_documents(config), config.val_fraction, seed=SPLIT_SEED)
+    common = dict(dp_rank=dp_rank, dp_size=dp_size)
+    try:
+        train = PackedBatches(train_docs, config.seq_len, config.batch_size, seed=config.seed, **common)
+        val = PackedBatches(val_docs, config.seq_len, config.batch_size, shuffle=False, **common)
+    except ValueError as err:
+        raise ValueError(f"corpus: too small for batch_size={config.batch_size}, "
+                         f"seq_len={config.seq_len}: {err}") from None
+    return train, val
+
+
+def train(config: TrainConfig, out_dir: str | Path | None, *, mesh=None, resume: bool = False,
+          stop_after: int | None = None, progress: bool = True) -> RunResult:
+    """Train to config.steps (or only up to step stop_after, as an interrupted run would).
+
+    out_dir None writes nothing (no metrics file, no checkpoint). Collective under a mesh: every
+    rank calls it with the same arguments."""
+    rank0 = mesh is None or mesh.rank == 0
+    token_shards = 1 if mesh is None else mesh.size(("d", "e"))
+    token_rank = 0 if mesh is None else mesh.coord(("d", "e"))
+    data, val = build_streams(config, token_rank, token_shards)
+    dtype = getattr(torch, config.dtype)
+    model = Transformer(config.model, mesh=mesh, backward=config.backward, dtype=dtype, seed=config.seed)
+    optimizer = AdamW(model.named_parameters(), betas=(config.beta1, config.beta2), eps=config.adam_eps,
+                      weight_decay=config.weight_decay)
+
+    start, history = 0, []
+    if resume:
+        start, data_state = load_checkpoint(checkpoint_path(out_dir), model, optimizer)
+        data.load_state_dict(data_state)
+        history = _read_metrics(out_dir, up_to=start)
+    if out_dir is not None and rank0:
+        Path(out_dir).mkdir(parents=True, exist_ok=True)
+        _write_metrics(out_dir, history)  # drops rows logged after the checkpoint (or a fresh run's old rows)
+
+    last = config.steps if stop_after is None else min(stop_after, config.steps)
+    result = RunResult(model, history, measure_peak_flops(dtype), start)
+    if start >= last:
+        return result
+    flops_per_step = train_flops_per_token(config.model, config.seq_len) * config.batch_size * config.seq_len
+    world = 1 if mesh is None else mesh.world_size
+    params = list(model.named_parameters())
+    bar = _progress_bar(progress and rank0, start, last)
+    metrics_file = open(Path(out_dir) / METRICS_FILE, "a") if out_dir is not None and rank0 else None
+    try:
+        for step in range(start + 1, last + 1):
+            started = time.perf_counter()
+            optimizer.zero_grad()
+            batch = next(data)
+            losses = model(batch.ids, batch.is_seq_start, batch.targets)
+            losses.total.backward()
+            model.sync_grads()
+            grad_norm = global_grad_norm([(p.grad, model.replicas(n)) for n, p in params])
+            flagged = _flagged(params, config, step, last)
+            clip_grads([p.grad for _, p in params], grad_norm, config.max_grad_norm)
+            lr = learning_rate(step, config.lr, config.warmup_steps, config.steps, config.min_lr_ratio)
+            optimizer.step(lr)
+            ce, aux = model.global_losses(losses)
+            seconds = time.perf_counter() - started
+            row = {"step": step, "loss": ce, "aux_loss": aux, "lr": lr, "grad_norm": grad_norm,
+                   "tokens_per_s": config.batch_size * config.seq_len / seconds,
+                   "mfu": flops_per_step / seconds / (result.peak_flops * world),
+                   "dropped_tokens": sum(int(s.get("dropped_tokens", 0)) for s in model.moe_stats()),
+                   "seconds": seconds}
+            if flagged:
+                row["flagged"] = flagged
+                if bar is not None:
+                    bar.write(f"step {step}: gradient health flags {', '.join(flagged)}")
+            if config.eval_batches and (step == last or (config.eval_every and step % config.eval_every == 0)):
+                row["val_loss"] = evaluate(model, val, config.eval_batches)
+            result.metrics.append(row)
+            if metrics_file is not None:
+                metrics_file.write(json.dumps(row) + "\n")
+                metrics_file.flush()
+            if bar is not None:
+                bar.set_postfix(loss=f"{ce:.3f}", tok_s=f"{row['tokens_per_s']:.0f}", mfu=f"{row['mfu']:.1%}")
+                bar.update(1)
+            if not math.isfinite(ce) or not math.isfinite(grad_norm):
+                raise RuntimeError(f"training diverged at step {step}: loss {ce}, gradient norm {grad_norm}; "
+                                   "lower lr or raise warmup_steps")
+            periodic = config.checkpoint_every and step % config.checkpoint_every == 0
+            if out_dir is not None and (step == last or periodic):
+                save_checkpoint(out_dir, model, optimizer, step, config.to_dict(), config.resume_identity(),
+                                data.state_dict(), write=rank0)
+    finally:
+        if bar is not None:
+            bar.close()
+        if metrics_file is not None:
+            metrics_file.close()
+    return result
+
+
+@torch.no_grad()
+def evaluate(model: Transformer, val: PackedBatches, num_batches: int) -> float:
+    """Mean cross-entropy over the first num_batches held-out batches (collective)."""
+    count = min(num_batches, val.batches_per_epoch)
+    total = 0.0
+    for batch in list(val.epoch_batches(0))[:count]:
+        total += model.global_losses(model(batch.ids, batch.is_seq_start, batch.targets))[0]
+    return total / count
+
+
+def _flagged(params, config: TrainConfig, step: int, last: int) -> list[str]:
+    """'name: status' of parameters the gradient health report flags (on this rank's shards)."""
+    if not config.health_every or (step % config.health_every and step != last):
+        return []
+    return [f"{e.name}: {e.status}" for e in gradient_health(params).flagged]
+
+
+def _progress_bar(enabled: bool, start: int, total: int):
+    if not enabled:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, initial=start, desc="train", unit="step", dynamic_ncols=True)
+
+
+def _read_metrics(out_dir, up_to: int) -> list[dict]:
+    path = Path(out_dir) / METRICS_FILE
+    if not path.is_file():
+        return []
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [r for r in rows if r["step"] <= up_to]
+
+
+def _write_metrics(out_dir, rows: list[dict]) -> None:
+    path = Path(out_dir) / METRICS_FILE
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    os.replace(tmp, path)

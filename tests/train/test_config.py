@@ -1,0 +1,50 @@
+"""TrainConfig: defaults, JSON and TOML files, and errors that name the setting."""
+import json
+
+import pytest
+
+from shardmoe.model.transformer import TransformerConfig
+from shardmoe.train.config import TrainConfig, load_config
+
+
+def test_toml_and_json_files_load_with_a_model_table(tmp_path):
+    toml = tmp_path / "run.toml"
+    toml.write_text('steps = 12\nlr = 0.002\n[model]\nd_model = 64\nnum_experts = 8\n')
+    config = load_config(toml)
+    assert config.steps == 12 and config.lr == 0.002
+    assert config.model == TransformerConfig(d_model=64, num_experts=8)
+    assert config.batch_size == TrainConfig().batch_size  # untouched settings keep their defaults
+
+    as_json = tmp_path / "run.json"
+    as_json.write_text(json.dumps(config.to_dict()))
+    assert load_config(as_json) == config
+
+
+@pytest.mark.parametrize("text, message", [
+    ('stpes = 3', "unknown setting"),
+    ('[model]\nd_modle = 3', "unknown option"),
+    ('lr = -1.0', "lr"),
+    ('dtype = "float16"', "dtype"),
+    ('steps = 0', "steps"),
+    ('steps = [', "run.toml"),
+])
+def test_bad_files_name_the_setting(tmp_path, text, message):
+    path = tmp_path / "run.toml"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=message):
+        load_config(path)
+
+
+def test_missing_file_and_unknown_suffix(tmp_path):
+    with pytest.raises(ValueError, match="no such file"):
+        load_config(tmp_path / "absent.toml")
+    (tmp_path / "run.yaml").write_text("steps: 3")
+    with pytest.raises(ValueError, match="json or .toml"):
+        load_config(tmp_path / "run.yaml")
+
+
+def test_resume_identity_covers_what_fixes_weights_and_data():
+    base = TrainConfig()
+    assert base.replace(lr=1.0, steps=5).resume_identity() == base.resume_identity()
+    assert base.replace(seq_len=32).resume_identity() != base.resume_identity()
+    assert base.replace(model=TransformerConfig(d_model=64)).resume_identity() != base.resume_identity()

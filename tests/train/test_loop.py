@@ -1,0 +1,84 @@
+"""The training loop: metrics rows, checkpoints, and resuming with bitwise-identical losses."""
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from shardmoe.train import checkpoint as ckpt
+from shardmoe.train.loop import METRICS_FILE, train
+
+ROW_KEYS = {"step", "loss", "aux_loss", "lr", "grad_norm", "tokens_per_s", "mfu", "dropped_tokens", "seconds"}
+
+
+def read_rows(out_dir):
+    return [json.loads(line) for line in (out_dir / METRICS_FILE).read_text().splitlines()]
+
+
+def test_resumed_run_reproduces_the_uninterrupted_losses_bitwise(tmp_path, tiny_config, one_thread):
+    config = tiny_config(checkpoint_every=2)
+    whole = train(config, tmp_path / "whole", progress=False)
+    first = train(config, tmp_path / "split", stop_after=3, progress=False)
+    with open(tmp_path / "split" / METRICS_FILE, "a") as f:  # a row logged after the checkpoint, then a crash
+        f.write(json.dumps({"step": 4, "loss": -1.0}) + "\n")
+    second = train(config, tmp_path / "split", resume=True, progress=False)
+
+    assert second.start_step == 3
+    losses = [r["loss"] for r in whole.metrics]
+    assert [r["loss"] for r in first.metrics + second.new_metrics] == losses  # exact, not approximate
+    assert [r["loss"] for r in read_rows(tmp_path / "split")] == losses  # the stale row is gone
+    for a, b in zip(whole.model.parameters(), second.model.parameters()):
+        assert torch.equal(a, b)
+    assert losses[-1] < losses[0]
+
+
+def test_metrics_rows_and_checkpoint_contents(tmp_path, tiny_config, one_thread):
+    config = tiny_config(steps=4, checkpoint_every=2)
+    result = train(config, tmp_path, progress=False)
+    rows = read_rows(tmp_path)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert all(ROW_KEYS <= set(r) for r in rows)
+    assert "val_loss" in rows[-1]
+    assert rows[0]["lr"] == pytest.approx(config.lr / config.warmup_steps)
+    assert all(r["dropped_tokens"] == 0 for r in rows)  # dropless routing
+
+    path = ckpt.checkpoint_path(tmp_path)
+    assert not path.with_name(path.name + ".tmp").exists()
+    with safe_open(str(path), framework="pt") as f:
+        names, metadata = set(f.keys()), f.metadata()
+        assert torch.equal(f.get_tensor("model.unembedding.weight"), result.model.unembedding.weight.detach())
+    params = [n for n, _ in result.model.named_parameters()]
+    assert names == ({f"model.{n}" for n in params} | {f"optim.exp_avg.{n}" for n in params}
+                     | {f"optim.exp_avg_sq.{n}" for n in params} | {"rng.torch"})
+    assert metadata["step"] == "4"
+    assert json.loads(metadata["data"])["batch"] == 4  # the next batch to read
+    assert json.loads(metadata["config"])["model"]["d_model"] == config.model.d_model
+
+
+def test_a_failed_checkpoint_write_keeps_the_previous_checkpoint(tmp_path, tiny_config, monkeypatch, one_thread):
+    config = tiny_config(steps=2)
+    result = train(config, tmp_path, progress=False)
+
+    def crash(tensors, filename, metadata):
+        with open(filename, "wb") as f:
+            f.write(b"half a file")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(ckpt, "save_file", crash)
+    with pytest.raises(OSError, match="disk full"):
+        ckpt.save_checkpoint(tmp_path, result.model, ckpt.AdamW(result.model.named_parameters(), betas=(0.9, 0.9),
+                                                                 eps=1e-8, weight_decay=0.0),
+                             99, {}, {}, {}, write=True)
+    assert ckpt.check_resumable(ckpt.checkpoint_path(tmp_path), config.resume_identity()) == 2
+
+
+def test_a_checkpoint_of_another_config_is_refused(tmp_path, tiny_config, one_thread):
+    config = tiny_config(steps=1, eval_batches=0)
+    train(config, tmp_path, progress=False)
+    other = config.replace(model=config.model.__class__(**{**config.model.to_dict(), "d_model": 32}), seq_len=8)
+    with pytest.raises(ValueError, match=r"model\.d_model: saved 16, now 32.*seq_len: saved 16, now 8"):
+        ckpt.check_resumable(ckpt.checkpoint_path(tmp_path), other.resume_identity())
+    # optimizer settings and the schedule's length may change
+    assert ckpt.check_resumable(ckpt.checkpoint_path(tmp_path), config.replace(lr=0.5, steps=9).resume_identity()) == 1
+    with pytest.raises(ValueError, match="no checkpoint"):
+        ckpt.check_resumable(tmp_path / "absent.safetensors", config.resume_identity())
