@@ -556,6 +556,14 @@ def environment() -> dict:
     except ImportError:
         env["transformers"] = None
     try:
+        import os
+        import subprocess
+
+        env["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                       cwd=os.path.dirname(os.path.abspath(__file__)), timeout=5).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        env["commit"] = None
+    try:
         with open("/proc/cpuinfo") as f:
             env["cpu"] = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), None)
     except OSError:
@@ -589,9 +597,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--json", metavar="PATH", default=None, help="write every number to this JSON file")
     parser.add_argument("--strict", action="store_true", help="exit 1 when a target is missed")
+    # the distributed benchmark (`torchrun ... -m shardmoe bench --mesh e=4`) adds the options this
+    # parser lacks (--mesh, --hidden, ...); run() hands a --mesh run (or a torchrun job) over to it
+    try:
+        from shardmoe.parallel import bench as distributed
+    except ImportError:
+        return
+    distributed.add_arguments(parser)
+
+
+def _distributed_requested(args: argparse.Namespace) -> bool:
+    import os
+
+    return getattr(args, "mesh", None) is not None or int(os.environ.get("WORLD_SIZE", "1")) > 1
 
 
 def run(args: argparse.Namespace) -> int:
+    if _distributed_requested(args):
+        from shardmoe.parallel.bench import run_distributed
+
+        return run_distributed(args)
     import torch
 
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -615,11 +640,14 @@ def run(args: argparse.Namespace) -> int:
 
     env = environment()
     print(f"shardmoe bench: device={args.device} threads={env['threads']} torch {env['torch']} "
-          f"transformers {env['transformers'] or '(not installed)'} cpu {env['cpu']}")
+          f"transformers {env['transformers'] or '(not installed)'} cpu {env['cpu']} commit {env['commit']}")
     results = []
     for shape_name in shape_names:
         S, H, F, E, k = SHAPES[shape_name]
-        s = Shape(tokens if tokens is not None else S, H, F, E, k)
+        # --hidden/--ffn/--experts/--top-k (added with the distributed options) override a shape
+        s = Shape(tokens if tokens is not None else S, getattr(args, "hidden", None) or H,
+                  getattr(args, "ffn", None) or F, getattr(args, "experts", None) or E,
+                  getattr(args, "top_k", None) or k)
         for dtype_name in dtype_names:
             r = run_case(shape_name, s, dtype_name, args.device, warmup, repeats, tuple(args.candidates), budget,
                          args.routing)

@@ -157,6 +157,20 @@ def test_cli_quick_writes_json(tmp_path, capsys):
     assert data["environment"]["threads"] >= 1
 
 
+def test_cli_shape_overrides(capsys):
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    if "--hidden" not in parser._option_string_actions:
+        pytest.skip("the distributed options (--hidden, ...) are not available in this build")
+    code = bench.main(["--shapes", "e64", "--tokens", "16", "--hidden", "32", "--ffn", "16", "--experts", "4",
+                       "--top-k", "1", "--dtype", "fp32", "--repeats", "1", "--warmup", "1", "--threads", "1",
+                       "--candidates", "loop", "dense"])
+    assert code == 0
+    assert "S=16 H=32 F=16 E=4 k=1" in capsys.readouterr().out
+
+
 def test_cli_rejects_cuda_without_cuda(capsys):
     if torch.cuda.is_available():
         pytest.skip("CUDA is available here")
@@ -186,3 +200,11 @@ def test_fresh_routing_feeds_a_new_input_each_step():
     assert torch.equal(outs[0], outs[2]) and torch.equal(outs[1], outs[3])  # and cycle
     r = bench.run_case("tiny", s, "fp32", "cpu", warmup=1, repeats=2, names=("loop", "dense"), routing="fresh")
     assert r.routing == "fresh" and "fresh routing" in bench.format_case(r)
+
+
+def test_mesh_runs_are_handed_to_the_distributed_bench(monkeypatch):
+    dist_bench = pytest.importorskip("shardmoe.parallel.bench")
+    seen = []
+    monkeypatch.setattr(dist_bench, "run_distributed", lambda args: seen.append(args.mesh) or 0)
+    assert bench.main(["--mesh", "e=1", "--quick"]) == 0
+    assert seen == ["e=1"]
