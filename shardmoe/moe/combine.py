@@ -21,51 +21,93 @@ from shardmoe import kernels
 from shardmoe.moe.routing import accumulation_dtype
 
 
-def combine_rows(rows: torch.Tensor, row_pair: torch.Tensor, num_tokens: int, top_k: int) -> torch.Tensor:
-    """Sum rows [N, D] back to tokens: out_t = sum of the rows whose pair belongs to t.
+# Row chunks whose float32 temporaries stay in cache (about 1 MiB each). Forming a bf16
+# product in fp32 over a whole [N, F] tensor writes fresh 4-byte-per-element buffers and
+# takes mixed-dtype slow paths: 5-6x the time of the same math chunk by chunk.
+_CHUNK_BYTES = 1 << 20
 
-    Accumulates in the accumulation dtype (float32 for bf16); returns [S, D] in it.
-    """
+
+def _row_chunks(rows: torch.Tensor) -> list[slice]:
+    step = max(1, _CHUNK_BYTES // (4 * max(rows.shape[-1], 1)))
+    return [slice(i, i + step) for i in range(0, rows.shape[0], step)]
+
+
+def scale_rows(rows: torch.Tensor, weight_rows: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """rows_r * w_r, formed in the acc dtype and rounded once to `dtype` (default rows').
+    [N, D], [N] -> [N, D]."""
+    acc = accumulation_dtype(rows.dtype)
+    weight = weight_rows.to(acc)[:, None]
+    if rows.dtype == acc:
+        return rows * weight
+    out = rows.new_empty(rows.shape, dtype=dtype or rows.dtype)
+    for c in _row_chunks(rows):
+        out[c] = rows[c].to(acc).mul_(weight[c])
+    return out
+
+
+def rowwise_dot(rows: torch.Tensor, *factors: torch.Tensor) -> torch.Tensor:
+    """sum_d rows[r, d] * prod_i factors_i[r, d], every product and the sum in the acc dtype.
+    [N, D], ... -> [N]."""
+    acc = accumulation_dtype(rows.dtype)
+    if rows.dtype == acc and all(f.dtype == acc for f in factors):
+        product = rows
+        for f in factors:
+            product = product * f
+        return product.sum(-1)
+    out = rows.new_empty(rows.shape[0], dtype=acc)
+    for c in _row_chunks(rows):
+        product = rows[c].to(acc)
+        for f in factors:
+            product.mul_(f[c].to(acc))
+        out[c] = product.sum(-1)
+    return out
+
+
+def combine_rows(rows: torch.Tensor, row_pair: torch.Tensor, num_tokens: int, top_k: int,
+                 weight_rows: torch.Tensor | None = None) -> torch.Tensor:
+    """Sum rows [N, D] (each scaled by w_r when weight_rows is given) back to tokens:
+    out_t = sum of the rows whose pair belongs to t. Accumulates and returns [S, D] in the acc dtype."""
     acc = accumulation_dtype(rows.dtype)
     slots = rows.new_zeros((num_tokens * top_k, rows.shape[-1]), dtype=acc)
-    slots[row_pair] = rows.to(acc)
+    for c in _row_chunks(rows):
+        part = rows[c].to(acc)
+        slots[row_pair[c]] = part if weight_rows is None else part * weight_rows[c, None].to(acc)
     return slots.view(num_tokens, top_k, rows.shape[-1]).sum(1)
 
 
 def combine(expert_out: torch.Tensor, weight_rows: torch.Tensor, row_pair: torch.Tensor,
             num_tokens: int, top_k: int) -> torch.Tensor:
-    """Forward combine: out_t = sum_j w_tj y_j(x_t) over kept pairs. Returns [S, H], acc dtype.
-
-    w stays in the acc dtype, so w * y is formed exactly (bf16 * fp32 promotes) before the sum."""
+    """Forward combine: out_t = sum_j w_tj y_j(x_t) over kept pairs, w * y formed in the acc dtype.
+    Returns [S, H] in the acc dtype."""
     if kernels.available(expert_out):
         from shardmoe.kernels import combine as triton_combine
         return triton_combine.combine(expert_out, weight_rows, row_pair, num_tokens, top_k)
-    acc = accumulation_dtype(expert_out.dtype)
-    return combine_rows(expert_out * weight_rows.to(acc)[:, None], row_pair, num_tokens, top_k)
+    return combine_rows(expert_out, row_pair, num_tokens, top_k, weight_rows)
 
 
 def grad_combine(grad_rows: torch.Tensor, weight_rows: torch.Tensor) -> torch.Tensor:
-    """Stage 1: ge_r = w_r g_r, the gradient each kept pair's expert receives. [N, D] -> [N, D].
-
-    The product is formed in w's acc dtype and written to grad_rows' dtype: one rounding for bf16."""
+    """Stage 1: ge_r = w_r g_r, the gradient each kept pair's expert receives. [N, D] -> [N, D],
+    formed in the acc dtype and rounded once to grad_rows' dtype."""
     if kernels.available(grad_rows):
         from shardmoe.kernels import combine as triton_combine
         return triton_combine.grad_combine(grad_rows, weight_rows)
-    return torch.mul(grad_rows, weight_rows[:, None], out=torch.empty_like(grad_rows))
+    return scale_rows(grad_rows, weight_rows)
 
 
-def grad_gate_combine(grad_rows: torch.Tensor, out_rows: torch.Tensor) -> torch.Tensor:
-    """Stage 2: dw_r = sum_d grad_rows[r, d] * out_rows[r, d], accumulated in the acc dtype. -> [N]
+def grad_gate_combine(grad_rows: torch.Tensor, out_rows: torch.Tensor,
+                      out_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """Stage 2: dw_r = sum_d grad_rows[r, d] * out_rows[r, d] (* out_scale[r, d]) -> [N], products
+    and sum in the acc dtype: rounding them to bf16 costs more accuracy than the routing
+    gradient's cancellations (renormalisation, softmax) can afford.
 
-    With (g, y) this is dL/dw for the pair. Any factorisation of the same dot works:
-    the glu expert passes (g Wdown, a), since g . (a Wdown^T) = (g Wdown) . a, so y is never saved.
+    With (g, y) this is dL/dw for the pair. Any factorisation of the same dot works: the glu
+    expert passes (g Wdown, act(hg), hu), since g . (a Wdown^T) = (g Wdown) . a with a = act(hg) hu,
+    so y is never saved and a is never rounded on the way.
     """
     if kernels.available(grad_rows):
         from shardmoe.kernels import combine as triton_combine
-        return triton_combine.grad_gate_combine(grad_rows, out_rows)
-    # Products are formed in the acc dtype too: rounding each one to bf16 before the sum costs
-    # more accuracy than the routing gradient's cancellations can afford.
-    return (grad_rows.to(accumulation_dtype(grad_rows.dtype)) * out_rows).sum(-1)
+        return triton_combine.grad_gate_combine(grad_rows, out_rows if out_scale is None else out_rows * out_scale)
+    return rowwise_dot(grad_rows, out_rows) if out_scale is None else rowwise_dot(grad_rows, out_rows, out_scale)
 
 
 def grad_input_combine(dx_rows: torch.Tensor, row_pair: torch.Tensor, num_tokens: int, top_k: int) -> torch.Tensor:

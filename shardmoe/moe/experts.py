@@ -102,13 +102,11 @@ def grouped_bias_grad(grad_rows: torch.Tensor, groups: Groups) -> torch.Tensor:
     return out.to(grad_rows.dtype)
 
 
-def glu_activation(h: torch.Tensor, activation: str, dtype: torch.dtype | None = None):
-    """For h = [hg | hu] [N, 2F]: (a = act(hg) * hu in `dtype` (default h's), act(hg)), both [N, F].
-
-    With dtype=float32 and bf16 h the product is formed exactly (bf16 * fp32 promotes)."""
+def glu_activation(h: torch.Tensor, activation: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """For h = [hg | hu] [N, 2F]: (a = act(hg) * hu, act(hg)), both [N, F]."""
     gate, up = h.chunk(2, dim=-1)
     act_gate = activate(activation, gate)
-    return (act_gate if dtype is None else act_gate.to(dtype)) * up, act_gate
+    return act_gate * up, act_gate
 
 
 def expert_forward(expert: str, activation: str, output_activation: str, xs: torch.Tensor,
@@ -192,12 +190,9 @@ def expert_backward(expert: str, activation: str, output_activation: str, grad_r
     """
     if expert == "glu":
         (h,) = saved
-        # a in the acc dtype for the stage 2 dots: a bf16-rounded a costs the routing gradient,
-        # whose renormalisation cancels terms, more than its bf16 error budget
-        a_acc, act_gate = glu_activation(h, activation, accumulation_dtype(h.dtype))
-        grad_a, grad_down, g_down = grad_post_gemm_glu(grad_rows, weight_rows, a_acc.to(h.dtype),
-                                                       params["down_proj"], groups)
-        grad_dots = grad_gate_combine(g_down, a_acc)
+        a, act_gate = glu_activation(h, activation)
+        grad_a, grad_down, g_down = grad_post_gemm_glu(grad_rows, weight_rows, a, params["down_proj"], groups)
+        grad_dots = grad_gate_combine(g_down, act_gate, h[:, act_gate.shape[1]:])
         grad_xs, grad_gate_up = grad_pre_gemm_glu(grad_a, h, act_gate, xs, params["gate_up_proj"], groups, activation)
         return grad_xs, grad_dots, {"gate_up_proj": grad_gate_up, "down_proj": grad_down}
     z1, z2 = saved
