@@ -27,7 +27,8 @@ from shardmoe.moe.routing import accumulation_dtype
 _CHUNK_BYTES = 1 << 20
 
 
-def _row_chunks(rows: torch.Tensor) -> list[slice]:
+def row_chunks(rows: torch.Tensor) -> list[slice]:
+    """Slices of about 1 MiB of float32 rows of `rows` [N, D]."""
     step = max(1, _CHUNK_BYTES // (4 * max(rows.shape[-1], 1)))
     return [slice(i, i + step) for i in range(0, rows.shape[0], step)]
 
@@ -40,7 +41,7 @@ def scale_rows(rows: torch.Tensor, weight_rows: torch.Tensor, dtype: torch.dtype
     if rows.dtype == acc:
         return rows * weight
     out = rows.new_empty(rows.shape, dtype=dtype or rows.dtype)
-    for c in _row_chunks(rows):
+    for c in row_chunks(rows):
         out[c] = rows[c].to(acc).mul_(weight[c])
     return out
 
@@ -55,7 +56,7 @@ def rowwise_dot(rows: torch.Tensor, *factors: torch.Tensor) -> torch.Tensor:
             product = product * f
         return product.sum(-1)
     out = rows.new_empty(rows.shape[0], dtype=acc)
-    for c in _row_chunks(rows):
+    for c in row_chunks(rows):
         product = rows[c].to(acc)
         for f in factors:
             product.mul_(f[c].to(acc))
@@ -69,7 +70,7 @@ def combine_rows(rows: torch.Tensor, row_pair: torch.Tensor, num_tokens: int, to
     out_t = sum of the rows whose pair belongs to t. Accumulates and returns [S, D] in the acc dtype."""
     acc = accumulation_dtype(rows.dtype)
     slots = rows.new_zeros((num_tokens * top_k, rows.shape[-1]), dtype=acc)
-    for c in _row_chunks(rows):
+    for c in row_chunks(rows):
         part = rows[c].to(acc)
         slots[row_pair[c]] = part if weight_rows is None else part * weight_rows[c, None].to(acc)
     return slots.view(num_tokens, top_k, rows.shape[-1]).sum(1)

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from shardmoe import kernels
 from shardmoe.moe.activations import activate, activate_backward
-from shardmoe.moe.combine import grad_combine, grad_gate_combine
+from shardmoe.moe.combine import grad_combine, grad_gate_combine, row_chunks
 from shardmoe.moe.routing import accumulation_dtype
 
 
@@ -103,10 +103,16 @@ def grouped_bias_grad(grad_rows: torch.Tensor, groups: Groups) -> torch.Tensor:
 
 
 def glu_activation(h: torch.Tensor, activation: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """For h = [hg | hu] [N, 2F]: (a = act(hg) * hu, act(hg)), both [N, F]."""
-    gate, up = h.chunk(2, dim=-1)
-    act_gate = activate(activation, gate)
-    return act_gate * up, act_gate
+    """For h = [hg | hu] [N, 2F]: (a = act(hg) * hu, act(hg)), both [N, F].
+
+    Row chunk by row chunk, so that act(hg) is still in cache when the product reads it."""
+    ffn = h.shape[-1] // 2
+    a, act_gate = h.new_empty((h.shape[0], ffn)), h.new_empty((h.shape[0], ffn))
+    for c in row_chunks(h):
+        act = activate(activation, h[c, :ffn])
+        act_gate[c] = act
+        torch.mul(act, h[c, ffn:], out=a[c])
+    return a, act_gate
 
 
 def expert_forward(expert: str, activation: str, output_activation: str, xs: torch.Tensor,
@@ -149,11 +155,13 @@ def grad_pre_gemm_glu(grad_a: torch.Tensor, h: torch.Tensor, act_gate: torch.Ten
     if kernels.available(grad_a):
         from shardmoe.kernels import experts as triton_experts
         return triton_experts.grad_pre_gemm_glu(grad_a, h, act_gate, xs, gate_up_proj, groups, activation)
-    gate, up = h.chunk(2, dim=-1)
-    ffn = gate.shape[-1]
+    ffn = act_gate.shape[-1]
     grad_h = torch.empty_like(h)
-    grad_h[:, :ffn] = activate_backward(activation, grad_a * up, gate)
-    torch.mul(grad_a, act_gate, out=grad_h[:, ffn:])
+    # one pass per row chunk: the [N, F] intermediate dA * hu never leaves the cache
+    for c in row_chunks(h):
+        gate, up = h[c, :ffn], h[c, ffn:]
+        grad_h[c, :ffn] = activate_backward(activation, grad_a[c] * up, gate)
+        torch.mul(grad_a[c], act_gate[c], out=grad_h[c, ffn:])
     return grouped_linear_t(grad_h, gate_up_proj, groups), grouped_weight_grad(grad_h, xs, groups)
 
 
