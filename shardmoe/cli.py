@@ -1,9 +1,9 @@
 """The `shardmoe` command line: `shardmoe train | check | bench | trace`.
 
 Each subcommand lives in the module that owns its concept; that module exposes
-`add_arguments(parser)` and `run(args) -> int` (the exit code). Modules are
-imported only when their subcommand runs, so `shardmoe check` never pays for
-matplotlib or transformers.
+`add_arguments(parser)` and `run(args) -> int` (the exit code), and imports its
+heavy dependencies (matplotlib, transformers) inside `run`, so building the parser
+stays cheap.
 """
 from __future__ import annotations
 
@@ -26,22 +26,12 @@ def build_parser() -> argparse.ArgumentParser:
     for name, (module_name, help_text) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
         p.set_defaults(_module=module_name)
-        try:
-            module = importlib.import_module(module_name)
-        except ModuleNotFoundError as err:
-            if err.name != module_name:
-                raise
-            p.set_defaults(_missing=True)
-            continue
-        module.add_arguments(p)
+        importlib.import_module(module_name).add_arguments(p)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if getattr(args, "_missing", False):
-        print(f"shardmoe {args.command}: not available in this build", file=sys.stderr)
-        return 2
     return int(importlib.import_module(args._module).run(args) or 0)
 
 
