@@ -24,6 +24,13 @@ from .sharding import coord, gather, local_shape, reduce_scatter
 WEIGHT_SPEC = "V/t M/d"
 
 
+def vocab_table(vocab_size: int, d_model: int, init_std: float, mesh, dtype, device) -> nn.Parameter:
+    """This rank's block [V/t M/d] of a vocab_size x d_model table, drawn N(0, init_std^2);
+    the embedding and the unembedding both hold one."""
+    shape = local_shape(WEIGHT_SPEC, (vocab_size, d_model), mesh)
+    return nn.Parameter(torch.empty(shape, dtype=dtype, device=device).normal_(std=init_std))
+
+
 class EmbeddingResiduals(NamedTuple):
     local_ids: Tensor   # B L int64: id minus the vocab block's first id, 0 outside the block
     in_block: Tensor    # B L bool: the id belongs to this rank's vocab block
@@ -94,9 +101,7 @@ class Embedding(nn.Module):
         super().__init__()
         self.mesh = mesh
         self.backward = check_backward_mode(backward)
-        shape = local_shape(WEIGHT_SPEC, (vocab_size, d_model), mesh)
-        self.weight = nn.Parameter(torch.empty(shape, dtype=dtype, device=device))
-        nn.init.normal_(self.weight, std=init_std)
+        self.weight = vocab_table(vocab_size, d_model, init_std, mesh, dtype, device)
 
     def forward(self, ids: Tensor) -> Tensor:
         """ids[B/d L] -> x[B/d L M/t]."""

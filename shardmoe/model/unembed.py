@@ -25,10 +25,9 @@ from typing import NamedTuple
 import torch
 from torch import Tensor, nn
 
+from .embedding import WEIGHT_SPEC, vocab_table
 from .residuals import check_backward_mode, compute_dtype, load_residuals, save_residuals
-from .sharding import coord, gather, local_shape, pmax, psum, reduce_scatter, size
-
-WEIGHT_SPEC = "V/t M/d"
+from .sharding import coord, gather, pmax, psum, reduce_scatter, size
 
 
 class CrossEntropyResiduals(NamedTuple):
@@ -124,9 +123,7 @@ class Unembedding(nn.Module):
         super().__init__()
         self.mesh = mesh
         self.backward = check_backward_mode(backward)
-        shape = local_shape(WEIGHT_SPEC, (vocab_size, d_model), mesh)
-        self.weight = nn.Parameter(torch.empty(shape, dtype=dtype, device=device))
-        nn.init.normal_(self.weight, std=init_std)
+        self.weight = vocab_table(vocab_size, d_model, init_std, mesh, dtype, device)
 
     def forward(self, x: Tensor, targets: Tensor, num_tokens: int | None = None) -> Tensor:
         """Mean cross-entropy of x[B/d L M] against targets[B/d L], over every rank's tokens."""
