@@ -34,9 +34,13 @@ def test_low_precision_within_tolerance_of_float64(case, dtype):
 
 def test_core_matrix_in_bf16_within_tolerance_of_float64():
     """bf16 over every core configuration, not just the precision set: the routing gradient's
-    cancellations make it the tensor that rounding choices in the fused path show up in first."""
+    cancellations make it the tensor that rounding choices in the fused path show up in first.
+    An "mlp" output relu is left out, as in the precision set: no input draw keeps every z2 clear
+    of its kink by bf16's margin, and across the kink bf16 and float64 legitimately disagree."""
+    cases = [c for c in core_matrix() if c.config.output_activation != "relu"]
+    assert len(cases) > 300
     failures = []
-    for case in core_matrix():
+    for case in cases:
         result = compare_with_reference(case, torch.bfloat16)
         if not result.passed:
             failures.append((case.name, result.worst, result.problems))
