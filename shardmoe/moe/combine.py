@@ -1,10 +1,9 @@
 """Dispatch and combine between token order [S, ...] and expert-sorted rows [N, ...],
 and the three backward stages that live on the combine side.
 
-A row r of the dispatched matrix is the kept pair row_pair[r] = t * k + j. Combining
-scatters rows into a [S*k, H] buffer at their pair index and sums each token's k slots:
-deterministic (no atomics, no order-dependent index_add) and exact for dropped pairs,
-whose slots stay zero.
+A row r of the dispatched matrix is the kept pair row_pair[r] = t * k + j. Combining adds
+each row to its token t = row_pair[r] // k (in row order, so deterministic); dropped pairs
+have no row and add nothing.
 
 CUDA tensors go to the Triton kernels of shardmoe/kernels when kernels.available() says so.
 
@@ -42,7 +41,7 @@ def scale_rows(rows: torch.Tensor, weight_rows: torch.Tensor, dtype: torch.dtype
         return rows * weight
     out = rows.new_empty(rows.shape, dtype=dtype or rows.dtype)
     for c in row_chunks(rows):
-        out[c] = rows[c].to(acc).mul_(weight[c])
+        out[c] = rows[c].to(acc, copy=True).mul_(weight[c])
     return out
 
 
@@ -57,7 +56,7 @@ def rowwise_dot(rows: torch.Tensor, *factors: torch.Tensor) -> torch.Tensor:
         return product.sum(-1)
     out = rows.new_empty(rows.shape[0], dtype=acc)
     for c in row_chunks(rows):
-        product = rows[c].to(acc)
+        product = rows[c].to(acc, copy=True)
         for f in factors:
             product.mul_(f[c].to(acc))
         out[c] = product.sum(-1)
@@ -67,13 +66,16 @@ def rowwise_dot(rows: torch.Tensor, *factors: torch.Tensor) -> torch.Tensor:
 def combine_rows(rows: torch.Tensor, row_pair: torch.Tensor, num_tokens: int, top_k: int,
                  weight_rows: torch.Tensor | None = None) -> torch.Tensor:
     """Sum rows [N, D] (each scaled by w_r when weight_rows is given) back to tokens:
-    out_t = sum of the rows whose pair belongs to t. Accumulates and returns [S, D] in the acc dtype."""
+    out_t = sum of the rows whose pair belongs to t. Accumulates and returns [S, D] in the acc dtype.
+
+    index_add_ on CPU adds a token's rows in row order, so the sum is deterministic."""
     acc = accumulation_dtype(rows.dtype)
-    slots = rows.new_zeros((num_tokens * top_k, rows.shape[-1]), dtype=acc)
+    out = rows.new_zeros((num_tokens, rows.shape[-1]), dtype=acc)
+    row_token = torch.div(row_pair, top_k, rounding_mode="floor")
     for c in row_chunks(rows):
-        part = rows[c].to(acc)
-        slots[row_pair[c]] = part if weight_rows is None else part * weight_rows[c, None].to(acc)
-    return slots.view(num_tokens, top_k, rows.shape[-1]).sum(1)
+        part = rows[c].to(acc)  # may alias rows (same dtype): never modify it in place
+        out.index_add_(0, row_token[c], part if weight_rows is None else part * weight_rows[c, None].to(acc))
+    return out
 
 
 def combine(expert_out: torch.Tensor, weight_rows: torch.Tensor, row_pair: torch.Tensor,

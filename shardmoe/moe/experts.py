@@ -103,16 +103,23 @@ def grouped_bias_grad(grad_rows: torch.Tensor, groups: Groups) -> torch.Tensor:
 
 
 def glu_activation(h: torch.Tensor, activation: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """For h = [hg | hu] [N, 2F]: (a = act(hg) * hu, act(hg)), both [N, F].
-
-    Row chunk by row chunk, so that act(hg) is still in cache when the product reads it."""
+    """For h = [hg | hu] [N, 2F]: (a = act(hg) * hu, act(hg)), both [N, F] (backward needs both)."""
     ffn = h.shape[-1] // 2
-    a, act_gate = h.new_empty((h.shape[0], ffn)), h.new_empty((h.shape[0], ffn))
+    act_gate = h.new_empty((h.shape[0], ffn))
+    return _glu(h, activation, act_gate), act_gate
+
+
+def _glu(h: torch.Tensor, activation: str, act_gate: torch.Tensor | None = None) -> torch.Tensor:
+    """a = act(hg) * hu [N, F], row chunk by row chunk so that act(hg) is still in cache when the
+    product reads it; act(hg) is also written to act_gate when one is given."""
+    ffn = h.shape[-1] // 2
+    a = h.new_empty((h.shape[0], ffn))
     for c in row_chunks(h):
         act = activate(activation, h[c, :ffn])
-        act_gate[c] = act
+        if act_gate is not None:
+            act_gate[c] = act
         torch.mul(act, h[c, ffn:], out=a[c])
-    return a, act_gate
+    return a
 
 
 def expert_forward(expert: str, activation: str, output_activation: str, xs: torch.Tensor,
@@ -124,7 +131,7 @@ def expert_forward(expert: str, activation: str, output_activation: str, xs: tor
         return triton_experts.expert_forward(expert, activation, output_activation, xs, params, groups)
     if expert == "glu":
         h = grouped_linear(xs, params["gate_up_proj"], groups)
-        y = grouped_linear(glu_activation(h, activation)[0], params["down_proj"], groups)
+        y = grouped_linear(_glu(h, activation), params["down_proj"], groups)
         return y, (h,)
     z1 = grouped_linear(xs, params["w1"], groups, params["b1"])
     z2 = grouped_linear(activate(activation, z1), params["w2"], groups, params["b2"])
