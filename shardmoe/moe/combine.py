@@ -47,18 +47,13 @@ def scale_rows(rows: torch.Tensor, weight_rows: torch.Tensor, dtype: torch.dtype
 
 def rowwise_dot(rows: torch.Tensor, *factors: torch.Tensor) -> torch.Tensor:
     """sum_d rows[r, d] * prod_i factors_i[r, d], every product and the sum in the acc dtype.
-    [N, D], ... -> [N]."""
+    [N, D], ... -> [N]. Chunked for every dtype: the product never exists at full size."""
     acc = accumulation_dtype(rows.dtype)
-    if rows.dtype == acc and all(f.dtype == acc for f in factors):
-        product = rows
-        for f in factors:
-            product = product * f
-        return product.sum(-1)
     out = rows.new_empty(rows.shape[0], dtype=acc)
     for c in row_chunks(rows):
         product = rows[c].to(acc, copy=True)
         for f in factors:
-            product.mul_(f[c].to(acc))
+            product.mul_(f[c].to(acc))  # mixed-dtype in-place ops take a slow path
         out[c] = product.sum(-1)
     return out
 
