@@ -1,0 +1,130 @@
+"""`shardmoe bench`: forward+backward of the fused MoE layer against its anchors.
+
+One run times, side by side and interleaved on the same weights and input:
+  transformers  transformers' MixtralSparseMoeBlock with experts_implementation="grouped_mm"
+                (its fastest one on CPU; "batched_mm" gathers a [S*k, 2F, H] weight copy)
+  loop          a per-expert-loop autograd baseline (index_select, F.linear, silu*up, index_add)
+  dense         plain matmuls of the same FLOPs and shapes into preallocated buffers: the ceiling
+  dense+alloc   the same matmuls allocating their outputs, as autograd does (allocator cost)
+  shardmoe      shardmoe.MoE (FusedMoE, explicit backward)
+and reports median time, GFLOP/s, the fraction of the dense ceiling, speedups, and the bytes
+each layer saves for backward per token. Method and formulas: docs/benchmarks.md.
+
+  flops        the named shapes (SHAPES, Shape) and their GEMM FLOPs
+  saved_bytes  the bytes a forward keeps for its backward (saved_tensors_hooks)
+  candidates   the five candidates above, each a step() of one forward + backward
+  timing       interleaved rounds with rotating order, warm-up and a time budget
+  case         one (shape, dtype) case: build, check against transformers, time; its rows and targets
+  report       the tables, the targets line, the environment and the JSON file
+  this module  the subcommand: add_arguments(parser), run(args) -> exit code, main(argv)
+
+A --mesh run (or a torchrun job) is handed to shardmoe.parallel.bench.
+
+Heavy imports (torch, transformers) happen inside functions, so `shardmoe --help` stays fast.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from shardmoe.bench.candidates import CANDIDATES
+from shardmoe.bench.case import run_case
+from shardmoe.bench.flops import SHAPES, Shape
+from shardmoe.bench.report import environment, format_case, format_targets, write_json
+
+QUICK_TOKENS = 512
+QUICK_BUDGET_S = 3.0
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--quick", action="store_true",
+                        help=f"S={QUICK_TOKENS}, 1 warm-up, <= 3 repeats, {QUICK_BUDGET_S:g} s budget per case "
+                             "(a smoke run)")
+    parser.add_argument("--dtype", choices=("fp32", "bf16", "both"), default="both")
+    parser.add_argument("--shapes", nargs="+", choices=(*SHAPES, "all"), default=["all"],
+                        help="e8: S=4096 H=512 F=1024 E=8 k=2; e64: S=4096 H=512 F=128 E=64 k=2")
+    parser.add_argument("--tokens", type=int, default=None, help="override S (tokens) for every shape")
+    parser.add_argument("--warmup", type=int, default=None,
+                        help="warm-up rounds, the first being the saved-bytes/check pass (default 2, quick 1)")
+    parser.add_argument("--repeats", type=int, default=None, help="timed rounds (default 7, quick 3)")
+    parser.add_argument("--budget", type=float, default=None, metavar="SECONDS",
+                        help="cap the timed rounds of each case at about this long: a slow candidate gets "
+                             f"fewer repeats, at least 1 (default none, quick {QUICK_BUDGET_S:g})")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch.set_num_threads before timing (default: leave torch's setting as it is)")
+    parser.add_argument("--candidates", nargs="+", choices=CANDIDATES, default=list(CANDIDATES))
+    parser.add_argument("--routing", choices=("fixed", "fresh"), default="fixed",
+                        help="fixed: the same input every step; fresh: a new input (new routing, new "
+                             "per-expert row counts) every step, as in training")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--json", metavar="PATH", default=None, help="write every number to this JSON file")
+    parser.add_argument("--strict", action="store_true", help="exit 1 when a target is missed")
+    # the distributed benchmark (`torchrun ... -m shardmoe bench --mesh e=4`) adds the options this
+    # parser lacks (--mesh, --hidden, ...); run() hands a --mesh run (or a torchrun job) over to it
+    try:
+        from shardmoe.parallel import bench as distributed
+    except ImportError:
+        return
+    distributed.add_arguments(parser)
+
+
+def _distributed_requested(args: argparse.Namespace) -> bool:
+    import os
+
+    return getattr(args, "mesh", None) is not None or int(os.environ.get("WORLD_SIZE", "1")) > 1
+
+
+def run(args: argparse.Namespace) -> int:
+    if _distributed_requested(args):
+        from shardmoe.parallel.bench import run_distributed
+
+        return run_distributed(args)
+    import torch
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("shardmoe bench: --device cuda but torch.cuda.is_available() is False", file=sys.stderr)
+        return 2
+    shape_names = list(SHAPES) if "all" in args.shapes else list(dict.fromkeys(args.shapes))
+    dtype_names = ["fp32", "bf16"] if args.dtype == "both" else [args.dtype]
+    warmup = args.warmup if args.warmup is not None else (1 if args.quick else 2)
+    repeats = args.repeats if args.repeats is not None else (3 if args.quick else 7)
+    tokens = args.tokens if args.tokens is not None else (QUICK_TOKENS if args.quick else None)
+    budget = args.budget if args.budget is not None else (QUICK_BUDGET_S if args.quick else None)
+    if repeats < 1 or warmup < 0 or (tokens is not None and tokens < 1) or (budget is not None and budget <= 0):
+        print("shardmoe bench: expected --repeats >= 1, --warmup >= 0, --tokens >= 1, --budget > 0",
+              file=sys.stderr)
+        return 2
+    if args.threads is not None:
+        if args.threads < 1:
+            print(f"shardmoe bench: --threads: expected >= 1, got {args.threads}", file=sys.stderr)
+            return 2
+        torch.set_num_threads(args.threads)
+
+    env = environment()
+    print(f"shardmoe bench: device={args.device} threads={env['threads']} torch {env['torch']} "
+          f"transformers {env['transformers'] or '(not installed)'} cpu {env['cpu']} commit {env['commit']}")
+    results = []
+    for shape_name in shape_names:
+        S, H, F, E, k = SHAPES[shape_name]
+        # --hidden/--ffn/--experts/--top-k (added with the distributed options) override a shape
+        s = Shape(tokens if tokens is not None else S, getattr(args, "hidden", None) or H,
+                  getattr(args, "ffn", None) or F, getattr(args, "experts", None) or E,
+                  getattr(args, "top_k", None) or k)
+        for dtype_name in dtype_names:
+            r = run_case(shape_name, s, dtype_name, args.device, warmup, repeats, tuple(args.candidates), budget,
+                         args.routing)
+            results.append(r)
+            print(format_case(r), flush=True)
+    print(format_targets(results))
+    if args.json:
+        write_json(args.json, env, args.device, bool(args.quick), results)
+        print(f"wrote {args.json}")
+    missed = any(met is False for r in results for (_, _, met) in r.targets().values())
+    return 1 if (args.strict and missed) else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="shardmoe bench", description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+

@@ -1,0 +1,222 @@
+"""The candidates timed side by side, each a step() running one forward + backward.
+
+  transformers  transformers' MixtralSparseMoeBlock with experts_implementation="grouped_mm"
+                (its fastest one on CPU; "batched_mm" gathers a [S*k, 2F, H] weight copy)
+  loop          loop_moe: a per-expert-loop autograd baseline
+  dense         dense_candidate: plain matmuls of the same FLOPs and shapes into preallocated
+                buffers (the ceiling)
+  dense+alloc   the same matmuls allocating their outputs, as autograd does (allocator cost)
+  shardmoe      shardmoe.MoE (FusedMoE, explicit backward)
+
+All of them hold the same weights (_init_weights) and see the same inputs.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from shardmoe.bench.flops import Shape
+
+CANDIDATES = ("transformers", "loop", "dense", "dense+alloc", "shardmoe")
+
+
+def _init_weights(s: Shape, seed: int):
+    """The benchmark's weights, in transformers' layouts: router [E, H], gate_up_proj
+    [E, 2F, H], down_proj [E, H, F]; router and gate_up ~ N(0, 1/H), down ~ N(0, 1/F), so
+    activations stay O(1) in bf16."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    router = torch.randn(s.experts, s.hidden, generator=gen) / s.hidden ** 0.5
+    gate_up = torch.randn(s.experts, 2 * s.ffn, s.hidden, generator=gen) / s.hidden ** 0.5
+    down = torch.randn(s.experts, s.hidden, s.ffn, generator=gen) / s.ffn ** 0.5
+    return router, gate_up, down
+
+
+def _mixtral_block(s: Shape, weights, dtype, device):
+    """A MixtralSparseMoeBlock from a local config (no downloads) with
+    experts_implementation="grouped_mm", holding `weights` (see _init_weights)."""
+    import torch
+    from transformers import MixtralConfig
+    from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
+
+    config = MixtralConfig(hidden_size=s.hidden, intermediate_size=s.ffn, num_local_experts=s.experts,
+                           num_experts_per_tok=s.top_k, hidden_act="silu", router_jitter_noise=0.0,
+                           experts_implementation="grouped_mm")
+    block = MixtralSparseMoeBlock(config)
+    router, gate_up, down = weights
+    with torch.no_grad():
+        block.gate.weight.copy_(router)
+        block.experts.gate_up_proj.copy_(gate_up)
+        block.experts.down_proj.copy_(down)
+    return block.to(device=device, dtype=dtype)
+
+
+def transformers_available() -> bool:
+    try:
+        import transformers  # noqa: F401
+        from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def loop_moe(x, gate_weight, gate_up_proj, down_proj, top_k: int):
+    """Per-expert-loop MoE in plain autograd: x [S, H] -> [S, H].
+
+    Routing as Mixtral (softmax in fp32, top-k, renormalise); then for each expert,
+    gather its tokens, run the SwiGLU FFN with F.linear, scale by the combine weight and
+    index_add into the output."""
+    import torch
+    import torch.nn.functional as F
+
+    probs = torch.softmax((x @ gate_weight).float(), dim=-1)
+    top_prob, top_idx = torch.topk(probs, top_k, dim=-1)
+    weight = (top_prob / top_prob.sum(-1, keepdim=True)).to(x.dtype)
+    out = torch.zeros_like(x)
+    # unbind, not gate_up_proj[e]: indexing a [E, ...] parameter per expert makes autograd
+    # add E full-size zero-padded gradients (O(E^2) work); unbind stacks them once
+    for e, (w_gate_up, w_down) in enumerate(zip(gate_up_proj.unbind(0), down_proj.unbind(0))):
+        token, slot = torch.where(top_idx == e)
+        if token.numel() == 0:
+            continue
+        xs = x.index_select(0, token)
+        gate, up = F.linear(xs, w_gate_up).chunk(2, dim=-1)
+        y = F.linear(F.silu(gate) * up, w_down)
+        out.index_add_(0, token, y * weight[token, slot, None])
+    return out
+
+
+@dataclass
+class Candidate:
+    name: str
+    step: object                 # () -> None: one forward + backward
+    reset: object                # () -> None: drop gradients (outside the timed region)
+    params: tuple = ()
+    forward: object = None       # () -> output with graph (for saved bytes / checks)
+    grads: object = None         # () -> dict of gradients after a step (for checks)
+    flops: int | None = None     # GEMM FLOPs of one step, where the candidate knows them exactly
+
+
+def build_candidates(s: Shape, dtype, device, names, seed: int = 0, fresh_inputs: int = 0):
+    """Candidates on the same weights and inputs. With fresh_inputs=R > 0 each module
+    candidate cycles through R + 1 different inputs (so routing, and each expert's row
+    count, change every step, as in training); input 0 serves forward() (the check pass),
+    steps use inputs 1..R. Every candidate steps once per round, so all see the same input
+    in the same round."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed + 1)
+    x_base = torch.randn(1, s.tokens, s.hidden, generator=gen).to(device=device, dtype=dtype)
+    grad_out = (torch.randn(1, s.tokens, s.hidden, generator=gen) / s.hidden ** 0.5).to(device=device, dtype=dtype)
+    x_pool = [x_base] + [torch.randn(1, s.tokens, s.hidden, generator=gen).to(device=device, dtype=dtype)
+                         for _ in range(fresh_inputs)]
+    cands: dict[str, Candidate] = {}
+    weights = _init_weights(s, seed)
+    block = None
+    if "transformers" in names or ("shardmoe" in names and transformers_available()):
+        block = _mixtral_block(s, weights, dtype, device)
+
+    def module_candidate(name, module, params, x_shape, gate_transposed=False):
+        """gate_transposed: params[0] is [H, E] (the router holds [E, H]); its gradient
+        is compared transposed."""
+        xs = [xb.reshape(x_shape).clone().requires_grad_() for xb in x_pool]
+        x = xs[0]
+        g = grad_out.reshape(x_shape)
+        turn = [0]
+
+        def forward():
+            return module(x)
+
+        def step():
+            xi = x if len(xs) == 1 else xs[1 + turn[0] % (len(xs) - 1)]
+            turn[0] += 1
+            module(xi).backward(g)
+
+        def reset():
+            for xi in xs:
+                xi.grad = None
+            for p in params:
+                p.grad = None
+
+        def grads():
+            out = {"x": x.grad.reshape(1, s.tokens, s.hidden),
+                   **{f"p{i}": p.grad for i, p in enumerate(params)}}
+            if gate_transposed:
+                out["p0"] = out["p0"].t()
+            return out
+
+        return Candidate(name, step, reset, tuple(params), forward, grads), x
+
+    inputs = {}
+    if "transformers" in names:
+        params = (block.gate.weight, block.experts.gate_up_proj, block.experts.down_proj)
+        cands["transformers"], inputs["transformers"] = module_candidate(
+            "transformers", block, params, (1, s.tokens, s.hidden))
+    if "shardmoe" in names:
+        import shardmoe
+
+        if block is not None:
+            layer = shardmoe.MoE.from_mixtral(block)
+        else:  # the same weights, copied by hand (router [E, H] -> gate_weight [H, E])
+            layer = shardmoe.MoE(s.hidden, s.ffn, s.experts, s.top_k, dtype=dtype, device=device)
+            with torch.no_grad():
+                for p, w in zip((layer.gate_weight, layer.gate_up_proj, layer.down_proj),
+                                (weights[0].t(), weights[1], weights[2])):
+                    p.copy_(w)
+        params = (layer.gate_weight, layer.gate_up_proj, layer.down_proj)
+        cands["shardmoe"], inputs["shardmoe"] = module_candidate(
+            "shardmoe", layer, params, (1, s.tokens, s.hidden), gate_transposed=True)
+    if "loop" in names:
+        wg, wgu, wd = (w.to(device=device, dtype=dtype).requires_grad_()
+                       for w in (weights[0].t().contiguous(), weights[1], weights[2]))
+        params = (wg, wgu, wd)
+        cands["loop"], inputs["loop"] = module_candidate(
+            "loop", lambda x: loop_moe(x, wg, wgu, wd, s.top_k), params, (s.tokens, s.hidden),
+            gate_transposed=True)
+    for name in ("dense", "dense+alloc"):
+        if name in names:
+            cands[name] = dense_candidate(s, dtype, device, preallocated=(name == "dense"), name=name)
+    return {n: cands[n] for n in names if n in cands}, inputs
+
+
+def dense_candidate(s: Shape, dtype, device, preallocated: bool, name: str) -> Candidate:
+    """The GEMMs of a dropless MoE forward + backward as if all M = S*k rows went to one
+    expert: the same FLOPs (total_flops) in the same operand shapes and layouts.
+
+    Experts:  h  = X Wgu^T    [M,H]x[H,2F]     y   = A Wd^T   [M,F]x[F,H]
+              dA = dY Wd      [M,H]x[H,F]      dWd = dY^T A   [H,M]x[M,F]
+              dX = dH Wgu     [M,2F]x[2F,H]    dWgu= dH^T X   [2F,M]x[M,H]
+    Router:   L  = Xs Wg      [S,H]x[H,E]      dXs = dL Wg^T  [S,E]x[E,H]   dWg = Xs^T dL  [H,S]x[S,E]
+    With preallocated=True every product lands in a buffer made once (out=), so only the
+    GEMM kernels are timed; otherwise each allocates its output as autograd would."""
+    import torch
+
+    S, H, F, E, k = s.tokens, s.hidden, s.ffn, s.experts, s.top_k
+    M = S * k
+    gen = torch.Generator().manual_seed(7)
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=gen).to(device=device, dtype=dtype)
+
+    X, A, dY, dH = rnd(M, H), rnd(M, F), rnd(M, H), rnd(M, 2 * F)
+    Wgu, Wd = rnd(2 * F, H), rnd(H, F)
+    Xs, Wg, dL = rnd(S, H), rnd(H, E), rnd(S, E)
+    products = [
+        (X, Wgu.t()), (A, Wd.t()),              # forward
+        (dY, Wd), (dY.t(), A),                  # down-projection backward
+        (dH, Wgu), (dH.t(), X),                 # gate/up backward
+        (Xs, Wg), (dL, Wg.t()), (Xs.t(), dL),   # router forward + backward
+    ]
+    if preallocated:
+        outs = [torch.empty(a.shape[0], b.shape[1], device=device, dtype=dtype) for a, b in products]
+
+        def step():
+            for (a, b), o in zip(products, outs):
+                torch.mm(a, b, out=o)
+    else:
+        def step():
+            for a, b in products:
+                torch.mm(a, b)
+
+    flops = sum(2 * a.shape[0] * a.shape[1] * b.shape[1] for a, b in products)
+    return Candidate(name, step, lambda: None, flops=flops)

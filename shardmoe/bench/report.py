@@ -1,0 +1,80 @@
+"""What a run prints and writes: one table per case, the targets line, the environment, JSON."""
+from __future__ import annotations
+
+import json
+import platform
+from dataclasses import asdict
+
+from shardmoe.bench.case import CaseResult
+from shardmoe.bench.flops import Shape
+
+
+def _fmt(v, spec: str, missing: str = "-") -> str:
+    return missing if v is None else format(v, spec)
+
+
+def format_case(r: CaseResult) -> str:
+    s = Shape(**r.shape)
+    lines = [
+        f"[{r.shape_name} {r.dtype}] {s}   GEMM FLOPs fwd+bwd {r.flops / 1e9:.2f} G "
+        f"(experts {r.expert_flops / 1e9:.2f} + router {r.router_flops / 1e9:.2f}); "
+        f"median of n timed rounds (<= {r.repeats}) after {r.warmup} warm-up; {r.routing} routing",
+        f"  {'candidate':<13}{'median ms':>10}{'min ms':>9}{'GFLOP/s':>9}{'x dense':>9}{'vs tf':>7}"
+        f"{'vs loop':>8}{'saved B/tok':>12}{'saved/tf':>9}{'rel err':>9}{'n':>4}",
+    ]
+    for row in r.rows:
+        lines.append(
+            f"  {row.candidate:<13}{row.median_s * 1e3:>10.2f}{row.min_s * 1e3:>9.2f}{row.gflops:>9.1f}"
+            f"{_fmt(row.fraction_of_dense, '.2f'):>9}{_fmt(row.speedup_vs_transformers, '.2f'):>7}"
+            f"{_fmt(row.speedup_vs_loop, '.2f'):>8}{_fmt(row.saved_bytes_per_token, '.0f'):>12}"
+            f"{_fmt(row.saved_vs_transformers, '.2f'):>9}{_fmt(row.rel_err_vs_transformers, '.1e'):>9}{row.repeats:>4}"
+        )
+    for note in r.notes:
+        lines.append(f"  note: {note}")
+    return "\n".join(lines)
+
+
+def format_targets(results: list[CaseResult]) -> str:
+    lines = ["targets (shardmoe):"]
+    for r in results:
+        parts = []
+        for key, (v, target, met) in r.targets().items():
+            mark = "n/a" if met is None else ("ok" if met else "MISS")
+            op = "<=" if key.startswith("saved") else ">="
+            parts.append(f"{key} {_fmt(v, '.2f')} ({op} {target}) {mark}")
+        lines.append(f"  {r.shape_name:<4} {r.dtype:<5} " + "; ".join(parts))
+    return "\n".join(lines)
+
+
+def environment() -> dict:
+    import torch
+
+    env = {"torch": torch.__version__, "threads": torch.get_num_threads(), "python": platform.python_version(),
+           "machine": platform.machine(), "processor": platform.processor()}
+    try:
+        import transformers
+
+        env["transformers"] = transformers.__version__
+    except ImportError:
+        env["transformers"] = None
+    try:
+        import os
+        import subprocess
+
+        env["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                       cwd=os.path.dirname(os.path.abspath(__file__)), timeout=5).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        env["commit"] = None
+    try:
+        with open("/proc/cpuinfo") as f:
+            env["cpu"] = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), None)
+    except OSError:
+        env["cpu"] = None
+    return env
+
+
+def write_json(path: str, env: dict, device: str, quick: bool, results: list[CaseResult]) -> None:
+    """Every number of the run: the environment, the options that shape it, and each case."""
+    with open(path, "w") as f:
+        json.dump({"environment": env, "device": device, "quick": quick,
+                   "cases": [asdict(r) for r in results]}, f, indent=2)

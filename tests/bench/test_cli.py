@@ -1,0 +1,50 @@
+"""The `shardmoe bench` subcommand (shardmoe.bench): JSON, shape overrides, refusals, --mesh hand-over."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from shardmoe import bench
+
+
+def test_cli_quick_writes_json(tmp_path, capsys):
+    path = tmp_path / "bench.json"
+    code = bench.main(["--quick", "--tokens", "32", "--shapes", "e8", "--dtype", "fp32", "--repeats", "1",
+                       "--candidates", "loop", "dense", "shardmoe", "--threads", "1", "--json", str(path)])
+    assert code == 0
+    out = capsys.readouterr().out
+    assert "[e8 fp32]" in out and "targets (shardmoe)" in out
+    data = json.loads(path.read_text())
+    (case,) = data["cases"]
+    assert case["shape"]["tokens"] == 32 and [r["candidate"] for r in case["rows"]] == ["loop", "dense", "shardmoe"]
+    assert data["environment"]["threads"] >= 1
+
+
+def test_cli_shape_overrides(capsys):
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    if "--hidden" not in parser._option_string_actions:
+        pytest.skip("the distributed options (--hidden, ...) are not available in this build")
+    code = bench.main(["--shapes", "e64", "--tokens", "16", "--hidden", "32", "--ffn", "16", "--experts", "4",
+                       "--top-k", "1", "--dtype", "fp32", "--repeats", "1", "--warmup", "1", "--threads", "1",
+                       "--candidates", "loop", "dense"])
+    assert code == 0
+    assert "S=16 H=32 F=16 E=4 k=1" in capsys.readouterr().out
+
+
+def test_cli_rejects_cuda_without_cuda(capsys):
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is available here")
+    assert bench.main(["--device", "cuda"]) == 2
+
+
+def test_mesh_runs_are_handed_to_the_distributed_bench(monkeypatch):
+    dist_bench = pytest.importorskip("shardmoe.parallel.bench")
+    seen = []
+    monkeypatch.setattr(dist_bench, "run_distributed", lambda args: seen.append(args.mesh) or 0)
+    assert bench.main(["--mesh", "e=1", "--quick"]) == 0
+    assert seen == ["e=1"]
