@@ -32,14 +32,13 @@ def row_chunks(rows: torch.Tensor) -> list[slice]:
     return [slice(i, i + step) for i in range(0, rows.shape[0], step)]
 
 
-def scale_rows(rows: torch.Tensor, weight_rows: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """rows_r * w_r, formed in the acc dtype and rounded once to `dtype` (default rows').
-    [N, D], [N] -> [N, D]."""
+def scale_rows(rows: torch.Tensor, weight_rows: torch.Tensor) -> torch.Tensor:
+    """rows_r * w_r, formed in the acc dtype and rounded once to rows' dtype. [N, D], [N] -> [N, D]."""
     acc = accumulation_dtype(rows.dtype)
     weight = weight_rows.to(acc)[:, None]
     if rows.dtype == acc:
         return rows * weight
-    out = rows.new_empty(rows.shape, dtype=dtype or rows.dtype)
+    out = torch.empty_like(rows)
     for c in row_chunks(rows):
         out[c] = rows[c].to(acc, copy=True).mul_(weight[c])
     return out
@@ -105,7 +104,7 @@ def grad_gate_combine(grad_rows: torch.Tensor, out_rows: torch.Tensor,
     if kernels.available(grad_rows):
         from shardmoe.kernels import combine as triton_combine
         return triton_combine.grad_gate_combine(grad_rows, out_rows if out_scale is None else out_rows * out_scale)
-    return rowwise_dot(grad_rows, out_rows) if out_scale is None else rowwise_dot(grad_rows, out_rows, out_scale)
+    return rowwise_dot(grad_rows, *((out_rows,) if out_scale is None else (out_rows, out_scale)))
 
 
 def grad_input_combine(dx_rows: torch.Tensor, row_pair: torch.Tensor, num_tokens: int, top_k: int) -> torch.Tensor:

@@ -76,8 +76,10 @@ def grouped_linear_t(rows: torch.Tensor, weight: torch.Tensor, groups: Groups) -
     """out_r = rows_r W_e (the input-gradient GEMM): rows [N, O], weight [E, O, K] -> [N, K]."""
     if _use_grouped_mm(rows, weight):
         return F.grouped_mm(rows, weight, offs=groups.offsets)
-    parts = rows.split(groups.sizes)
-    return torch.cat([part @ weight[e] for e, part in enumerate(parts)]) if parts else rows.new_zeros(0, weight.shape[2])
+    out = rows.new_empty((rows.shape[0], weight.shape[2]))
+    for e, (part, dest) in enumerate(zip(rows.split(groups.sizes), out.split(groups.sizes))):
+        torch.mm(part, weight[e], out=dest)
+    return out
 
 
 def grouped_weight_grad(grad_rows: torch.Tensor, in_rows: torch.Tensor, groups: Groups) -> torch.Tensor:

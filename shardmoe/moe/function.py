@@ -15,7 +15,7 @@ Saved for backward (all through ctx.save_for_backward, so saved-tensor hooks see
   x [S, H]; routing: probs [S, E], logsumexp [S], top_idx [S, k] int64, top_prob [S, k],
   weight [S, k] (acc dtype), per-expert counts [E] x2, row_pair [N] int64;
   "glu": h [N, 2F];  "mlp": z1 [N, P], z2 [N, H].
-  Per token that is H + k*2F (glu) elements of the input dtype plus 4E + 8 + 28k bytes of
+  Per token that is H + k*2F (glu) elements of the input dtype plus 4E + 4 + 24k bytes of
   routing state (fp32 acc): see docs/moe.md. The expert output y is not saved:
   "glu" takes the gate dot product as (g Wdown) . a, "mlp" recomputes act_out(z2).
 """
