@@ -31,6 +31,14 @@ def vocab_table(vocab_size: int, d_model: int, init_std: float, mesh, dtype, dev
     return nn.Parameter(torch.empty(shape, dtype=dtype, device=device).normal_(std=init_std))
 
 
+def vocab_block_ids(ids: Tensor, block: int, mesh) -> tuple[Tensor, Tensor]:
+    """ids as indices into this rank's vocab block of `block` rows (0 outside it), and whether the
+    block owns them; the embedding and the unembedding both look ids up this way."""
+    local = ids - coord(mesh, "t") * block
+    in_block = (local >= 0) & (local < block)
+    return torch.where(in_block, local, 0), in_block
+
+
 class EmbeddingResiduals(NamedTuple):
     local_ids: Tensor   # B L int64: id minus the vocab block's first id, 0 outside the block
     in_block: Tensor    # B L bool: the id belongs to this rank's vocab block
@@ -46,10 +54,7 @@ class EmbeddingGrads(NamedTuple):
 def embedding_forward(ids: Tensor, weight: Tensor, mesh=None) -> tuple[Tensor, EmbeddingResiduals]:
     """x = W[ids]; see the module docstring for the sharded layout."""
     table = gather("V/t M/d -> V/t M", weight, mesh)
-    block = table.shape[0]
-    local = ids - coord(mesh, "t") * block
-    in_block = (local >= 0) & (local < block)
-    local = torch.where(in_block, local, 0)
+    local, in_block = vocab_block_ids(ids, table.shape[0], mesh)
     x = table[local] * in_block[..., None].to(table.dtype)
     x = reduce_scatter("B/d L M -> B/d L M/t", x, mesh)
     return x, EmbeddingResiduals(local, in_block, tuple(table.shape), weight.dtype, mesh)

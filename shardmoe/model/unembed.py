@@ -25,9 +25,9 @@ from typing import NamedTuple
 import torch
 from torch import Tensor, nn
 
-from .embedding import WEIGHT_SPEC, vocab_table
+from .embedding import WEIGHT_SPEC, vocab_block_ids, vocab_table
 from .residuals import check_backward_mode, compute_dtype, load_residuals, save_residuals
-from .sharding import coord, gather, pmax, psum, reduce_scatter, size
+from .sharding import gather, pmax, psum, reduce_scatter, size
 
 
 class CrossEntropyResiduals(NamedTuple):
@@ -50,13 +50,6 @@ def unembed_logits(x: Tensor, weight: Tensor, mesh=None) -> Tensor:
     return torch.einsum("blm,vm->blv", x.to(acc), table.to(acc))
 
 
-def _targets_in_block(targets: Tensor, block: int, mesh) -> tuple[Tensor, Tensor]:
-    """Targets as indices into this rank's vocab block, and whether the block owns them."""
-    local = targets - coord(mesh, "t") * block
-    in_block = (local >= 0) & (local < block)
-    return torch.where(in_block, local, 0), in_block
-
-
 def cross_entropy_forward(x: Tensor, weight: Tensor, targets: Tensor, num_tokens: int | None = None,
                           mesh=None) -> tuple[Tensor, CrossEntropyResiduals]:
     """Mean next-token loss (a 0-dim tensor in the compute dtype) of logits = x . W^T."""
@@ -66,7 +59,7 @@ def cross_entropy_forward(x: Tensor, weight: Tensor, targets: Tensor, num_tokens
     shift = pmax(logits.amax(dim=-1), mesh, "t")
     sum_exp = psum("B/d L -> B/d L", torch.exp(logits - shift[..., None]).sum(dim=-1), mesh, "t")
     lse = shift + torch.log(sum_exp)
-    local_targets, in_block = _targets_in_block(targets, logits.shape[-1], mesh)
+    local_targets, in_block = vocab_block_ids(targets, logits.shape[-1], mesh)
     target_logit = logits.gather(-1, local_targets[..., None])[..., 0] * in_block
     target_logit = psum("B/d L -> B/d L", target_logit, mesh, "t")
     loss = psum("1 -> 1", ((lse - target_logit).sum() / num_tokens).reshape(1), mesh, "d").reshape(())
@@ -77,7 +70,7 @@ def cross_entropy_backward(res: CrossEntropyResiduals, grad_loss: Tensor) -> tup
     """(dx[B L M], dW[V/t M/d]) of the loss, scaled by the incoming scalar gradient."""
     logits = unembed_logits(res.x, res.weight, res.mesh)
     grad_logits = torch.exp(logits - res.lse[..., None])
-    local_targets, in_block = _targets_in_block(res.targets, logits.shape[-1], res.mesh)
+    local_targets, in_block = vocab_block_ids(res.targets, logits.shape[-1], res.mesh)
     grad_logits.scatter_add_(-1, local_targets[..., None], -in_block[..., None].to(grad_logits.dtype))
     grad_logits *= grad_loss.to(grad_logits.dtype) / res.num_tokens
     table = gather(f"{WEIGHT_SPEC} -> V/t M", res.weight, res.mesh).to(grad_logits.dtype)
