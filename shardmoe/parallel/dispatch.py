@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from shardmoe import shardops
-from shardmoe.moe.routing import Routing, dispatch_order
+from shardmoe.moe.routing import Routing
 from shardmoe.parallel.exchange import ExchangeError
 
 
@@ -101,7 +101,7 @@ def plan_dispatch(routing: Routing, config, mesh) -> tuple[DispatchPlan, Routing
     else:
         earlier = torch.cumsum(selected, 0) - selected
         kept = torch.minimum(selected, (capacity - earlier).clamp(min=0))
-        routing = _keep_first(routing, kept[rank], E)
+        routing = _keep_first(routing, kept[rank])
 
     ep, peer = mesh.size("e"), mesh.coord("e")
     local = E // ep
@@ -112,9 +112,12 @@ def plan_dispatch(routing: Routing, config, mesh) -> tuple[DispatchPlan, Routing
     return plan, routing
 
 
-def _keep_first(routing: Routing, kept: torch.Tensor, num_experts: int) -> Routing:
-    """Keep, for each expert e, the first kept[e] of this rank's pairs (token order)."""
-    order, selected, _ = dispatch_order(routing.top_idx, num_experts, None)
+def _keep_first(routing: Routing, kept: torch.Tensor) -> Routing:
+    """Keep, for each expert e, the first kept[e] of this rank's pairs (token order).
+
+    routing is dropless, so its row_pair already holds every pair grouped by expert, in token
+    order within a group, and selected_per_expert the group sizes."""
+    order, selected = routing.row_pair, routing.selected_per_expert
     sorted_expert = routing.top_idx.reshape(-1)[order]
     group_start = torch.cumsum(selected, 0) - selected
     rank_in_expert = torch.arange(order.numel(), device=order.device) - group_start[sorted_expert]
