@@ -36,7 +36,7 @@ from shardmoe.moe import combine as comb
 from shardmoe.moe import experts as ex
 from shardmoe.moe.activations import activate
 from shardmoe.moe.config import MoEConfig
-from shardmoe.moe.function import expert_param_names
+from shardmoe.moe.function import _rows_of, expert_param_names
 from shardmoe.moe.routing import Routing, accumulation_dtype, balance_loss, grad_gate_gemm, route
 from shardmoe.parallel import expert_tensor as etp
 from shardmoe.parallel.dispatch import DispatchPlan, peer_tokens, plan_dispatch
@@ -91,8 +91,7 @@ class ExpertParallelMoE(torch.autograd.Function):
         routing, plan = _route(x, gate_weight, config, mesh)
         clock.lap("route")
 
-        row_token = routing.row_pair // k
-        weight_rows = routing.weight.reshape(-1)[routing.row_pair]
+        row_token, weight_rows = _rows_of(routing, k)
         data, layout = pack_rows(x[row_token])
         (xs,) = unpack_rows(exchange.exchange(data, plan.counts), layout)
         order = plan.expert_major_order()
@@ -139,8 +138,7 @@ class ExpertParallelMoE(torch.autograd.Function):
 
         # Token side -> experts: the unscaled output gradient rows and their combine weights
         # (the glu expert applies w after its Wdown GEMM so that stage 2 can reuse that GEMM).
-        row_token = routing.row_pair // k
-        weight_rows = routing.weight.reshape(-1)[routing.row_pair]
+        row_token, weight_rows = _rows_of(routing, k)
         data, layout = pack_rows(grad_out.contiguous()[row_token], weight_rows)
         grad_rows, weight_recv = unpack_rows(exchange.exchange(data, plan.counts), layout)
         grad_rows, weight_recv = grad_rows[order], weight_recv[order]
