@@ -9,9 +9,14 @@ import math
 from dataclasses import dataclass
 
 
-def _check_positive_int(name: str, value) -> None:
+def check_positive_int(name: str, value) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name}: expected an int >= 1, got {value!r}")
+
+
+def check_positive_number(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name}: expected a positive finite number, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -34,16 +39,14 @@ class DenseConfig:
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "d_model", "n_q_heads", "n_kv_heads", "head_dim"):
-            _check_positive_int(name, getattr(self, name))
+            check_positive_int(name, getattr(self, name))
         if self.n_q_heads % self.n_kv_heads:
             raise ValueError(
                 f"n_q_heads: expected a multiple of n_kv_heads={self.n_kv_heads}, got {self.n_q_heads}")
         if self.head_dim % 2:
             raise ValueError(f"head_dim: expected an even int (RoPE rotates pairs), got {self.head_dim}")
         for name in ("rope_theta", "norm_eps"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
-                raise ValueError(f"{name}: expected a positive finite number, got {v!r}")
+            check_positive_number(name, getattr(self, name))
 
     @property
     def q_per_kv(self) -> int:

@@ -46,7 +46,7 @@ from shardmoe.parallel import expert_tensor as etp
 from shardmoe.parallel.sync import mark_grad_sync, sync_grads
 
 from .attention import Attention
-from .config import DenseConfig
+from .config import DenseConfig, check_positive_int, check_positive_number
 from .embedding import Embedding
 from .residuals import check_backward_mode
 from .rmsnorm import RMSNorm
@@ -87,11 +87,8 @@ class TransformerConfig:
 
     def __post_init__(self) -> None:
         self.dense(), self.moe()  # their own checks, with messages naming the option
-        if isinstance(self.n_layers, bool) or not isinstance(self.n_layers, int) or self.n_layers < 1:
-            raise ValueError(f"n_layers: expected an int >= 1, got {self.n_layers!r}")
-        std = self.init_std
-        if isinstance(std, bool) or not isinstance(std, (int, float)) or not math.isfinite(std) or std <= 0:
-            raise ValueError(f"init_std: expected a positive finite number, got {std!r}")
+        check_positive_int("n_layers", self.n_layers)
+        check_positive_number("init_std", self.init_std)
 
     def dense(self) -> DenseConfig:
         return DenseConfig(self.vocab_size, self.d_model, self.n_q_heads, self.n_kv_heads, self.head_dim,
