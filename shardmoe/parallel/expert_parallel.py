@@ -92,10 +92,8 @@ class ExpertParallelMoE(torch.autograd.Function):
         clock.lap("route")
 
         row_token, weight_rows = _rows_of(routing, k)
-        data, layout = pack_rows(x[row_token])
-        (xs,) = unpack_rows(exchange.exchange(data, plan.counts), layout)
         order = plan.expert_major_order()
-        xs = xs[order]
+        (xs,) = _to_experts(exchange, plan, order, x[row_token])
         clock.lap("dispatch")
 
         params = dict(zip(expert_param_names(config), expert_weights))
@@ -103,10 +101,7 @@ class ExpertParallelMoE(torch.autograd.Function):
         y, saved = _experts_forward(config, mesh, xs, params, groups)
         clock.lap("experts")
 
-        y_recv = torch.empty_like(y)
-        y_recv[order] = y
-        data, layout = pack_rows(y_recv)
-        (y_send,) = unpack_rows(exchange.exchange(data, _transposed(plan.counts)), layout)
+        (y_send,) = _to_tokens(exchange, plan, order, y)
         out = comb.combine(y_send, weight_rows, routing.row_pair, num_tokens, k).to(x.dtype)
         share_routing = global_counts(routing, plan)
         loss = balance_loss(share_routing, config, num_tokens=plan.global_tokens)
@@ -139,21 +134,14 @@ class ExpertParallelMoE(torch.autograd.Function):
         # Token side -> experts: the unscaled output gradient rows and their combine weights
         # (the glu expert applies w after its Wdown GEMM so that stage 2 can reuse that GEMM).
         row_token, weight_rows = _rows_of(routing, k)
-        data, layout = pack_rows(grad_out.contiguous()[row_token], weight_rows)
-        grad_rows, weight_recv = unpack_rows(exchange.exchange(data, plan.counts), layout)
-        grad_rows, weight_recv = grad_rows[order], weight_recv[order]
+        grad_rows, weight_recv = _to_experts(exchange, plan, order, grad_out.contiguous()[row_token], weight_rows)
         clock.lap("dispatch")
 
         groups = ex.Groups.from_counts(plan.rows_per_local_expert)
         grad_xs, grad_dots, grads = _experts_backward(config, mesh, grad_rows, weight_recv, xs, saved, params, groups)
         clock.lap("experts")
 
-        back = torch.empty_like(grad_xs)
-        back[order] = grad_xs
-        dots_back = torch.empty_like(grad_dots)
-        dots_back[order] = grad_dots
-        data, layout = pack_rows(back, dots_back)
-        grad_xs, grad_dots = unpack_rows(exchange.exchange(data, _transposed(plan.counts)), layout)
+        grad_xs, grad_dots = _to_tokens(exchange, plan, order, grad_xs, grad_dots)
         grad_x = comb.grad_input_combine(grad_xs, routing.row_pair, num_tokens, k)
         clock.lap("combine")
 
@@ -197,6 +185,22 @@ def _experts_backward(config: MoEConfig, mesh, grad_rows, weight_rows, xs, saved
     if config.expert == "glu":
         grad_dots = etp.reduce_gate_dot(grad_dots, mesh)
     return etp.reduce_input_grad(grad_xs, mesh), grad_dots, grads
+
+
+def _to_experts(exchange: RowExchange, plan: DispatchPlan, order: torch.Tensor, *rows: torch.Tensor):
+    """Token side -> experts: per-row tensors grouped by destination peer -> the local experts'
+    rows, expert-major (one exchange of the packed rows, one gather of the received bytes)."""
+    data, layout = pack_rows(*rows)
+    return unpack_rows(exchange.exchange(data, plan.counts)[order], layout)
+
+
+def _to_tokens(exchange: RowExchange, plan: DispatchPlan, order: torch.Tensor, *rows: torch.Tensor):
+    """Experts -> token side, the reverse of _to_experts: expert-major rows back to source-major
+    order, then along the transposed splits to the ranks that sent them."""
+    data, layout = pack_rows(*rows)
+    source_major = torch.empty_like(data)
+    source_major[order] = data
+    return unpack_rows(exchange.exchange(source_major, _transposed(plan.counts)), layout)
 
 
 def _transposed(counts: list[list[int]]) -> list[list[int]]:
