@@ -176,10 +176,7 @@ class Block(nn.Module):
         self.attn_norm = RMSNorm(config.d_model, config.norm_eps, **kw)
         self.attention = Attention(config.d_model, config.n_q_heads, config.n_kv_heads, config.head_dim, **kw)
         self.ffn_norm = RMSNorm(config.d_model, config.norm_eps, **kw)
-        moe = config.moe()
-        self.moe = MoE(moe.hidden_size, moe.ffn_size, moe.num_experts, moe.top_k, expert=moe.expert,
-                       activation=moe.activation, capacity_factor=moe.capacity_factor,
-                       aux_loss_coef=moe.aux_loss_coef, z_loss_coef=moe.z_loss_coef, mesh=mesh, dtype=dtype)
+        self.moe = MoE(**dataclasses.asdict(config.moe()), mesh=mesh, dtype=dtype)  # MoE takes MoEConfig's fields
 
     def forward(self, x: Tensor, segment_ids: Tensor, rope: RopeTable) -> Tensor:
         x = x + self.attention(self.attn_norm(x), segment_ids, rope)
