@@ -3,7 +3,6 @@ import math
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from shardmoe.moe.config import MoEConfig
 from shardmoe.moe.reference import (
