@@ -26,9 +26,16 @@ import statistics
 import sys
 import time
 
+import torch
+import torch.distributed as dist
+
+import shardmoe
+from shardmoe.mesh import Mesh
+from shardmoe.parallel.exchange import shared_exchange
+from shardmoe.parallel.expert_parallel import PHASES
+
 DEFAULTS = dict(tokens=1024, hidden=256, ffn=512, experts=8, top_k=2, warmup=2, repeats=5)
 QUICK = dict(tokens=128, hidden=64, ffn=128, warmup=1, repeats=2)
-PHASES = ("route", "dispatch", "experts", "combine")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -74,9 +81,6 @@ def _option(args, name: str):
 
 def run_distributed(args: argparse.Namespace) -> int:
     """Benchmark on the process group torchrun set up (or a one-rank group); rank 0 prints. Exit code."""
-    import torch
-    import torch.distributed as dist
-
     own_group = not dist.is_initialized()
     if own_group:
         if "RANK" in os.environ:
@@ -102,12 +106,6 @@ def run_distributed(args: argparse.Namespace) -> int:
 
 
 def _bench(args, mesh_sizes: dict, dtype_name: str) -> dict:
-    import torch
-    import torch.distributed as dist
-
-    import shardmoe
-    from shardmoe.mesh import Mesh
-
     world, rank = dist.get_world_size(), dist.get_rank()
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype_name]
     device = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
@@ -153,11 +151,6 @@ def _bench(args, mesh_sizes: dict, dtype_name: str) -> dict:
 
 def _time_exchange(mesh, rows: int, width: int, repeats: int) -> float:
     """Median seconds of one exchange of rows // G rows of width bytes to each of the G peers."""
-    import torch
-    import torch.distributed as dist
-
-    from shardmoe.parallel.exchange import shared_exchange
-
     exchange = shared_exchange(mesh, "e")
     peers = mesh.size("e")
     per_peer = rows // peers
