@@ -18,8 +18,9 @@ import sys
 import time
 from pathlib import Path
 
+from shardmoe.model.residuals import BACKWARD_MODES
 from shardmoe.model.transformer import check_layout
-from shardmoe.train.config import BACKWARDS, TrainConfig, load_config
+from shardmoe.train.config import TrainConfig, load_config
 
 DEFAULT_OUT = "runs/default"
 MESH_AXIS_NAMES = {"d": "dp", "e": "ep", "t": "tp"}
@@ -34,7 +35,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--resume", action="store_true", help="continue from DIR/checkpoint.safetensors")
     parser.add_argument("--mesh", default="", metavar="d=2,e=2",
                         help="mesh axis sizes (d data/FSDP, e expert, t tensor); launch with torchrun")
-    parser.add_argument("--backward", choices=BACKWARDS, help="dense-layer backward (default explicit)")
+    parser.add_argument("--backward", choices=BACKWARD_MODES, help="dense-layer backward (default explicit)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 

@@ -20,10 +20,10 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from shardmoe.model.residuals import check_backward_mode
 from shardmoe.model.transformer import TransformerConfig
 
 DTYPES = ("float32", "float64")
-BACKWARDS = ("explicit", "autograd")
 # Settings a resumed run must share with the checkpoint: they fix the weights' shapes and the data
 # stream. Optimizer settings and `steps` may change on resume (docs/training.md).
 RESUME_IDENTITY = ("model", "dtype", "seq_len", "batch_size", "seed", "corpus", "val_fraction")
@@ -88,8 +88,7 @@ class TrainConfig:
         _check_number("sample_temperature", self.sample_temperature, low=0.0, low_open=True)
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype: expected one of {', '.join(DTYPES)}, got {self.dtype!r}")
-        if self.backward not in BACKWARDS:
-            raise ValueError(f"backward: expected one of {', '.join(BACKWARDS)}, got {self.backward!r}")
+        check_backward_mode(self.backward)
         if self.corpus is not None and not isinstance(self.corpus, str):
             raise ValueError(f"corpus: expected a file path or null, got {self.corpus!r}")
 
