@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from shardmoe.moe.function import expert_param_names
+from shardmoe.moe.reference import parameter_shapes
 from shardmoe.moe.routing import Routing, balance_loss, route
 from shardmoe.tasks.emitters import Emitters
 from shardmoe.tasks.kernels import KernelContext
@@ -53,9 +54,7 @@ def _params(layer) -> dict[str, torch.Tensor | None]:
     """The layer's parameters, detached; they must be whole (the runtime splits the experts over its
     simulated devices itself, so a layer holding one rank's shard is refused)."""
     c = layer.config
-    E, F, H = c.num_experts, c.ffn_size, c.hidden_size
-    whole = {"gate_weight": (H, E), "gate_up_proj": (E, 2 * F, H), "down_proj": (E, H, F),
-             "w1": (E, F, H), "w2": (E, H, F), "b1": (E, F), "b2": (E, H)}
+    whole = parameter_shapes(c)
     params = {}
     for name in ("gate_weight", *expert_param_names(c)):
         p = getattr(layer, name)
