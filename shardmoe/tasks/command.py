@@ -40,15 +40,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     run.add_argument("--gate-dependency", choices=GATE_DEPENDENCIES, default="token")
 
 
-def _relative(got, want) -> float:
-    scale = want.abs().max().item()
-    return (got - want).abs().max().item() / (scale if scale > 0 else 1.0)
-
-
 def run(args: argparse.Namespace) -> int:
     import torch
 
     import shardmoe
+    from shardmoe.check.compare import relative_error
     from shardmoe.tasks.api import run_backward, run_forward
 
     dtype = getattr(torch, args.dtype)
@@ -67,8 +63,8 @@ def run(args: argparse.Namespace) -> int:
     out = layer(x)
     params = dict(layer.named_parameters())
     want = torch.autograd.grad((out * grad_out).sum() + layer.aux_loss, [x, *params.values()])
-    errors = {"output": _relative(fwd.output, out.detach()), "grad_input": _relative(bwd.grad_input, want[0])}
-    errors.update({name: _relative(bwd.grads[name], w) for name, w in zip(params, want[1:])})
+    errors = {"output": relative_error(fwd.output, out), "grad_input": relative_error(bwd.grad_input, want[0])}
+    errors.update({name: relative_error(bwd.grads[name], w) for name, w in zip(params, want[1:])})
 
     args.out.mkdir(parents=True, exist_ok=True)
     for name, result in (("forward", fwd), ("backward", bwd)):
