@@ -56,18 +56,9 @@ def is_sharded(mesh) -> bool:
 
 
 def shard_shape(name: str, shape: tuple[int, ...], mesh) -> tuple[int, ...]:
-    """Local shape of expert parameter `name` whose whole shape is `shape`."""
-    if not is_sharded(mesh):
-        return tuple(shape)
-    ep, tp = mesh.size("e"), mesh.size("t")
-    if name == "gate_up_proj":
-        E, two_f, H = shape
-        return (E // ep, two_f // tp, H)
-    local = [shape[0] // ep, *shape[1:]]
-    split = {"down_proj": 2, "w1": 1, "b1": 1, "w2": 2}.get(name)
-    if split is not None:
-        local[split] //= tp
-    return tuple(local)
+    """Local shape of expert parameter `name` whose whole shape is `shape`: the shape of
+    shard_expert_param's result on a meta tensor (no memory, no communication)."""
+    return tuple(shard_expert_param(name, torch.empty(shape, device="meta"), mesh).shape)
 
 
 def shard_expert_param(name: str, whole: torch.Tensor, mesh) -> torch.Tensor:
@@ -75,9 +66,8 @@ def shard_expert_param(name: str, whole: torch.Tensor, mesh) -> torch.Tensor:
     if not is_sharded(mesh):
         return whole
     source, target = SHARD_SPECS[name]
-    view = _packed(name, whole)
-    local = shardops.shard(f"{source} -> {target}", view, mesh)
-    return local.reshape(shard_shape(name, tuple(whole.shape), mesh)).contiguous()
+    local = shardops.shard(f"{source} -> {target}", _packed(name, whole), mesh)
+    return _unpacked(name, local).contiguous()
 
 
 def gather_expert_param(name: str, local: torch.Tensor, mesh) -> torch.Tensor:
@@ -86,7 +76,7 @@ def gather_expert_param(name: str, local: torch.Tensor, mesh) -> torch.Tensor:
         return local
     source, target = SHARD_SPECS[name]
     whole = shardops.all_gather(f"{target} -> {source}", _packed(name, local), mesh)
-    return whole.reshape(whole.shape[0], -1, whole.shape[-1]) if name == "gate_up_proj" else whole
+    return _unpacked(name, whole)
 
 
 def _packed(name: str, t: torch.Tensor) -> torch.Tensor:
@@ -94,6 +84,11 @@ def _packed(name: str, t: torch.Tensor) -> torch.Tensor:
         return t
     E, two_f, H = t.shape
     return t.view(E, 2, two_f // 2, H)
+
+
+def _unpacked(name: str, t: torch.Tensor) -> torch.Tensor:
+    """Inverse of _packed: gate_up_proj [E, 2, F, H] -> [E, 2F, H] (a copy if t is a strided shard)."""
+    return t.reshape(t.shape[0], -1, t.shape[-1]) if name == "gate_up_proj" else t
 
 
 def reduce_expert_output(partial: torch.Tensor, mesh) -> torch.Tensor:
