@@ -321,4 +321,4 @@ class Transformer(nn.Module):
 
 def _unsharded(spec: str) -> str:
     """'V/t M/d' -> 'V M'."""
-    return " ".join(dim.split("/")[0] for dim in spec.split())
+    return " ".join(parse_spec(spec).names)

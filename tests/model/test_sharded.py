@@ -10,12 +10,14 @@ import torch
 from shardmoe.mesh import Mesh
 from shardmoe.model import (Attention, attention, embed, packed_layout, rms_norm, rope_table,
                             unembed_cross_entropy)
+from shardmoe.notation import parse_spec
 from shardmoe.shardops import all_gather, shard
 from shardmoe.testing import run_distributed
 
 V, M, Q, K, D, EPS, THETA = 16, 8, 2, 2, 4, 1e-5, 10000.0
 SPECS = {"embed": "V/t M/d", "norm": "M/t/d", "w_q": "M/d Q K/t D", "w_kv": "2 M/d K/t D",
          "w_o": "M/d Q K/t D", "final_norm": "M/t/d", "unembed": "V/t M/d"}
+UNSHARDED = {k: " ".join(parse_spec(spec).names) for k, spec in SPECS.items()}  # 'V/t M/d' -> 'V M'
 
 
 def full_weights_and_batch():
@@ -60,15 +62,14 @@ def compare_on_rank():
     local_batch = [shard("B L -> B/d L", t, mesh) for t in (ids, targets, is_seq_start)]
     errors = {}
     for backward in ("explicit", "autograd"):
-        local = {k: shard(f"{' '.join(d.split('/')[0] for d in SPECS[k].split())} -> {SPECS[k]}", w, mesh)
-                 .clone().requires_grad_() for k, w in weights.items()}
+        local = {k: shard(f"{UNSHARDED[k]} -> {SPECS[k]}", w, mesh).clone().requires_grad_()
+                 for k, w in weights.items()}
         loss = loss_of(local, *local_batch, mesh, backward)
         loss.backward()
         errors[(backward, "loss")] = abs(loss.item() - expected_loss.item()) / expected_loss.item()
         with torch.no_grad():
             for k, w in local.items():
-                unsharded = " ".join(d.split("/")[0] for d in SPECS[k].split())
-                grad = all_gather(f"{SPECS[k]} -> {unsharded}", w.grad, mesh)
+                grad = all_gather(f"{SPECS[k]} -> {UNSHARDED[k]}", w.grad, mesh)
                 errors[(backward, k)] = relative_error(grad, reference[k].grad)
     module = Attention(M, Q * K, K, D, mesh=mesh)
     shapes = (tuple(module.w_q.shape), tuple(module.w_kv.shape))
