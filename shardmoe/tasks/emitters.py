@@ -39,26 +39,32 @@ class Emitters:
         return Task(kind, device, tile.sync_idx, n, tile.expert, tile.peer, operands,
                     self.plan.is_remote(tile.device, tile.peer), emitter)
 
+    def _write_tq(self, kind: TaskType, tile: RowTile, device: int, columns: int, emitter: str, **operands) -> None:
+        """Column tiles 0 .. columns-1 of `tile` into device's tQ."""
+        for n in range(columns):
+            self.queues[device].write_tq(self._task(kind, tile, device, n, emitter, **operands))
+
+    def _write_ptq(self, kind: TaskType, tile: RowTile, columns: int, emitter: str, domain: str, **operands) -> None:
+        """Column tiles 0 .. columns-1 of `tile` into its expert device's ptQ slot, in `domain`."""
+        d = tile.device
+        for n in range(columns):
+            self.queues[d].write_ptq(self._task(kind, tile, d, n, emitter, **operands), tile.sync_idx, domain)
+
     # --- forward -------------------------------------------------------------------------------
     def forward_initial_decoder(self, tile: RowTile) -> None:
         d, s = tile.device, tile.sync_idx
-        for n in range(self.plan.tn):
-            self.queues[d].write_tq(self._task(TaskType.preGEMM, tile, d, n, "initial decoder",
-                                               x=Ref(d, "x_rows", s), z=Ref(d, "z1", s), a=Ref(d, "xm", s)))
+        self._write_tq(TaskType.preGEMM, tile, d, self.plan.tn, "initial decoder",
+                       x=Ref(d, "x_rows", s), z=Ref(d, "z1", s), a=Ref(d, "xm", s))
 
     def notify_next(self, tile: RowTile) -> None:
         d, s = tile.device, tile.sync_idx
-        for n in range(self.plan.tnx):
-            task = self._task(TaskType.postGEMM, tile, d, n, "notifyNext",
-                              a=Ref(d, "xm", s), z2=Ref(d, "z2", s), y=Ref(d, "y_rows", s))
-            self.queues[d].write_ptq(task, s, "primary")
+        self._write_ptq(TaskType.postGEMM, tile, self.plan.tnx, "notifyNext", "primary",
+                        a=Ref(d, "xm", s), z2=Ref(d, "z2", s), y=Ref(d, "y_rows", s))
 
     def forward_final_decoder(self, tile: RowTile) -> None:
         d, h, s = tile.device, tile.peer, tile.sync_idx
         source = Ref(h, "heap", (d, s)) if self.plan.is_remote(d, h) else Ref(d, "y_rows", s)
-        for n in range(self.plan.tnx):
-            self.queues[h].write_tq(self._task(TaskType.combine, tile, h, n, "final decoder",
-                                               y=source, out=Ref(h, "out")))
+        self._write_tq(TaskType.combine, tile, h, self.plan.tnx, "final decoder", y=source, out=Ref(h, "out"))
 
     # --- backward ------------------------------------------------------------------------------
     def _gate_combine(self, tile: RowTile, device: int, emitter: str) -> Task:
@@ -72,28 +78,22 @@ class Emitters:
 
     def backward_initial_decoder(self, tile: RowTile) -> None:
         d, s = tile.device, tile.sync_idx
-        for n in range(self.plan.tnx):
-            self.queues[d].write_tq(self._task(TaskType.gradCombine, tile, d, n, "initial decoder",
-                                               g=Ref(d, "grad_packet", s), out=Ref(d, "grad_expert", s)))
+        self._write_tq(TaskType.gradCombine, tile, d, self.plan.tnx, "initial decoder",
+                       g=Ref(d, "grad_packet", s), out=Ref(d, "grad_expert", s))
         self.queues[d].write_tq(self._gate_combine(tile, d, "initial decoder"))
 
     def notify_gradient(self, tile: RowTile) -> None:
         d, s = tile.device, tile.sync_idx
-        for n in range(self.plan.tn):
-            task = self._task(TaskType.gradPostGEMM, tile, d, n, "notifyGradient",
-                              ge=Ref(d, "grad_expert", s), z2=Ref(d, "z2", s), a=Ref(d, "xm", s),
-                              out=Ref(d, "grad_xm", s), dw=Ref(d, "expert_grad"))
-            self.queues[d].write_ptq(task, s, "primary")
+        self._write_ptq(TaskType.gradPostGEMM, tile, self.plan.tn, "notifyGradient", "primary",
+                        ge=Ref(d, "grad_expert", s), z2=Ref(d, "z2", s), a=Ref(d, "xm", s),
+                        out=Ref(d, "grad_xm", s), dw=Ref(d, "expert_grad"))
 
     def notify_gate_gradient_row_tile(self, tile: RowTile, tokens) -> None:
         """The seeds' notifyGateGradient: gradGateGEMM of a row tile, run by the expert device on
         the tokens it owns (their first kept pair), reading the token device's gate_dots."""
-        d, h, s = tile.device, tile.peer, tile.sync_idx
-        for n in range(self.plan.tnx):
-            task = self._task(TaskType.gradGateGEMM, tile, d, n, "notifyGateGradient", tokens=tokens,
-                              x=Ref(h, "x"), dots=Ref(h, "gate_dots"), out=Ref(h, "grad_x"),
-                              dwg=Ref(d, "gate_weight_grad"))
-            self.queues[d].write_ptq(task, s, "primary")
+        d, h = tile.device, tile.peer
+        self._write_ptq(TaskType.gradGateGEMM, tile, self.plan.tnx, "notifyGateGradient", "primary", tokens=tokens,
+                        x=Ref(h, "x"), dots=Ref(h, "gate_dots"), out=Ref(h, "grad_x"), dwg=Ref(d, "gate_weight_grad"))
 
     def notify_gate_gradient_tokens(self, tile: TokenTile) -> None:
         """gradGateGEMM of a token tile whose tokens have all their dots, on the token device."""
@@ -106,17 +106,14 @@ class Emitters:
 
     def notify_grad_pre_gemm(self, tile: RowTile) -> None:
         d, s = tile.device, tile.sync_idx
-        for n in range(self.plan.tnx):
-            task = self._task(TaskType.gradPreGEMM, tile, d, n, "notifyGradPreGEMM",
-                              grad=Ref(d, "grad_xm", s), z=Ref(d, "z1", s), x=Ref(d, "x_rows", s),
-                              out=Ref(d, "grad_x_rows", s), dw=Ref(d, "expert_grad"))
-            self.queues[d].write_ptq(task, s, "secondary")
+        self._write_ptq(TaskType.gradPreGEMM, tile, self.plan.tnx, "notifyGradPreGEMM", "secondary",
+                        grad=Ref(d, "grad_xm", s), z=Ref(d, "z1", s), x=Ref(d, "x_rows", s),
+                        out=Ref(d, "grad_x_rows", s), dw=Ref(d, "expert_grad"))
 
     def p2p_final_decoder(self, tile: RowTile) -> None:
         d, h, s = tile.device, tile.peer, tile.sync_idx
-        for n in range(self.plan.tnx):
-            self.queues[h].write_tq(self._task(TaskType.gradInputCombine, tile, h, n, "P2P final decoder",
-                                               src=Ref(d, "grad_x_rows", s), out=Ref(h, "grad_x")))
+        self._write_tq(TaskType.gradInputCombine, tile, h, self.plan.tnx, "P2P final decoder",
+                       src=Ref(d, "grad_x_rows", s), out=Ref(h, "grad_x"))
         if self.final_gate_combine:
             self.queues[h].write_tq(self._gate_combine(tile, h, "P2P final decoder"))
 
@@ -124,8 +121,7 @@ class Emitters:
         d, h, s = tile.device, tile.peer, tile.sync_idx
         is_remote_expert = d != own_rank  # the seeds' guard; a rank is never remote to itself
         if is_remote_expert:
-            for n in range(self.plan.tnx):
-                self.queues[h].write_tq(self._task(TaskType.gradInputCombine, tile, h, n, "remote final decoder",
-                                                   src=Ref(h, "heap", (d, s)), out=Ref(h, "grad_x")))
+            self._write_tq(TaskType.gradInputCombine, tile, h, self.plan.tnx, "remote final decoder",
+                           src=Ref(h, "heap", (d, s)), out=Ref(h, "grad_x"))
         if self.final_gate_combine:
             self.queues[h].write_tq(self._gate_combine(tile, h, "remote final decoder"))
