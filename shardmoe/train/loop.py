@@ -17,6 +17,7 @@ same thread count).
 """
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -166,7 +167,7 @@ def evaluate(model: Transformer, val: PackedBatches, num_batches: int) -> float:
     """Mean cross-entropy over the first num_batches held-out batches (collective)."""
     count = min(num_batches, val.batches_per_epoch)
     total = 0.0
-    for batch in list(val.epoch_batches(0))[:count]:
+    for batch in itertools.islice(val.epoch_batches(0), count):
         total += model.global_losses(model(batch.ids, batch.is_seq_start, batch.targets))[0]
     return total / count
 
