@@ -261,7 +261,9 @@ def _two_rank_world(cases: list[dict], seed003: dict, bench_json: str) -> dict:
     return out
 
 
-LOW_PRECISION = {"fp32": (torch.float32, 1e-5), "bf16": (torch.bfloat16, 2e-2)}
+# Outputs, input and expert gradients come out bit-identical here; the gate gradient differs by the
+# rounding of its sum over ranks (1 ulp: 1.3e-7 in fp32, 4e-3 in bf16).
+LOW_PRECISION = {"fp32": (torch.float32, 1e-6), "bf16": (torch.bfloat16, 2e-2)}
 
 
 def _low_precision_inputs(dtype: torch.dtype) -> dict:
