@@ -23,7 +23,7 @@ import torch
 
 from shardmoe.check.cases import CheckCase
 from shardmoe.moe.config import MoEConfig
-from shardmoe.moe.reference import ACTIVATION_FUNCTIONS, parameter_shapes, reference_routing
+from shardmoe.moe.reference import ACTIVATION_FUNCTIONS, Routing, parameter_shapes, reference_routing
 
 # Smallest allowed distance to a branch point, per compute dtype: above the forward's
 # round-off in that dtype (bf16 logits err by ~1e-2; a bf16-rounded a1 moves z2 by ~5e-3)
@@ -89,10 +89,9 @@ def _relu_inputs(config: MoEConfig, x: torch.Tensor, params: dict[str, torch.Ten
     return [z for z, act in ((z1, config.activation), (z2, config.output_activation)) if act == "relu"]
 
 
-def _kink_gap(config: MoEConfig, inputs: CaseInputs) -> float:
-    """Smallest |relu input| over the kept pairs; inf when no relu applies."""
+def _kink_gap(config: MoEConfig, inputs: CaseInputs, routing: Routing) -> float:
+    """Smallest |relu input| over the kept pairs of `routing` (the inputs'); inf when no relu applies."""
     x = inputs.x.reshape(-1, config.hidden_size)
-    routing = reference_routing(x, inputs.params["gate_weight"], config)
     tokens, slots = routing.kept.nonzero(as_tuple=True)
     experts = routing.selected[tokens, slots]
     gap = math.inf
@@ -117,12 +116,11 @@ def make_inputs(case: CheckCase, dtype: torch.dtype = torch.float64) -> CaseInpu
         x = inputs.x.reshape(-1, case.config.hidden_size)
         if _routing_gap(case.config, x, inputs.params["gate_weight"]) < ROUTING_MARGIN[dtype]:
             continue
-        if _kink_gap(case.config, inputs) < KINK_MARGIN[dtype]:
+        routing = reference_routing(x, inputs.params["gate_weight"], case.config)
+        if _kink_gap(case.config, inputs, routing) < KINK_MARGIN[dtype]:
             continue
-        if case.empty_expert is not None:
-            routing = reference_routing(inputs.x, inputs.params["gate_weight"], case.config)
-            if (routing.selected == case.empty_expert).any():
-                continue
+        if case.empty_expert is not None and (routing.selected == case.empty_expert).any():
+            continue
         return inputs.to(dtype)
     raise RuntimeError(f"{case.name}: none of {MAX_DRAWS} input draws kept clear of top-k ties and relu kinks "
                        f"(margins {ROUTING_MARGIN[dtype]}, {KINK_MARGIN[dtype]} for {dtype})")
