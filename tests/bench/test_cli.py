@@ -36,7 +36,7 @@ def test_cli_shape_overrides(capsys):
     assert "S=16 H=32 F=16 E=4 k=1" in capsys.readouterr().out
 
 
-def test_cli_rejects_cuda_without_cuda(capsys):
+def test_cli_rejects_cuda_without_cuda():
     if torch.cuda.is_available():
         pytest.skip("CUDA is available here")
     assert bench.main(["--device", "cuda"]) == 2

@@ -62,7 +62,7 @@ def _glu_saved(routed, params, activation):
     return xs, h, a, act_gate
 
 
-def test_grad_post_gemm_glu(routed, expert_params, cast, rel_err):
+def test_grad_post_gemm_glu(routed, expert_params, rel_err):
     groups = groups_of(routed)
     params = expert_params("glu", False, routed.x.device)
     _, _, a, _ = _glu_saved(routed, params, "silu")
@@ -79,7 +79,7 @@ def test_grad_post_gemm_glu(routed, expert_params, cast, rel_err):
 
 
 @pytest.mark.parametrize("activation", ACTIVATIONS)
-def test_grad_pre_gemm_glu(routed, expert_params, cast, rel_err, activation):
+def test_grad_pre_gemm_glu(routed, expert_params, rel_err, activation):
     groups = groups_of(routed)
     params = expert_params("glu", False, routed.x.device)
     xs, h, a, act_gate = _glu_saved(routed, params, activation)

@@ -24,7 +24,7 @@ def groups_of(routed):
 
 
 @pytest.mark.parametrize("gather", [False, True], ids=["rows", "gathered"])
-def test_grouped_linear(routed, expert_params, cast, rel_err, gather):
+def test_grouped_linear(routed, expert_params, rel_err, gather):
     groups = groups_of(routed)
     weight = expert_params("glu", False, routed.x.device)["gate_up_proj"]
     expected = ex.grouped_linear(routed.x[routed.row_token], weight, groups)
