@@ -21,6 +21,8 @@ Saved for backward (all through ctx.save_for_backward, so saved-tensor hooks see
 """
 from __future__ import annotations
 
+from dataclasses import fields
+
 import torch
 
 from shardmoe.moe import combine as comb
@@ -34,11 +36,6 @@ def expert_param_names(config: MoEConfig) -> tuple[str, ...]:
     return ("gate_up_proj", "down_proj") if config.expert == "glu" else ("w1", "b1", "w2", "b2")
 
 
-def _rows_of(routing: Routing, top_k: int):
-    """(row_token [N], weight_rows [N]) of the dispatched rows."""
-    return routing.row_pair // top_k, routing.weight.reshape(-1)[routing.row_pair]
-
-
 class FusedMoE(torch.autograd.Function):
     """apply(x [S, H], config, stats: dict, gate_weight [H, E], *expert params) -> (out [S, H], loss [])
 
@@ -50,7 +47,7 @@ class FusedMoE(torch.autograd.Function):
         routing = route(x, gate_weight, config)
         params = dict(zip(expert_param_names(config), expert_weights))
         groups = ex.Groups.from_counts(routing.kept_per_expert)
-        row_token, weight_rows = _rows_of(routing, k)
+        row_token, weight_rows = routing.rows(k)
         y, saved = ex.expert_forward(config.expert, config.activation, config.output_activation,
                                      x[row_token], params, groups)
         out = comb.combine(y, weight_rows, routing.row_pair, num_tokens, k).to(x.dtype)
@@ -64,8 +61,7 @@ class FusedMoE(torch.autograd.Function):
         ctx.config = config
         ctx.save_for_backward(
             x, gate_weight, *expert_weights,
-            routing.probs, routing.logsumexp, routing.top_idx, routing.top_prob, routing.weight,
-            routing.selected_per_expert, routing.kept_per_expert, routing.row_pair, *saved,
+            *routing.tensors(), *saved,
         )
         return out, loss
 
@@ -75,12 +71,12 @@ class FusedMoE(torch.autograd.Function):
         n_expert = len(expert_param_names(config))
         x, gate_weight, *rest = ctx.saved_tensors
         expert_weights, rest = rest[:n_expert], rest[n_expert:]
-        routing = Routing(*rest[:8])
-        saved = rest[8:]
+        n_routing = len(fields(Routing))
+        routing, saved = Routing(*rest[:n_routing]), rest[n_routing:]
         params = dict(zip(expert_param_names(config), expert_weights))
         num_tokens, k = x.shape[0], config.top_k
         groups = ex.Groups.from_counts(routing.kept_per_expert)
-        row_token, weight_rows = _rows_of(routing, k)
+        row_token, weight_rows = routing.rows(k)
         xs = x[row_token]
         grad_rows = grad_out.contiguous()[row_token]
 

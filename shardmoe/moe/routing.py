@@ -15,7 +15,7 @@ Forward, per token t (computed in float32 for fp32/bf16 inputs, float64 for floa
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -54,6 +54,14 @@ class Routing:
     def dropped_pairs(self) -> int:
         return int(self.selected_per_expert.sum() - self.kept_per_expert.sum())
 
+    def rows(self, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(token [N], combine weight w [N]) of each dispatched row."""
+        return self.row_pair // top_k, self.weight.reshape(-1)[self.row_pair]
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """The fields in declaration order, for ctx.save_for_backward; Routing(*tensors) rebuilds it."""
+        return tuple(getattr(self, f.name) for f in fields(self))
+
 
 def route(x: torch.Tensor, gate_weight: torch.Tensor, config: MoEConfig) -> Routing:
     """Routing of x [S, H] through gate_weight [H, E]; no autograd graph is built."""
@@ -73,19 +81,27 @@ def dispatch_order(top_idx: torch.Tensor, num_experts: int, capacity: int | None
 
     top_idx [S, k] -> row_pair [N] (kept pair indices, grouped by expert, token order
     within a group), selected_per_expert [E], kept_per_expert [E].
-    A stable sort keeps token order inside each expert, so "the first EC tokens" of an
-    expert are simply the first EC rows of its group.
     """
     pair_expert = top_idx.reshape(-1)
     order = torch.argsort(pair_expert, stable=True)
     selected = torch.bincount(pair_expert, minlength=num_experts)
     if capacity is None:
         return order, selected, selected.clone()
+    row_pair, kept = keep_first(order, pair_expert[order], selected, capacity)
+    return row_pair, selected, kept
+
+
+def keep_first(order: torch.Tensor, sorted_expert: torch.Tensor, selected: torch.Tensor,
+               capacity: int | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Of pairs `order` [M] sorted by expert (a stable sort keeps token order inside a group),
+    keep each expert's first `capacity` (one int, or [E] per expert) -> (row_pair [N], kept [E]).
+
+    sorted_expert [M] is each pair's expert and selected [E] the group sizes."""
+    limit = torch.as_tensor(capacity, device=selected.device)
     group_start = torch.cumsum(selected, 0) - selected
-    sorted_expert = pair_expert[order]
     rank_in_expert = torch.arange(order.numel(), device=order.device) - group_start[sorted_expert]
-    keep = rank_in_expert < capacity
-    return order[keep], selected, selected.clamp(max=capacity)
+    keep = rank_in_expert < (limit[sorted_expert] if limit.dim() else limit)
+    return order[keep], torch.minimum(selected, limit)
 
 
 def balance_loss(routing: Routing, config: MoEConfig, num_tokens: int | None = None) -> torch.Tensor:

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from shardmoe import shardops
-from shardmoe.moe.routing import Routing
+from shardmoe.moe.routing import Routing, keep_first
 from shardmoe.parallel.exchange import ExchangeError
 
 
@@ -101,7 +101,10 @@ def plan_dispatch(routing: Routing, config, mesh) -> tuple[DispatchPlan, Routing
     else:
         earlier = torch.cumsum(selected, 0) - selected
         kept = torch.minimum(selected, (capacity - earlier).clamp(min=0))
-        routing = _keep_first(routing, kept[rank])
+        # routing is dropless: row_pair already holds every pair grouped by expert, token order within
+        row_pair, kept_here = keep_first(routing.row_pair, routing.top_idx.reshape(-1)[routing.row_pair],
+                                         routing.selected_per_expert, kept[rank])
+        routing = dataclasses.replace(routing, row_pair=row_pair, kept_per_expert=kept_here)
 
     ep, peer = mesh.size("e"), mesh.coord("e")
     local = E // ep
@@ -110,19 +113,6 @@ def plan_dispatch(routing: Routing, config, mesh) -> tuple[DispatchPlan, Routing
     plan = DispatchPlan(tokens, selected, kept, capacity, rank, peer, local, per_peer.tolist(),
                         slice_rows[:, peer * local : (peer + 1) * local])
     return plan, routing
-
-
-def _keep_first(routing: Routing, kept: torch.Tensor) -> Routing:
-    """Keep, for each expert e, the first kept[e] of this rank's pairs (token order).
-
-    routing is dropless, so its row_pair already holds every pair grouped by expert, in token
-    order within a group, and selected_per_expert the group sizes."""
-    order, selected = routing.row_pair, routing.selected_per_expert
-    sorted_expert = routing.top_idx.reshape(-1)[order]
-    group_start = torch.cumsum(selected, 0) - selected
-    rank_in_expert = torch.arange(order.numel(), device=order.device) - group_start[sorted_expert]
-    keep = rank_in_expert < kept[sorted_expert]
-    return dataclasses.replace(routing, row_pair=order[keep], kept_per_expert=kept.clone())
 
 
 def peer_tokens(routing: Routing, plan: DispatchPlan) -> int:

@@ -36,7 +36,7 @@ from shardmoe.moe import combine as comb
 from shardmoe.moe import experts as ex
 from shardmoe.moe.activations import activate
 from shardmoe.moe.config import MoEConfig
-from shardmoe.moe.function import _rows_of, expert_param_names
+from shardmoe.moe.function import expert_param_names
 from shardmoe.moe.routing import Routing, accumulation_dtype, balance_loss, grad_gate_gemm, route
 from shardmoe.parallel import expert_tensor as etp
 from shardmoe.parallel.dispatch import DispatchPlan, peer_tokens, plan_dispatch
@@ -91,7 +91,7 @@ class ExpertParallelMoE(torch.autograd.Function):
         routing, plan = _route(x, gate_weight, config, mesh)
         clock.lap("route")
 
-        row_token, weight_rows = _rows_of(routing, k)
+        row_token, weight_rows = routing.rows(k)
         order = plan.expert_major_order()
         (xs,) = _to_experts(exchange, plan, order, x[row_token])
         clock.lap("dispatch")
@@ -112,9 +112,7 @@ class ExpertParallelMoE(torch.autograd.Function):
         ctx.config, ctx.parallel, ctx.plan, ctx.seconds = config, parallel, plan, clock.seconds
         ctx.save_for_backward(
             x, gate_weight, *expert_weights,
-            share_routing.probs, share_routing.logsumexp, share_routing.top_idx, share_routing.top_prob,
-            share_routing.weight, share_routing.selected_per_expert, share_routing.kept_per_expert,
-            share_routing.row_pair, order, xs, *saved,
+            *share_routing.tensors(), order, xs, *saved,
         )
         return out, loss
 
@@ -125,15 +123,16 @@ class ExpertParallelMoE(torch.autograd.Function):
         n_expert = len(expert_param_names(config))
         x, gate_weight, *rest = ctx.saved_tensors
         expert_weights, rest = rest[:n_expert], rest[n_expert:]
-        routing = Routing(*rest[:8])
-        order, xs, *saved = rest[8:]
+        n_routing = len(dataclasses.fields(Routing))
+        routing = Routing(*rest[:n_routing])
+        order, xs, *saved = rest[n_routing:]
         params = dict(zip(expert_param_names(config), expert_weights))
         num_tokens, k = x.shape[0], config.top_k
         acc = accumulation_dtype(x.dtype)
 
         # Token side -> experts: the unscaled output gradient rows and their combine weights
         # (the glu expert applies w after its Wdown GEMM so that stage 2 can reuse that GEMM).
-        row_token, weight_rows = _rows_of(routing, k)
+        row_token, weight_rows = routing.rows(k)
         grad_rows, weight_recv = _to_experts(exchange, plan, order, grad_out.contiguous()[row_token], weight_rows)
         clock.lap("dispatch")
 
