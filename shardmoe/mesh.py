@@ -189,3 +189,15 @@ def _ranks_per_node(ranks_per_node: int | None, world_size: int) -> int:
     if ranks_per_node < 1 or world_size % ranks_per_node:
         raise ValueError(f"{source} = {ranks_per_node} must be positive and divide the world size {world_size}")
     return ranks_per_node
+
+
+def parse_mesh(text: str) -> dict[str, int]:
+    """A --mesh option, 'd=2,e=2' (commas or spaces between items), -> {'d': 2, 'e': 2, 't': 1}."""
+    sizes = dict.fromkeys(MESH_AXES, 1)
+    for item in text.replace(",", " ").split():
+        axis, _, value = item.partition("=")
+        if axis not in sizes or not value.isdigit() or int(value) < 1:
+            raise ValueError(f"--mesh: expected comma-separated AXIS=SIZE with AXIS in {', '.join(MESH_AXES)} "
+                             f"and SIZE >= 1, got {item!r}")
+        sizes[axis] = int(value)
+    return sizes

@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from shardmoe.mesh import Mesh
+from shardmoe.mesh import Mesh, parse_mesh
 from shardmoe.testing import run_distributed
 
 LAYOUTS = [(4, 1, 1), (1, 4, 1), (1, 1, 4), (2, 2, 1), (2, 1, 2), (1, 2, 2)]
@@ -158,3 +158,15 @@ def test_bad_layout_raises_before_communicating(world):
     for out in world:
         assert out["bad_world"] == "Mesh(dp=3, ep=1, tp=1): dp*ep*tp = 3 but the world size is 4"
         assert out["bad_node"] == "ranks_per_node = 3 must be positive and divide the world size 4"
+
+
+def test_parse_mesh_option():
+    assert parse_mesh("d=2,e=2") == {"d": 2, "e": 2, "t": 1}
+    assert parse_mesh("e=4") == {"d": 1, "e": 4, "t": 1}
+    assert parse_mesh("d=2 t=2") == {"d": 2, "e": 1, "t": 2}
+    assert parse_mesh("") == {"d": 1, "e": 1, "t": 1}
+    with pytest.raises(ValueError, match=r"--mesh: expected comma-separated AXIS=SIZE with AXIS in d, e, t "
+                                         r"and SIZE >= 1, got 'x=2'"):
+        parse_mesh("x=2")
+    with pytest.raises(ValueError, match="got 't=0'"):
+        parse_mesh("t=0")

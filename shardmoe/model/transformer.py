@@ -197,7 +197,7 @@ class Transformer(nn.Module):
         sizes = [1 if mesh is None else mesh.size(a) for a in MESH_AXES]
         check_layout(config, *sizes)
         self.config, self.mesh, self.dtype = config, mesh, dtype
-        self.backward = check_backward_mode(backward)
+        backward = check_backward_mode(backward)
         kw = dict(mesh=mesh, backward=backward, dtype=dtype)
         self.embedding = Embedding(config.vocab_size, config.d_model, **kw)
         self.blocks = nn.ModuleList(Block(config, mesh, backward, dtype) for _ in range(config.n_layers))

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 import shardmoe
-from shardmoe.mesh import Mesh
+from shardmoe.mesh import Mesh, parse_mesh
 from shardmoe.parallel.exchange import shared_exchange
 from shardmoe.parallel.expert_parallel import PHASES
 
@@ -59,17 +59,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--device", choices=("cpu", "cuda"), default="cpu")
     add("--json", metavar="PATH", default=None, help="rank 0 writes every number to this JSON file")
     add("--quick", action="store_true", help="tiny shapes and few steps (a smoke run)")
-
-
-def parse_mesh(spec: str) -> dict[str, int]:
-    """'e=4' or 'd=2,e=2' -> {'d': ., 'e': ., 't': .}; raises ValueError on anything else."""
-    sizes = {"d": 1, "e": 1, "t": 1}
-    for item in spec.replace(",", " ").split():
-        axis, _, value = item.partition("=")
-        if axis not in sizes or not value.isdigit() or int(value) < 1:
-            raise ValueError(f"--mesh: expected items like 'e=4' over axes d, e, t, got {item!r} in {spec!r}")
-        sizes[axis] = int(value)
-    return sizes
 
 
 def _option(args, name: str):

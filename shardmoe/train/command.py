@@ -18,6 +18,7 @@ import sys
 import time
 from pathlib import Path
 
+from shardmoe.mesh import parse_mesh
 from shardmoe.model.residuals import BACKWARD_MODES
 from shardmoe.model.transformer import check_layout
 from shardmoe.train.config import TrainConfig, load_config
@@ -37,19 +38,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="mesh axis sizes (d data/FSDP, e expert, t tensor); launch with torchrun")
     parser.add_argument("--backward", choices=BACKWARD_MODES, help="dense-layer backward (default explicit)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
-
-
-def parse_mesh(text: str) -> dict[str, int]:
-    """'d=2,e=2' -> {'d': 2, 'e': 2, 't': 1}."""
-    sizes = {"d": 1, "e": 1, "t": 1}
-    for part in filter(None, (p.strip() for p in text.split(","))):
-        axis, _, value = part.partition("=")
-        axis = axis.strip()
-        if axis not in sizes or not value.strip().isdigit() or int(value) < 1:
-            raise ValueError(f"--mesh: expected comma-separated AXIS=SIZE with AXIS in d, e, t and SIZE >= 1, "
-                             f"got {part!r}")
-        sizes[axis] = int(value)
-    return sizes
 
 
 def resolve_config(args: argparse.Namespace) -> TrainConfig:

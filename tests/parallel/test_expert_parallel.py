@@ -487,13 +487,6 @@ def test_distributed_benchmark_reports_both_paths(two_rank_results):
         assert path["bytes_sent_per_rank"] >= path["bytes_min_per_rank"] > 0
 
 
-def test_benchmark_mesh_option():
-    assert bench.parse_mesh("d=2,e=2") == {"d": 2, "e": 2, "t": 1}
-    assert bench.parse_mesh("e=4") == {"d": 1, "e": 4, "t": 1}
-    with pytest.raises(ValueError, match=r"--mesh: expected items like 'e=4' over axes d, e, t, got 'x=2'"):
-        bench.parse_mesh("x=2")
-
-
 @pytest.mark.parametrize("name", list(LOW_PRECISION))
 def test_fp32_and_bf16_expert_parallel_track_the_single_process_layer(two_rank_results, name):
     _, _, results = two_rank_results

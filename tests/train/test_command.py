@@ -5,7 +5,6 @@ import pytest
 import torch.distributed as dist
 
 from shardmoe.cli import main
-from shardmoe.train.command import parse_mesh
 
 from .conftest import tiny_train_config
 
@@ -68,10 +67,3 @@ def test_resume_refuses_a_checkpoint_of_another_config(tmp_path, capsys, one_thr
     assert main(["train", "--config", str(path), "--out", out, "--resume"]) == 2
     err = capsys.readouterr().err
     assert "another config" in err and "model.n_layers: saved 2, now 3" in err and err.count("\n") == 1
-
-
-def test_mesh_option_parses_into_axis_sizes():
-    assert parse_mesh("d=2,e=2") == {"d": 2, "e": 2, "t": 1}
-    assert parse_mesh("") == {"d": 1, "e": 1, "t": 1}
-    with pytest.raises(ValueError, match="t=0"):
-        parse_mesh("t=0")
