@@ -88,7 +88,7 @@ def combine(task: Task, ctx: KernelContext) -> None:
     tile, mem, op = ctx.plan.row_tile_of(task), ctx.memory, task.operands
     cols = ctx.plan.columns(task.tile_idx, ctx.plan.config.hidden_size)
     rows = ctx.plan.local_tokens(tile.tokens, task.peer)
-    mem[op["out"]][rows, cols] += comb.grad_combine(mem[op["y"]][:, cols], tile.weight)
+    mem[op["out"]][rows, cols] += comb.scale_rows(mem[op["y"]][:, cols], tile.weight)
 
 
 # --- backward ----------------------------------------------------------------------------------
