@@ -28,7 +28,7 @@ import torch
 from shardmoe.moe import combine as comb
 from shardmoe.moe import experts as ex
 from shardmoe.moe.config import MoEConfig
-from shardmoe.moe.routing import Routing, accumulation_dtype, balance_loss, grad_gate_gemm, route
+from shardmoe.moe.routing import Routing, balance_loss, grad_gate_from_rows, route
 
 
 def expert_param_names(config: MoEConfig) -> tuple[str, ...]:
@@ -85,11 +85,7 @@ class FusedMoE(torch.autograd.Function):
             config.expert, config.activation, config.output_activation, grad_rows, weight_rows, xs, saved,
             params, groups)
         grad_x = comb.grad_input_combine(grad_xs, routing.row_pair, num_tokens, k)
-        acc = accumulation_dtype(x.dtype)
-        grad_weight = x.new_zeros(num_tokens * k, dtype=acc)
-        grad_weight[routing.row_pair] = grad_weight_rows
-        grad_x_gate, grad_gate = grad_gate_gemm(x, gate_weight, routing, grad_weight.view(num_tokens, k),
-                                                grad_loss, config)
+        grad_x_gate, grad_gate = grad_gate_from_rows(x, gate_weight, routing, grad_weight_rows, grad_loss, config)
         grad_x = (grad_x + grad_x_gate).to(x.dtype)
         expert_grads = [None if g is None else g.to(p.dtype)
                         for g, p in zip((grads[n] for n in expert_param_names(config)), expert_weights)]

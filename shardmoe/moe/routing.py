@@ -126,6 +126,25 @@ def balance_loss(routing: Routing, config: MoEConfig, num_tokens: int | None = N
     return loss
 
 
+def grad_gate_from_rows(
+    x: torch.Tensor,
+    gate_weight: torch.Tensor,
+    routing: Routing,
+    grad_weight_rows: torch.Tensor,
+    grad_loss: torch.Tensor | None,
+    config: MoEConfig,
+    num_tokens: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stage 6 from the kept rows, as the fused and the expert-parallel backward both hold it:
+    grad_weight_rows [N] are dw of the pairs routing.row_pair lists (in that order); they are
+    scattered into dL/dw [S, k] (zero for dropped pairs) for grad_gate_gemm, whose arguments and
+    result (dx [S, H], dWg [H, E]) the others are."""
+    S, k = x.shape[0], routing.top_idx.shape[1]
+    grad_weight = x.new_zeros(S * k, dtype=accumulation_dtype(x.dtype))
+    grad_weight[routing.row_pair] = grad_weight_rows
+    return grad_gate_gemm(x, gate_weight, routing, grad_weight.view(S, k), grad_loss, config, num_tokens)
+
+
 def grad_gate_gemm(
     x: torch.Tensor,
     gate_weight: torch.Tensor,
