@@ -2,8 +2,12 @@
 
 Token-parallel ranks are the (d, e) coordinates, numbered r = coord(('d', 'e')) = d * ep + e;
 ranks along 't' hold the same tokens and make the same plan. Before any row moves, every rank
-all-gathers over (d, e) its per-expert selection counts and its token count ([E + 1] int64s).
-From that [R, E + 1] table each rank derives, without further communication:
+all-gathers over the whole mesh one int64 row: its layer settings (consistency.settings_words),
+its token count, checksums of its tokens and its top-k choices (tp > 1 only) and its per-expert
+selection counts. The
+settings and the t-peers' rows are checked against each other (consistency); the t = 0 rows give
+the [R, E] selections and [R] token counts, from which each rank derives, without further
+communication:
 
   capacity   EC = ceil(S_global / E * capacity_factor * k) over the global token count, and the
              pairs each rank keeps: expert j keeps its first EC pairs in the order of the
@@ -24,9 +28,8 @@ from dataclasses import dataclass
 
 import torch
 
-from shardmoe import shardops
 from shardmoe.moe.routing import Routing, keep_first
-from shardmoe.parallel.exchange import ExchangeError
+from shardmoe.parallel import consistency
 
 
 @dataclass
@@ -78,22 +81,28 @@ class DispatchPlan:
         )
 
 
-def plan_dispatch(routing: Routing, config, mesh) -> tuple[DispatchPlan, Routing]:
-    """Exchange counts over (d, e) and apply the global capacity to this rank's dropless routing.
+def plan_dispatch(x: torch.Tensor, routing: Routing, config, mesh) -> tuple[DispatchPlan, Routing]:
+    """Exchange counts over the mesh and apply the global capacity to this rank's dropless routing.
 
-    routing comes from route() without capacity. Returns the plan and the routing whose row_pair
-    and kept_per_expert hold only the kept pairs. Collective over the (d, e) group.
+    x 'S H' are this rank's tokens; routing comes from route() without capacity. Returns the plan
+    and the routing whose row_pair and kept_per_expert hold only the kept pairs. Collective over
+    the whole mesh; raises RankMismatchError on every rank, before any row moves, when the ranks
+    disagree on the layer's settings or ranks along 't' hold different tokens (consistency).
     """
     E, num_tokens = config.num_experts, routing.probs.shape[0]
-    mine = torch.cat([routing.selected_per_expert, torch.tensor([num_tokens], device=routing.probs.device)]).view(1, E + 1)
-    try:
-        table = shardops.all_gather("R/d/e C -> R C", mine, mesh)
-    except RuntimeError as err:
-        raise ExchangeError(
-            f"expert-parallel counts exchange over mesh axes ('d', 'e') failed on rank {mesh.rank}: a peer failed, "
-            f"hung or left; cause: {err}"
-        ) from err
-    selected, tokens = table[:, :E], table[:, E]
+    settings = consistency.layer_settings(config, mesh, x.dtype)
+    # The t-peers' tokens and routing must agree; with tp = 1 there is nothing to compare.
+    t_peers = mesh.size("t") > 1
+    checksums = [consistency.checksum(x), consistency.checksum(routing.top_idx)] if t_peers else [0, 0]
+    mine = torch.cat([consistency.settings_words(settings), torch.tensor([num_tokens, *checksums]),
+                      routing.selected_per_expert.cpu()]).to(routing.probs.device)
+    full = consistency.gather_table(mine, mesh, "expert-parallel counts exchange")
+    consistency.check_settings(full[:, : 2 * len(settings)], list(settings), "MoE layer settings")
+    full = full[:, 2 * len(settings) :]
+    consistency.check_t_peers(full, mesh)
+    # The token-parallel ranks (d, e) are the t = 0 rows (global rank order is d, e, t with t fastest).
+    table = full[:: mesh.size("t")]
+    tokens, selected = table[:, 0], table[:, 3:]
     rank = mesh.coord(("d", "e"))
     capacity = config.capacity(int(tokens.sum()))
     if capacity is None:

@@ -23,6 +23,7 @@ heap, and every rank reaches the same decision to grow the heap, which is collec
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import platform
@@ -100,6 +101,17 @@ class RowExchange:
         node = [q for q in range(size) if q == self.index or self.same_node[self.index][q]]
         self.heap = SymmetricHeap(self.ranks, self.index, node, self.group, timeout) if self.any_p2p else None
         self.seq = 0
+
+    @contextlib.contextmanager
+    def tell_peers_on_failure(self):
+        """When an exception leaves the block, mark this rank failed in its heap header: node peers
+        waiting on it then raise PeerExitedError within a liveness period instead of the timeout."""
+        try:
+            yield
+        except BaseException:
+            if self.heap is not None:
+                self.heap.mark_failed()
+            raise
 
     def path(self, source: int, dest: int, device_type: str = "cpu") -> str:
         """'self', 'p2p' or 'remote' for rows (on a device of device_type) from group index source to dest."""

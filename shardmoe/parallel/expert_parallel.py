@@ -37,7 +37,9 @@ from shardmoe.moe import experts as ex
 from shardmoe.moe.activations import activate
 from shardmoe.moe.config import MoEConfig
 from shardmoe.moe.function import expert_param_names
-from shardmoe.moe.routing import Routing, accumulation_dtype, balance_loss, grad_gate_gemm, route
+from shardmoe.moe.routing import Routing, balance_loss, grad_gate_from_rows, route
+from shardmoe.notation import MESH_AXES
+from shardmoe.parallel import consistency
 from shardmoe.parallel import expert_tensor as etp
 from shardmoe.parallel.dispatch import DispatchPlan, peer_tokens, plan_dispatch
 from shardmoe.parallel.exchange import RowExchange, pack_rows, shared_exchange, unpack_rows
@@ -52,10 +54,25 @@ class ExpertParallel:
         etp.check_layout(config, mesh)
         self.config, self.mesh = config, mesh
         self.exchange = shared_exchange(mesh, "e")
+        self.agreed = False  # whether the ranks' settings and gates were compared (first forward)
 
     def __call__(self, x: torch.Tensor, stats: dict, gate_weight: torch.Tensor, *expert_weights):
         """x 'S H' (this rank's tokens) -> (out 'S H', this rank's share of the aux loss [])."""
-        return ExpertParallelMoE.apply(x, self, stats, gate_weight, *expert_weights)
+        with self.exchange.tell_peers_on_failure():
+            if not self.agreed:
+                self.check_agreement(x.dtype, gate_weight)
+            return ExpertParallelMoE.apply(x, self, stats, gate_weight, *expert_weights)
+
+    def check_agreement(self, dtype: torch.dtype, gate_weight: torch.Tensor) -> None:
+        """Before the first forward: one fixed-size all-gather of the settings and the gate's checksum
+        over the mesh; RankMismatchError on every rank when they differ. (Each forward's counts row
+        carries the settings again, but has E + 1 words: ranks that disagree on E could not share it.)"""
+        settings = consistency.layer_settings(self.config, self.mesh, dtype)
+        row = torch.cat([consistency.settings_words(settings), torch.tensor([consistency.checksum(gate_weight)])])
+        table = consistency.gather_table(row.to(gate_weight.device), self.mesh, "MoE layer agreement check")
+        consistency.check_settings(table[:, :-1], list(settings), "MoE layer settings")
+        consistency.check_replicas([("gate_weight", MESH_AXES)], table[:, -1:], self.mesh, "MoE layer")
+        self.agreed = True
 
 
 class _Clock:
@@ -118,47 +135,50 @@ class ExpertParallelMoE(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out, grad_loss):
-        config, plan, exchange, mesh = ctx.config, ctx.plan, ctx.parallel.exchange, ctx.parallel.mesh
-        clock = _Clock(ctx.seconds)
-        n_expert = len(expert_param_names(config))
-        x, gate_weight, *rest = ctx.saved_tensors
-        expert_weights, rest = rest[:n_expert], rest[n_expert:]
-        n_routing = len(dataclasses.fields(Routing))
-        routing = Routing(*rest[:n_routing])
-        order, xs, *saved = rest[n_routing:]
-        params = dict(zip(expert_param_names(config), expert_weights))
-        num_tokens, k = x.shape[0], config.top_k
-        acc = accumulation_dtype(x.dtype)
+        with ctx.parallel.exchange.tell_peers_on_failure():
+            return _backward(ctx, grad_out, grad_loss)
 
-        # Token side -> experts: the unscaled output gradient rows and their combine weights
-        # (the glu expert applies w after its Wdown GEMM so that stage 2 can reuse that GEMM).
-        row_token, weight_rows = routing.rows(k)
-        grad_rows, weight_recv = _to_experts(exchange, plan, order, grad_out.contiguous()[row_token], weight_rows)
-        clock.lap("dispatch")
 
-        groups = ex.Groups.from_counts(plan.rows_per_local_expert)
-        grad_xs, grad_dots, grads = _experts_backward(config, mesh, grad_rows, weight_recv, xs, saved, params, groups)
-        clock.lap("experts")
+def _backward(ctx, grad_out, grad_loss):
+    """The six-stage backward of ExpertParallelMoE (see the module docstring)."""
+    config, plan, exchange, mesh = ctx.config, ctx.plan, ctx.parallel.exchange, ctx.parallel.mesh
+    clock = _Clock(ctx.seconds)
+    n_expert = len(expert_param_names(config))
+    x, gate_weight, *rest = ctx.saved_tensors
+    expert_weights, rest = rest[:n_expert], rest[n_expert:]
+    n_routing = len(dataclasses.fields(Routing))
+    routing = Routing(*rest[:n_routing])
+    order, xs, *saved = rest[n_routing:]
+    params = dict(zip(expert_param_names(config), expert_weights))
+    num_tokens, k = x.shape[0], config.top_k
 
-        grad_xs, grad_dots = _to_tokens(exchange, plan, order, grad_xs, grad_dots)
-        grad_x = comb.grad_input_combine(grad_xs, routing.row_pair, num_tokens, k)
-        clock.lap("combine")
+    # Token side -> experts: the unscaled output gradient rows and their combine weights
+    # (the glu expert applies w after its Wdown GEMM so that stage 2 can reuse that GEMM).
+    row_token, weight_rows = routing.rows(k)
+    grad_rows, weight_recv = _to_experts(exchange, plan, order, grad_out.contiguous()[row_token], weight_rows)
+    clock.lap("dispatch")
 
-        grad_weight = x.new_zeros(num_tokens * k, dtype=acc)
-        grad_weight[routing.row_pair] = grad_dots
-        grad_x_gate, grad_gate = grad_gate_gemm(x, gate_weight, routing, grad_weight.view(num_tokens, k),
-                                                grad_loss, config, num_tokens=plan.global_tokens)
-        grad_x = (grad_x + grad_x_gate).to(x.dtype)
-        clock.lap("route")
-        expert_grads = [None if g is None else g.to(p.dtype)
-                        for g, p in zip((grads[n] for n in expert_param_names(config)), expert_weights)]
-        return (grad_x, None, None, grad_gate.to(gate_weight.dtype), *expert_grads)
+    groups = ex.Groups.from_counts(plan.rows_per_local_expert)
+    grad_xs, grad_dots, grads = _experts_backward(config, mesh, grad_rows, weight_recv, xs, saved, params, groups)
+    clock.lap("experts")
+
+    grad_xs, grad_dots = _to_tokens(exchange, plan, order, grad_xs, grad_dots)
+    grad_x = comb.grad_input_combine(grad_xs, routing.row_pair, num_tokens, k)
+    clock.lap("combine")
+
+    grad_x_gate, grad_gate = grad_gate_from_rows(x, gate_weight, routing, grad_dots, grad_loss, config,
+                                                 num_tokens=plan.global_tokens)
+    grad_x = (grad_x + grad_x_gate).to(x.dtype)
+    clock.lap("route")
+    expert_grads = [None if g is None else g.to(p.dtype)
+                    for g, p in zip((grads[n] for n in expert_param_names(config)), expert_weights)]
+    return (grad_x, None, None, grad_gate.to(gate_weight.dtype), *expert_grads)
 
 
 def _route(x, gate_weight, config: MoEConfig, mesh) -> tuple[Routing, DispatchPlan]:
     """Dropless local routing, then the global plan (which applies the global capacity)."""
     routing = route(x, gate_weight, dataclasses.replace(config, capacity_factor=None))
-    plan, routing = plan_dispatch(routing, config, mesh)
+    plan, routing = plan_dispatch(x, routing, config, mesh)
     return routing, plan
 
 

@@ -12,18 +12,28 @@ is already whole there.
 A parameter declares its axes with mark_grad_sync(param, axes); unmarked parameters count as
 replicated. A parameter that is sharded and reduced by its own layer (FSDP) is marked with ().
 Gradients are bucketed by (axes, dtype, device) and summed with one psum per bucket.
+
+A summed gradient belongs to one model only if the ranks along a parameter's axes hold the same
+value (a gate seeded per rank would otherwise train a different model on every rank, silently).
+The first sync_grads of a module checks it: one all-gather of the parameter names (as a CRC) and
+count, one of an exact checksum per parameter, and RankMismatchError on every rank naming the
+parameter and the ranks that differ (consistency.check_replicas). Later calls skip the check.
 """
 from __future__ import annotations
 
+import weakref
+import zlib
 from collections import defaultdict
 
 import torch
 
 from shardmoe import shardops
+from shardmoe.parallel import consistency
 
 GRAD_SYNC_ATTRIBUTE = "grad_sync_axes"
 REPLICATED = ("d", "e")
 EXPERT = ("d",)
+_REPLICAS_CHECKED: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
 
 
 def mark_grad_sync(param: torch.nn.Parameter, axes: tuple[str, ...]) -> None:
@@ -37,6 +47,9 @@ def sync_grads(module: torch.nn.Module, mesh) -> None:
     so every rank contributes the same buckets."""
     if mesh is None or mesh.size(REPLICATED) == 1:
         return
+    if module not in _REPLICAS_CHECKED:
+        check_replicas(module, mesh)
+        _REPLICAS_CHECKED.add(module)
     buckets: dict[tuple, list[torch.nn.Parameter]] = defaultdict(list)
     for param in module.parameters():
         if not param.requires_grad:
@@ -53,3 +66,18 @@ def sync_grads(module: torch.nn.Module, mesh) -> None:
         total = shardops.psum("N -> N", flat, mesh, axes=axes)
         for p, part in zip(params, total.split([p.numel() for p in params])):
             p.grad.copy_(part.view_as(p.grad))
+
+
+def check_replicas(module: torch.nn.Module, mesh) -> None:
+    """Raise RankMismatchError on every rank unless every parameter holds the same value on the
+    ranks along its grad-sync axes (and every rank has the same parameters). Collective."""
+    named = [(name, tuple(a for a in getattr(p, GRAD_SYNC_ATTRIBUTE, REPLICATED) if mesh.size(a) > 1))
+             for name, p in module.named_parameters()]
+    layout = ";".join(f"{name}:{','.join(axes)}" for name, axes in named)
+    shape = {"number of parameters": len(named), "CRC-32 of the parameter names and axes": zlib.crc32(layout.encode())}
+    device = next(module.parameters(), torch.empty(0)).device
+    table = consistency.gather_table(consistency.settings_words(shape).to(device), mesh, "sync_grads parameter check")
+    consistency.check_settings(table, list(shape), f"the parameters of {type(module).__name__}")
+    checksums = torch.tensor([consistency.checksum(p) for _, p in module.named_parameters()], dtype=torch.int64)
+    table = consistency.gather_table(checksums.to(device), mesh, "sync_grads parameter check")
+    consistency.check_replicas(named, table, mesh, "sync_grads")

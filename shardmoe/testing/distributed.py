@@ -8,9 +8,10 @@ process group initialised before ``fn`` runs. The parent hosts the rendezvous st
 OS picks, so parallel runs never race for a port.
 
 It never hangs: collectives time out after ``collective_timeout``; the parent stops waiting after
-``timeout`` and kills what is left; and as soon as one rank fails the others are killed (they
-would otherwise sit in a collective waiting for the dead rank) and RankFailed carries the failing
-rank's traceback.
+``timeout`` and kills what is left; and ``report_grace`` seconds after one rank fails the others
+are killed (they would otherwise sit in a collective waiting for the dead rank) and RankFailed
+carries the failing rank's traceback, the others' tracebacks and the results of the ranks that
+finished (a test of how fast a peer notices a failure raises a longer grace).
 
 Spawning costs seconds (every process imports torch), so group many checks into one world.
 """
@@ -34,15 +35,16 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 _HOST = "127.0.0.1"
-_REPORT_GRACE_S = 0.5  # after a failure, how long to wait for the other ranks' own reports
 _SILENT = "process exited with code"
 
 
 class RankFailed(RuntimeError):
-    """A rank raised (or died); ``rank`` is the first to report and ``details`` its traceback."""
+    """A rank raised (or died); ``rank`` is the first to report and ``details`` its traceback;
+    ``others`` the tracebacks of the other ranks that failed, ``results`` the results of the ranks
+    that finished, each by rank."""
 
-    def __init__(self, rank: int, details: str, others: dict[int, str]):
-        self.rank, self.details, self.others = rank, details, others
+    def __init__(self, rank: int, details: str, others: dict[int, str], results: dict[int, Any]):
+        self.rank, self.details, self.others, self.results = rank, details, others, results
         lines = [f"rank {rank} failed:\n{details.rstrip()}"]
         for other, text in sorted(others.items()):
             last = text.strip().splitlines()[-1] if text.strip() else ""
@@ -60,6 +62,7 @@ def run_distributed(
     collective_timeout: float = 60.0,
     ranks_per_node: int | None = None,
     backend: str = "gloo",
+    report_grace: float = 0.5,
 ) -> list[Any]:
     """Call ``fn(*args, **kwargs)`` on ``world_size`` ranks; return the results in rank order.
 
@@ -71,6 +74,7 @@ def run_distributed(
     ranks_per_node: LOCAL_WORLD_SIZE each rank sees (default world_size: one node); lets a test
         pretend the ranks span several nodes.
     backend: 'gloo' (CPU) or 'nccl' (one GPU per rank, LOCAL_RANK picks it).
+    report_grace: seconds to wait, after the first failure, for the other ranks' reports.
     Raises RankFailed when a rank raises or exits without reporting.
     """
     if world_size < 1:
@@ -78,6 +82,8 @@ def run_distributed(
     ranks_per_node = world_size if ranks_per_node is None else ranks_per_node
     if ranks_per_node < 1 or world_size % ranks_per_node:
         raise ValueError(f"ranks_per_node = {ranks_per_node} must be positive and divide world_size = {world_size}")
+    if not report_grace >= 0:
+        raise ValueError(f"report_grace: expected seconds >= 0, got {report_grace!r}")
     target = _function_ref(fn)
     store = dist.TCPStore(_HOST, 0, is_master=True, wait_for_workers=False)
     ctx = _context()
@@ -90,7 +96,7 @@ def run_distributed(
     try:
         for p in processes:
             p.start()
-        return _collect(processes, reports, timeout)
+        return _collect(processes, reports, timeout, report_grace)
     finally:
         _stop(processes)
         reports.close()
@@ -106,14 +112,14 @@ def _context():
     return ctx
 
 
-def _collect(processes, reports, timeout: float) -> list[Any]:
+def _collect(processes, reports, timeout: float, report_grace: float) -> list[Any]:
     deadline = time.monotonic() + timeout
     results: dict[int, Any] = {}
     failures: dict[int, str] = {}
     first_failure_at = None
     while len(results) + len(failures) < len(processes):
         now = time.monotonic()
-        if first_failure_at is not None and now > first_failure_at + _REPORT_GRACE_S:
+        if first_failure_at is not None and now > first_failure_at + report_grace:
             break
         if now > deadline:
             missing = [r for r in range(len(processes)) if r not in results and r not in failures]
@@ -136,7 +142,7 @@ def _collect(processes, reports, timeout: float) -> list[Any]:
         # consequence; otherwise the first report to arrive is the cause.
         silent = [r for r, text in failures.items() if text.startswith(_SILENT)]
         first = silent[0] if silent else next(iter(failures))
-        raise RankFailed(first, failures[first], {r: t for r, t in failures.items() if r != first})
+        raise RankFailed(first, failures[first], {r: t for r, t in failures.items() if r != first}, results)
     return [results[r] for r in range(len(processes))]
 
 

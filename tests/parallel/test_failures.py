@@ -6,6 +6,7 @@ collective). Rank 0 must raise an error that names what it waited for, long befo
 own deadline; the harness then reports rank 0's error and kills rank 1.
 """
 import os
+import re
 import time
 
 import pytest
@@ -38,7 +39,7 @@ def _hang_on_rank_one(ranks_per_node: int) -> None:
     "ranks_per_node, collective_timeout, message",
     [
         (2, 60.0, r"PeerTimeoutError: shared-memory exchange \d+: rank 0 waited 2 s for rank 1 to send its rows"),
-        (1, 3.0, r"ExchangeError: expert-parallel counts exchange over mesh axes \('d', 'e'\) failed on rank 0: a peer failed"),
+        (1, 3.0, r"ExchangeError: expert-parallel counts exchange over the whole mesh failed on rank 0: a peer failed"),
     ],
 )
 def test_a_hanging_rank_makes_its_peer_fail_with_a_clear_error(ranks_per_node, collective_timeout, message):
@@ -48,3 +49,49 @@ def test_a_hanging_rank_makes_its_peer_fail_with_a_clear_error(ranks_per_node, c
                         collective_timeout=collective_timeout)
     assert info.value.rank == 0
     assert time.monotonic() - start < 45
+
+
+# -- a peer that raised or exited is noticed within a liveness period, not at the P2P timeout ------
+
+DETECT_S = 10.0  # the bound the test holds; SHARDMOE_P2P_TIMEOUT_S stays at its 120 s default
+
+
+def _peer_fails_in_the_exchange(how: str) -> dict | None:
+    """P2P ep=2 (fresh mesh): one good step, then rank 1 fails where its row exchange would run;
+    rank 0 times its step until the error (None on rank 1, which raised and carries on)."""
+    mesh = Mesh(ep=2, ranks_per_node=2)
+    torch.manual_seed(0)
+    layer = shardmoe.MoE(8, 4, 4, 2, mesh=mesh)
+    x = torch.randn(6, 8)
+    layer(x).sum().backward()
+    if dist.get_rank() == 1:
+        def fail(*args):
+            if how == "exit":
+                os._exit(3)  # no Python runs: only the process being gone tells the peer
+            raise RuntimeError("rank 1 fails before its exchange")
+        layer._parallel.exchange.exchange = fail
+        with pytest.raises(RuntimeError, match="rank 1 fails before its exchange"):
+            layer(x)
+        return None
+    start = time.monotonic()
+    with pytest.raises(shardmoe.parallel.symmetric_heap.PeerExitedError) as info:
+        layer(x).sum().backward()
+    return dict(seconds=time.monotonic() - start, message=str(info.value))
+
+
+def _raise_then_exit_on_rank_one() -> dict | None:
+    assert "SHARDMOE_P2P_TIMEOUT_S" not in os.environ
+    raised = _peer_fails_in_the_exchange("raise")
+    return dict(raised=raised, exited=_peer_fails_in_the_exchange("exit"))
+
+
+def test_a_peer_that_raised_or_exited_is_noticed_within_seconds():
+    with pytest.raises(RankFailed) as info:
+        run_distributed(_raise_then_exit_on_rank_one, 2, timeout=60, report_grace=30)
+    assert info.value.rank == 1 and "exited with code 3" in info.value.details
+    seen = info.value.results[0]
+    for how, reason in (("raised", "raised an exception in its MoE layer"),
+                        ("exited", r"exited \(its process \d+ is gone\)")):
+        assert seen[how]["seconds"] < DETECT_S, seen[how]
+        assert re.search(rf"shared-memory exchange \d+: rank 0 waited [\d.]+ s for rank 1 to send its rows, but rank 1 "
+                         f"{reason}", seen[how]["message"]), seen[how]["message"]

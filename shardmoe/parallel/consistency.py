@@ -1,0 +1,179 @@
+"""Agreement across ranks: the same layer everywhere, the same tokens along 't', the same replicas.
+
+Ranks that disagree do not fail by themselves: a different top_k, hidden size, dtype, ffn_size,
+capacity_factor or num_experts gives garbage or NaN on the shared-memory path, a wrong aux loss,
+a hang or a C++ abort in gloo; t-peers given different tokens give outputs off by tenths; a gate
+seeded per rank gives a different model on every rank. These checks turn each into one
+RankMismatchError, raised on every rank alike (every rank reads the same gathered table), that
+names the setting and the ranks:
+
+  settings    every rank's layer settings (config, dtype, row width, mesh) as int64 words
+              (settings_words), compared across the whole mesh by check_settings. They ride on
+              the forward's counts all-gather (dispatch.plan_dispatch), and once per layer on a
+              fixed-size all-gather before the first forward (ExpertParallel), because the counts
+              row has E + 1 words and ranks that disagree on E cannot share one all-gather.
+  t-peers     the ranks along 't' must hold the same tokens (tokens are split over the (d, e)
+              coordinate and replicated over 't'): each rank adds its token count, checksum(x) and
+              checksum(top-k choices) to the counts row, and check_t_peers compares them (equal
+              tokens routed differently mean the gate differs along 't').
+  replicas    a parameter whose gradient sync_grads sums over axes A holds the same value on the
+              ranks along A (else the summed gradient belongs to no model): check_replicas, once
+              per module at its first sync_grads; the gate also at each layer's first forward.
+
+checksum is exact and order-sensitive: sum_i (i mod 65521 + 1) * word_i over the tensor's bytes
+read as int16 words (uint8 for 1-byte dtypes), in int64 (no overflow below 2^32 words). Bitwise
+equal tensors give equal sums on any thread count, unlike a floating-point sum.
+"""
+from __future__ import annotations
+
+import struct
+
+import torch
+
+from shardmoe import shardops
+from shardmoe.moe.config import ACTIVATIONS, EXPERT_KINDS
+from shardmoe.notation import MESH_AXES
+from shardmoe.parallel.exchange import ExchangeError
+
+_STRINGS = EXPERT_KINDS + ACTIVATIONS
+_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
+# (tag, payload) per setting, so that a rank can print the values the other ranks sent
+_NONE, _INT, _FLOAT, _STRING, _DTYPE = range(5)
+_CHECKSUM_PERIOD = 65521  # the weights cycle through 1..65521, which keeps every product below 2^32
+
+
+class RankMismatchError(ValueError):
+    """Ranks that must agree (on a layer's settings, their tokens, a replicated parameter) do not."""
+
+
+def checksum(t: torch.Tensor) -> int:
+    """Exact, order-sensitive checksum of a tensor's bytes (see the module docstring)."""
+    flat = t.detach().contiguous().view(-1)
+    words = flat.view(torch.uint8 if flat.element_size() == 1 else torch.int16).to(torch.int64)
+    weights = torch.arange(words.numel(), dtype=torch.int64, device=words.device) % _CHECKSUM_PERIOD + 1
+    return int((words * weights).sum())
+
+
+def layer_settings(config, mesh, dtype: torch.dtype) -> dict:
+    """What every rank's copy of one sharded MoE layer must agree on."""
+    settings = {}
+    for name, field in config.__dataclass_fields__.items():
+        value = getattr(config, name)
+        # an int given for a float option (capacity_factor=1) is the same setting as its float
+        settings[name] = float(value) if "float" in str(field.type) and value is not None else value
+    settings.update(dtype=dtype, row_bytes=config.hidden_size * torch.empty((), dtype=dtype).element_size(),
+                    dp=mesh.size("d"), ep=mesh.size("e"), tp=mesh.size("t"), ranks_per_node=mesh.ranks_per_node)
+    return settings
+
+
+def settings_words(settings: dict) -> torch.Tensor:
+    """[2 * len(settings)] int64: (tag, payload) per setting, in the dict's order."""
+    words = []
+    for value in settings.values():
+        if value is None:
+            words += [_NONE, 0]
+        elif isinstance(value, (bool, int)):
+            words += [_INT, int(value)]
+        elif isinstance(value, float):
+            words += [_FLOAT, struct.unpack("<q", struct.pack("<d", value))[0]]
+        elif isinstance(value, str):
+            words += [_STRING, _STRINGS.index(value)]
+        elif isinstance(value, torch.dtype):
+            words += [_DTYPE, _DTYPES.index(value) if value in _DTYPES else -1]
+        else:
+            raise TypeError(f"settings_words: cannot encode {value!r}")
+    return torch.tensor(words, dtype=torch.int64)
+
+
+def gather_table(row: torch.Tensor, mesh, what: str) -> torch.Tensor:
+    """All-gather one int64 row [C] from every rank of the mesh -> [W, C] in global rank order.
+    Collective over all axes; every rank passes the same C."""
+    spec = "R/" + "/".join(MESH_AXES) + " C -> R C"
+    try:
+        return shardops.all_gather(spec, row.view(1, -1), mesh)
+    except RuntimeError as err:
+        raise ExchangeError(f"{what} over the whole mesh failed on rank {mesh.rank}: a peer failed, hung or left; "
+                            f"cause: {err}") from err
+
+
+def check_settings(table: torch.Tensor, names, what: str) -> None:
+    """table [W, 2 * len(names)]: every rank's settings_words. Raise RankMismatchError listing every
+    setting on which the ranks differ, e.g. 'top_k: rank 0 has 2, rank 1 has 3'."""
+    problems = []
+    for i, name in enumerate(names):
+        column = table[:, 2 * i : 2 * i + 2]
+        if bool((column != column[0]).any()):
+            values = [_decode(int(tag), int(payload)) for tag, payload in column.tolist()]
+            problems.append(f"{name}: {_by_value(values, range(len(values)))}")
+    if problems:
+        raise RankMismatchError(f"{what} differ across ranks (every rank must build the same model, from the same "
+                                "options and dtype, on the same mesh): " + "; ".join(problems))
+
+
+def check_t_peers(table: torch.Tensor, mesh) -> None:
+    """table [W, 3 + E]: each rank's token count, checksums of its tokens and of its top-k choices,
+    and selections per expert. The ranks along 't' hold the same tokens and the same gate, so they
+    must agree on all of it."""
+    for group in _groups_along(mesh, "t"):
+        rows = table[group]
+        coords = mesh.coords(group[0])
+        where = f"ranks {', '.join(map(str, group))} (coordinate d={coords['d']}, e={coords['e']})"
+        if bool((rows[:, :2] != rows[0, :2]).any()):
+            tokens = [f"{int(s)} tokens with checksum {int(c)}" for s, c in rows[:, :2].tolist()]
+            raise RankMismatchError(
+                f"the ranks along mesh axis 't' hold different tokens: {_by_value(tokens, group)}, on {where}. "
+                "Rule: tokens are split over the (d, e) coordinate and replicated over 't', so ranks with the same "
+                "(d, e) must get the same rows (split the data by mesh.coord(('d', 'e')), not by the global rank)")
+        if bool((rows[:, 2:] != rows[0, 2:]).any()):  # same tokens, other choices
+            raise RankMismatchError(
+                f"the ranks along mesh axis 't' route the same tokens differently on {where}: their gate_weight "
+                "differs (it must be replicated on every rank: build the layer from the same seed everywhere)")
+
+
+def check_replicas(named: list[tuple[str, tuple[str, ...]]], table: torch.Tensor, mesh, what: str) -> None:
+    """table [W, P]: every rank's checksum of P parameters, named with the axes along which each
+    holds the same value. Raise RankMismatchError naming the first parameter and ranks that differ."""
+    for i, (name, axes) in enumerate(named):
+        for group in _groups_along(mesh, axes):
+            values = table[group, i]
+            if bool((values != values[0]).any()):
+                raise RankMismatchError(
+                    f"{what}: parameter {name!r} must hold the same value on ranks {', '.join(map(str, group))} "
+                    f"(replicated along mesh axes {axes}), but differs: {_by_value(values.tolist(), group, 'checksum')}"
+                    "; initialise it from the same seed (or load the same weights) on every rank")
+
+
+def _groups_along(mesh, axes) -> list[list[int]]:
+    """The groups of global ranks that differ only in their coordinates along axes."""
+    seen, groups = set(), []
+    for rank in range(mesh.size()):
+        if rank not in seen:
+            group = mesh.ranks_along(axes, rank) if axes else [rank]
+            seen.update(group)
+            groups.append(group)
+    return groups
+
+
+def _by_value(values: list, ranks, noun: str = "") -> str:
+    """'rank 0 has 2, ranks 1, 3 have 3' (ranks grouped by value, in order of first appearance)."""
+    grouped: dict = {}
+    for rank, value in zip(ranks, values):
+        grouped.setdefault(value if isinstance(value, (int, str)) else repr(value), []).append(rank)
+    noun = f"{noun} " if noun else ""
+    parts = []
+    for value, members in grouped.items():
+        who = f"rank {members[0]} has" if len(members) == 1 else f"ranks {', '.join(map(str, members))} have"
+        parts.append(f"{who} {noun}{value}")
+    return ", ".join(parts)
+
+
+def _decode(tag: int, payload: int):
+    if tag == _NONE:
+        return "None"
+    if tag == _FLOAT:
+        return repr(struct.unpack("<d", struct.pack("<q", payload))[0])
+    if tag == _STRING:
+        return repr(_STRINGS[payload])
+    if tag == _DTYPE:
+        return str(_DTYPES[payload]) if payload >= 0 else "another dtype"
+    return str(payload)
