@@ -163,10 +163,11 @@ def _note_silent_deaths(processes, reports, results, failures) -> None:
 
 
 def _stop(processes) -> None:
-    for p in processes:
+    started = [p for p in processes if p.pid is not None]  # a failed start leaves the rest unstarted
+    for p in started:
         if p.is_alive():
             p.terminate()
-    for p in processes:
+    for p in started:
         p.join(timeout=2)
         if p.is_alive():
             p.kill()

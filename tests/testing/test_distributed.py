@@ -75,3 +75,13 @@ def test_arguments_are_checked():
         run_distributed(lambda: None, 1)
     with pytest.raises(ValueError, match="ranks_per_node = 3 must be positive and divide world_size = 4"):
         run_distributed(_sleep, 4, ranks_per_node=3)
+    with pytest.raises(ValueError, match="report_grace: expected seconds >= 0, got -1"):
+        run_distributed(_sleep, 1, report_grace=-1)
+
+
+def test_a_rank_that_cannot_start_reports_its_own_error():
+    # The arguments do not pickle, so the first start fails: that error, not one from stopping
+    # the ranks that never started, reaches the caller.
+    with pytest.raises(Exception, match="pickle") as info:
+        run_distributed(_sleep, 2, args=(lambda: None,), timeout=10)
+    assert not isinstance(info.value, AssertionError)
