@@ -7,9 +7,11 @@
 Modules: dispatch (counts, global capacity, splits), exchange (rows over 'e': P2P shared memory
 within a node, collectives across nodes), symmetric_heap (the shared memory), expert_parallel
 (the autograd.Function), expert_tensor (shards and psums over 't'), sync (sync_grads),
-bench (the distributed benchmark). docs/parallel.md has the decisions.
+consistency (ranks that must agree: settings, t-peers' tokens, replicated parameters), bench (the
+distributed benchmark). docs/parallel.md has the decisions.
 """
+from shardmoe.parallel.consistency import RankMismatchError
 from shardmoe.parallel.expert_parallel import ExpertParallel
 from shardmoe.parallel.sync import mark_grad_sync, sync_grads
 
-__all__ = ["ExpertParallel", "mark_grad_sync", "sync_grads"]
+__all__ = ["ExpertParallel", "RankMismatchError", "mark_grad_sync", "sync_grads"]

@@ -39,7 +39,7 @@ _STRINGS = EXPERT_KINDS + ACTIVATIONS
 _DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
 # (tag, payload) per setting, so that a rank can print the values the other ranks sent
 _NONE, _INT, _FLOAT, _STRING, _DTYPE = range(5)
-_CHECKSUM_PERIOD = 65521  # the weights cycle through 1..65521, which keeps every product below 2^32
+_CHECKSUM_PERIOD = 65521  # weights cycle through 1..65521: |int16 word * weight| < 2^31
 
 
 class RankMismatchError(ValueError):

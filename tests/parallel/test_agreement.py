@@ -7,6 +7,8 @@ One spawned 2-rank world runs every scenario; each builds a fresh Mesh (a failur
 mesh's exchange for good) and returns the error messages, which the parent checks rank by rank.
 Before these checks the same scenarios gave garbage or NaN, a hang, or a gloo abort.
 """
+import time
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -48,9 +50,14 @@ def _step(layer, x) -> None:
     (layer(x).sum() + layer.aux_loss).backward()
 
 
+_ERROR_SECONDS: list[float] = []  # per rank process: how long each failing step took to raise
+
+
 def _error(run) -> str:
+    start = time.monotonic()
     with pytest.raises(RankMismatchError) as info:
         run()
+    _ERROR_SECONDS.append(time.monotonic() - start)
     return str(info.value)
 
 
@@ -118,6 +125,16 @@ def _replicas_differ_at_sync(parameter: str, dp: int, ep: int) -> str:
     return _error(lambda: sync_grads(model, mesh))
 
 
+def _modules_differ_at_sync() -> str:
+    """Rank 1's model has one more parameter: sync_grads' buckets would not match (a gloo abort)."""
+    mesh = Mesh(ep=2)
+    model = _Model(mesh)
+    if dist.get_rank() == 1:
+        model.extra = torch.nn.Parameter(torch.zeros(3))
+    model(torch.randn(5, H)).sum().backward()
+    return _error(lambda: sync_grads(model, mesh))
+
+
 def _agreement_world() -> dict:
     rank = dist.get_rank()
     out = {f"settings {name}": _settings_differ(name) for name in SETTINGS}
@@ -127,12 +144,14 @@ def _agreement_world() -> dict:
     out["gate per rank"] = _gate_seeded_per_rank()
     out["dense per rank"] = _replicas_differ_at_sync("proj.weight", dp=1, ep=2)
     out["experts per d rank"] = _replicas_differ_at_sync("moe.gate_up_proj", dp=2, ep=1)
+    out["modules differ"] = _modules_differ_at_sync()
     # A layer whose ranks agree (a zero-token rank included) still runs, and syncs, after all that.
     mesh = Mesh(ep=2)
     model = _Model(mesh)
     model(torch.randn(0 if rank == 0 else 7, H)).sum().backward()
     sync_grads(model, mesh)
     out["agreeing model gate grad"] = model.moe.gate_weight.grad
+    out["slowest error seconds"] = max(_ERROR_SECONDS)
     return out
 
 
@@ -141,10 +160,12 @@ def messages():
     return run_distributed(_agreement_world, 2, timeout=120, collective_timeout=20)
 
 
-def test_every_rank_raises_the_same_error(messages):
+def test_every_rank_raises_the_same_error_at_once(messages):
     for key, text in messages[0].items():
         if isinstance(text, str):
             assert messages[1][key] == text, key
+    # no wait for a timeout: one all-gather (collective_timeout is 20 s)
+    assert max(m["slowest error seconds"] for m in messages) < 5.0
 
 
 @pytest.mark.parametrize("name", SETTINGS)
@@ -175,6 +196,9 @@ def test_replicated_parameters_that_differ_are_named(messages):
     assert "sync_grads: parameter 'moe.gate_up_proj' must hold the same value on ranks 0, 1 (replicated along " \
            "mesh axes ('d',))" in experts, experts
     assert "rank 0 has checksum" in experts and "rank 1 has checksum" in experts
+    modules = messages[0]["modules differ"]
+    assert modules.startswith("the parameters of _Model differ across ranks"), modules
+    assert "number of parameters: rank 0 has 5, rank 1 has 6" in modules, modules
 
 
 def test_agreeing_ranks_with_a_zero_token_rank_still_train(messages):
