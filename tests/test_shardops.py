@@ -27,6 +27,7 @@ from shardmoe.shardops import (
     psum,
     psum_scatter,
     shard,
+    unreduced,
 )
 from shardmoe.testing import run_distributed
 
@@ -83,11 +84,38 @@ def test_linear_arithmetic_keeps_unreduced():
         torch.testing.assert_close(combo.partial, expected)
 
 
+def test_einsum_is_linear_in_one_unreduced_operand():
+    a, w, v = torch.randn(2, 4, dtype=F64), torch.randn(4, 3, dtype=F64), torch.randn(3, 5, dtype=F64)
+    u = einsum_unreduced("T M/t, M/t F -> T F", a, w)
+    out = einsum_unreduced("T F, F G -> T G", u, v)
+    assert isinstance(out, Unreduced) and out.axes == {"t"}
+    torch.testing.assert_close(out.partial, a @ w @ v)
+    # Contracting T/d on top carries {t} and adds {d}; a cast keeps the partial sums.
+    both = einsum_unreduced("T/d F, T/d G -> F G", unreduced("T/d F", u.partial, "t"), a[:, :2])
+    assert both.axes == {"t", "d"} and both.to(torch.float32).partial.dtype == torch.float32
+    torch.testing.assert_close(both.partial, u.partial.T @ a[:, :2])
+
+
+def test_unreduced_marks_without_copying():
+    x = torch.randn(3, 4, dtype=F64)
+    u = unreduced("N H", x, "t")
+    assert u.partial is x and u.axes == {"t"} and u.spec.text == "N H"
+    assert psum("N H -> N H", u, None) is x  # mesh=None: one process, the sum is the partial itself
+    with pytest.raises(ValueError, match=r"unreduced 'N H/t': axes \['t'\] shard a dim of the spec"):
+        unreduced("N H/t", x, "t")
+    with pytest.raises(ValueError, match=r"unreduced 'N H': unknown mesh axes \['q'\]"):
+        unreduced("N H", x, "q")
+    with pytest.raises(ValueError, match="unreduced 'N H': axes is empty"):
+        unreduced("N H", x, ())
+    with pytest.raises(ValueError, match=r"spec 'N H L' has 3 dims but the tensor has 2"):
+        unreduced("N H L", x, "t")
+
+
 def test_consuming_unreduced_raises():
     a, w = torch.randn(2, 4, dtype=F64), torch.randn(4, 3, dtype=F64)
     u = einsum_unreduced("T M/t, M/t F -> T F", a, w)
     other = einsum_unreduced("T/d M, T/d F -> M F", a, torch.randn(2, 3, dtype=F64))
-    with pytest.raises(UnreducedError, match=r"relu got an Unreduced value .* reduce it with psum or psum_scatter"):
+    with pytest.raises(UnreducedError, match=r"relu got an Unreduced value .*, 'T F' unreduced over \{t\}; reduce it"):
         torch.relu(u)
     with pytest.raises(UnreducedError, match="got an Unreduced value"):
         torch.ones(2, 3) * u
@@ -99,8 +127,13 @@ def test_consuming_unreduced_raises():
         u * torch.ones(2, 3)
     with pytest.raises(AttributeError, match=r"Unreduced has no attribute 'sum': it is 'T F' unreduced over \{t\}"):
         u.sum()
-    with pytest.raises(UnreducedError, match=r"einsum_unreduced 'T F, F G -> T G': operand 0 is 'T F' unreduced"):
-        einsum_unreduced("T F, F G -> T G", u, w.T)
+    with pytest.raises(UnreducedError, match=r"operand 0 is 'T F' unreduced over \{t\} and operand 1 is 'T F' unreduced"):
+        einsum_unreduced("T F, T F -> F", u, u)
+    with pytest.raises(UnreducedError, match=r"operand 1 'F G/t' is sharded over \['t'\]: each rank would weigh"):
+        einsum_unreduced("T F, F G/t -> T G/t", u, w.T)
+    with pytest.raises(AttributeError, match=r"no attribute 'contiguous': it is 'T F' unreduced over \{t\}") as caught:
+        u.contiguous()
+    assert isinstance(caught.value, UnreducedError) and not hasattr(u, "contiguous")
     with pytest.raises(UnreducedError, match="all_gather 'T F -> T F' got 'T F' unreduced"):
         all_gather("T F -> T F", u, Mesh())
     with pytest.raises(UnreducedError, match=r"psum_scatter 'T F -> T F/d' sums over \['d'\], but its input is 'T F' unreduced over \{t\}"):
@@ -119,7 +152,7 @@ def test_consuming_unreduced_raises():
         (lambda m, x: all_gather("B L M/t -> B M L", x, m), r"the output must keep the input's dims in order \(B L M\)"),
         (lambda m, x: all_gather("B M/t -> B M", x, m), r"spec 'B M/t' has 2 dims but the tensor has 3"),
         (lambda m, x: all_gather("B L, M -> B L M", x, m), "takes one input spec, got 2"),
-        (lambda m, x: all_gather("B L M/t -> B L M", x, None), "mesh must be a shardmoe.Mesh, got NoneType"),
+        (lambda m, x: all_gather("B L M/t -> B L M", x, {"t": 1}), "mesh must be a shardmoe.Mesh or None, got dict"),
         (lambda m, x: all_to_all("B/d L/t M -> B L M/t", x, m), "exactly one dim must give up mesh axes"),
         (lambda m, x: psum("B L M -> B L M", x, m), "axes is required for a plain tensor"),
         (lambda m, x: psum("B L M/t -> B L M/t", x, m, axes="t"), r"cannot sum over 't', which shards dim M"),
