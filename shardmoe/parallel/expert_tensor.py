@@ -19,12 +19,20 @@ dx = dh_t Wgu_t only covers its slice of F. The "glu" gate dot product g . y is 
 (g Wdown_t) . a_t, which is also unreduced over t and summed the same way (seed 003's "+1 for
 routing weights gradient"). For "mlp" the psum comes before b2 and act_out, which need the whole
 z2; b2 is added once.
+
+The contractions over F/t run in the fused path's grouped GEMMs (shardmoe/moe/experts.py), not
+in einsums: their results are marked with shardops.unreduced (a wrapper, no copy) and reach the
+caller only through the psums below, so dropping one raises UnreducedError at the first use.
+The expert weight gradients (sums over this rank's rows) leave through autograd as partial sums
+over d, which sync_grads completes.
 """
 from __future__ import annotations
 
 import torch
 
 from shardmoe import shardops
+from shardmoe.moe import experts as ex
+from shardmoe.moe.activations import activate
 
 # parameter name -> (spec of the whole tensor, spec of this rank's shard); gate_up_proj in its
 # [E, 2, F, H] view so that 't' splits the gate and the up rows alike.
@@ -91,17 +99,41 @@ def _unpacked(name: str, t: torch.Tensor) -> torch.Tensor:
     return t.reshape(t.shape[0], -1, t.shape[-1]) if name == "gate_up_proj" else t
 
 
-def reduce_expert_output(partial: torch.Tensor, mesh) -> torch.Tensor:
+def experts_forward(config, mesh, xs, params, groups):
+    """y 'N H' (whole over 't') for rows xs 'N H' of the local experts, and what backward keeps:
+    "glu": (h,) with h 'N 2F/t'; "mlp": (z1, z2) with z1 'N P/t' and z2 'N H' (whole)."""
+    if config.expert == "glu" or mesh.size("t") == 1:
+        y, saved = ex.expert_forward(config.expert, config.activation, config.output_activation, xs, params, groups)
+        return reduce_expert_output(shardops.unreduced("N H", y, "t"), mesh), saved
+    # b2 and act_out need the whole z2: run the GEMMs without b2, psum, then add b2 once.
+    z2_partial, (z1, _) = ex.expert_forward("mlp", config.activation, "identity", xs, {**params, "b2": None}, groups)
+    z2 = reduce_expert_output(shardops.unreduced("N H", z2_partial, "t"), mesh)
+    if params["b2"] is not None:
+        z2 = z2 + params["b2"][groups.row_expert(z2.device)]
+    return activate(config.output_activation, z2), (z1, z2)
+
+
+def experts_backward(config, mesh, grad_rows, weight_rows, xs, saved, params, groups):
+    """Stages 1-4 on the expert side: (dx rows 'N H', gate dots dw 'N', expert shard gradients).
+    dx = dh_t Wgu_t contracts F/t, and so do the glu dots (g Wdown_t) . a_t: both are summed over t."""
+    grad_xs, grad_dots, grads = ex.expert_backward(config.expert, config.activation, config.output_activation,
+                                                   grad_rows, weight_rows, xs, saved, params, groups)
+    if config.expert == "glu":
+        grad_dots = reduce_gate_dot(shardops.unreduced("N", grad_dots, "t"), mesh)
+    return reduce_input_grad(shardops.unreduced("N H", grad_xs, "t"), mesh), grad_dots, grads
+
+
+def reduce_expert_output(partial: shardops.Unreduced, mesh) -> torch.Tensor:
     """psum over 't' of row-parallel partial outputs 'N H' (forward; backward is the identity)."""
-    return shardops.psum("N H -> N H", partial, mesh, axes="t")
+    return shardops.psum("N H -> N H", partial, mesh)
 
 
-def reduce_input_grad(partial: torch.Tensor, mesh) -> torch.Tensor:
+def reduce_input_grad(partial: shardops.Unreduced, mesh) -> torch.Tensor:
     """psum over 't' of the expert-input gradient 'N H' (the backward of the identity at the
     column-parallel input)."""
-    return shardops.psum("N H -> N H", partial, mesh, axes="t")
+    return shardops.psum("N H -> N H", partial, mesh)
 
 
-def reduce_gate_dot(partial: torch.Tensor, mesh) -> torch.Tensor:
+def reduce_gate_dot(partial: shardops.Unreduced, mesh) -> torch.Tensor:
     """psum over 't' of the "glu" gate dot products 'N', (g Wdown_t) . a_t."""
-    return shardops.psum("N -> N", partial, mesh, axes="t")
+    return shardops.psum("N -> N", partial, mesh)
