@@ -130,11 +130,13 @@ class Unreduced:
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         name = getattr(func, "__name__", str(func))
-        found = [a for a in (*args, *(kwargs or {}).values()) if isinstance(a, Unreduced)]
-        found += [a for arg in args if isinstance(arg, (list, tuple)) for a in arg if isinstance(a, Unreduced)]
+        values = (*args, *(kwargs or {}).values())
+        found = [a for a in values if isinstance(a, Unreduced)]
+        found += [a for v in values if isinstance(v, (list, tuple)) for a in v if isinstance(a, Unreduced)]
+        which = f", {found[0]._describe()}" if found else ""
         raise UnreducedError(
-            f"{name} got an Unreduced value (a per-rank partial sum), {found[0]._describe()}; reduce it with "
-            "psum or psum_scatter first, or take .partial explicitly"
+            f"{name} got an Unreduced value (a per-rank partial sum){which}; reduce it with psum or psum_scatter "
+            "first, or take .partial explicitly"
         )
 
     def __getattr__(self, name):

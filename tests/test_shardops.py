@@ -123,6 +123,8 @@ def test_consuming_unreduced_raises():
         torch.relu(u)
     with pytest.raises(UnreducedError, match="got an Unreduced value"):
         torch.ones(2, 3) * u
+    with pytest.raises(UnreducedError, match=r"cat got an Unreduced value .*, 'T F' unreduced over \{t\}"):
+        torch.cat([torch.ones(2, 3), u])  # found inside a list argument too
     with pytest.raises(UnreducedError, match=r"cannot add Tensor to 'T F' unreduced over \{t\}"):
         u + torch.ones(2, 3)
     with pytest.raises(UnreducedError, match="cannot add 'T F' unreduced over {t} and 'M F' unreduced over {d}"):
