@@ -21,8 +21,9 @@ routing weights gradient"). For "mlp" the psum comes before b2 and act_out, whic
 z2; b2 is added once.
 
 The contractions over F/t run in the fused path's grouped GEMMs (shardmoe/moe/experts.py), not
-in einsums: their results are marked with shardops.unreduced (a wrapper, no copy) and reach the
-caller only through the psums below, so dropping one raises UnreducedError at the first use.
+in einsums: expert_parallel marks their results with shardops.unreduced (a wrapper, no copy), and
+the reduce_* functions below take only such Unreduced values, so their results reach the caller
+only through these psums and dropping one raises UnreducedError at the first use.
 The expert weight gradients (sums over this rank's rows) leave through autograd as partial sums
 over d, which sync_grads completes.
 """
@@ -31,8 +32,6 @@ from __future__ import annotations
 import torch
 
 from shardmoe import shardops
-from shardmoe.moe import experts as ex
-from shardmoe.moe.activations import activate
 
 # parameter name -> (spec of the whole tensor, spec of this rank's shard); gate_up_proj in its
 # [E, 2, F, H] view so that 't' splits the gate and the up rows alike.
@@ -97,30 +96,6 @@ def _packed(name: str, t: torch.Tensor) -> torch.Tensor:
 def _unpacked(name: str, t: torch.Tensor) -> torch.Tensor:
     """Inverse of _packed: gate_up_proj [E, 2, F, H] -> [E, 2F, H] (a copy if t is a strided shard)."""
     return t.reshape(t.shape[0], -1, t.shape[-1]) if name == "gate_up_proj" else t
-
-
-def experts_forward(config, mesh, xs, params, groups):
-    """y 'N H' (whole over 't') for rows xs 'N H' of the local experts, and what backward keeps:
-    "glu": (h,) with h 'N 2F/t'; "mlp": (z1, z2) with z1 'N P/t' and z2 'N H' (whole)."""
-    if config.expert == "glu" or mesh.size("t") == 1:
-        y, saved = ex.expert_forward(config.expert, config.activation, config.output_activation, xs, params, groups)
-        return reduce_expert_output(shardops.unreduced("N H", y, "t"), mesh), saved
-    # b2 and act_out need the whole z2: run the GEMMs without b2, psum, then add b2 once.
-    z2_partial, (z1, _) = ex.expert_forward("mlp", config.activation, "identity", xs, {**params, "b2": None}, groups)
-    z2 = reduce_expert_output(shardops.unreduced("N H", z2_partial, "t"), mesh)
-    if params["b2"] is not None:
-        z2 = z2 + params["b2"][groups.row_expert(z2.device)]
-    return activate(config.output_activation, z2), (z1, z2)
-
-
-def experts_backward(config, mesh, grad_rows, weight_rows, xs, saved, params, groups):
-    """Stages 1-4 on the expert side: (dx rows 'N H', gate dots dw 'N', expert shard gradients).
-    dx = dh_t Wgu_t contracts F/t, and so do the glu dots (g Wdown_t) . a_t: both are summed over t."""
-    grad_xs, grad_dots, grads = ex.expert_backward(config.expert, config.activation, config.output_activation,
-                                                   grad_rows, weight_rows, xs, saved, params, groups)
-    if config.expert == "glu":
-        grad_dots = reduce_gate_dot(shardops.unreduced("N", grad_dots, "t"), mesh)
-    return reduce_input_grad(shardops.unreduced("N H", grad_xs, "t"), mesh), grad_dots, grads
 
 
 def reduce_expert_output(partial: shardops.Unreduced, mesh) -> torch.Tensor:
