@@ -11,6 +11,8 @@ against the spec before it communicates::
     shard('B L M -> B/d L M/t', x, mesh)                  slice this rank's block, no communication
     einsum_unreduced('B/d L F/t, M F/t -> B/d L M', a, b) local einsum; contracting a sharded dim
                                                           gives an Unreduced result
+    unreduced('N H', partial, axes='t')                   mark the partial sums of a contraction that
+                                                          is not an einsum (a lookup, a grouped GEMM)
 
 Gradient convention (the one Megatron and seqax use): the loss is a sum over token shards, and a
 value replicated over an axis carries either a *whole* gradient (equal on every rank of the axis)
@@ -21,7 +23,8 @@ gradient for its output (everything downstream is replicated) and passes it thro
 identity_psum_grad marks the spot where a replicated value starts feeding rank-specific work: its
 gradient arrives partial and leaves whole.
 
-Ops whose axes all have size 1 return their input unchanged (no copy, no communication).
+Ops whose axes all have size 1 return their input unchanged (no copy, no communication);
+``mesh=None`` is a single process (every axis has size 1), and Unreduced values are tracked there too.
 Only even splits are supported; an uneven one raises ValueError naming the dim and the axes.
 """
 
@@ -34,11 +37,15 @@ import torch
 import torch.distributed as dist
 
 from shardmoe.mesh import Mesh
-from shardmoe.notation import MESH_AXES, Spec, Transition, parse_transition
+from shardmoe.notation import MESH_AXES, Spec, Transition, parse_spec, parse_transition
 
 
 class UnreducedError(ValueError):
     """An Unreduced (per-rank partial sum) was used where a reduced value is needed."""
+
+
+class _UnreducedAttributeError(UnreducedError, AttributeError):
+    """A tensor method called on an Unreduced (an AttributeError, so hasattr and getattr's default work)."""
 
 
 class Unreduced:
@@ -47,8 +54,9 @@ class Unreduced:
     einsum_unreduced returns one when it contracts a sharded dim. The only ways to consume it are
     psum / psum_scatter (which reduce it) and linear arithmetic that keeps it a partial sum:
     ``u + v`` (both unreduced over the same axes), ``-u``, ``u * c`` and ``u / c`` for a Python
-    number c. Any torch function or tensor method on it raises UnreducedError; ``.partial`` is the
-    explicit escape hatch for code that reduces by itself.
+    number c, ``u.to(dtype)``, and einsum_unreduced with u as its only Unreduced operand. Any other
+    torch function or tensor method on it raises UnreducedError (naming the value and the op);
+    ``.partial`` is the explicit escape hatch for code that reduces by itself.
     """
 
     __slots__ = ("partial", "axes", "spec")
@@ -69,6 +77,10 @@ class Unreduced:
     @property
     def device(self) -> torch.device:
         return self.partial.device
+
+    def to(self, dtype: torch.dtype) -> Unreduced:
+        """Cast the partial sums (each rounds on its own; the reduction then sums the rounded parts)."""
+        return Unreduced(self.partial.to(dtype), self.axes, self.spec)
 
     def _describe(self) -> str:
         return f"{self.spec.text!r} unreduced over {{{', '.join(sorted(self.axes))}}}"
@@ -118,13 +130,17 @@ class Unreduced:
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         name = getattr(func, "__name__", str(func))
+        values = (*args, *(kwargs or {}).values())
+        found = [a for a in values if isinstance(a, Unreduced)]
+        found += [a for v in values if isinstance(v, (list, tuple)) for a in v if isinstance(a, Unreduced)]
+        which = f", {found[0]._describe()}" if found else ""
         raise UnreducedError(
-            f"{name} got an Unreduced value (a per-rank partial sum); reduce it with psum or psum_scatter "
+            f"{name} got an Unreduced value (a per-rank partial sum){which}; reduce it with psum or psum_scatter "
             "first, or take .partial explicitly"
         )
 
     def __getattr__(self, name):
-        raise AttributeError(
+        raise _UnreducedAttributeError(
             f"Unreduced has no attribute {name!r}: it is {self._describe()}; reduce it with psum or "
             "psum_scatter first, or take .partial explicitly"
         )
@@ -136,7 +152,7 @@ class Unreduced:
 # -- public ops --------------------------------------------------------------------------------
 
 
-def all_gather(spec: str, x: torch.Tensor, mesh: Mesh) -> torch.Tensor:
+def all_gather(spec: str, x: torch.Tensor, mesh: Mesh | None) -> torch.Tensor:
     """Gather the blocks of the dims whose axes the output drops: 'B/d L M/t -> B/d L M'.
 
     Forward: out[..., M, ...] = concat over t of x_t (block order = coord of the dropped axes).
@@ -148,7 +164,7 @@ def all_gather(spec: str, x: torch.Tensor, mesh: Mesh) -> torch.Tensor:
     return x
 
 
-def psum_scatter(spec: str, x: torch.Tensor | Unreduced, mesh: Mesh) -> torch.Tensor | Unreduced:
+def psum_scatter(spec: str, x: torch.Tensor | Unreduced, mesh: Mesh | None) -> torch.Tensor | Unreduced:
     """Sum over the axes the output adds and keep this rank's block: 'B/d L M -> B/d L M/t'.
 
     Forward: out = block_t(sum over t of x). x may be Unreduced over (at least) the added axes, or
@@ -166,7 +182,7 @@ def psum_scatter(spec: str, x: torch.Tensor | Unreduced, mesh: Mesh) -> torch.Te
     return Unreduced(partial, remaining, tr.output) if remaining else partial
 
 
-def psum(spec: str, x: torch.Tensor | Unreduced, mesh: Mesh, axes: str | Iterable[str] | None = None):
+def psum(spec: str, x: torch.Tensor | Unreduced, mesh: Mesh | None, axes: str | Iterable[str] | None = None):
     """Sum over ranks along ``axes``; the layout does not change: 'B/d L M -> B/d L M'.
 
     For an Unreduced x, ``axes`` defaults to all the axes it is unreduced over (a subset leaves it
@@ -184,7 +200,7 @@ def psum(spec: str, x: torch.Tensor | Unreduced, mesh: Mesh, axes: str | Iterabl
     return Unreduced(out, remaining, tr.output) if remaining else out
 
 
-def identity_psum_grad(spec: str, x: torch.Tensor, mesh: Mesh, axes: str | Iterable[str]) -> torch.Tensor:
+def identity_psum_grad(spec: str, x: torch.Tensor, mesh: Mesh | None, axes: str | Iterable[str]) -> torch.Tensor:
     """Identity forward, psum over ``axes`` backward: 'B/d L M -> B/d L M'.
 
     Put it where a value replicated over ``axes`` enters work that differs per rank (the input of
@@ -195,7 +211,7 @@ def identity_psum_grad(spec: str, x: torch.Tensor, mesh: Mesh, axes: str | Itera
     return _apply(_IdentityAllReduceGrad, x, None, axes, mesh)
 
 
-def all_to_all(spec: str, x: torch.Tensor, mesh: Mesh) -> torch.Tensor:
+def all_to_all(spec: str, x: torch.Tensor, mesh: Mesh | None) -> torch.Tensor:
     """Move sharding axes from one dim to another: 'B/d L/t M -> B/d L M/t'.
 
     Forward: each rank sends block j of the newly split dim to the rank at coord j and concatenates
@@ -212,12 +228,12 @@ def all_to_all(spec: str, x: torch.Tensor, mesh: Mesh) -> torch.Tensor:
         )
     (concat_dim, _, from_axes), (split_dim, _, to_axes) = gathers[0], scatters[0]
     _check_even(tr.inputs[0], x.shape, split_dim, to_axes, mesh)
-    if mesh.size(from_axes) == 1:
+    if _size(mesh, from_axes) == 1:
         return x
     return _AllToAll.apply(x, split_dim, to_axes, concat_dim, from_axes, mesh)
 
 
-def shard(spec: str, x: torch.Tensor, mesh: Mesh, rank: int | None = None) -> torch.Tensor:
+def shard(spec: str, x: torch.Tensor, mesh: Mesh | None, rank: int | None = None) -> torch.Tensor:
     """This rank's (or ``rank``'s) block of a replicated tensor: 'B L M -> B/d L M/t'. No communication.
 
     Backward: the gradient is zero outside the block, i.e. partial over the sharding axes.
@@ -225,27 +241,31 @@ def shard(spec: str, x: torch.Tensor, mesh: Mesh, rank: int | None = None) -> to
     tr, x = _prepare("shard", spec, x, mesh, accepts_unreduced=False)
     for dim, _, axes in _plan("shard", tr, allowed=("scatter",), allow_noop=True):
         _check_even(tr.inputs[0], x.shape, dim, axes, mesh)
-        if mesh.size(axes) == 1:
+        if _size(mesh, axes) == 1:
             continue
         size = x.shape[dim] // mesh.size(axes)
         x = x.narrow(dim, mesh.coord(axes, rank) * size, size)
     return x
 
 
-def einsum_unreduced(spec: str, *operands: torch.Tensor) -> torch.Tensor | Unreduced:
+def einsum_unreduced(spec: str, *operands: torch.Tensor | Unreduced) -> torch.Tensor | Unreduced:
     """Local einsum on the shards: 'B/d L M, M F/t -> B/d L F/t'. No communication.
 
     A dim shared by several operands must have the same sharding in each; output dims keep their
     input sharding. Contracting a dim sharded over some axes gives an Unreduced result over those
     axes (seqax's {U_t}); otherwise a plain tensor.
+
+    An einsum is linear in each operand, so one operand may itself be Unreduced over axes A (a
+    partial-sum gradient, say) as long as no other operand is sharded over A (then every rank
+    multiplies its partial by the same values): the result is Unreduced over A as well.
     """
     tr = parse_transition(spec)
     if len(tr.inputs) != len(operands):
         raise ValueError(f"einsum_unreduced {tr.text!r} names {len(tr.inputs)} operands but got {len(operands)}")
+    carried = _carried_unreduced(tr, operands)
+    operands = tuple(x.partial if isinstance(x, Unreduced) else x for x in operands)
     seen: dict[str, tuple[tuple[str, ...], int, int]] = {}  # name -> (axes, local size, operand index)
     for i, (in_spec, x) in enumerate(zip(tr.inputs, operands)):
-        if isinstance(x, Unreduced):
-            raise UnreducedError(f"einsum_unreduced {tr.text!r}: operand {i} is {x._describe()}; reduce it first")
         _check_local(f"einsum_unreduced operand {i}", in_spec, x)
         for dim, size in zip(in_spec.dims, x.shape):
             if dim.name not in seen:
@@ -277,19 +297,68 @@ def einsum_unreduced(spec: str, *operands: torch.Tensor) -> torch.Tensor | Unred
     equation += "->" + "".join(letters[n] for n in tr.output.names)
     out = torch.einsum(equation, *operands)
     contracted = set(seen) - set(tr.output.names)
-    axes = frozenset(a for name in contracted for a in seen[name][0])
+    axes = carried | frozenset(a for name in contracted for a in seen[name][0])
     return Unreduced(out, axes, tr.output) if axes else out
+
+
+def _carried_unreduced(tr: Transition, operands) -> frozenset[str]:
+    """The axes an Unreduced operand of einsum_unreduced passes on to its result (see there)."""
+    unreduced_at = [i for i, x in enumerate(operands) if isinstance(x, Unreduced)]
+    if not unreduced_at:
+        return frozenset()
+    if len(unreduced_at) > 1:
+        described = " and ".join(f"operand {i} is {operands[i]._describe()}" for i in unreduced_at)
+        raise UnreducedError(
+            f"einsum_unreduced {tr.text!r}: {described}; a product of two partial sums is not a partial sum of "
+            "the product: reduce all but one first"
+        )
+    (i,) = unreduced_at
+    u = operands[i]
+    if [d.axes for d in u.spec.dims] != [d.axes for d in tr.inputs[i].dims]:
+        raise ValueError(f"einsum_unreduced {tr.text!r}: operand {i} is {u._describe()}, whose layout differs from "
+                         f"{tr.inputs[i].text!r}")
+    for j, other in enumerate(tr.inputs):
+        if j != i and other.axes & u.axes:
+            raise UnreducedError(
+                f"einsum_unreduced {tr.text!r}: operand {i} is {u._describe()}, but operand {j} {other.text!r} is "
+                f"sharded over {sorted(other.axes & u.axes)}: each rank would weigh its partial by a different "
+                "block; reduce it first"
+            )
+    return u.axes
+
+
+def unreduced(spec: str, partial: torch.Tensor, axes: str | Iterable[str]) -> Unreduced:
+    """Mark ``partial`` as this rank's term of a sum over ``axes``: 'N H' unreduced over {t}.
+
+    For contractions over a sharded dim that are not einsums (a row lookup in a vocab block, an
+    index_add over this rank's tokens, a grouped expert GEMM over F/t) and for gradients that
+    arrive partial by the gradient convention. No copy: the result wraps the same tensor and must
+    go through psum or psum_scatter like einsum_unreduced's. The spec must not shard a dim over
+    ``axes`` (its ranks hold different blocks, not terms of one sum).
+    """
+    parsed = parse_spec(spec)
+    axes = frozenset((axes,) if isinstance(axes, str) else axes)
+    if not axes:
+        raise ValueError(f"unreduced {spec!r}: axes is empty")
+    unknown = sorted(axes - set(MESH_AXES))
+    if unknown:
+        raise ValueError(f"unreduced {spec!r}: unknown mesh axes {unknown} in axes; known axes: {', '.join(MESH_AXES)}")
+    if parsed.axes & axes:
+        raise ValueError(f"unreduced {spec!r}: axes {sorted(parsed.axes & axes)} shard a dim of the spec, so its ranks "
+                         "hold different blocks, not terms of one sum")
+    _check_local("unreduced", parsed, partial)
+    return Unreduced(partial, axes, parsed)
 
 
 # -- planning and checks -----------------------------------------------------------------------
 
 
-def _prepare(op: str, spec: str, x, mesh: Mesh, accepts_unreduced: bool) -> tuple[Transition, torch.Tensor | Unreduced]:
+def _prepare(op: str, spec: str, x, mesh: Mesh | None, accepts_unreduced: bool) -> tuple[Transition, torch.Tensor | Unreduced]:
     tr = parse_transition(spec)
     if len(tr.inputs) != 1:
         raise ValueError(f"{op} {tr.text!r}: takes one input spec, got {len(tr.inputs)}")
-    if not isinstance(mesh, Mesh):
-        raise ValueError(f"{op} {tr.text!r}: mesh must be a shardmoe.Mesh, got {type(mesh).__name__}")
+    if mesh is not None and not isinstance(mesh, Mesh):
+        raise ValueError(f"{op} {tr.text!r}: mesh must be a shardmoe.Mesh or None, got {type(mesh).__name__}")
     (source,) = tr.inputs
     if source.names != tr.output.names:
         raise ValueError(
@@ -374,19 +443,24 @@ def _take_reduction(x, axes: frozenset[str], op: str, text: str) -> tuple[torch.
     return x.partial, x.axes - axes
 
 
-def _check_even(spec: Spec, shape, dim: int, axes: tuple[str, ...], mesh: Mesh) -> None:
-    n = mesh.size(axes)
+def _size(mesh: Mesh | None, axes) -> int:
+    """Number of ranks along ``axes``; 1 for mesh=None (a single process)."""
+    return 1 if mesh is None else mesh.size(axes)
+
+
+def _check_even(spec: Spec, shape, dim: int, axes: tuple[str, ...], mesh: Mesh | None) -> None:
+    n = _size(mesh, axes)
     if shape[dim] % n:
-        sizes = "*".join(f"{a}={mesh.size(a)}" for a in axes)
+        sizes = "*".join(f"{a}={_size(mesh, a)}" for a in axes)
         raise ValueError(
             f"dim {spec.dims[dim].name} of {spec.text!r}: local size {shape[dim]} does not split evenly over "
             f"{sizes} = {n}"
         )
 
 
-def _apply(fn, x: torch.Tensor, dim, axes: tuple[str, ...], mesh: Mesh) -> torch.Tensor:
+def _apply(fn, x: torch.Tensor, dim, axes: tuple[str, ...], mesh: Mesh | None) -> torch.Tensor:
     # A group of one rank needs no communication, and then neither does the dual.
-    if mesh.size(axes) == 1:
+    if _size(mesh, axes) == 1:
         return x
     return fn.apply(x, dim, axes, mesh)
 

@@ -2,7 +2,8 @@
 
 Single-process tests cover the argument checks and the Unreduced rules. One spawned 4-rank world runs
 every op on every (dp, ep, tp) layout of 4 ranks; each rank builds the global tensors from a shared
-seed, computes the reference for its own block, and returns the largest error per check.
+seed, computes the reference for its own block, and returns the largest error per check. The same
+world runs torch.autograd.gradcheck of each op and its dual on the global math (see _gradchecks).
 
 Backward references follow the gradient convention of shardmoe.shardops: the global loss is the sum of
 the ranks' local losses, except that a loss computed on a value replicated by psum counts once per
@@ -14,6 +15,9 @@ import functools
 import pytest
 import torch
 import torch.distributed as dist
+from torch.autograd.gradcheck import GradcheckError, gradcheck
+
+from shardmoe.check.gradcheck import ATOL, EPS, RTOL
 
 from shardmoe.mesh import Mesh
 from shardmoe.notation import parse_spec
@@ -27,6 +31,7 @@ from shardmoe.shardops import (
     psum,
     psum_scatter,
     shard,
+    unreduced,
 )
 from shardmoe.testing import run_distributed
 
@@ -83,14 +88,43 @@ def test_linear_arithmetic_keeps_unreduced():
         torch.testing.assert_close(combo.partial, expected)
 
 
+def test_einsum_is_linear_in_one_unreduced_operand():
+    a, w, v = torch.randn(2, 4, dtype=F64), torch.randn(4, 3, dtype=F64), torch.randn(3, 5, dtype=F64)
+    u = einsum_unreduced("T M/t, M/t F -> T F", a, w)
+    out = einsum_unreduced("T F, F G -> T G", u, v)
+    assert isinstance(out, Unreduced) and out.axes == {"t"}
+    torch.testing.assert_close(out.partial, a @ w @ v)
+    # Contracting T/d on top carries {t} and adds {d}; a cast keeps the partial sums.
+    both = einsum_unreduced("T/d F, T/d G -> F G", unreduced("T/d F", u.partial, "t"), a[:, :2])
+    assert both.axes == {"t", "d"} and both.to(torch.float32).partial.dtype == torch.float32
+    torch.testing.assert_close(both.partial, u.partial.T @ a[:, :2])
+
+
+def test_unreduced_marks_without_copying():
+    x = torch.randn(3, 4, dtype=F64)
+    u = unreduced("N H", x, "t")
+    assert u.partial is x and u.axes == {"t"} and u.spec.text == "N H"
+    assert psum("N H -> N H", u, None) is x  # mesh=None: one process, the sum is the partial itself
+    with pytest.raises(ValueError, match=r"unreduced 'N H/t': axes \['t'\] shard a dim of the spec"):
+        unreduced("N H/t", x, "t")
+    with pytest.raises(ValueError, match=r"unreduced 'N H': unknown mesh axes \['q'\]"):
+        unreduced("N H", x, "q")
+    with pytest.raises(ValueError, match="unreduced 'N H': axes is empty"):
+        unreduced("N H", x, ())
+    with pytest.raises(ValueError, match=r"spec 'N H L' has 3 dims but the tensor has 2"):
+        unreduced("N H L", x, "t")
+
+
 def test_consuming_unreduced_raises():
     a, w = torch.randn(2, 4, dtype=F64), torch.randn(4, 3, dtype=F64)
     u = einsum_unreduced("T M/t, M/t F -> T F", a, w)
     other = einsum_unreduced("T/d M, T/d F -> M F", a, torch.randn(2, 3, dtype=F64))
-    with pytest.raises(UnreducedError, match=r"relu got an Unreduced value .* reduce it with psum or psum_scatter"):
+    with pytest.raises(UnreducedError, match=r"relu got an Unreduced value .*, 'T F' unreduced over \{t\}; reduce it"):
         torch.relu(u)
     with pytest.raises(UnreducedError, match="got an Unreduced value"):
         torch.ones(2, 3) * u
+    with pytest.raises(UnreducedError, match=r"cat got an Unreduced value .*, 'T F' unreduced over \{t\}"):
+        torch.cat([torch.ones(2, 3), u])  # found inside a list argument too
     with pytest.raises(UnreducedError, match=r"cannot add Tensor to 'T F' unreduced over \{t\}"):
         u + torch.ones(2, 3)
     with pytest.raises(UnreducedError, match="cannot add 'T F' unreduced over {t} and 'M F' unreduced over {d}"):
@@ -99,8 +133,13 @@ def test_consuming_unreduced_raises():
         u * torch.ones(2, 3)
     with pytest.raises(AttributeError, match=r"Unreduced has no attribute 'sum': it is 'T F' unreduced over \{t\}"):
         u.sum()
-    with pytest.raises(UnreducedError, match=r"einsum_unreduced 'T F, F G -> T G': operand 0 is 'T F' unreduced"):
-        einsum_unreduced("T F, F G -> T G", u, w.T)
+    with pytest.raises(UnreducedError, match=r"operand 0 is 'T F' unreduced over \{t\} and operand 1 is 'T F' unreduced"):
+        einsum_unreduced("T F, T F -> F", u, u)
+    with pytest.raises(UnreducedError, match=r"operand 1 'F G/t' is sharded over \['t'\]: each rank would weigh"):
+        einsum_unreduced("T F, F G/t -> T G/t", u, w.T)
+    with pytest.raises(AttributeError, match=r"no attribute 'contiguous': it is 'T F' unreduced over \{t\}") as caught:
+        u.contiguous()
+    assert isinstance(caught.value, UnreducedError) and not hasattr(u, "contiguous")
     with pytest.raises(UnreducedError, match="all_gather 'T F -> T F' got 'T F' unreduced"):
         all_gather("T F -> T F", u, Mesh())
     with pytest.raises(UnreducedError, match=r"psum_scatter 'T F -> T F/d' sums over \['d'\], but its input is 'T F' unreduced over \{t\}"):
@@ -119,7 +158,7 @@ def test_consuming_unreduced_raises():
         (lambda m, x: all_gather("B L M/t -> B M L", x, m), r"the output must keep the input's dims in order \(B L M\)"),
         (lambda m, x: all_gather("B M/t -> B M", x, m), r"spec 'B M/t' has 2 dims but the tensor has 3"),
         (lambda m, x: all_gather("B L, M -> B L M", x, m), "takes one input spec, got 2"),
-        (lambda m, x: all_gather("B L M/t -> B L M", x, None), "mesh must be a shardmoe.Mesh, got NoneType"),
+        (lambda m, x: all_gather("B L M/t -> B L M", x, {"t": 1}), "mesh must be a shardmoe.Mesh or None, got dict"),
         (lambda m, x: all_to_all("B/d L/t M -> B L M/t", x, m), "exactly one dim must give up mesh axes"),
         (lambda m, x: psum("B L M -> B L M", x, m), "axes is required for a plain tensor"),
         (lambda m, x: psum("B L M/t -> B L M/t", x, m, axes="t"), r"cannot sum over 't', which shards dim M"),
@@ -339,6 +378,131 @@ def _checks(mesh):
     }
 
 
+# -- gradcheck of each op and its dual on the global math --------------------------------------
+#
+# On every rank, gradcheck differentiates the same function of global tensors: global inputs (equal on
+# every rank) -> this rank's blocks (_ToLocal) -> the op -> the global output (_ToGlobal). All ranks
+# perturb the same element at the same time, so the finite differences are those of the global map;
+# the analytical Jacobian comes from the op's dual. The adapters use torch.distributed alone and encode
+# the gradient convention: a block several ranks hold carries either a *partial* gradient on each
+# (summed) or the *whole* one on each (counted once). A per-rank partial sum over t is the block of a
+# global tensor with a leading dim T/t whose sum over T is the value.
+
+
+def _region(t, spec, mesh, rank):
+    """The view of global tensor t that `rank` holds under spec."""
+    for i, dim in enumerate(parse_spec(spec).dims):
+        size = t.shape[i] // mesh.size(dim.axes)
+        t = t.narrow(i, mesh.coord(dim.axes, rank) * size, size)
+    return t
+
+
+def _replica(spec, mesh, rank):
+    """(index, count) of `rank` among the ranks that hold the same block under spec."""
+    axes = tuple(a for a in "det" if a not in parse_spec(spec).axes)
+    return mesh.coord(axes, rank), mesh.size(axes)
+
+
+class _ToLocal(torch.autograd.Function):
+    """Global X -> this rank's block. Backward: the blocks' gradients summed over the world; of a
+    *whole* gradient only the last holder's counts (the last: _ToGlobal keeps a partial gradient on
+    the first, so a dual that fails to make it whole leaves zeros here)."""
+
+    @staticmethod
+    def forward(ctx, X, spec, mesh, whole):
+        ctx.args = (X.shape, spec, mesh, whole)
+        return _region(X, spec, mesh, mesh.rank).clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        shape, spec, mesh, whole = ctx.args
+        out = grad.new_zeros(shape)
+        index, count = _replica(spec, mesh, mesh.rank)
+        if not whole or index == count - 1:
+            _region(out, spec, mesh, mesh.rank).copy_(grad)
+        dist.all_reduce(out)
+        return out, None, None, None
+
+
+class _ToGlobal(torch.autograd.Function):
+    """This rank's block y -> the global tensor (all-gathered; a block several ranks hold is taken from
+    the first). Backward: this rank's block of the gradient, on every holder if the op's output gradient
+    is *whole*, on the first holder only (zeros elsewhere) if it is *partial*."""
+
+    @staticmethod
+    def forward(ctx, y, spec, mesh, whole):
+        ctx.args = (spec, mesh, whole)
+        parts = [torch.empty_like(y) for _ in range(mesh.world_size)]
+        dist.all_gather(parts, y.contiguous())
+        out = y.new_zeros(parse_spec(spec).global_shape(y.shape, mesh))
+        for rank, part in enumerate(parts):
+            if _replica(spec, mesh, rank)[0] == 0:
+                _region(out, spec, mesh, rank).copy_(part)
+        return out
+
+    @staticmethod
+    def backward(ctx, G):
+        spec, mesh, whole = ctx.args
+        block = _region(G, spec, mesh, mesh.rank).clone()
+        if not whole and _replica(spec, mesh, mesh.rank)[0] != 0:
+            block.zero_()
+        return block, None, None, None
+
+
+def _gradcheck_cases(mesh):
+    """name -> (global input shapes, function of the global inputs). Mesh d=2, t=2."""
+    def local(X, spec, whole=False):
+        return _ToLocal.apply(X, spec, mesh, whole)
+
+    def to_global(y, spec, whole=False):
+        return _ToGlobal.apply(y, spec, mesh, whole)
+
+    def einsum_psum_scatter(A, W):
+        u = einsum_unreduced("B/d F/t, F/t M -> B/d M", local(A, "B/d F/t"), local(W, "F/t M"))
+        return to_global(psum_scatter("B/d M -> B/d M/t", u, mesh), "B/d M/t")
+
+    def einsum_psum(A, W, V):
+        u = einsum_unreduced("B/d F/t, F/t M -> B/d M", local(A, "B/d F/t"), local(W, "F/t M"))
+        u = einsum_unreduced("B/d M, M N -> B/d N", u, local(V, "M N"))  # linear in the Unreduced operand
+        return to_global(psum("B/d N -> B/d N", u, mesh), "B/d N", whole=True)
+
+    return {
+        "all_gather <-> psum_scatter": ([(4, 4)], lambda X: to_global(
+            all_gather("B/d M/t -> B/d M", local(X, "B/d M/t"), mesh), "B/d M")),
+        "all_gather M/t/d <-> psum_scatter": ([(8,)], lambda X: to_global(
+            all_gather("M/t/d -> M", local(X, "M/t/d"), mesh), "M")),
+        "psum_scatter <-> all_gather": ([(2, 4, 4)], lambda X: to_global(
+            psum_scatter("B/d M -> B/d M/t", local(X, "T/t B/d M")[0], mesh), "B/d M/t")),
+        "psum <-> identity": ([(2, 4, 3)], lambda X: to_global(
+            psum("B/d M -> B/d M", local(X, "T/t B/d M")[0], mesh, axes="t"), "B/d M", whole=True)),
+        "identity_psum_grad <-> psum": ([(4, 3)], lambda X: to_global(
+            identity_psum_grad("B/d M -> B/d M", local(X, "B/d M", whole=True), mesh, axes="t"), "B/d M")),
+        "all_to_all <-> all_to_all": ([(2, 4, 4)], lambda X: to_global(
+            all_to_all("B/d L/t M -> B/d L M/t", local(X, "B/d L/t M"), mesh), "B/d L M/t")),
+        "shard": ([(4, 4)], lambda X: to_global(shard("B M -> B/d M/t", local(X, "B M"), mesh), "B/d M/t")),
+        "einsum_unreduced -> psum_scatter": ([(4, 4), (4, 4)], einsum_psum_scatter),
+        "einsum_unreduced -> psum": ([(4, 4), (4, 3), (3, 2)], einsum_psum),
+    }
+
+
+def _gradchecks(mesh, rand):
+    """name -> '' when gradcheck passes, else its message (the same on every rank: the map is global).
+
+    fast_mode compares u^T J v for random u, v instead of every column of J: a full Jacobian costs two
+    forwards per input element, each with collectives. The random directions are drawn from torch's
+    generator, seeded alike on every rank so that all ranks perturb the global inputs alike."""
+    results = {}
+    for name, (shapes, function) in _gradcheck_cases(mesh).items():
+        inputs = [rand(*shape).requires_grad_() for shape in shapes]
+        torch.manual_seed(0)
+        try:
+            gradcheck(function, inputs, eps=EPS, atol=ATOL, rtol=RTOL, fast_mode=True)
+            results[name] = ""
+        except GradcheckError as error:
+            results[name] = str(error)
+    return results
+
+
 def _expect_error(call) -> str:
     try:
         call()
@@ -362,6 +526,7 @@ def _run_world(layouts):
     mesh = Mesh(tp=4)
     results["uneven"] = _expect_error(lambda: psum_scatter("B L M -> B L M/t", torch.zeros(2, 3, 6), mesh))
     results["uneven all_to_all"] = _expect_error(lambda: all_to_all("B L/t M -> B L M/t", torch.zeros(2, 3, 6), mesh))
+    results["gradcheck"] = _gradchecks(Mesh(dp=2, tp=2), _Seeded(99))
     dist.barrier()
     return results
 
@@ -402,3 +567,10 @@ def test_uneven_splits_raise_before_communicating(world):
     for results in world:
         assert results["uneven"] == "dim M of 'B L M': local size 6 does not split evenly over t=4 = 4"
         assert results["uneven all_to_all"] == "dim M of 'B L/t M': local size 6 does not split evenly over t=4 = 4"
+
+
+def test_each_op_and_its_dual_pass_gradcheck_on_the_global_math(world):
+    for rank, results in enumerate(world):
+        assert sorted(results["gradcheck"]) == sorted(_gradcheck_cases(Mesh())), f"rank {rank}"
+        failed = {name: message for name, message in results["gradcheck"].items() if message}
+        assert not failed, f"rank {rank}: {failed}"

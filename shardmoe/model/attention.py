@@ -36,10 +36,12 @@ from typing import NamedTuple
 import torch
 from torch import Tensor, nn
 
-from .residuals import check_backward_mode, compute_dtype, load_residuals, save_residuals
+from shardmoe.shardops import all_gather, einsum_unreduced, psum_scatter
+
+from .residuals import autograd_grads, check_backward_mode, compute_dtype, load_residuals, save_residuals
 from .rope import RopeResiduals, RopeTable, rope_backward, rope_forward
 from .segments import attention_mask
-from .sharding import gather, local_shape, reduce_scatter
+from .sharding import leave_partial, local_shape
 
 W_Q_SPEC = "M/d Q K/t D"
 W_KV_SPEC = "2 M/d K/t D"
@@ -70,9 +72,9 @@ class AttentionGrads(NamedTuple):
 
 
 def _gather_weights(w_q: Tensor, w_kv: Tensor, w_o: Tensor, mesh) -> tuple[Tensor, Tensor, Tensor]:
-    return (gather(f"{W_Q_SPEC} -> M Q K/t D", w_q, mesh),
-            gather(f"{W_KV_SPEC} -> 2 M K/t D", w_kv, mesh),
-            gather(f"{W_O_SPEC} -> M Q K/t D", w_o, mesh))
+    return (all_gather(f"{W_Q_SPEC} -> M Q K/t D", w_q, mesh),
+            all_gather(f"{W_KV_SPEC} -> 2 M K/t D", w_kv, mesh),
+            all_gather(f"{W_O_SPEC} -> M Q K/t D", w_o, mesh))
 
 
 def _masked_scores(q: Tensor, k: Tensor, allowed: Tensor, scale: float) -> Tensor:
@@ -95,7 +97,8 @@ def attention_forward(nx: Tensor, w_q: Tensor, w_kv: Tensor, w_o: Tensor, segmen
     lse = torch.logsumexp(scores, dim=-1)
     probs = torch.exp(scores - lse[..., None])
     o = torch.einsum("bkqij,bjkd->biqkd", probs.to(v.dtype), v)
-    out = reduce_scatter("B/d L M -> B/d L M/t", torch.einsum("blqkd,mqkd->blm", o, w_o), mesh)
+    out = einsum_unreduced("B/d L Q K/t D, M Q K/t D -> B/d L M", o, w_o)  # contracts K/t
+    out = psum_scatter("B/d L M -> B/d L M/t", out, mesh)
     return out, AttentionResiduals(nx, *shards, q, k, v, o, lse, segment_ids, rope.cos, rope.sin, scale, mesh)
 
 
@@ -103,9 +106,9 @@ def attention_backward(res: AttentionResiduals, grad_out: Tensor) -> tuple[Tenso
     """(dnx[B L M], grads of w_q, w_kv, w_o) given dout[B L M]; see the module docstring."""
     acc = res.lse.dtype
     w_q, w_kv, w_o = _gather_weights(res.w_q, res.w_kv, res.w_o, res.mesh)
-    grad_out = gather("B/d L M/t -> B/d L M", grad_out, res.mesh)
+    grad_out = all_gather("B/d L M/t -> B/d L M", grad_out, res.mesh)
     grad_o = torch.einsum("blm,mqkd->blqkd", grad_out, w_o)
-    grad_w_o = torch.einsum("blqkd,blm->mqkd", res.o, grad_out)
+    grad_w_o = einsum_unreduced("B/d L Q K/t D, B/d L M -> M Q K/t D", res.o, grad_out)  # contracts B/d
 
     scores = _masked_scores(res.q, res.k, attention_mask(res.segment_ids), res.scale)
     probs = torch.exp(scores - res.lse[..., None])
@@ -120,14 +123,15 @@ def attention_backward(res: AttentionResiduals, grad_out: Tensor) -> tuple[Tenso
     grad_k, _ = rope_backward(rope, grad_k_rot)
     grad_kv = torch.stack([grad_k, grad_v])
 
-    grad_nx = (torch.einsum("blqkd,mqkd->blm", grad_q, w_q)
-               + torch.einsum("cblkd,cmkd->blm", grad_kv, w_kv))
-    grad_w_q = torch.einsum("blm,blqkd->mqkd", res.nx, grad_q)
-    grad_w_kv = torch.einsum("blm,cblkd->cmkd", res.nx, grad_kv)
-    grads = AttentionGrads(reduce_scatter(f"M Q K/t D -> {W_Q_SPEC}", grad_w_q, res.mesh),
-                           reduce_scatter(f"2 M K/t D -> {W_KV_SPEC}", grad_w_kv, res.mesh),
-                           reduce_scatter(f"M Q K/t D -> {W_O_SPEC}", grad_w_o, res.mesh))
-    return grad_nx, grads
+    # dnx contracts the local heads K/t: partial over t, summed by the RMSNorm before (its dual).
+    grad_nx = (einsum_unreduced("B/d L Q K/t D, M Q K/t D -> B/d L M", grad_q, w_q)
+               + einsum_unreduced("2 B/d L K/t D, 2 M K/t D -> B/d L M", grad_kv, w_kv))
+    grad_w_q = einsum_unreduced("B/d L M, B/d L Q K/t D -> M Q K/t D", res.nx, grad_q)  # contracts B/d
+    grad_w_kv = einsum_unreduced("B/d L M, 2 B/d L K/t D -> 2 M K/t D", res.nx, grad_kv)
+    grads = AttentionGrads(psum_scatter(f"M Q K/t D -> {W_Q_SPEC}", grad_w_q, res.mesh),
+                           psum_scatter(f"2 M K/t D -> {W_KV_SPEC}", grad_w_kv, res.mesh),
+                           psum_scatter(f"M Q K/t D -> {W_O_SPEC}", grad_w_o, res.mesh))
+    return leave_partial(grad_nx, "t"), grads
 
 
 class AttentionFunction(torch.autograd.Function):
@@ -142,7 +146,7 @@ class AttentionFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         grad_nx, grads = attention_backward(load_residuals(ctx), grad_out)
-        return grad_nx, grads.w_q, grads.w_kv, grads.w_o, None, None, None, None
+        return autograd_grads("AttentionFunction.backward", grad_nx, *grads, None, None, None, None)
 
 
 def attention(nx: Tensor, w_q: Tensor, w_kv: Tensor, w_o: Tensor, segment_ids: Tensor, rope: RopeTable,

@@ -18,8 +18,10 @@ from typing import NamedTuple
 import torch
 from torch import Tensor, nn
 
-from .residuals import check_backward_mode, compute_dtype, load_residuals, save_residuals
-from .sharding import coord, gather, local_shape, reduce_scatter
+from shardmoe.shardops import all_gather, psum_scatter, unreduced
+
+from .residuals import autograd_grads, check_backward_mode, compute_dtype, load_residuals, save_residuals
+from .sharding import coord, local_shape
 
 WEIGHT_SPEC = "V/t M/d"
 
@@ -53,21 +55,23 @@ class EmbeddingGrads(NamedTuple):
 
 def embedding_forward(ids: Tensor, weight: Tensor, mesh=None) -> tuple[Tensor, EmbeddingResiduals]:
     """x = W[ids]; see the module docstring for the sharded layout."""
-    table = gather("V/t M/d -> V/t M", weight, mesh)
+    table = all_gather("V/t M/d -> V/t M", weight, mesh)
     local, in_block = vocab_block_ids(ids, table.shape[0], mesh)
-    x = table[local] * in_block[..., None].to(table.dtype)
-    x = reduce_scatter("B/d L M -> B/d L M/t", x, mesh)
+    # onehot(ids)[B L V/t] . W[V/t M] as a row lookup: it contracts V/t, so each t rank holds a term.
+    x = unreduced("B/d L M", table[local] * in_block[..., None].to(table.dtype), "t")
+    x = psum_scatter("B/d L M -> B/d L M/t", x, mesh)
     return x, EmbeddingResiduals(local, in_block, tuple(table.shape), weight.dtype, mesh)
 
 
 def embedding_backward(res: EmbeddingResiduals, grad_x: Tensor) -> tuple[None, EmbeddingGrads]:
     """dW = index_add over tokens of dx; ids have no gradient (returned as None)."""
-    grad_x = gather("B/d L M/t -> B/d L M", grad_x, res.mesh)
+    grad_x = all_gather("B/d L M/t -> B/d L M", grad_x, res.mesh)
     acc = compute_dtype(res.weight_dtype)  # accumulate repeated ids in float32 for bf16
     rows = grad_x.to(acc) * res.in_block[..., None].to(acc)
     grad_table = torch.zeros(res.table_shape, dtype=acc, device=grad_x.device)
     grad_table.index_add_(0, res.local_ids.reshape(-1), rows.reshape(-1, res.table_shape[1]))
-    grad_w = reduce_scatter("V/t M -> V/t M/d", grad_table.to(res.weight_dtype), res.mesh)
+    # The index_add contracts this rank's tokens B/d: a term of the sum over d.
+    grad_w = psum_scatter("V/t M -> V/t M/d", unreduced("V/t M", grad_table.to(res.weight_dtype), "d"), res.mesh)
     return None, EmbeddingGrads(grad_w)
 
 
@@ -83,7 +87,7 @@ class EmbeddingFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_x: Tensor):
         _, grads = embedding_backward(load_residuals(ctx), grad_x)
-        return None, grads.weight, None
+        return autograd_grads("EmbeddingFunction.backward", None, grads.weight, None)
 
 
 def embed(ids: Tensor, weight: Tensor, mesh=None, backward: str = "explicit") -> Tensor:

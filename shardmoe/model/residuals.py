@@ -11,6 +11,8 @@ from typing import NamedTuple
 
 import torch
 
+from shardmoe.shardops import Unreduced, UnreducedError
+
 BACKWARD_MODES = ("explicit", "autograd")
 
 
@@ -34,6 +36,17 @@ def save_residuals(ctx, residuals: NamedTuple) -> None:
     ctx.residual_type = type(residuals)
     ctx.tensor_slots = tensor_slots
     ctx.other_fields = [None if i in tensor_slots else v for i, v in enumerate(fields)]
+
+
+def autograd_grads(function: str, *grads):
+    """The gradients an autograd.Function's backward returns, checked to hold no Unreduced: one
+    there means a psum or psum_scatter was skipped (autograd itself would only say "expected
+    Variable or None")."""
+    for i, grad in enumerate(grads):
+        if isinstance(grad, Unreduced):
+            raise UnreducedError(f"{function} returns gradient {i} as {grad!r}: reduce it with psum or "
+                                 "psum_scatter first")
+    return grads
 
 
 def load_residuals(ctx) -> NamedTuple:

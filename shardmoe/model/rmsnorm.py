@@ -22,8 +22,10 @@ from typing import NamedTuple
 import torch
 from torch import Tensor, nn
 
-from .residuals import check_backward_mode, compute_dtype, load_residuals, save_residuals
-from .sharding import gather, local_shape, reduce_scatter
+from shardmoe.shardops import all_gather, einsum_unreduced, psum_scatter, unreduced
+
+from .residuals import autograd_grads, check_backward_mode, compute_dtype, load_residuals, save_residuals
+from .sharding import local_shape
 
 WEIGHT_SPEC = "M/t/d"
 
@@ -41,8 +43,8 @@ class RMSNormGrads(NamedTuple):
 
 def rms_norm_forward(x: Tensor, weight: Tensor, eps: float, mesh=None) -> tuple[Tensor, RMSNormResiduals]:
     """y[... M] = x r w with r = rsqrt(mean_M x^2 + eps)."""
-    x = gather("B/d L M/t -> B/d L M", x, mesh)
-    weight = gather("M/t/d -> M", weight, mesh)
+    x = all_gather("B/d L M/t -> B/d L M", x, mesh)
+    weight = all_gather("M/t/d -> M", weight, mesh)
     acc = compute_dtype(x.dtype)
     xc = x.to(acc)
     rstd = torch.rsqrt(xc.square().mean(dim=-1, keepdim=True) + eps)
@@ -54,13 +56,15 @@ def rms_norm_backward(res: RMSNormResiduals, grad_y: Tensor) -> tuple[Tensor, RM
     """dx = r (dy w - xhat mean_M(dy w xhat)); dw = sum over tokens of dy xhat."""
     acc = res.rstd.dtype
     xhat = res.x.to(acc) * res.rstd
-    g = grad_y.to(acc)
-    grad_w = (g * xhat).reshape(-1, xhat.shape[-1]).sum(dim=0)
-    gw = g * res.weight.to(acc)
+    # y feeds t-sharded work, so dy arrives as this rank's term of a sum over t (the convention).
+    g = unreduced("B/d L M", grad_y.to(acc), "t")
+    grad_w = einsum_unreduced("B/d L M, B/d L M -> M", g, xhat)  # adds d: it contracts B/d
+    # dx is linear in dy, elementwise: computed on the partial, it is a partial over t as well.
+    gw = g.partial * res.weight.to(acc)
     grad_x = res.rstd * (gw - xhat * (gw * xhat).mean(dim=-1, keepdim=True))
-    grad_x = reduce_scatter("B/d L M -> B/d L M/t", grad_x.to(res.x.dtype), res.mesh)
+    grad_x = psum_scatter("B/d L M -> B/d L M/t", unreduced("B/d L M", grad_x.to(res.x.dtype), "t"), res.mesh)
     # The gain's gradient is tiny: sum it over ranks in the compute dtype, then cast.
-    grad_w = reduce_scatter("M -> M/t/d", grad_w, res.mesh).to(res.weight.dtype)
+    grad_w = psum_scatter("M -> M/t/d", grad_w, res.mesh).to(res.weight.dtype)
     return grad_x, RMSNormGrads(grad_w)
 
 
@@ -76,7 +80,7 @@ class RMSNormFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_y: Tensor):
         grad_x, grads = rms_norm_backward(load_residuals(ctx), grad_y)
-        return grad_x, grads.weight, None, None
+        return autograd_grads("RMSNormFunction.backward", grad_x, grads.weight, None, None)
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float, mesh=None, backward: str = "explicit") -> Tensor:

@@ -1,12 +1,13 @@
-"""The collectives the dense layers use, with `mesh=None` meaning a single process.
+"""Sharding helpers of the dense layers beyond shardmoe.shardops, with `mesh=None` a single process.
 
-The layers write their math on local shards and call these at the seams (seed 002's pattern:
+The layers write their math on local shards and call shardops at the seams (seed 002's pattern:
 all_gather weights over d before use, psum_scatter gradients back; psum_scatter over t after a
-projection that contracts a t-sharded dim). With a shardmoe.Mesh they are shardmoe.shardops'
-differentiable collectives, so the same forward code also trains under plain autograd; with
-mesh=None they do nothing. Gradient convention (shardops'): a tensor replicated over t that feeds
-t-sharded work gets a gradient that is *partial* over t, and the all_gather that produced it sums
-those partials in its backward (a psum_scatter).
+projection that contracts a t-sharded dim). Every contraction over a sharded dim goes through
+shardops.einsum_unreduced (or shardops.unreduced for a lookup or an index_add), so its result is
+an Unreduced that only a psum or psum_scatter turns back into a tensor, also with mesh=None.
+Gradient convention (shardops'): a tensor replicated over t that feeds t-sharded work gets a
+gradient that is *partial* over t, and the all_gather that produced it sums those partials in its
+backward (a psum_scatter); `leave_partial` hands such a gradient to autograd.
 """
 from __future__ import annotations
 
@@ -17,25 +18,14 @@ from torch import Tensor
 from shardmoe import notation, shardops
 
 
-def gather(spec: str, x: Tensor, mesh) -> Tensor:
-    """all_gather along the axes the spec drops, e.g. 'M/d Q K/t D -> M Q K/t D'."""
-    if mesh is None:
-        return x
-    return shardops.all_gather(spec, x, mesh)
-
-
-def reduce_scatter(spec: str, x: Tensor, mesh) -> Tensor:
-    """Sum a per-rank partial over the axes the spec adds and keep this rank's block."""
-    if mesh is None:
-        return x
-    return shardops.psum_scatter(spec, x, mesh)
-
-
-def psum(spec: str, x: Tensor, mesh, axes: str) -> Tensor:
-    """Sum a per-rank partial over `axes`; the gradient passes through unchanged."""
-    if mesh is None or mesh.size(axes) == 1:
-        return x
-    return shardops.psum(spec, x, mesh, axes=axes)
+def leave_partial(grad: shardops.Unreduced, axis: str) -> Tensor:
+    """The local tensor of a gradient Unreduced over exactly `axis`, handed to autograd as a plain
+    tensor: by the gradient convention the layer before sums it (the dual of its all_gather).
+    Raises UnreducedError when the gradient is not unreduced over exactly that axis."""
+    if not isinstance(grad, shardops.Unreduced) or grad.axes != {axis}:
+        raise shardops.UnreducedError(f"a gradient leaving partial over {axis!r} must be unreduced over {{{axis}}} "
+                                      f"only, got {grad!r}")
+    return grad.partial
 
 
 def pmax(x: Tensor, mesh, axis: str) -> Tensor:

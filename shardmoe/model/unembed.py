@@ -26,8 +26,10 @@ import torch
 from torch import Tensor, nn
 
 from .embedding import WEIGHT_SPEC, vocab_block_ids, vocab_table
-from .residuals import check_backward_mode, compute_dtype, load_residuals, save_residuals
-from .sharding import gather, pmax, psum, reduce_scatter, size
+from shardmoe.shardops import all_gather, einsum_unreduced, psum, psum_scatter, unreduced
+
+from .residuals import autograd_grads, check_backward_mode, compute_dtype, load_residuals, save_residuals
+from .sharding import leave_partial, pmax, size
 
 
 class CrossEntropyResiduals(NamedTuple):
@@ -46,7 +48,7 @@ class CrossEntropyGrads(NamedTuple):
 def unembed_logits(x: Tensor, weight: Tensor, mesh=None) -> Tensor:
     """logits[B L V/t] = x . W^T in the compute dtype (float32 unless x is float64)."""
     acc = compute_dtype(x.dtype)
-    table = gather(f"{WEIGHT_SPEC} -> V/t M", weight, mesh)
+    table = all_gather(f"{WEIGHT_SPEC} -> V/t M", weight, mesh)
     return torch.einsum("blm,vm->blv", x.to(acc), table.to(acc))
 
 
@@ -57,12 +59,15 @@ def cross_entropy_forward(x: Tensor, weight: Tensor, targets: Tensor, num_tokens
         num_tokens = targets.numel() * size(mesh, "d")
     logits = unembed_logits(x, weight, mesh)
     shift = pmax(logits.amax(dim=-1), mesh, "t")
-    sum_exp = psum("B/d L -> B/d L", torch.exp(logits - shift[..., None]).sum(dim=-1), mesh, "t")
-    lse = shift + torch.log(sum_exp)
+    sum_exp = einsum_unreduced("B/d L V/t -> B/d L", torch.exp(logits - shift[..., None]))  # contracts V/t
+    lse = shift + torch.log(psum("B/d L -> B/d L", sum_exp, mesh))
     local_targets, in_block = vocab_block_ids(targets, logits.shape[-1], mesh)
-    target_logit = logits.gather(-1, local_targets[..., None])[..., 0] * in_block
-    target_logit = psum("B/d L -> B/d L", target_logit, mesh, "t")
-    loss = psum("1 -> 1", ((lse - target_logit).sum() / num_tokens).reshape(1), mesh, "d").reshape(())
+    # onehot(target)[B L V/t] . logits as a lookup: the block owning the target holds the term.
+    target_logit = unreduced("B/d L", logits.gather(-1, local_targets[..., None])[..., 0] * in_block, "t")
+    target_logit = psum("B/d L -> B/d L", target_logit, mesh)
+    # The sum over this rank's tokens B/d is its term of the global loss.
+    loss = unreduced("1", ((lse - target_logit).sum() / num_tokens).reshape(1), "d")
+    loss = psum("1 -> 1", loss, mesh).reshape(())
     return loss, CrossEntropyResiduals(x, weight, targets, lse.detach(), num_tokens, mesh)
 
 
@@ -73,11 +78,12 @@ def cross_entropy_backward(res: CrossEntropyResiduals, grad_loss: Tensor) -> tup
     local_targets, in_block = vocab_block_ids(res.targets, logits.shape[-1], res.mesh)
     grad_logits.scatter_add_(-1, local_targets[..., None], -in_block[..., None].to(grad_logits.dtype))
     grad_logits *= grad_loss.to(grad_logits.dtype) / res.num_tokens
-    table = gather(f"{WEIGHT_SPEC} -> V/t M", res.weight, res.mesh).to(grad_logits.dtype)
-    grad_x = torch.einsum("blv,vm->blm", grad_logits, table)
-    grad_w = torch.einsum("blv,blm->vm", grad_logits, res.x.to(grad_logits.dtype))
-    grad_w = reduce_scatter(f"V/t M -> {WEIGHT_SPEC}", grad_w.to(res.weight.dtype), res.mesh)
-    return grad_x.to(res.x.dtype), CrossEntropyGrads(grad_w)
+    table = all_gather(f"{WEIGHT_SPEC} -> V/t M", res.weight, res.mesh).to(grad_logits.dtype)
+    # dx contracts the vocab block V/t: partial over t, summed by the final RMSNorm (its dual).
+    grad_x = einsum_unreduced("B/d L V/t, V/t M -> B/d L M", grad_logits, table).to(res.x.dtype)
+    grad_w = einsum_unreduced("B/d L V/t, B/d L M -> V/t M", grad_logits, res.x.to(grad_logits.dtype))  # B/d
+    grad_w = psum_scatter(f"V/t M -> {WEIGHT_SPEC}", grad_w.to(res.weight.dtype), res.mesh)
+    return leave_partial(grad_x, "t"), CrossEntropyGrads(grad_w)
 
 
 class CrossEntropyFunction(torch.autograd.Function):
@@ -92,7 +98,7 @@ class CrossEntropyFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss: Tensor):
         grad_x, grads = cross_entropy_backward(load_residuals(ctx), grad_loss)
-        return grad_x, grads.weight, None, None, None
+        return autograd_grads("CrossEntropyFunction.backward", grad_x, grads.weight, None, None, None)
 
 
 def unembed_cross_entropy(x: Tensor, weight: Tensor, targets: Tensor, num_tokens: int | None = None,

@@ -32,6 +32,7 @@ import time
 
 import torch
 
+from shardmoe import shardops
 from shardmoe.moe import combine as comb
 from shardmoe.moe import experts as ex
 from shardmoe.moe.activations import activate
@@ -187,10 +188,10 @@ def _experts_forward(config: MoEConfig, mesh, xs, params, groups):
     "glu": (h,) with h 'N 2F/t'; "mlp": (z1, z2) with z1 'N P/t' and z2 'N H' (whole)."""
     if config.expert == "glu" or mesh.size("t") == 1:
         y, saved = ex.expert_forward(config.expert, config.activation, config.output_activation, xs, params, groups)
-        return etp.reduce_expert_output(y, mesh), saved
+        return etp.reduce_expert_output(shardops.unreduced("N H", y, "t"), mesh), saved  # Wdown contracts F/t
     # b2 and act_out need the whole z2: run the GEMMs without b2, psum, then add b2 once.
     z2_partial, (z1, _) = ex.expert_forward("mlp", config.activation, "identity", xs, {**params, "b2": None}, groups)
-    z2 = etp.reduce_expert_output(z2_partial, mesh)
+    z2 = etp.reduce_expert_output(shardops.unreduced("N H", z2_partial, "t"), mesh)
     if params["b2"] is not None:
         z2 = z2 + params["b2"][groups.row_expert(z2.device)]
     return activate(config.output_activation, z2), (z1, z2)
@@ -202,8 +203,8 @@ def _experts_backward(config: MoEConfig, mesh, grad_rows, weight_rows, xs, saved
     grad_xs, grad_dots, grads = ex.expert_backward(config.expert, config.activation, config.output_activation,
                                                    grad_rows, weight_rows, xs, saved, params, groups)
     if config.expert == "glu":
-        grad_dots = etp.reduce_gate_dot(grad_dots, mesh)
-    return etp.reduce_input_grad(grad_xs, mesh), grad_dots, grads
+        grad_dots = etp.reduce_gate_dot(shardops.unreduced("N", grad_dots, "t"), mesh)
+    return etp.reduce_input_grad(shardops.unreduced("N H", grad_xs, "t"), mesh), grad_dots, grads
 
 
 def _to_experts(exchange: RowExchange, plan: DispatchPlan, order: torch.Tensor, *rows: torch.Tensor):

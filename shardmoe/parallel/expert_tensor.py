@@ -19,6 +19,13 @@ dx = dh_t Wgu_t only covers its slice of F. The "glu" gate dot product g . y is 
 (g Wdown_t) . a_t, which is also unreduced over t and summed the same way (seed 003's "+1 for
 routing weights gradient"). For "mlp" the psum comes before b2 and act_out, which need the whole
 z2; b2 is added once.
+
+The contractions over F/t run in the fused path's grouped GEMMs (shardmoe/moe/experts.py), not
+in einsums: expert_parallel marks their results with shardops.unreduced (a wrapper, no copy), and
+the reduce_* functions below take only such Unreduced values, so their results reach the caller
+only through these psums and dropping one raises UnreducedError at the first use.
+The expert weight gradients (sums over this rank's rows) leave through autograd as partial sums
+over d, which sync_grads completes.
 """
 from __future__ import annotations
 
@@ -91,17 +98,17 @@ def _unpacked(name: str, t: torch.Tensor) -> torch.Tensor:
     return t.reshape(t.shape[0], -1, t.shape[-1]) if name == "gate_up_proj" else t
 
 
-def reduce_expert_output(partial: torch.Tensor, mesh) -> torch.Tensor:
+def reduce_expert_output(partial: shardops.Unreduced, mesh) -> torch.Tensor:
     """psum over 't' of row-parallel partial outputs 'N H' (forward; backward is the identity)."""
-    return shardops.psum("N H -> N H", partial, mesh, axes="t")
+    return shardops.psum("N H -> N H", partial, mesh)
 
 
-def reduce_input_grad(partial: torch.Tensor, mesh) -> torch.Tensor:
+def reduce_input_grad(partial: shardops.Unreduced, mesh) -> torch.Tensor:
     """psum over 't' of the expert-input gradient 'N H' (the backward of the identity at the
     column-parallel input)."""
-    return shardops.psum("N H -> N H", partial, mesh, axes="t")
+    return shardops.psum("N H -> N H", partial, mesh)
 
 
-def reduce_gate_dot(partial: torch.Tensor, mesh) -> torch.Tensor:
+def reduce_gate_dot(partial: shardops.Unreduced, mesh) -> torch.Tensor:
     """psum over 't' of the "glu" gate dot products 'N', (g Wdown_t) . a_t."""
-    return shardops.psum("N -> N", partial, mesh, axes="t")
+    return shardops.psum("N -> N", partial, mesh)
