@@ -36,7 +36,7 @@ from shardmoe.moe import combine as comb
 from shardmoe.moe import experts as ex
 from shardmoe.moe.activations import activate
 from shardmoe.moe.config import MoEConfig
-from shardmoe.moe.function import expert_param_names
+from shardmoe.moe.function import expert_param_names, not_twice_differentiable
 from shardmoe.moe.routing import Routing, accumulation_dtype, balance_loss, grad_gate_gemm, route
 from shardmoe.parallel import expert_tensor as etp
 from shardmoe.parallel.dispatch import DispatchPlan, peer_tokens, plan_dispatch
@@ -117,6 +117,7 @@ class ExpertParallelMoE(torch.autograd.Function):
         return out, loss
 
     @staticmethod
+    @not_twice_differentiable
     def backward(ctx, grad_out, grad_loss):
         config, plan, exchange, mesh = ctx.config, ctx.plan, ctx.parallel.exchange, ctx.parallel.mesh
         clock = _Clock(ctx.seconds)
