@@ -117,6 +117,16 @@ class MoE(nn.Module):
         self.aux_loss, self.stats = loss, stats
         return out.view(x.shape)
 
+    def __getstate__(self) -> dict:
+        """State for copy.deepcopy and pickle, without the last forward's results.
+
+        aux_loss is a node of that forward's graph (not a leaf), which deepcopy refuses, and it
+        belongs to the original's graph anyway: a copy (EMA, torch.optim.swa_utils.AveragedModel)
+        starts as a layer that has not run a forward, aux_loss None and stats empty."""
+        state = super().__getstate__()
+        state.update(aux_loss=None, stats={})
+        return state
+
     def extra_repr(self) -> str:
         c = self.config
         return (f"hidden={c.hidden_size}, ffn={c.ffn_size}, experts={c.num_experts}, top_k={c.top_k}, "

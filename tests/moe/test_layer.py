@@ -111,3 +111,33 @@ def test_mixtral_state_dict_round_trip_and_overrides():
     fresh.load_state_dict(layer.to_mixtral_state_dict())
     for (name, a), b in zip(block.state_dict().items(), fresh.state_dict().values()):
         assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("expert", ["glu", "mlp"])
+def test_copies_after_a_forward_start_fresh_and_leave_aux_loss_trainable(expert):
+    """deepcopy (EMA), AveragedModel, pickling and state_dict used to fail after any forward,
+    because the non-leaf aux_loss was kept on the module."""
+    import copy
+    import io
+
+    from torch.optim.swa_utils import AveragedModel
+
+    layer = shardmoe.MoE(8, 6, 4, 2, expert=expert, aux_loss_coef=0.1)
+    x = torch.randn(5, 8)
+    out = layer(x)
+    twin = copy.deepcopy(layer)
+    assert twin.aux_loss is None and twin.stats == {} and layer.stats
+    averaged = AveragedModel(layer)
+    averaged.update_parameters(layer)
+    buffer = io.BytesIO()
+    torch.save(layer, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    assert loaded.aux_loss is None
+    for other in (twin, averaged.module, loaded):
+        assert other.state_dict().keys() == layer.state_dict().keys()
+        assert all(torch.equal(a, b) for a, b in zip(other.state_dict().values(), layer.state_dict().values()))
+        assert torch.equal(other(x), out.detach())
+    assert torch.equal(averaged(x), out.detach())
+    (out.sum() + layer.aux_loss).backward()
+    assert layer.aux_loss.requires_grad and layer.gate_weight.grad.abs().sum() > 0
