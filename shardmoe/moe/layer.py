@@ -24,6 +24,9 @@ from shardmoe.parallel import expert_tensor as etp
 from shardmoe.parallel.expert_parallel import ExpertParallel
 from shardmoe.parallel.sync import EXPERT, REPLICATED, mark_grad_sync
 
+# the dtypes the layer computes in (float16 runs, but at ~1 GFLOP/s on CPU: design.md)
+DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
 # shardmoe activation name <-> transformers ACT2FN name
 _MIXTRAL_ACT = {"silu": "silu", "gelu": "gelu", "gelu_tanh": "gelu_pytorch_tanh", "relu": "relu"}
 
@@ -39,6 +42,8 @@ class MoE(nn.Module):
                                 activation=activation, output_activation=output_activation, bias=bias,
                                 renormalize=renormalize, capacity_factor=capacity_factor,
                                 aux_loss_coef=aux_loss_coef, z_loss_coef=z_loss_coef)
+        if dtype is not None and dtype not in DTYPES:
+            raise ValueError(f"dtype: expected None or one of {', '.join(map(str, DTYPES))}, got {dtype!r}")
         etp.check_layout(self.config, mesh)  # before any communication
         self.mesh = mesh
         kw = {"dtype": dtype, "device": device}

@@ -19,6 +19,8 @@ def test_constructor_errors_name_argument_expected_and_actual():
         (dict(bias=True), r"bias: expected False for expert='glu'"),
         (dict(expert="mlp", output_activation="softmax"), r"output_activation: expected one of .* got 'softmax'"),
         (dict(aux_loss_coef=float("nan")), r"aux_loss_coef: expected a finite number >= 0, got nan"),
+        (dict(dtype=torch.int32), r"dtype: expected None or one of torch\.float32, .*, got torch\.int32"),
+        (dict(dtype=torch.complex64), r"dtype: expected None or one of .*, got torch\.complex64"),
     ]
     for kw, pattern in cases:
         args = dict(hidden_size=8, ffn_size=6, num_experts=4, top_k=2)
@@ -141,3 +143,15 @@ def test_copies_after_a_forward_start_fresh_and_leave_aux_loss_trainable(expert)
     assert torch.equal(averaged(x), out.detach())
     (out.sum() + layer.aux_loss).backward()
     assert layer.aux_loss.requires_grad and layer.gate_weight.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("factor", [1e308, 2.0])
+def test_capacity_factor_keeping_every_pair_caps_capacity_at_the_token_count(factor):
+    """A factor >= E / k keeps every pair; 1e308 used to pass validation and overflow at forward."""
+    layer = shardmoe.MoE(8, 6, 4, 2, capacity_factor=factor, dtype=torch.float64)
+    dropless = shardmoe.MoE(8, 6, 4, 2, dtype=torch.float64)
+    dropless.load_state_dict(layer.state_dict())
+    x = torch.randn(7, 8, dtype=torch.float64)
+    assert torch.equal(layer(x), dropless(x))
+    assert layer.stats["capacity"] == 7 and layer.stats["dropped_tokens"] == 0
+    assert layer.config.capacity(0) == 0
