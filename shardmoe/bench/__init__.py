@@ -25,6 +25,7 @@ Heavy imports (torch, transformers) happen inside functions, so `shardmoe --help
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from shardmoe.bench.candidates import CANDIDATES
@@ -69,12 +70,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _distributed_requested(args: argparse.Namespace) -> bool:
-    import os
-
     return getattr(args, "mesh", None) is not None or int(os.environ.get("WORLD_SIZE", "1")) > 1
 
 
 def run(args: argparse.Namespace) -> int:
+    # checked before the --mesh hand-over, which shares the option: torch.set_num_threads takes any
+    # int, and a huge one crashes the process (100000 segfaulted)
+    cores = os.cpu_count() or 1
+    if args.threads is not None and not 1 <= args.threads <= cores:
+        print(f"shardmoe bench: --threads: expected an int in 1..{cores} (os.cpu_count()), got {args.threads}",
+              file=sys.stderr)
+        return 2
     if _distributed_requested(args):
         from shardmoe.parallel.bench import run_distributed
 
@@ -95,9 +101,6 @@ def run(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
     if args.threads is not None:
-        if args.threads < 1:
-            print(f"shardmoe bench: --threads: expected >= 1, got {args.threads}", file=sys.stderr)
-            return 2
         torch.set_num_threads(args.threads)
 
     env = environment()
