@@ -62,10 +62,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--strict", action="store_true", help="exit 1 when a target is missed")
     # the distributed benchmark (`torchrun ... -m shardmoe bench --mesh e=4`) adds the options this
     # parser lacks (--mesh, --hidden, ...); run() hands a --mesh run (or a torchrun job) over to it
-    try:
-        from shardmoe.parallel import bench as distributed
-    except ImportError:
-        return
+    from shardmoe.parallel import bench as distributed
+
     distributed.add_arguments(parser)
 
 
@@ -105,7 +103,7 @@ def run(args: argparse.Namespace) -> int:
 
     env = environment()
     print(f"shardmoe bench: device={args.device} threads={env['threads']} torch {env['torch']} "
-          f"transformers {env['transformers'] or '(not installed)'} cpu {env['cpu']} commit {env['commit']}")
+          f"transformers {env['transformers']} cpu {env['cpu']} commit {env['commit']}")
     results = []
     for shape_name in shape_names:
         S, H, F, E, k = SHAPES[shape_name]
