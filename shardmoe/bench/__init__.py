@@ -25,6 +25,7 @@ Heavy imports (torch, transformers) happen inside functions, so `shardmoe --help
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from shardmoe.bench.candidates import CANDIDATES
@@ -61,20 +62,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--strict", action="store_true", help="exit 1 when a target is missed")
     # the distributed benchmark (`torchrun ... -m shardmoe bench --mesh e=4`) adds the options this
     # parser lacks (--mesh, --hidden, ...); run() hands a --mesh run (or a torchrun job) over to it
-    try:
-        from shardmoe.parallel import bench as distributed
-    except ImportError:
-        return
+    from shardmoe.parallel import bench as distributed
+
     distributed.add_arguments(parser)
 
 
 def _distributed_requested(args: argparse.Namespace) -> bool:
-    import os
-
     return getattr(args, "mesh", None) is not None or int(os.environ.get("WORLD_SIZE", "1")) > 1
 
 
 def run(args: argparse.Namespace) -> int:
+    # checked before the --mesh hand-over, which shares the option: torch.set_num_threads takes any
+    # int, and a huge one crashes the process (100000 segfaulted)
+    cores = os.cpu_count() or 1
+    if args.threads is not None and not 1 <= args.threads <= cores:
+        print(f"shardmoe bench: --threads: expected an int in 1..{cores} (os.cpu_count()), got {args.threads}",
+              file=sys.stderr)
+        return 2
     if _distributed_requested(args):
         from shardmoe.parallel.bench import run_distributed
 
@@ -95,14 +99,11 @@ def run(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
     if args.threads is not None:
-        if args.threads < 1:
-            print(f"shardmoe bench: --threads: expected >= 1, got {args.threads}", file=sys.stderr)
-            return 2
         torch.set_num_threads(args.threads)
 
     env = environment()
     print(f"shardmoe bench: device={args.device} threads={env['threads']} torch {env['torch']} "
-          f"transformers {env['transformers'] or '(not installed)'} cpu {env['cpu']} commit {env['commit']}")
+          f"transformers {env['transformers']} cpu {env['cpu']} commit {env['commit']}")
     results = []
     for shape_name in shape_names:
         S, H, F, E, k = SHAPES[shape_name]

@@ -51,15 +51,6 @@ def _mixtral_block(s: Shape, weights, dtype, device):
     return block.to(device=device, dtype=dtype)
 
 
-def transformers_available() -> bool:
-    try:
-        import transformers  # noqa: F401
-        from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 def loop_moe(x, gate_weight, gate_up_proj, down_proj, top_k: int):
     """Per-expert-loop MoE in plain autograd: x [S, H] -> [S, H].
 
@@ -112,9 +103,7 @@ def build_candidates(s: Shape, dtype, device, names, seed: int = 0, fresh_inputs
                          for _ in range(fresh_inputs)]
     cands: dict[str, Candidate] = {}
     weights = _init_weights(s, seed)
-    block = None
-    if "transformers" in names or ("shardmoe" in names and transformers_available()):
-        block = _mixtral_block(s, weights, dtype, device)
+    block = _mixtral_block(s, weights, dtype, device) if {"transformers", "shardmoe"} & set(names) else None
 
     def module_candidate(name, module, params, x_shape, gate_transposed=False):
         """gate_transposed: params[0] is [H, E] (the router holds [E, H]); its gradient
@@ -155,14 +144,7 @@ def build_candidates(s: Shape, dtype, device, names, seed: int = 0, fresh_inputs
     if "shardmoe" in names:
         import shardmoe
 
-        if block is not None:
-            layer = shardmoe.MoE.from_mixtral(block)
-        else:  # the same weights, copied by hand (router [E, H] -> gate_weight [H, E])
-            layer = shardmoe.MoE(s.hidden, s.ffn, s.experts, s.top_k, dtype=dtype, device=device)
-            with torch.no_grad():
-                for p, w in zip((layer.gate_weight, layer.gate_up_proj, layer.down_proj),
-                                (weights[0].t(), weights[1], weights[2])):
-                    p.copy_(w)
+        layer = shardmoe.MoE.from_mixtral(block)
         params = (layer.gate_weight, layer.gate_up_proj, layer.down_proj)
         cands["shardmoe"], inputs["shardmoe"] = module_candidate(
             "shardmoe", layer, params, (1, s.tokens, s.hidden), gate_transposed=True)

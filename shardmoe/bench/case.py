@@ -9,8 +9,6 @@ from __future__ import annotations
 import statistics
 from dataclasses import asdict, dataclass, field
 
-# transformers_available is looked up through the module, so that one stub (tests) reaches
-# both run_case and build_candidates
 from shardmoe.bench import candidates
 from shardmoe.bench.candidates import CANDIDATES
 from shardmoe.bench.flops import Shape, expert_flops, router_flops, total_flops
@@ -53,7 +51,6 @@ class CaseResult:
     repeats: int
     routing: str = "fixed"
     rows: list[Row] = field(default_factory=list)
-    notes: list[str] = field(default_factory=list)
 
     def row(self, name: str) -> Row | None:
         return next((r for r in self.rows if r.candidate == name), None)
@@ -93,11 +90,8 @@ def run_case(shape_name: str, s: Shape, dtype_name: str, device: str, warmup: in
     import torch
 
     dtype = getattr(torch, DTYPES[dtype_name])
-    names = [n for n in names if n != "transformers" or candidates.transformers_available()]
     result = CaseResult(shape_name, asdict(s), dtype_name, total_flops(s), expert_flops(s), router_flops(s),
                         warmup, repeats)
-    if "transformers" not in names:
-        result.notes.append("transformers is not installed: its anchor is skipped")
     if routing not in ("fixed", "fresh"):
         raise ValueError(f"routing: expected 'fixed' or 'fresh', got {routing!r}")
     fresh = max(warmup - 1, 0) + repeats if routing == "fresh" else 0

@@ -29,8 +29,6 @@ def format_case(r: CaseResult) -> str:
             f"{_fmt(row.speedup_vs_loop, '.2f'):>8}{_fmt(row.saved_bytes_per_token, '.0f'):>12}"
             f"{_fmt(row.saved_vs_transformers, '.2f'):>9}{_fmt(row.rel_err_vs_transformers, '.1e'):>9}{row.repeats:>4}"
         )
-    for note in r.notes:
-        lines.append(f"  note: {note}")
     return "\n".join(lines)
 
 
@@ -48,15 +46,10 @@ def format_targets(results: list[CaseResult]) -> str:
 
 def environment() -> dict:
     import torch
+    import transformers
 
     env = {"torch": torch.__version__, "threads": torch.get_num_threads(), "python": platform.python_version(),
-           "machine": platform.machine(), "processor": platform.processor()}
-    try:
-        import transformers
-
-        env["transformers"] = transformers.__version__
-    except ImportError:
-        env["transformers"] = None
+           "machine": platform.machine(), "processor": platform.processor(), "transformers": transformers.__version__}
     try:
         import os
         import subprocess

@@ -63,6 +63,8 @@ class CheckCase:
         parts = [c.expert, c.activation if c.expert == "glu" else f"{c.activation}>{c.output_activation}"]
         if c.bias:
             parts.append("bias")
+        if (c.hidden_size, c.ffn_size) != (HIDDEN, FFN):
+            parts.append(f"H{c.hidden_size}F{c.ffn_size}")
         parts.append(f"k{c.top_k}")
         parts.append("renorm" if c.renormalize else "raw")
         if c.capacity_factor is not None:
@@ -144,9 +146,25 @@ def quick_matrix() -> list[CheckCase]:
     return cases
 
 
+def unit_size_cases() -> list[CheckCase]:
+    """hidden_size 1, ffn_size 1 and both, for each expert kind: a size-1 dim makes a matrix's two
+    strides both 1, the layout that grouped_mm's 16-byte stride rule has to be read correctly on.
+
+    "mlp" with H = F = 1 draws seed 1: on seed 0's draw b1's gradient is a sum of ~6 scalars that
+    cancels, and a plain bf16 autograd run of the float64 reference itself errs by 3.9e-2 there
+    (the fused layer 4.8e-2), so that draw measures the sum's conditioning, not the layer."""
+    cases = []
+    for expert, act, out, bias in (("glu", "silu", "identity", False), ("mlp", "gelu", "silu", True)):
+        for hidden, ffn in ((1, FFN), (HIDDEN, 1), (1, 1)):
+            config = dataclasses.replace(_config(expert, act, out, bias=bias, top_k=2, aux=True),
+                                         hidden_size=hidden, ffn_size=ffn)
+            cases.append(CheckCase(config, seed=int(expert == "mlp" and hidden == ffn == 1)))
+    return cases
+
+
 def precision_cases() -> list[CheckCase]:
     """Configurations compared at fp32 and bf16 against float64: each expert kind with
-    smooth and kinked activations, capacity, raw weights and the losses."""
+    smooth and kinked activations, capacity, raw weights and the losses, and the unit sizes."""
     return [
         CheckCase(_config("glu", "silu", top_k=2)),
         CheckCase(_config("glu", "gelu", top_k=1, capacity=True, aux=True)),
@@ -154,7 +172,7 @@ def precision_cases() -> list[CheckCase]:
         CheckCase(_config("mlp", "gelu_tanh", "silu", bias=True, top_k=2, renormalize=False, capacity=True, aux=True)),
         CheckCase(_config("mlp", "relu", "identity", bias=True, top_k=3)),
         CheckCase(_config("mlp", "identity", "gelu", top_k=EXPERTS, aux=True)),
-    ]
+    ] + unit_size_cases()
 
 
 def gradcheck_cases() -> list[CheckCase]:

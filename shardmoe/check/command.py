@@ -101,8 +101,7 @@ def single_threaded():
     """Run torch ops on one thread inside the block.
 
     The check's shapes are tiny: spreading each op over threads costs more than it
-    saves, and on a loaded machine waiting for the threads dominates (the float64
-    matrix ran 6x slower with 2 threads on 2 shared cores)."""
+    saves, and on a loaded machine waiting for the threads dominates."""
     import torch
 
     threads = torch.get_num_threads()

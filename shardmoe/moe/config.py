@@ -31,7 +31,8 @@ class MoEConfig:
 
     hidden_size H, ffn_size F ("glu") or P ("mlp"), num_experts E, top_k k.
     capacity_factor None means dropless; otherwise each expert keeps its first
-    EC = ceil(S / E * capacity_factor * k) tokens in token order.
+    EC = min(S, ceil(S / E * capacity_factor * k)) tokens in token order (an expert can
+    receive at most S tokens, so any factor >= E / k keeps every pair).
     """
 
     hidden_size: int
@@ -72,4 +73,7 @@ class MoEConfig:
         """Expert capacity EC for S tokens, or None when dropless."""
         if self.capacity_factor is None:
             return None
+        # Decided before the product: S / E * factor * k overflows to inf for a huge finite factor.
+        if self.capacity_factor * self.top_k >= self.num_experts:
+            return num_tokens
         return math.ceil(num_tokens / self.num_experts * self.capacity_factor * self.top_k)

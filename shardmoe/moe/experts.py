@@ -45,8 +45,21 @@ class Groups:
 
 
 def _aligned(t: torch.Tensor) -> bool:
+    """Whether grouped_mm takes t's layout, by its own rule (ATen's GroupedMMUtils.h): the last two
+    dims are row-major (stride[-1] == 1, stride[-2] >= max(1, cols)) or column-major (the mirror),
+    and the leading stride of that layout, the data pointer and the batch strides are 16-byte
+    multiples. A dim of size 1 can give both strides 1 (a [N, 1] or [1, K] matrix): which of them is
+    the unit stride must then be read off the layout, not skipped, or a 4-byte leading stride passes."""
     size = t.element_size()
-    return t.data_ptr() % 16 == 0 and all(s * size % 16 == 0 for s in t.stride() if s != 1)
+    rows, cols = t.shape[-2:]
+    row_stride, col_stride = t.stride()[-2:]
+    if row_stride == 1 and col_stride >= max(1, rows):  # ATen tests column-major first
+        lead = col_stride
+    elif col_stride == 1 and row_stride >= max(1, cols):
+        lead = row_stride
+    else:
+        return False
+    return t.data_ptr() % 16 == 0 and all(s * size % 16 == 0 for s in (lead, *t.stride()[:-2]))
 
 
 def _use_grouped_mm(*operands: torch.Tensor) -> bool:

@@ -21,6 +21,7 @@ Saved for backward (all through ctx.save_for_backward, so saved-tensor hooks see
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import fields
 
 import torch
@@ -34,6 +35,49 @@ from shardmoe.moe.routing import Routing, balance_loss, grad_gate_from_rows, rou
 def expert_param_names(config: MoEConfig) -> tuple[str, ...]:
     """Names of the expert parameters, in the order FusedMoE.apply takes them."""
     return ("gate_up_proj", "down_proj") if config.expert == "glu" else ("w1", "b1", "w2", "b2")
+
+
+class _SecondDerivative(torch.autograd.Function):
+    """Identity on a first backward's gradients, whose own backward (the second derivative) raises."""
+
+    @staticmethod
+    def forward(ctx, where: str, *grads):
+        ctx.where = where
+        return grads
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise RuntimeError(
+            f"{ctx.where}: the fused MoE backward is not twice differentiable: its explicit backward is "
+            "not built from autograd ops, so a double backward through shardmoe.MoE (a gradient penalty, "
+            "torch.autograd.grad(..., create_graph=True) then backward) has no correct result")
+
+
+def not_twice_differentiable(backward):
+    """Decorator for an explicit autograd.Function backward that has no second derivative.
+
+    Like torch.autograd.function.once_differentiable, the backward runs without recording a graph
+    and, under create_graph=True, its gradients come out of a node that raises when differentiated.
+    Unlike it, the node is attached whenever the Function had an input needing a gradient, not only
+    when the incoming gradients require grad: the first-order gradients depend on the saved inputs
+    and weights, so a penalty on them would otherwise get a silently wrong (zero) second derivative."""
+
+    @functools.wraps(backward)
+    def wrapper(ctx, *grad_outputs):
+        with torch.no_grad():
+            grads = backward(ctx, *grad_outputs)
+        if not torch.is_grad_enabled() or not any(ctx.needs_input_grad):
+            return grads
+        tensors = [i for i, g in enumerate(grads) if g is not None]
+        # detached leaves that require grad, so the raising node gets an edge to hang on
+        wrapped = _SecondDerivative.apply(backward.__qualname__,
+                                          *(grads[i].detach().requires_grad_() for i in tensors))
+        out = list(grads)
+        for i, g in zip(tensors, wrapped):
+            out[i] = g
+        return tuple(out)
+
+    return wrapper
 
 
 class FusedMoE(torch.autograd.Function):
@@ -66,6 +110,7 @@ class FusedMoE(torch.autograd.Function):
         return out, loss
 
     @staticmethod
+    @not_twice_differentiable
     def backward(ctx, grad_out, grad_loss):
         config: MoEConfig = ctx.config
         n_expert = len(expert_param_names(config))

@@ -24,6 +24,9 @@ from shardmoe.parallel import expert_tensor as etp
 from shardmoe.parallel.expert_parallel import ExpertParallel
 from shardmoe.parallel.sync import EXPERT, REPLICATED, mark_grad_sync
 
+# the dtypes the layer computes in (float16 runs, but at ~1 GFLOP/s on CPU: design.md)
+DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
 # shardmoe activation name <-> transformers ACT2FN name
 _MIXTRAL_ACT = {"silu": "silu", "gelu": "gelu", "gelu_tanh": "gelu_pytorch_tanh", "relu": "relu"}
 
@@ -39,6 +42,8 @@ class MoE(nn.Module):
                                 activation=activation, output_activation=output_activation, bias=bias,
                                 renormalize=renormalize, capacity_factor=capacity_factor,
                                 aux_loss_coef=aux_loss_coef, z_loss_coef=z_loss_coef)
+        if dtype is not None and dtype not in DTYPES:
+            raise ValueError(f"dtype: expected None or one of {', '.join(map(str, DTYPES))}, got {dtype!r}")
         etp.check_layout(self.config, mesh)  # before any communication
         self.mesh = mesh
         kw = {"dtype": dtype, "device": device}
@@ -116,6 +121,16 @@ class MoE(nn.Module):
             out, loss = self._parallel(tokens, stats, self.gate_weight, *self.expert_parameters())
         self.aux_loss, self.stats = loss, stats
         return out.view(x.shape)
+
+    def __getstate__(self) -> dict:
+        """State for copy.deepcopy and pickle, without the last forward's results.
+
+        aux_loss is a node of that forward's graph (not a leaf), which deepcopy refuses, and it
+        belongs to the original's graph anyway: a copy (EMA, torch.optim.swa_utils.AveragedModel)
+        starts as a layer that has not run a forward, aux_loss None and stats empty."""
+        state = super().__getstate__()
+        state.update(aux_loss=None, stats={})
+        return state
 
     def extra_repr(self) -> str:
         c = self.config

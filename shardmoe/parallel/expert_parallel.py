@@ -37,7 +37,7 @@ from shardmoe.moe import combine as comb
 from shardmoe.moe import experts as ex
 from shardmoe.moe.activations import activate
 from shardmoe.moe.config import MoEConfig
-from shardmoe.moe.function import expert_param_names
+from shardmoe.moe.function import expert_param_names, not_twice_differentiable
 from shardmoe.moe.routing import Routing, balance_loss, grad_gate_from_rows, route
 from shardmoe.notation import MESH_AXES
 from shardmoe.parallel import consistency
@@ -135,6 +135,7 @@ class ExpertParallelMoE(torch.autograd.Function):
         return out, loss
 
     @staticmethod
+    @not_twice_differentiable
     def backward(ctx, grad_out, grad_loss):
         with ctx.parallel.exchange.tell_peers_on_failure():
             return _backward(ctx, grad_out, grad_loss)

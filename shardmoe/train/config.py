@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -77,6 +78,9 @@ class TrainConfig:
         for name in ("warmup_steps", "seed", "eval_every", "eval_batches", "checkpoint_every", "health_every",
                      "sample_bytes", "threads"):
             _check_int(name, getattr(self, name), 0)
+        if self.threads > (os.cpu_count() or 1):  # torch.set_num_threads takes any int; 100000 segfaulted
+            raise ValueError(f"threads: expected an int in 0..{os.cpu_count() or 1} (os.cpu_count()), "
+                             f"got {self.threads}")
         _check_number("lr", self.lr, low=0.0, low_open=True)
         _check_number("min_lr_ratio", self.min_lr_ratio, low=0.0, high=1.0)
         _check_number("weight_decay", self.weight_decay, low=0.0)

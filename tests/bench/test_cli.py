@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -23,12 +24,6 @@ def test_cli_quick_writes_json(tmp_path, capsys):
 
 
 def test_cli_shape_overrides(capsys):
-    import argparse
-
-    parser = argparse.ArgumentParser()
-    bench.add_arguments(parser)
-    if "--hidden" not in parser._option_string_actions:
-        pytest.skip("the distributed options (--hidden, ...) are not available in this build")
     code = bench.main(["--shapes", "e64", "--tokens", "16", "--hidden", "32", "--ffn", "16", "--experts", "4",
                        "--top-k", "1", "--dtype", "fp32", "--repeats", "1", "--warmup", "1", "--threads", "1",
                        "--candidates", "loop", "dense"])
@@ -43,8 +38,21 @@ def test_cli_rejects_cuda_without_cuda():
 
 
 def test_mesh_runs_are_handed_to_the_distributed_bench(monkeypatch):
-    dist_bench = pytest.importorskip("shardmoe.parallel.bench")
+    from shardmoe.parallel import bench as dist_bench
+
     seen = []
     monkeypatch.setattr(dist_bench, "run_distributed", lambda args: seen.append(args.mesh) or 0)
     assert bench.main(["--mesh", "e=1", "--quick"]) == 0
     assert seen == ["e=1"]
+
+
+@pytest.mark.parametrize("threads", ["0", "100000"])
+@pytest.mark.parametrize("mesh", [[], ["--mesh", "e=1"]])
+def test_cli_bounds_threads_before_any_work(threads, mesh, capsys):
+    """--threads had no upper bound (100000 segfaulted in torch.set_num_threads), and the --mesh
+    hand-over, which shares the option, checked none."""
+    before = torch.get_num_threads()
+    assert bench.main(["--quick", "--threads", threads, *mesh]) == 2
+    assert torch.get_num_threads() == before
+    assert f"--threads: expected an int in 1..{os.cpu_count()} (os.cpu_count()), got {threads}" in \
+        capsys.readouterr().err

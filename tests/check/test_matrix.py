@@ -3,7 +3,8 @@ import pytest
 import torch
 
 import shardmoe
-from shardmoe.check.cases import EXPERTS, core_matrix, full_matrix, precision_cases, quick_matrix
+from shardmoe.check.cases import (EXPERTS, GLU_ACTIVATIONS, MLP_ACTIVATIONS, core_matrix, edge_cases, full_matrix,
+                                  gradcheck_cases, precision_cases, quick_matrix)
 from shardmoe.check.command import single_threaded
 from shardmoe.check.compare import TOLERANCES, compare_with_reference, relative_error, run_fused
 from shardmoe.check.inputs import make_inputs
@@ -38,7 +39,8 @@ def test_core_matrix_in_bf16_within_tolerance_of_float64():
     An "mlp" output relu is left out, as in the precision set: no input draw keeps every z2 clear
     of its kink by bf16's margin, and across the kink bf16 and float64 legitimately disagree."""
     cases = [c for c in core_matrix() if c.config.output_activation != "relu"]
-    assert len(cases) > 300
+    relu_out = sum(out == "relu" for _, out in MLP_ACTIVATIONS) * 2 * 2 * 2 * EXPERTS  # x bias, renorm, capacity, k
+    assert len(cases) == len(core_matrix()) - relu_out == 368  # the count docs/checking.md gives
     failures = []
     for case in cases:
         result = compare_with_reference(case, torch.bfloat16)
@@ -61,6 +63,17 @@ def test_matrix_covers_every_option():
         assert {c.num_tokens for c in of_kind} >= {0, 1}
         assert any(c.empty_expert is not None and c.config.capacity_factor is None for c in of_kind)
         assert any(len(c.tokens_shape) > 1 for c in of_kind)
+
+
+def test_case_counts_are_the_ones_docs_checking_md_gives():
+    """Each count derived from the option lists, then compared with the figure the page prints."""
+    variants = len(GLU_ACTIVATIONS) + 2 * len(MLP_ACTIVATIONS)  # mlp: x bias on/off
+    assert len(core_matrix()) == variants * 2 * 2 * EXPERTS == 400  # x renormalize x capacity x k
+    # per kind, per (renormalize, capacity): an empty expert for k = 1..E-1, four tiny layouts for
+    # k = 1 and E; plus one (3, 5) layout per kind
+    assert len(edge_cases()) == 2 * (4 * ((EXPERTS - 1) + 2 * 4) + 1) == 90
+    assert len(quick_matrix()) == variants + 2 * 6 == 37  # + one case of each of the 6 edge kinds per kind
+    assert len(precision_cases()) == 12 and len(gradcheck_cases()) == 3
 
 
 def test_quick_matrix_is_a_subset_touching_every_activation():

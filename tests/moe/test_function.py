@@ -1,4 +1,6 @@
-"""FusedMoE: explicit backward vs the independent float64 reference; what it saves."""
+"""FusedMoE: explicit backward vs the independent float64 reference; what it saves; no double backward."""
+import re
+
 import pytest
 import torch
 
@@ -68,3 +70,52 @@ def test_everything_saved_goes_through_save_for_backward():
     assert bytes_per_token == pytest.approx(expected)
     out.sum().backward()
     assert x.grad is not None
+
+
+NOT_TWICE = r"FusedMoE\.backward: the fused MoE backward is not twice differentiable"
+
+
+@pytest.mark.parametrize("expert", ["glu", "mlp"])
+def test_double_backward_raises_instead_of_a_wrong_second_derivative(expert):
+    """A gradient penalty through the layer used to give wrong second derivatives ("mlp") or an
+    out= error ("glu"). The first-order gradients under create_graph=True are unchanged; a second
+    backward through them, whether taken from x's gradient or a weight's, raises a clear error."""
+    layer = _layer(expert=expert, bias=expert == "mlp")
+    weight = layer.gate_up_proj if expert == "glu" else layer.w1
+    x = torch.randn(13, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    want = torch.autograd.grad(layer(x).square().sum(), [x, weight])
+    for i in range(2):
+        got = torch.autograd.grad(layer(x).square().sum(), [x, weight], create_graph=True)
+        assert all(torch.equal(g, w) for g, w in zip(got, want))
+        penalty = got[i].square().sum()
+        assert penalty.requires_grad
+        with pytest.raises(RuntimeError, match=NOT_TWICE):
+            penalty.backward()
+
+
+def _expert_parallel_double_backward() -> list[str]:
+    import torch.distributed as dist
+
+    from shardmoe.mesh import Mesh
+
+    mesh, messages = Mesh(ep=dist.get_world_size()), []
+    for expert in ("glu", "mlp"):
+        torch.manual_seed(0)
+        layer = shardmoe.MoE(8, 6, 4, 2, expert=expert, dtype=torch.float64, mesh=mesh)
+        x = torch.randn(5, 8, dtype=torch.float64, requires_grad=True)
+        (grad_x,) = torch.autograd.grad(layer(x).square().sum(), x, create_graph=True)
+        try:
+            grad_x.square().sum().backward()
+            messages.append("no error")
+        except RuntimeError as err:
+            messages.append(str(err))
+    return messages
+
+
+def test_expert_parallel_double_backward_raises_the_same_error():
+    from shardmoe.testing import run_distributed
+
+    for messages in run_distributed(_expert_parallel_double_backward, 2):
+        assert len(messages) == 2
+        for message in messages:
+            assert re.match(NOT_TWICE.replace("FusedMoE", "ExpertParallelMoE"), message), message

@@ -19,6 +19,8 @@ def test_constructor_errors_name_argument_expected_and_actual():
         (dict(bias=True), r"bias: expected False for expert='glu'"),
         (dict(expert="mlp", output_activation="softmax"), r"output_activation: expected one of .* got 'softmax'"),
         (dict(aux_loss_coef=float("nan")), r"aux_loss_coef: expected a finite number >= 0, got nan"),
+        (dict(dtype=torch.int32), r"dtype: expected None or one of torch\.float32, .*, got torch\.int32"),
+        (dict(dtype=torch.complex64), r"dtype: expected None or one of .*, got torch\.complex64"),
     ]
     for kw, pattern in cases:
         args = dict(hidden_size=8, ffn_size=6, num_experts=4, top_k=2)
@@ -111,3 +113,45 @@ def test_mixtral_state_dict_round_trip_and_overrides():
     fresh.load_state_dict(layer.to_mixtral_state_dict())
     for (name, a), b in zip(block.state_dict().items(), fresh.state_dict().values()):
         assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("expert", ["glu", "mlp"])
+def test_copies_after_a_forward_start_fresh_and_leave_aux_loss_trainable(expert):
+    """deepcopy (EMA), AveragedModel, pickling and state_dict used to fail after any forward,
+    because the non-leaf aux_loss was kept on the module."""
+    import copy
+    import io
+
+    from torch.optim.swa_utils import AveragedModel
+
+    layer = shardmoe.MoE(8, 6, 4, 2, expert=expert, aux_loss_coef=0.1)
+    x = torch.randn(5, 8)
+    out = layer(x)
+    twin = copy.deepcopy(layer)
+    assert twin.aux_loss is None and twin.stats == {} and layer.stats
+    averaged = AveragedModel(layer)
+    averaged.update_parameters(layer)
+    buffer = io.BytesIO()
+    torch.save(layer, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    assert loaded.aux_loss is None
+    for other in (twin, averaged.module, loaded):
+        assert other.state_dict().keys() == layer.state_dict().keys()
+        assert all(torch.equal(a, b) for a, b in zip(other.state_dict().values(), layer.state_dict().values()))
+        assert torch.equal(other(x), out.detach())
+    assert torch.equal(averaged(x), out.detach())
+    (out.sum() + layer.aux_loss).backward()
+    assert layer.aux_loss.requires_grad and layer.gate_weight.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("factor", [1e308, 2.0])
+def test_capacity_factor_keeping_every_pair_caps_capacity_at_the_token_count(factor):
+    """A factor >= E / k keeps every pair; 1e308 used to pass validation and overflow at forward."""
+    layer = shardmoe.MoE(8, 6, 4, 2, capacity_factor=factor, dtype=torch.float64)
+    dropless = shardmoe.MoE(8, 6, 4, 2, dtype=torch.float64)
+    dropless.load_state_dict(layer.state_dict())
+    x = torch.randn(7, 8, dtype=torch.float64)
+    assert torch.equal(layer(x), dropless(x))
+    assert layer.stats["capacity"] == 7 and layer.stats["dropped_tokens"] == 0
+    assert layer.config.capacity(0) == 0

@@ -59,7 +59,6 @@ def dense_expert_outputs(x, params, config):
 
 @pytest.fixture(scope="module")
 def modeling():
-    pytest.importorskip("transformers")
     from transformers.models.mixtral import modeling_mixtral
 
     return modeling_mixtral

@@ -26,6 +26,7 @@ def test_toml_and_json_files_load_with_a_model_table(tmp_path):
     ('lr = -1.0', "lr"),
     ('dtype = "float16"', "dtype"),
     ('steps = 0', "steps"),
+    ('threads = 100000', r"threads: expected an int in 0\.\.\d+ \(os\.cpu_count\(\)\), got 100000"),
     ('steps = [', "run.toml"),
 ])
 def test_bad_files_name_the_setting(tmp_path, text, message):
