@@ -121,7 +121,7 @@ def train(config: TrainConfig, out_dir: str | Path | None, *, mesh=None, resume:
             losses.total.backward()
             model.sync_grads()
             grad_norm = global_grad_norm([(p.grad, model.replicas(n)) for n, p in params])
-            flagged = _flagged(params, config, step, last)
+            flagged = _flagged(model, params, config, step, last)
             clip_grads([p.grad for _, p in params], grad_norm, config.max_grad_norm)
             lr = learning_rate(step, config.lr, config.warmup_steps, config.steps, config.min_lr_ratio)
             optimizer.step(lr)
@@ -169,11 +169,12 @@ def evaluate(model: Transformer, val: PackedBatches, num_batches: int) -> float:
     return total / count
 
 
-def _flagged(params, config: TrainConfig, step: int, last: int) -> list[str]:
-    """'name: status' of parameters the gradient health report flags (on this rank's shards)."""
+def _flagged(model: Transformer, params, config: TrainConfig, step: int, last: int) -> list[str]:
+    """'name: status' of parameters the gradient health report flags, judged on the full gradients
+    (reduced over the shards, so a flag raised on any rank is in every rank's list). Collective."""
     if not config.health_every or (step % config.health_every and step != last):
         return []
-    return [f"{e.name}: {e.status}" for e in gradient_health(params).flagged]
+    return [f"{e.name}: {e.status}" for e in gradient_health(params, replicas=model.replicas).flagged]
 
 
 def _progress_bar(enabled: bool, start: int, total: int):
