@@ -93,6 +93,8 @@ def run(args: argparse.Namespace) -> int:
     import torch
     import torch.distributed as dist
 
+    from shardmoe.train.loop import TrainingDiverged
+
     if config.threads:
         torch.set_num_threads(config.threads)
     rank = int(os.environ.get("RANK", "0"))
@@ -110,6 +112,9 @@ def run(args: argparse.Namespace) -> int:
             if mesh is not None:
                 dist.destroy_process_group()
     except RuntimeError as err:
+        if isinstance(err, TrainingDiverged):
+            print(f"shardmoe train: rank {rank}: {err}", file=sys.stderr)
+            return 1
         if not _lost_peer(err):
             raise
         print(f"shardmoe train: rank {rank}: lost contact with the other ranks (a peer hung or died; "

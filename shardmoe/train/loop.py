@@ -37,6 +37,10 @@ from shardmoe.train.optim import AdamW, clip_grads, global_grad_norm, learning_r
 SPLIT_SEED = 0  # the held-out documents stay the same whatever the training seed
 
 
+class TrainingDiverged(RuntimeError):
+    """The loss or the gradient norm became non-finite (the step's row is logged first)."""
+
+
 @dataclass
 class RunResult:
     """A run's model (this rank's shards) and its metric rows: the ones kept from before a resume,
@@ -145,7 +149,7 @@ def train(config: TrainConfig, out_dir: str | Path | None, *, mesh=None, resume:
                 bar.set_postfix(loss=f"{ce:.3f}", tok_s=f"{row['tokens_per_s']:.0f}", mfu=f"{row['mfu']:.1%}")
                 bar.update(1)
             if not math.isfinite(ce) or not math.isfinite(grad_norm):
-                raise RuntimeError(f"training diverged at step {step}: loss {ce}, gradient norm {grad_norm}; "
+                raise TrainingDiverged(f"training diverged at step {step}: loss {ce}, gradient norm {grad_norm}; "
                                    "lower lr or raise warmup_steps")
             periodic = config.checkpoint_every and step % config.checkpoint_every == 0
             if out_dir is not None and (step == last or periodic):

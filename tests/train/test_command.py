@@ -16,6 +16,10 @@ from shardmoe.train import checkpoint as ckpt
 from .conftest import tiny_train_config
 
 
+def read_rows(out):
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
 def write_config(tmp_path, **changes):
     path = tmp_path / "tiny.json"
     path.write_text(json.dumps(tiny_train_config(**changes).to_dict()))
@@ -27,7 +31,7 @@ def test_tiny_run_writes_metrics_curve_checkpoint_and_samples(tmp_path, capsys, 
     assert main(["train", "--config", write_config(tmp_path), "--steps", "3", "--seed", "2",
                  "--out", str(out), "--no-progress"]) == 0
     printed = capsys.readouterr().out
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    rows = read_rows(out)
     assert [r["step"] for r in rows] == [1, 2, 3] and all("loss" in r for r in rows)
     assert (out / "loss_curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert (out / "checkpoint.safetensors").is_file()
@@ -97,7 +101,7 @@ def test_a_new_run_refuses_a_directory_holding_a_run_unless_resumed_or_overwritt
     assert main(second + ["--resume", "--overwrite"]) == 2
     assert "--resume and --overwrite: expected at most one" in capsys.readouterr().err
     assert main(second + ["--overwrite"]) == 0
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    rows = read_rows(out)
     assert [r["step"] for r in rows] == [1]
     assert json.loads(ckpt.read_metadata(out / "checkpoint.safetensors")["config"])["seed"] == 5
 
@@ -135,5 +139,18 @@ def test_a_second_run_is_refused_while_the_first_runs_and_a_killed_run_resumes(t
         first.wait()
     step = int(ckpt.read_metadata(out / "checkpoint.safetensors")["step"])
     assert main(argv + ["--resume", "--steps", str(step + 1)]) == 0
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    rows = read_rows(out)
     assert [r["step"] for r in rows] == list(range(1, step + 2))
+
+
+def test_a_diverged_run_stops_with_one_line_after_logging_the_step(tmp_path, capsys, monkeypatch, one_thread):
+    from shardmoe.train import loop
+
+    norms = iter([1.0, float("inf")])
+    monkeypatch.setattr(loop, "global_grad_norm", lambda grads: next(norms))
+    out = tmp_path / "run"
+    assert main(["train", "--config", write_config(tmp_path), "--out", str(out), "--no-progress"]) == 1
+    assert capsys.readouterr().err == ("shardmoe train: rank 0: training diverged at step 2: loss "
+                                       f"{read_rows(out)[1]['loss']}, gradient norm inf; lower lr or raise "
+                                       "warmup_steps\n")
+    assert [r["step"] for r in read_rows(out)] == [1, 2]
