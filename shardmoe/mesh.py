@@ -192,12 +192,19 @@ def _ranks_per_node(ranks_per_node: int | None, world_size: int) -> int:
 
 
 def parse_mesh(text: str) -> dict[str, int]:
-    """A --mesh option, 'd=2,e=2' (commas or spaces between items), -> {'d': 2, 'e': 2, 't': 1}."""
+    """A --mesh option, 'd=2,e=2' (commas or spaces between items), -> {'d': 2, 'e': 2, 't': 1}.
+
+    An axis named twice is an error (which size was meant is unknowable)."""
     sizes = dict.fromkeys(MESH_AXES, 1)
+    given: dict[str, str] = {}
     for item in text.replace(",", " ").split():
         axis, _, value = item.partition("=")
         if axis not in sizes or not value.isdigit() or int(value) < 1:
             raise ValueError(f"--mesh: expected comma-separated AXIS=SIZE with AXIS in {', '.join(MESH_AXES)} "
                              f"and SIZE >= 1, got {item!r}")
+        if axis in given:
+            raise ValueError(f"--mesh: expected each axis at most once, got axis {axis!r} twice "
+                             f"({given[axis]!r} and {item!r}) in {text!r}")
+        given[axis] = item
         sizes[axis] = int(value)
     return sizes

@@ -170,3 +170,9 @@ def test_parse_mesh_option():
         parse_mesh("x=2")
     with pytest.raises(ValueError, match="got 't=0'"):
         parse_mesh("t=0")
+
+
+def test_parse_mesh_refuses_an_axis_given_twice():
+    with pytest.raises(ValueError, match=r"--mesh: expected each axis at most once, got axis 'd' twice "
+                                         r"\('d=2' and 'd=4'\) in 'd=2,e=2,d=4'"):
+        parse_mesh("d=2,e=2,d=4")

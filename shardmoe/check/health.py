@@ -19,21 +19,34 @@ round away) and one status:
 
 The default thresholds (100 and 1e-7) are the classic warning levels; they
 are absolute, so pass thresholds suited to the model's scale where needed.
+
+Under a mesh each rank holds shards, and a shard's norm says little about the
+parameter (a zero shard of a healthy gradient looks vanishing). Pass
+replicas=model.replicas: then, over the default process group,
+
+    ||g||^2 = sum over ranks of ||g_shard||^2 / replicas(name)
+
+(replicas counts the ranks holding the same shard, so each shard counts once),
+max|g| is the max over ranks, and a gradient missing on any rank is missing.
+Every rank gets the same report of the full gradients, flags from every rank
+included; the call is then collective.
 """
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 OK, EXPLODING, VANISHING, MISSING = "ok", "exploding", "vanishing", "missing"
 
 
 @dataclass(frozen=True)
 class ParameterHealth:
-    """Gradient statistics of one parameter (norm and max_abs are nan when missing)."""
+    """Gradient statistics of one parameter (norm and max_abs are nan when missing; shape is this
+    rank's shard when sharded)."""
 
     name: str
     shape: tuple[int, ...]
@@ -97,27 +110,43 @@ def gradient_health(
     named_parameters: Iterable[tuple[str, torch.nn.Parameter]],
     explode_threshold: float = 100.0,
     vanish_threshold: float = 1e-7,
+    replicas: Callable[[str], int] | None = None,
 ) -> HealthReport:
     """Health report of the gradients held in .grad of each (name, parameter).
 
     Parameters with requires_grad=False are skipped: they are frozen on purpose.
+    replicas: name -> ranks holding the same shard (Transformer.replicas); given, and with a
+    default process group of more than one rank, the statistics are of the full gradients,
+    reduced over all ranks (module doc). Collective then: every rank calls it with the same names.
     """
     if not 0 <= vanish_threshold < explode_threshold:
         raise ValueError(
             f"thresholds: expected 0 <= vanish_threshold < explode_threshold, "
             f"got vanish_threshold={vanish_threshold}, explode_threshold={explode_threshold}"
         )
-    entries = []
-    for name, param in named_parameters:
-        if not param.requires_grad:
-            continue
-        shape = tuple(param.shape)
+    params = [(name, p) for name, p in named_parameters if p.requires_grad]
+    # Per parameter: [squared norm, max|g|, missing] in float64, on this rank.
+    stats = torch.zeros(len(params), 3, dtype=torch.float64)
+    for i, (name, param) in enumerate(params):
         if param.grad is None:
-            entries.append(ParameterHealth(name, shape, math.nan, math.nan, MISSING))
+            stats[i, 2] = 1.0
             continue
         grad = param.grad.detach().to(torch.float64)
         # A single inf or nan makes the norm non-finite, which _classify reports as exploding.
-        norm = torch.linalg.vector_norm(grad).item()
-        max_abs = grad.abs().max().item() if grad.numel() else 0.0
+        stats[i, 0] = torch.linalg.vector_norm(grad).square()
+        stats[i, 1] = grad.abs().max() if grad.numel() else 0.0
+    if replicas is not None and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        stats[:, 0] /= torch.tensor([float(replicas(name)) for name, _ in params], dtype=torch.float64)
+        sums, maxima = stats[:, [0, 2]].contiguous(), stats[:, 1].contiguous()
+        dist.all_reduce(sums)
+        dist.all_reduce(maxima, op=dist.ReduceOp.MAX)
+        stats[:, [0, 2]], stats[:, 1] = sums, maxima
+    entries = []
+    for (name, param), (square, max_abs, missing) in zip(params, stats.tolist()):
+        shape = tuple(param.shape)
+        if missing:
+            entries.append(ParameterHealth(name, shape, math.nan, math.nan, MISSING))
+            continue
+        norm = math.sqrt(square)
         entries.append(ParameterHealth(name, shape, norm, max_abs, _classify(norm, explode_threshold, vanish_threshold)))
     return HealthReport(tuple(entries), explode_threshold, vanish_threshold)

@@ -5,7 +5,8 @@
                 optim.exp_avg.<param>          AdamW first moments, full
                 optim.exp_avg_sq.<param>       AdamW second moments, full
                 rng.torch                      torch's CPU generator state (uint8)
-      metadata  format      "shardmoe-checkpoint/1"
+      metadata  format      "shardmoe-checkpoint/2"
+                checksums   {tensor name: sha256 of its bytes} as JSON
                 step        optimizer steps taken (the run resumes at step + 1)
                 config      the TrainConfig as JSON (model table included)
                 identity    the settings a resume must share (TrainConfig.resume_identity) as JSON
@@ -15,9 +16,14 @@ Weights and moments are gathered whole, so a checkpoint does not depend on the m
 on d=2 x e=2 resumes on one process and vice versa. Rank 0 writes DIR/checkpoint.safetensors.tmp
 and then os.replace()s it over the old file: a crash mid-write leaves the previous checkpoint
 intact. Gathering is collective: every rank calls save_checkpoint.
+
+Integrity: loading reads the whole file and compares every tensor's sha256 with the stored one
+before any weight is used; a flipped byte raises ValueError naming the file and the tensor (a
+corrupt header already fails to parse). Format 1 files carry no checksums and are refused.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from pathlib import Path
@@ -31,7 +37,7 @@ from shardmoe.model.transformer import Transformer
 from .optim import AdamW
 
 FILE_NAME = "checkpoint.safetensors"
-FORMAT = "shardmoe-checkpoint/1"
+FORMAT = "shardmoe-checkpoint/2"
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
@@ -50,13 +56,21 @@ def save_checkpoint(out_dir: str | Path, model: Transformer, optimizer: AdamW, s
     if not write:
         return
     tensors["rng.torch"] = torch.get_rng_state()
-    metadata = {"format": FORMAT, "step": str(step), "config": json.dumps(config),
+    tensors = {k: v.contiguous() for k, v in tensors.items()}
+    checksums = {name: tensor_checksum(t) for name, t in tensors.items()}
+    metadata = {"format": FORMAT, "checksums": json.dumps(checksums, sort_keys=True), "step": str(step),
+                "config": json.dumps(config),
                 "identity": json.dumps(identity, sort_keys=True), "data": json.dumps(data_state)}
     path = checkpoint_path(out_dir)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata=metadata)
+    save_file(tensors, str(tmp), metadata=metadata)
     os.replace(tmp, path)
+
+
+def tensor_checksum(tensor: torch.Tensor) -> str:
+    """sha256 (hex) of a contiguous tensor's bytes, as stored in the file."""
+    return hashlib.sha256(tensor.reshape(-1).view(torch.uint8).numpy()).hexdigest()
 
 
 def read_metadata(path: str | Path) -> dict:
@@ -71,13 +85,31 @@ def read_metadata(path: str | Path) -> dict:
     return metadata
 
 
+def read_verified(path: str | Path) -> tuple[dict[str, torch.Tensor], dict]:
+    """(tensors, metadata) of the checkpoint at `path` once every tensor matches its stored checksum;
+    otherwise ValueError naming the file and the first tensor that does not."""
+    metadata = read_metadata(path)
+    tensors = load_file(str(path))
+    stored = json.loads(metadata["checksums"])
+    if set(stored) != set(tensors):
+        raise ValueError(f"checkpoint {path}: corrupt: tensors {sorted(set(stored) ^ set(tensors))} "
+                         "are in the file or in its checksum list but not both")
+    for name, tensor in tensors.items():
+        actual = tensor_checksum(tensor.contiguous())
+        if actual != stored[name]:
+            raise ValueError(f"checkpoint {path}: corrupt: tensor {name!r} has sha256 {actual[:16]}..., "
+                             f"its checksum says {stored[name][:16]}...")
+    return tensors, metadata
+
+
 def check_resumable(path: str | Path, identity: dict) -> int:
-    """Raise ValueError unless the checkpoint at `path` was written with the same identity settings;
-    returns its step. Reads only the header, so a launcher calls it before any process group."""
+    """Raise ValueError unless the checkpoint at `path` is intact (every checksum) and was written
+    with the same identity settings; returns its step. Needs no process group, so a launcher calls
+    it before creating one."""
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"--resume: no checkpoint at {path}")
-    metadata = read_metadata(path)
+    _, metadata = read_verified(path)
     saved = json.loads(metadata["identity"])
     differences = _differences(saved, json.loads(json.dumps(identity)))
     if differences:
@@ -88,9 +120,8 @@ def check_resumable(path: str | Path, identity: dict) -> int:
 
 def load_checkpoint(path: str | Path, model: Transformer, optimizer: AdamW) -> tuple[int, dict]:
     """Load weights and optimizer moments (keeping this rank's shards) and the RNG state;
-    returns (step, data state dict). Every rank reads the file itself: no communication."""
-    metadata = read_metadata(path)
-    tensors = load_file(str(path))
+    returns (step, data state dict). Every rank reads (and verifies) the file itself: no communication."""
+    tensors, metadata = read_verified(path)
     model.load_full_state_dict({k[len("model."):]: v for k, v in tensors.items() if k.startswith("model.")})
     state = {"step": int(metadata["step"])}
     for key in MOMENTS:

@@ -3,16 +3,21 @@
     shardmoe train                                   # the default config, one process
     shardmoe train --steps 50 --out runs/short --seed 1
     shardmoe train --resume                          # continue runs/default from its checkpoint
+    shardmoe train --overwrite                       # start runs/default afresh, deleting the old run
     torchrun --nproc-per-node 4 -m shardmoe train --mesh d=2,e=2
 
 Every configuration error (a mesh that cannot split the model, a missing corpus or config file,
-a checkpoint written by another config, a world size that is not the mesh's) is reported as one
-line before any process group exists. At the end rank 0 writes DIR/loss_curve.png and prints a
-summary and a few sampled lines.
+a checkpoint written by another config or corrupt, a world size that is not the mesh's) is
+reported as one line, exit status 2, before any process group exists. Rank 0 then claims the run
+directory (shardmoe.train.rundir: locked against a second run, empty unless --resume or
+--overwrite) and tells the other ranks the outcome. A peer that hangs or dies makes the others
+fail within --timeout-minutes with one line and exit status 1, as does a failed write of the
+metrics. At the end rank 0 writes DIR/loss_curve.png and prints a summary and a few sampled lines.
 """
 from __future__ import annotations
 
 import argparse
+import datetime
 import os
 import sys
 import time
@@ -34,22 +39,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default=DEFAULT_OUT, metavar="DIR", help=f"output directory (default {DEFAULT_OUT})")
     parser.add_argument("--seed", type=int, metavar="S", help="seed of the initial weights and the data order")
     parser.add_argument("--resume", action="store_true", help="continue from DIR/checkpoint.safetensors")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="start a new run in DIR even though it holds one (its files are deleted)")
     parser.add_argument("--mesh", default="", metavar="d=2,e=2",
                         help="mesh axis sizes (d data/FSDP, e expert, t tensor); launch with torchrun")
     parser.add_argument("--backward", choices=BACKWARD_MODES, help="dense-layer backward (default explicit)")
+    parser.add_argument("--timeout-minutes", type=float, metavar="M",
+                        help="how long a rank waits for a hung or dead peer before failing "
+                             f"(default {TrainConfig.timeout_minutes:g})")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
 def resolve_config(args: argparse.Namespace) -> TrainConfig:
     config = load_config(args.config) if args.config else TrainConfig()
-    overrides = {k: getattr(args, k) for k in ("steps", "seed", "backward") if getattr(args, k) is not None}
+    overrides = {k: getattr(args, k) for k in ("steps", "seed", "backward", "timeout_minutes")
+                 if getattr(args, k) is not None}
     return config.replace(**overrides) if overrides else config
 
 
-def validate_setup(config: TrainConfig, sizes: dict[str, int], world_size: int, out_dir: str, resume: bool) -> None:
+def validate_setup(config: TrainConfig, sizes: dict[str, int], world_size: int, out_dir: str, resume: bool,
+                   overwrite: bool = False) -> None:
     """Every check that needs no process group; raises ValueError with one clear message."""
     from shardmoe.train.checkpoint import check_resumable, checkpoint_path
     from shardmoe.train.loop import build_streams
+
+    if resume and overwrite:
+        raise ValueError("--resume and --overwrite: expected at most one (continue the run in --out, or replace it)")
 
     check_layout(config.model, sizes["d"], sizes["e"], sizes["t"])
     token_shards = sizes["d"] * sizes["e"]
@@ -71,33 +86,89 @@ def run(args: argparse.Namespace) -> int:
         config = resolve_config(args)
         sizes = parse_mesh(args.mesh)
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
-        validate_setup(config, sizes, world_size, args.out, args.resume)
+        validate_setup(config, sizes, world_size, args.out, args.resume, args.overwrite)
     except ValueError as err:
         print(f"shardmoe train: {err}", file=sys.stderr)
         return 2
+    import torch
+    import torch.distributed as dist
+
+    from shardmoe.train.loop import TrainingDiverged
+
     if config.threads:
-        import torch
-
         torch.set_num_threads(config.threads)
-    mesh = _init_mesh(sizes, world_size)
+    rank = int(os.environ.get("RANK", "0"))
     try:
-        return _train_and_report(config, args, mesh)
-    finally:
-        if mesh is not None:
-            import torch.distributed as dist
+        mesh = _init_mesh(sizes, world_size, config.timeout_minutes)
+        try:
+            lock = _claim_out(args, rank, mesh is not None)
+            if lock is None:
+                return 2
+            try:
+                return _train_and_report(config, args, mesh)
+            finally:
+                lock.release()
+        finally:
+            if mesh is not None:
+                dist.destroy_process_group()
+    except RuntimeError as err:
+        if isinstance(err, TrainingDiverged):
+            print(f"shardmoe train: rank {rank}: {err}", file=sys.stderr)
+            return 1
+        if not _lost_peer(err):
+            raise
+        print(f"shardmoe train: rank {rank}: lost contact with the other ranks (a peer hung or died; "
+              f"timeout_minutes={config.timeout_minutes:g}): {_first_line(err)}", file=sys.stderr)
+        return 1
+    except OSError as err:  # a failed metrics or checkpoint write (the error names the file)
+        print(f"shardmoe train: rank {rank}: {err}", file=sys.stderr)
+        return 1
 
-            dist.destroy_process_group()
 
-
-def _init_mesh(sizes: dict[str, int], world_size: int):
+def _init_mesh(sizes: dict[str, int], world_size: int, timeout_minutes: float):
     if world_size == 1:
         return None
     import torch.distributed as dist
 
     from shardmoe.mesh import Mesh
 
-    dist.init_process_group("gloo")
+    dist.init_process_group("gloo", timeout=datetime.timedelta(minutes=timeout_minutes))
     return Mesh(**{MESH_AXIS_NAMES[a]: n for a, n in sizes.items()})
+
+
+def _claim_out(args: argparse.Namespace, rank: int, distributed: bool):
+    """Rank 0 claims --out (shardmoe.train.rundir) and tells every rank whether it may go on.
+    Returns the lock on rank 0, a no-op stand-in on the others, or None (after rank 0 printed why)."""
+    from shardmoe.train.rundir import RunDirLock, claim_run_dir
+
+    lock, refusal = RunDirLock(Path(args.out), -1), None
+    if rank == 0:
+        try:
+            lock = claim_run_dir(args.out, resume=args.resume, overwrite=args.overwrite)
+        except ValueError as err:
+            refusal = str(err)
+            print(f"shardmoe train: {refusal}", file=sys.stderr)
+    if distributed:
+        import torch.distributed as dist
+
+        verdict = [refusal]
+        dist.broadcast_object_list(verdict, src=0)
+        refusal = verdict[0]
+    return None if refusal is not None else lock
+
+
+def _lost_peer(err: RuntimeError) -> bool:
+    """Whether a collective failed because a peer hung or died: torch raises DistError from the store
+    and the process group, but gloo's transport timeouts and closed connections arrive as plain
+    RuntimeErrors whose text starts with the gloo source file that raised them."""
+    import torch.distributed as dist
+
+    return isinstance(err, dist.DistError) or "gloo/transport" in str(err)
+
+
+def _first_line(err: BaseException) -> str:
+    lines = str(err).strip().splitlines()
+    return lines[0] if lines else type(err).__name__
 
 
 def _train_and_report(config: TrainConfig, args: argparse.Namespace, mesh) -> int:

@@ -9,7 +9,7 @@ anything left out keeps its default:
     d_model = 96
 
 Unknown keys are errors (a typo must not silently train the default). Command-line options
-(--steps, --seed, --backward) override the file.
+(--steps, --seed, --backward, --timeout-minutes) override the file.
 """
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ from pathlib import Path
 
 from shardmoe.model.residuals import check_backward_mode
 from shardmoe.model.transformer import TransformerConfig
+from shardmoe.train.data import VOCAB_SIZE
 
 DTYPES = ("float32", "float64")
 # Settings a resumed run must share with the checkpoint: they fix the weights' shapes and the data
@@ -43,6 +44,10 @@ class TrainConfig:
     gradient health report every so many steps and log flagged parameters (0: never).
     threads: torch intra-op threads per rank (0: torch's default). One, because on a shared CPU
     OpenMP threads spin-wait on each other: a step measured up to 10x slower with two threads here.
+    timeout_minutes: how long a rank waits for its peers (process-group start-up and every
+    collective) before failing with a message, instead of torch's default 30 minutes.
+    model.vocab_size must cover the byte tokenizer's VOCAB_SIZE = 257 ids: an id without an
+    embedding row would make the cross-entropy meaningless (it went negative).
     """
 
     model: TransformerConfig = field(default_factory=TransformerConfig)
@@ -69,10 +74,14 @@ class TrainConfig:
     sample_bytes: int = 160
     sample_temperature: float = 0.8
     threads: int = 1
+    timeout_minutes: float = 5.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, TransformerConfig):
             raise ValueError(f"model: expected a TransformerConfig, got {type(self.model).__name__}")
+        if self.model.vocab_size < VOCAB_SIZE:
+            raise ValueError(f"model.vocab_size: expected at least the byte tokenizer's {VOCAB_SIZE} ids, "
+                             f"got {self.model.vocab_size}")
         for name in ("steps", "batch_size", "seq_len"):
             _check_int(name, getattr(self, name), 1)
         for name in ("warmup_steps", "seed", "eval_every", "eval_batches", "checkpoint_every", "health_every",
@@ -90,6 +99,7 @@ class TrainConfig:
         _check_number("max_grad_norm", self.max_grad_norm, low=0.0)
         _check_number("val_fraction", self.val_fraction, low=0.0, high=1.0, low_open=True, high_open=True)
         _check_number("sample_temperature", self.sample_temperature, low=0.0, low_open=True)
+        _check_number("timeout_minutes", self.timeout_minutes, low=0.0, low_open=True)
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype: expected one of {', '.join(DTYPES)}, got {self.dtype!r}")
         check_backward_mode(self.backward)

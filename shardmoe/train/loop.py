@@ -18,9 +18,7 @@ same thread count).
 from __future__ import annotations
 
 import itertools
-import json
 import math
-import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,10 +31,14 @@ from shardmoe.train.checkpoint import checkpoint_path, load_checkpoint, save_che
 from shardmoe.train.config import TrainConfig
 from shardmoe.train.data import PackedBatches, load_corpus, split_documents
 from shardmoe.train.flops import measure_peak_flops, train_flops_per_token
+from shardmoe.train.metrics import MetricsLog, read_metrics, write_metrics
 from shardmoe.train.optim import AdamW, clip_grads, global_grad_norm, learning_rate
 
-METRICS_FILE = "metrics.jsonl"
 SPLIT_SEED = 0  # the held-out documents stay the same whatever the training seed
+
+
+class TrainingDiverged(RuntimeError):
+    """The loss or the gradient norm became non-finite (the step's row is logged first)."""
 
 
 @dataclass
@@ -100,10 +102,10 @@ def train(config: TrainConfig, out_dir: str | Path | None, *, mesh=None, resume:
     if resume:
         start, data_state = load_checkpoint(checkpoint_path(out_dir), model, optimizer)
         data.load_state_dict(data_state)
-        history = _read_metrics(out_dir, up_to=start)
+        history = read_metrics(out_dir, up_to=start)
     if out_dir is not None and rank0:
         Path(out_dir).mkdir(parents=True, exist_ok=True)
-        _write_metrics(out_dir, history)  # drops rows logged after the checkpoint (or a fresh run's old rows)
+        write_metrics(out_dir, history)  # drops rows logged after the checkpoint (or a fresh run's old rows)
 
     last = config.steps if stop_after is None else min(stop_after, config.steps)
     result = RunResult(model, history, measure_peak_flops(dtype), start)
@@ -113,7 +115,7 @@ def train(config: TrainConfig, out_dir: str | Path | None, *, mesh=None, resume:
     world = 1 if mesh is None else mesh.world_size
     params = list(model.named_parameters())
     bar = _progress_bar(progress and rank0, start, last)
-    metrics_file = open(Path(out_dir) / METRICS_FILE, "a") if out_dir is not None and rank0 else None
+    metrics_log = MetricsLog(out_dir) if out_dir is not None and rank0 else None
     try:
         for step in range(start + 1, last + 1):
             started = time.perf_counter()
@@ -123,7 +125,7 @@ def train(config: TrainConfig, out_dir: str | Path | None, *, mesh=None, resume:
             losses.total.backward()
             model.sync_grads()
             grad_norm = global_grad_norm([(p.grad, model.replicas(n)) for n, p in params])
-            flagged = _flagged(params, config, step, last)
+            flagged = _flagged(model, params, config, step, last)
             clip_grads([p.grad for _, p in params], grad_norm, config.max_grad_norm)
             lr = learning_rate(step, config.lr, config.warmup_steps, config.steps, config.min_lr_ratio)
             optimizer.step(lr)
@@ -141,14 +143,13 @@ def train(config: TrainConfig, out_dir: str | Path | None, *, mesh=None, resume:
             if config.eval_batches and (step == last or (config.eval_every and step % config.eval_every == 0)):
                 row["val_loss"] = evaluate(model, val, config.eval_batches)
             result.metrics.append(row)
-            if metrics_file is not None:
-                metrics_file.write(json.dumps(row) + "\n")
-                metrics_file.flush()
+            if metrics_log is not None:
+                metrics_log.append(row)
             if bar is not None:
                 bar.set_postfix(loss=f"{ce:.3f}", tok_s=f"{row['tokens_per_s']:.0f}", mfu=f"{row['mfu']:.1%}")
                 bar.update(1)
             if not math.isfinite(ce) or not math.isfinite(grad_norm):
-                raise RuntimeError(f"training diverged at step {step}: loss {ce}, gradient norm {grad_norm}; "
+                raise TrainingDiverged(f"training diverged at step {step}: loss {ce}, gradient norm {grad_norm}; "
                                    "lower lr or raise warmup_steps")
             periodic = config.checkpoint_every and step % config.checkpoint_every == 0
             if out_dir is not None and (step == last or periodic):
@@ -157,8 +158,8 @@ def train(config: TrainConfig, out_dir: str | Path | None, *, mesh=None, resume:
     finally:
         if bar is not None:
             bar.close()
-        if metrics_file is not None:
-            metrics_file.close()
+        if metrics_log is not None:
+            metrics_log.close()
     return result
 
 
@@ -172,11 +173,12 @@ def evaluate(model: Transformer, val: PackedBatches, num_batches: int) -> float:
     return total / count
 
 
-def _flagged(params, config: TrainConfig, step: int, last: int) -> list[str]:
-    """'name: status' of parameters the gradient health report flags (on this rank's shards)."""
+def _flagged(model: Transformer, params, config: TrainConfig, step: int, last: int) -> list[str]:
+    """'name: status' of parameters the gradient health report flags, judged on the full gradients
+    (reduced over the shards, so a flag raised on any rank is in every rank's list). Collective."""
     if not config.health_every or (step % config.health_every and step != last):
         return []
-    return [f"{e.name}: {e.status}" for e in gradient_health(params).flagged]
+    return [f"{e.name}: {e.status}" for e in gradient_health(params, replicas=model.replicas).flagged]
 
 
 def _progress_bar(enabled: bool, start: int, total: int):
@@ -185,18 +187,3 @@ def _progress_bar(enabled: bool, start: int, total: int):
     from tqdm import tqdm
 
     return tqdm(total=total, initial=start, desc="train", unit="step", dynamic_ncols=True)
-
-
-def _read_metrics(out_dir, up_to: int) -> list[dict]:
-    path = Path(out_dir) / METRICS_FILE
-    if not path.is_file():
-        return []
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return [r for r in rows if r["step"] <= up_to]
-
-
-def _write_metrics(out_dir, rows: list[dict]) -> None:
-    path = Path(out_dir) / METRICS_FILE
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    os.replace(tmp, path)

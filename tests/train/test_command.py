@@ -1,12 +1,23 @@
-"""`shardmoe train` end to end on a tiny config, and bad input stopping before any process group."""
+"""`shardmoe train` end to end; bad input, a bad or busy --out stopping with one line before any training."""
 import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 import torch.distributed as dist
 
+import shardmoe
 from shardmoe.cli import main
+from shardmoe.train import checkpoint as ckpt
 
 from .conftest import tiny_train_config
+
+
+def read_rows(out):
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
 def write_config(tmp_path, **changes):
@@ -20,7 +31,7 @@ def test_tiny_run_writes_metrics_curve_checkpoint_and_samples(tmp_path, capsys, 
     assert main(["train", "--config", write_config(tmp_path), "--steps", "3", "--seed", "2",
                  "--out", str(out), "--no-progress"]) == 0
     printed = capsys.readouterr().out
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    rows = read_rows(out)
     assert [r["step"] for r in rows] == [1, 2, 3] and all("loss" in r for r in rows)
     assert (out / "loss_curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert (out / "checkpoint.safetensors").is_file()
@@ -41,6 +52,8 @@ def test_tiny_run_writes_metrics_curve_checkpoint_and_samples(tmp_path, capsys, 
     ({"batch_size": 6}, "d=4", "batch_size: expected a multiple of d*e = 4"),
     ({}, "d=2,e=2", "needs 4 rank(s), but the world size is 1"),
     ({}, "x=2", "--mesh: expected"),
+    ({}, "d=2,d=1", "--mesh: expected each axis at most once, got axis 'd' twice"),
+    ({"model": {"vocab_size": 100}}, "", "model.vocab_size: expected at least the byte tokenizer's 257 ids"),
 ])
 def test_bad_input_stops_with_one_message_before_any_process_group(tmp_path, capsys, changes, mesh, message):
     config = tiny_train_config().to_dict()
@@ -67,3 +80,77 @@ def test_resume_refuses_a_checkpoint_of_another_config(tmp_path, capsys, one_thr
     assert main(["train", "--config", str(path), "--out", out, "--resume"]) == 2
     err = capsys.readouterr().err
     assert "another config" in err and "model.n_layers: saved 2, now 3" in err and err.count("\n") == 1
+
+
+def test_a_new_run_refuses_a_directory_holding_a_run_unless_resumed_or_overwritten(tmp_path, capsys, one_thread):
+    out = tmp_path / "run"
+    first = ["train", "--config", write_config(tmp_path, sample_bytes=0), "--steps", "2", "--out", str(out),
+             "--no-progress"]
+    assert main(first) == 0
+    old_rows = (out / "metrics.jsonl").read_text()
+    capsys.readouterr()
+
+    second = ["train", "--config", write_config(tmp_path, sample_bytes=0, seed=5), "--steps", "1", "--out", str(out),
+              "--no-progress"]
+    assert main(second) == 2
+    assert capsys.readouterr().err == (
+        f"shardmoe train: --out {out}: expected an empty directory for a new run, but it holds checkpoint.safetensors, "
+        "loss_curve.png, metrics.jsonl; pass --resume to continue that run or --overwrite to replace it\n")
+    assert (out / "metrics.jsonl").read_text() == old_rows  # untouched
+
+    assert main(second + ["--resume", "--overwrite"]) == 2
+    assert "--resume and --overwrite: expected at most one" in capsys.readouterr().err
+    assert main(second + ["--overwrite"]) == 0
+    rows = read_rows(out)
+    assert [r["step"] for r in rows] == [1]
+    assert json.loads(ckpt.read_metadata(out / "checkpoint.safetensors")["config"])["seed"] == 5
+
+
+def test_a_bad_out_path_is_one_line(tmp_path, capsys):
+    a_file = tmp_path / "file"
+    a_file.write_text("")
+    config = write_config(tmp_path)
+    assert main(["train", "--config", config, "--out", str(a_file)]) == 2
+    assert capsys.readouterr().err == f"shardmoe train: --out {a_file}: expected a directory, got an existing file\n"
+    assert main(["train", "--config", config, "--out", str(a_file / "run")]) == 2
+    assert capsys.readouterr().err == (f"shardmoe train: --out {a_file / 'run'}: cannot create the run directory "
+                                       "(Not a directory)\n")
+
+
+def test_a_second_run_is_refused_while_the_first_runs_and_a_killed_run_resumes(tmp_path, capsys, one_thread):
+    out = tmp_path / "run"
+    config = write_config(tmp_path, steps=100_000, checkpoint_every=1, eval_batches=0, sample_bytes=0)
+    argv = ["train", "--config", config, "--out", str(out), "--no-progress"]
+    env = {**os.environ, "PYTHONPATH": str(Path(shardmoe.__file__).parents[1])}
+    first = subprocess.Popen([sys.executable, "-m", "shardmoe", *argv], env=env,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 60
+        while not (out / "checkpoint.safetensors").exists():
+            assert first.poll() is None, first.stderr.read().decode()
+            assert time.monotonic() < deadline, "the first run wrote no checkpoint within 60 s"
+            time.sleep(0.05)
+        for extra in ([], ["--resume"], ["--overwrite"]):
+            assert main(argv + extra) == 2
+            assert capsys.readouterr().err == (f"shardmoe train: --out {out}: another run (pid {first.pid}) is writing "
+                                               "this directory; wait for it or choose another --out\n")
+    finally:
+        first.kill()  # SIGKILL: no clean-up runs, the OS drops its lock
+        first.wait()
+    step = int(ckpt.read_metadata(out / "checkpoint.safetensors")["step"])
+    assert main(argv + ["--resume", "--steps", str(step + 1)]) == 0
+    rows = read_rows(out)
+    assert [r["step"] for r in rows] == list(range(1, step + 2))
+
+
+def test_a_diverged_run_stops_with_one_line_after_logging_the_step(tmp_path, capsys, monkeypatch, one_thread):
+    from shardmoe.train import loop
+
+    norms = iter([1.0, float("inf")])
+    monkeypatch.setattr(loop, "global_grad_norm", lambda grads: next(norms))
+    out = tmp_path / "run"
+    assert main(["train", "--config", write_config(tmp_path), "--out", str(out), "--no-progress"]) == 1
+    assert capsys.readouterr().err == ("shardmoe train: rank 0: training diverged at step 2: loss "
+                                       f"{read_rows(out)[1]['loss']}, gradient norm inf; lower lr or raise "
+                                       "warmup_steps\n")
+    assert [r["step"] for r in read_rows(out)] == [1, 2]

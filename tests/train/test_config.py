@@ -28,6 +28,8 @@ def test_toml_and_json_files_load_with_a_model_table(tmp_path):
     ('steps = 0', "steps"),
     ('threads = 100000', r"threads: expected an int in 0\.\.\d+ \(os\.cpu_count\(\)\), got 100000"),
     ('steps = [', "run.toml"),
+    ('[model]\nvocab_size = 100', "model.vocab_size: expected at least the byte tokenizer's 257 ids, got 100"),
+    ('timeout_minutes = 0', r"timeout_minutes: expected a finite number in \(0.0, inf\), got 0"),
 ])
 def test_bad_files_name_the_setting(tmp_path, text, message):
     path = tmp_path / "run.toml"

@@ -6,7 +6,8 @@ import torch
 from safetensors import safe_open
 
 from shardmoe.train import checkpoint as ckpt
-from shardmoe.train.loop import METRICS_FILE, train
+from shardmoe.train.loop import train
+from shardmoe.train.metrics import METRICS_FILE
 
 ROW_KEYS = {"step", "loss", "aux_loss", "lr", "grad_norm", "tokens_per_s", "mfu", "dropped_tokens", "seconds"}
 
@@ -82,3 +83,31 @@ def test_a_checkpoint_of_another_config_is_refused(tmp_path, tiny_config, one_th
     assert ckpt.check_resumable(ckpt.checkpoint_path(tmp_path), config.replace(lr=0.5, steps=9).resume_identity()) == 1
     with pytest.raises(ValueError, match="no checkpoint"):
         ckpt.check_resumable(tmp_path / "absent.safetensors", config.resume_identity())
+
+
+def flip_byte(path, tensor_name):
+    """Flip one data byte of `tensor_name` in a safetensors file (its header stays valid)."""
+    data = bytearray(path.read_bytes())
+    header_len = int.from_bytes(data[:8], "little")
+    begin, _ = json.loads(data[8:8 + header_len])[tensor_name]["data_offsets"]
+    data[8 + header_len + begin] ^= 0x40
+    path.write_bytes(bytes(data))
+
+
+def test_a_flipped_data_byte_is_refused_before_any_weight_is_used(tmp_path, tiny_config, one_thread):
+    config = tiny_config(steps=1, eval_batches=0)
+    train(config, tmp_path, progress=False)
+    path = ckpt.checkpoint_path(tmp_path)
+    flip_byte(path, "optim.exp_avg.blocks.1.moe.down_proj")
+
+    message = rf"checkpoint {path}: corrupt: tensor 'optim.exp_avg.blocks.1.moe.down_proj' has sha256"
+    with pytest.raises(ValueError, match=message):
+        ckpt.check_resumable(path, config.resume_identity())
+    fresh = train(config.replace(steps=1), None, stop_after=0, progress=False).model
+    before = {n: p.detach().clone() for n, p in fresh.named_parameters()}
+    optimizer = ckpt.AdamW(fresh.named_parameters(), betas=(0.9, 0.9), eps=1e-8, weight_decay=0.0)
+    with pytest.raises(ValueError, match=message):
+        ckpt.load_checkpoint(path, fresh, optimizer)
+    assert all(torch.equal(before[n], p) for n, p in fresh.named_parameters())  # nothing was loaded
+    with pytest.raises(ValueError, match=message):
+        train(config.replace(steps=2), tmp_path, resume=True, progress=False)

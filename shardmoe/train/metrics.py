@@ -1,0 +1,77 @@
+"""DIR/metrics.jsonl: one JSON row per optimizer step, appended whole or not at all.
+
+A row is written with a single os.write of its full line; if the write fails (a full disk: OSError
+ENOSPC) or is short, the file is truncated back to its length before the row, so the file never
+ends in a torn line, and the OSError names the file. A row torn by something the process cannot
+catch (power loss, SIGKILL mid-write) is an unterminated final line: read_metrics drops it with a
+warning naming the file (the checkpoint, not the log, says where a resume continues). Any other
+unparsable line is an error that names the file and the line number.
+"""
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from pathlib import Path
+
+METRICS_FILE = "metrics.jsonl"
+
+
+def metrics_path(out_dir: str | Path) -> Path:
+    return Path(out_dir) / METRICS_FILE
+
+
+class MetricsLog:
+    """Appends rows to DIR/metrics.jsonl; each append is all or nothing (see the module doc)."""
+
+    def __init__(self, out_dir: str | Path):
+        self.path = metrics_path(out_dir)
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+
+    def append(self, row: dict) -> None:
+        line = (json.dumps(row) + "\n").encode("utf-8")
+        before = os.fstat(self._fd).st_size
+        try:
+            written = os.write(self._fd, line)
+            if written != len(line):
+                raise OSError(f"short write: {written} of {len(line)} bytes")
+        except OSError as err:
+            os.ftruncate(self._fd, before)  # the partial row goes: the file ends at a whole line
+            raise OSError(err.errno, f"cannot append step {row.get('step')} to {self.path}: "
+                                     f"{err.strerror or err}; the file keeps its earlier rows") from err
+
+    def close(self) -> None:
+        os.close(self._fd)
+
+
+def read_metrics(out_dir: str | Path, up_to: int) -> list[dict]:
+    """The rows of DIR/metrics.jsonl with step <= up_to ([] when there is no file).
+
+    An unterminated, unparsable final line (a torn row) is dropped with a warning; any other
+    unparsable line raises ValueError naming the file and line."""
+    path = metrics_path(out_dir)
+    if not path.is_file():
+        return []
+    text = path.read_text(encoding="utf-8", errors="replace")
+    lines = text.split("\n")
+    rows = []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError as err:
+            if number == len(lines):  # the last line, with no newline after it: torn mid-write
+                warnings.warn(f"{path}: dropping a torn final row (line {number}, {len(line)} bytes, "
+                              "no newline): the run that wrote it was interrupted mid-write", stacklevel=2)
+                continue
+            raise ValueError(f"{path}: line {number} is not a JSON row ({err})") from None
+    return [r for r in rows if r["step"] <= up_to]
+
+
+def write_metrics(out_dir: str | Path, rows: list[dict]) -> None:
+    """Replace DIR/metrics.jsonl with `rows` atomically (write a temporary file, then rename)."""
+    path = metrics_path(out_dir)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    os.replace(tmp, path)

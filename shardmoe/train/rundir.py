@@ -1,0 +1,80 @@
+"""The run directory (`--out DIR`): claimed by one run at a time, never mixed between runs.
+
+claim_run_dir(DIR, resume, overwrite) makes DIR if needed and takes an exclusive, non-blocking
+fcntl.flock on DIR/.lock, held until release(). The OS drops a flock when its process dies, so a
+crashed or killed run leaves no stale lock: the file stays, the lock does not. Under the lock:
+
+    resume            DIR must hold the earlier run (the checkpoint is checked elsewhere)
+    overwrite         the files an earlier run wrote (RUN_FILES) are deleted first
+    neither           DIR must be empty (but for .lock): a fresh run into an old run's directory
+                      would rewrite metrics.jsonl at once yet keep the old checkpoint until its
+                      own first one, and a later --resume would splice the two runs
+
+Every refusal is a ValueError naming DIR. Only rank 0 claims (it alone writes DIR).
+"""
+from __future__ import annotations
+
+import fcntl
+import os
+from pathlib import Path
+
+from shardmoe.train.checkpoint import FILE_NAME as CHECKPOINT_FILE
+from shardmoe.train.metrics import METRICS_FILE
+
+LOCK_FILE = ".lock"
+CURVE_FILE = "loss_curve.png"
+RUN_FILES = (METRICS_FILE, METRICS_FILE + ".tmp", CHECKPOINT_FILE, CHECKPOINT_FILE + ".tmp", CURVE_FILE)
+
+
+class RunDirLock:
+    """The held lock on a run directory; release() (or process exit) frees it."""
+
+    def __init__(self, path: Path, fd: int):
+        self.path, self._fd = path, fd
+
+    def release(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)  # closing the only descriptor drops the flock
+            self._fd = -1
+
+
+def claim_run_dir(out_dir: str | Path, *, resume: bool, overwrite: bool) -> RunDirLock:
+    """Lock DIR for this run and check (or clear) what it holds; see the module doc."""
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out}: expected a directory, got an existing file")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        fd = os.open(out / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as err:
+        raise ValueError(f"--out {out}: cannot create the run directory ({err.strerror})") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.read(fd, 64).decode(errors="replace").strip() or "unknown"
+        os.close(fd)
+        raise ValueError(f"--out {out}: another run (pid {holder}) is writing this directory; wait for it "
+                         "or choose another --out") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)  # for the message a second run prints
+    lock = RunDirLock(out, fd)
+    try:
+        _check_contents(out, resume, overwrite)
+    except BaseException:
+        lock.release()
+        raise
+    return lock
+
+
+def _check_contents(out: Path, resume: bool, overwrite: bool) -> None:
+    if resume:
+        return
+    if overwrite:
+        for name in RUN_FILES:
+            (out / name).unlink(missing_ok=True)
+        return
+    held = sorted(p.name for p in out.iterdir() if p.name != LOCK_FILE)
+    if held:
+        shown = ", ".join(held[:5]) + (f" and {len(held) - 5} more" if len(held) > 5 else "")
+        raise ValueError(f"--out {out}: expected an empty directory for a new run, but it holds {shown}; "
+                         "pass --resume to continue that run or --overwrite to replace it")
