@@ -70,9 +70,10 @@ class Emitters:
     def _gate_combine(self, tile: RowTile, device: int, emitter: str) -> Task:
         d, h, s = tile.device, tile.peer, tile.sync_idx
         # Per-token mode: a P2P expert stores the dots straight into the token device's gate_dots;
-        # a remote one puts them into a heap cell. The seeds' mode writes the global buffer.
+        # a remote one writes its own gate_rows cell, which the protocol puts into the token
+        # device's heap with a signal. The seeds' mode writes the global buffer.
         remote_cell = self.gate_dependency == "token" and self.plan.is_remote(d, h)
-        out = Ref(h, "gate_heap", (d, s)) if remote_cell else Ref(h, "gate_dots")
+        out = Ref(d, "gate_rows", s) if remote_cell else Ref(h, "gate_dots")
         return self._task(TaskType.gradGateCombine, tile, device, 0, emitter,
                           g=Ref(d, "grad_packet", s), z2=Ref(d, "z2", s), out=out)
 

@@ -34,8 +34,9 @@ def _relative(got, want):
 
 
 def _late_dots(bwd) -> bool:
-    """Did some row tile's gradGateGEMM complete (its reads are atomic at its end) before a
-    gradGateCombine of one of its owned tokens? Owner = the row tile of the token's first kept pair."""
+    """Did some row tile's gradGateGEMM start (it reads the dots when it starts) before a
+    gradGateCombine of one of its owned tokens had ended? Owner = the row tile of the token's first
+    kept pair. (In the seeds' mode every dot is a store into the global buffer at the task's end.)"""
     plan = bwd.forward.plan
     tile_of = {(t.expert, t.sync_idx): t for t in plan.row_tiles}
     first = {}
@@ -51,7 +52,7 @@ def _late_dots(bwd) -> bool:
         if e.type == "gradGateGEMM":
             tile = tile_of[(e.expert, e.sync_idx)]
             owned = [t for t in tile.tokens.tolist() if first[t][1] is tile]
-            if any(dots_done[t] > e.end for t in owned):
+            if any(dots_done[t] > e.start for t in owned):
                 return True
     return False
 
