@@ -203,8 +203,9 @@ class BackwardProtocol(Protocol):
             if counters.add("tQS", g + s, task) == plan.tnx + 1:
                 self.emit.notify_gradient(tile)
                 if self.gate_dependency == "row_tile":
-                    self.emit.notify_gate_gradient_row_tile(tile, self.gate_tokens[(tile.device, s)])
-            if kind == TaskType.gradGateCombine and self.gate_dependency == "token":
+                    tokens = self.gate_tokens[(tile.device, s)]
+                    self._send(tile.device, tile.peer, tile, lambda: self.emit.gate_decoder_row_tile(tile, tokens))
+            if kind == TaskType.gradGateCombine:
                 self._deliver_dots(tile, task)
         elif kind == TaskType.gradPostGEMM:
             if counters.add("tQS", s, task) == plan.tn:
@@ -216,10 +217,12 @@ class BackwardProtocol(Protocol):
 
     def _deliver_dots(self, tile: RowTile, task: Task) -> None:
         """P2P: the dots are in gate_dots already (stored at the task's end). Remote: they land in
-        the heap cell with a signal later, and the token device's subscriber scatters them."""
-        out = task.operands["out"]
+        the heap cell with a signal later, and the token device's subscriber scatters them. Only
+        the per-token mode counts them (the seeds' mode waits for nothing)."""
+        out, counted = task.operands["out"], self.gate_dependency == "token"
         if out.name != "gate_rows":
-            self._gate_arrived(tile, task)
+            if counted:
+                self._gate_arrived(tile, task)
             return
         h, k = tile.peer, self.plan.config.top_k
         dots, cell = self.memory[out].clone(), Ref(h, "gate_heap", (tile.device, tile.sync_idx))
@@ -227,7 +230,8 @@ class BackwardProtocol(Protocol):
         def land():
             self.memory[cell] = dots
             self.memory[Ref(h, "gate_dots")][self.plan.local_tokens(tile.tokens, h), tile.pairs % k] = self.memory[cell]
-            self._gate_arrived(tile, task)
+            if counted:
+                self._gate_arrived(tile, task)
         self._send(tile.device, h, tile, land, "gate signal")
 
     def unfinished(self) -> list[str]:

@@ -10,7 +10,7 @@ ptQ (the processors' queue): gtQCl slots of `stride` Task entries, one slot per 
                                  gradGateGEMM (TNx, notifyGateGradient) at TN,
                                  gradPreGEMM (TNx, notifyGradPreGEMM) at TN + TNx
 Each (domain, slot) has a head tQH that counts the tasks written there. Domains, as tQH indices:
-    primary    tQH[s]            gradPostGEMM (+ gradGateGEMM in the seeds' row-tile mode)
+    primary    tQH[s]            gradPostGEMM
     secondary  tQH[gtQCl + s]    gradPreGEMM: written later, by another processor (seeds)
     gate       tQH[2*gtQCl + g]  gradGateGEMM of token tile g (per-token mode): its producer is
                                  the token's gate counter, unrelated in time to slot g's GEMMs
@@ -61,25 +61,27 @@ class PtqLayout:
         self.stride = tn + 2 * tnx
         self.entry_types = [TaskType.gradPostGEMM] * tn + [TaskType.gradGateGEMM] * tnx + [TaskType.gradPreGEMM] * tnx
         self.tq_types = (TaskType.gradCombine, TaskType.gradGateCombine, TaskType.gradInputCombine)
+        if gate_dependency == "row_tile":  # the token device's gate decoder writes gradGateGEMM into tQ
+            self.tq_types += (TaskType.gradGateGEMM,)
         if gate_dependency == "row_tile":
-            primary = Domain("primary", 0, 0, tn + tnx)
-            self.domains = {"primary": primary, "secondary": Domain("secondary", g, tn + tnx, tnx)}
+            self.domains = {"primary": Domain("primary", 0, 0, tn), "secondary": Domain("secondary", g, tn + tnx, tnx)}
         else:
             self.domains = {"primary": Domain("primary", 0, 0, tn),
                             "secondary": Domain("secondary", g, tn + tnx, tnx),
                             "gate": Domain("gate", 2 * g, tn, tnx)}
 
 
-def tq_capacity(plan: Plan, backward: bool) -> int:
+def tq_capacity(plan: Plan, backward: bool, gate_dependency: str = "token") -> int:
     """tQ slots a device allocates, from the plan's bounds (not from this batch's routing):
     as expert device, every row-tile slot of its experts (peers * nLx * TCM) may arrive, each
     decoded into TN preGEMM (forward) or TNx gradCombine + 1 gradGateCombine (backward); as token
     device, every row tile of its tokens (E * TCM) may come back, each decoded into TNx combine or
-    TNx gradInputCombine."""
+    TNx gradInputCombine, plus TNx gradGateGEMM in the seeds' row-tile gate mode."""
     expert_slots = plan.peers * plan.local_experts * plan.tcm
     home_slots = plan.config.num_experts * plan.tcm
     initial = plan.tnx + 1 if backward else plan.tn
-    return expert_slots * initial + home_slots * plan.tnx
+    returned = 2 * plan.tnx if backward and gate_dependency == "row_tile" else plan.tnx
+    return expert_slots * initial + home_slots * returned
 
 
 class DeviceQueues:

@@ -12,8 +12,11 @@ is in flight and nothing is announced.
 
 Invariants, each raising ScheduleError that names the task and the counter or queue:
   - a sync counter never passes its threshold          (SyncCounters.add)
-  - no queue overflows its computed capacity            (DeviceQueues.write_*)
+  - no write lands outside a queue's allocation         (DeviceQueues.write_*)
+  - every announced entry holds a task that belongs there, read once; no head announces more
+    than its domain holds                                (QueueReader)
   - every task is written once and runs exactly once    (Ledger)
+  - a task names no buffer of a device on another node  (_check_reach)
   - at the end every used counter sits at its threshold (nothing was left waiting)
 """
 from __future__ import annotations
@@ -21,7 +24,7 @@ from __future__ import annotations
 import heapq
 
 from shardmoe.tasks.kernels import KERNELS, KernelContext
-from shardmoe.tasks.plan import Plan, Task
+from shardmoe.tasks.plan import Plan, Ref, Task
 from shardmoe.tasks.protocol import Delivery
 from shardmoe.tasks.queues import DeviceQueues, PtqLayout, QueueReader, ScheduleError, tq_capacity
 from shardmoe.tasks.schedulers import Scheduler
@@ -58,9 +61,18 @@ class Ledger:
         return [t for t, s in zip(self.tasks, self.state) if s != "done"]
 
 
+def _check_reach(plan: Plan, task: Task) -> None:
+    """A task may name its own device's buffers and, by P2P loads and stores, those of devices on
+    its node; data of another node reaches it only through a heap cell of its own device."""
+    for role, ref in task.operands.items():
+        if isinstance(ref, Ref) and plan.is_remote(task.device, ref.device):
+            raise ScheduleError(f"task {task!r} names {role}={ref.name} of device {ref.device} on another node "
+                                "(remote data arrives only through a heap cell)")
+
+
 def build_queues(plan: Plan, backward: bool, ledger: Ledger, gate_dependency: str = "token") -> list[DeviceQueues]:
     layout = PtqLayout(plan, backward, gate_dependency)
-    slots = tq_capacity(plan, backward)
+    slots = tq_capacity(plan, backward, gate_dependency)
     return [DeviceQueues(d, slots, layout, plan.gtqcl, on_write=ledger.written) for d in range(plan.peers)]
 
 
@@ -97,6 +109,7 @@ def run_schedule(plan: Plan, queues: list[DeviceQueues], ledger: Ledger, protoco
                 if idle[device][proc] and ready[device]:
                     task = reader.read(ready[device].pop(scheduler.pick(ready[device])))
                     ledger.started(task)
+                    _check_reach(plan, task)
                     commit = KERNELS[task.type](task, ctx)  # reads its inputs now, writes at its end
                     idle[device][proc] = False
                     heapq.heappush(events, (now + scheduler.duration(task), sequence, (device, proc, task, now, commit)))

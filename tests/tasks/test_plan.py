@@ -76,7 +76,7 @@ def test_ptq_strides_and_head_domains():
     seed_layout = PtqLayout(plan, backward=True, gate_dependency="row_tile")
     assert seed_layout.stride == tn + 2 * tnx
     assert {n: (d.head_base, d.offset, d.size) for n, d in seed_layout.domains.items()} == {
-        "primary": (0, 0, tn + tnx), "secondary": (g, tn + tnx, tnx)}
+        "primary": (0, 0, tn), "secondary": (g, tn + tnx, tnx)}
     layout = PtqLayout(plan, backward=True)
     assert layout.stride == tn + 2 * tnx
     assert {n: (d.head_base, d.offset, d.size) for n, d in layout.domains.items()} == {

@@ -7,7 +7,8 @@ import torch
 import shardmoe
 from shardmoe.moe.routing import route
 from shardmoe.tasks import ScheduleError, api, run_backward, run_forward
-from shardmoe.tasks.plan import Plan, Task, TaskType
+from shardmoe.tasks.emitters import Emitters
+from shardmoe.tasks.plan import Plan, Ref, Task, TaskType
 from shardmoe.tasks.queues import DeviceQueues, Domain, PtqLayout, QueueReader
 from shardmoe.tasks.runtime import build_queues
 
@@ -116,3 +117,29 @@ def test_packets_arrive_before_their_decoders_fire():
             assert starts and min(starts) >= dispatch.time
         times = {s.time for s in trace.signals if s.device == s.source}
         assert len(times) > 1  # decoders fire at different times, not all at once
+
+
+def test_remote_data_reaches_a_task_only_through_its_own_heap(monkeypatch):
+    """Every run checks that no task names a buffer of a device on another node. The seeds' row-tile
+    gate mode obeys it: its gradGateGEMM runs on the tokens' device (released by a flag or heap
+    signal from the row tile's expert) and a remote expert's dots come through a heap cell. Run on
+    the expert device as the seeds place it, the task is refused when it starts."""
+    layer, x, grad_out = _layer_and_inputs()
+    schedule = dict(SCHEDULE, ranks_per_node=1)  # every pair of distinct devices is remote
+    fwd = run_forward(layer, x, **schedule)
+    bwd = run_backward(layer, x, grad_out, forward=fwd, gate_dependency="row_tile", **schedule)
+    plan = fwd.plan
+    assert any(plan.is_remote(t.device, t.peer) for t in plan.row_tiles)
+    gate_tasks = [e for e in bwd.trace.events if e.type == "gradGateGEMM"]
+    tile_of = {(t.expert, t.sync_idx): t for t in plan.row_tiles}
+    assert gate_tasks and all(e.device == tile_of[(e.expert, e.sync_idx)].peer for e in gate_tasks)
+
+    def on_the_expert(self, tile, tokens):
+        d, h = tile.device, tile.peer
+        self._write_tq(TaskType.gradGateGEMM, tile, d, self.plan.tnx, "gate decoder", tokens=tokens,
+                       x=Ref(h, "x"), dots=Ref(h, "gate_dots"), out=Ref(h, "grad_x"), dwg=Ref(d, "gate_weight_grad"))
+    monkeypatch.setattr(Emitters, "gate_decoder_row_tile", on_the_expert)
+    with pytest.raises(ScheduleError, match=r"task gradGateGEMM\(device=(\d), .*from gate decoder\) names x=x of "
+                                            r"device (?!\1)\d on another node \(remote data arrives only through a "
+                                            r"heap cell\)"):
+        run_backward(layer, x, grad_out, forward=fwd, gate_dependency="row_tile", **schedule)
