@@ -1,8 +1,8 @@
-"""Schedulers: which pending task an idle processor takes, and how long a task takes.
+"""Schedulers: which announced task an idle processor takes, and how long tasks and deliveries take.
 
 Time is logical: a task of type T lasts COST[T] units (GEMM tiles 4, the gate GEMM 2, combines
-and dot products 1). "fifo" takes the oldest pending task of its device, "lifo" the newest,
-"random" a uniformly chosen one and stretches each duration by a factor in [0.25, 1.75), both
+and dot products 1). "fifo" takes the oldest announced signal of its device (in the order
+QueueReader.poll found them), "lifo" the newest, "random" a uniformly chosen one and stretches each duration by a factor in [0.25, 1.75), both
 from its own seeded generator, so one seed is one reproducible interleaving.
 A delivery (dispatch packet, flag, heap put + signal) lands LATENCY[remote] units after it was
 posted: 1 on one node (NVLink), 2 across nodes; "random" stretches it by the same factor range,
