@@ -88,9 +88,8 @@ def run_forward(layer, x: torch.Tensor, *, peers: int = 1, ranks_per_node: int |
     ledger, memory = Ledger(), Memory()
     queues = build_queues(plan, False, ledger)
     protocol = ForwardProtocol(plan, memory, Emitters(plan, queues))
-    protocol.start(xf)
     trace = run_schedule(plan, queues, ledger, protocol, KernelContext(plan, memory, _params(layer)),
-                         make_scheduler(scheduler, seed), processors, "forward")
+                         make_scheduler(scheduler, seed), processors, "forward", lambda: protocol.start(xf))
     counts = _counted(ledger)
     _check_counts(counts, forward_task_counts(plan), "forward")
     output = torch.cat([memory[Ref(d, "out")] for d in range(plan.peers)]).to(x.dtype).view(x.shape)
@@ -135,9 +134,9 @@ def run_backward(layer, x: torch.Tensor, grad_out: torch.Tensor, *, peers: int =
     emitters = Emitters(plan, queues, gate_dependency, final_gate_combine)
     protocol = BackwardProtocol(plan, memory, emitters, gate_dependency)
     expert_shapes = {n: tuple(p.shape[1:]) for n, p in params.items() if n != "gate_weight" and p is not None}
-    protocol.start(xf, gf, forward.memory, expert_shapes)
     trace = run_schedule(plan, queues, ledger, protocol, KernelContext(plan, memory, params, grad_loss_t),
-                         make_scheduler(scheduler, seed), processors, "backward")
+                         make_scheduler(scheduler, seed), processors, "backward",
+                         lambda: protocol.start(xf, gf, forward.memory, expert_shapes))
     counts = _counted(ledger)
     _check_counts(counts, backward_task_counts(plan, gate_dependency, final_gate_combine), "backward")
     devices = range(plan.peers)

@@ -12,12 +12,14 @@ Backward
   notifyGateGradient                                            TNx gradGateGEMM     -> ptQ @TN
       per-token mode: token tile g of the token device, when every kept pair of each of
       its tokens has delivered its dot (gate domain tQH[2*gtQCl+g]);
-      seeds' row-tile mode: row tile s, when its combine counter reached TNx+1 (primary)
+      seeds' row-tile mode: see gate decoder below
   notifyGradPreGEMM (gradPostGEMM counter reached TN)           TNx gradPreGEMM      -> ptQ @TN+TNx
   P2P final decoder (token device, flag set by the expert)     TNx gradInputCombine -> tQ
                     reading the expert's dL/dx rows directly (isPeerRemote = false)
   remote final decoder (token device, heap signal)             TNx gradInputCombine -> tQ
                     only if isRemoteExpert = (peer != own rank); reads the heap cell
+  gate decoder      (token device, flag or heap signal sent     TNx gradGateGEMM     -> tQ
+                    when row tile s's combine counter reached TNx+1; seeds' row-tile mode)
 gradGateCombine comes from the initial decoder only: a second one per row tile (the final
 decoder also emitting it) completes its counters twice, which the counters reject.
 """
@@ -69,10 +71,9 @@ class Emitters:
     # --- backward ------------------------------------------------------------------------------
     def _gate_combine(self, tile: RowTile, device: int, emitter: str) -> Task:
         d, h, s = tile.device, tile.peer, tile.sync_idx
-        # Per-token mode: a P2P expert stores the dots straight into the token device's gate_dots;
-        # a remote one puts them into a heap cell. The seeds' mode writes the global buffer.
-        remote_cell = self.gate_dependency == "token" and self.plan.is_remote(d, h)
-        out = Ref(h, "gate_heap", (d, s)) if remote_cell else Ref(h, "gate_dots")
+        # A P2P expert stores the dots straight into the token device's gate_dots; a remote one
+        # writes its own gate_rows cell, which the protocol puts into the token device's heap.
+        out = Ref(d, "gate_rows", s) if self.plan.is_remote(d, h) else Ref(h, "gate_dots")
         return self._task(TaskType.gradGateCombine, tile, device, 0, emitter,
                           g=Ref(d, "grad_packet", s), z2=Ref(d, "z2", s), out=out)
 
@@ -88,12 +89,14 @@ class Emitters:
                         ge=Ref(d, "grad_expert", s), z2=Ref(d, "z2", s), a=Ref(d, "xm", s),
                         out=Ref(d, "grad_xm", s), dw=Ref(d, "expert_grad"))
 
-    def notify_gate_gradient_row_tile(self, tile: RowTile, tokens) -> None:
-        """The seeds' notifyGateGradient: gradGateGEMM of a row tile, run by the expert device on
-        the tokens it owns (their first kept pair), reading the token device's gate_dots."""
-        d, h = tile.device, tile.peer
-        self._write_ptq(TaskType.gradGateGEMM, tile, self.plan.tnx, "notifyGateGradient", "primary", tokens=tokens,
-                        x=Ref(h, "x"), dots=Ref(h, "gate_dots"), out=Ref(h, "grad_x"), dwg=Ref(d, "gate_weight_grad"))
+    def gate_decoder_row_tile(self, tile: RowTile, tokens) -> None:
+        """The seeds' rule: gradGateGEMM of a row tile over the tokens it owns (their first kept
+        pair), released by the row tile's combine counter. The expert device flags (or signals)
+        the token device, whose decoder writes the tasks into its own tQ: x, the gate dots and
+        grad_x live there, and a remote device may not be read."""
+        h = tile.peer
+        self._write_tq(TaskType.gradGateGEMM, tile, h, self.plan.tnx, "gate decoder", tokens=tokens,
+                       x=Ref(h, "x"), dots=Ref(h, "gate_dots"), out=Ref(h, "grad_x"), dwg=Ref(h, "gate_weight_grad"))
 
     def notify_gate_gradient_tokens(self, tile: TokenTile) -> None:
         """gradGateGEMM of a token tile whose tokens have all their dots, on the token device."""

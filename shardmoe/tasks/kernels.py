@@ -3,7 +3,14 @@
 Every formula is the fused layer's own (shardmoe.moe): a task calls the stage function on its
 tile's slices. Column tile n covers cols = [n*block_n, (n+1)*block_n) of the tiled dim; a row
 tile has m rows of one expert e (local index le on its device), so the one-expert weight slice
-W[e:e+1] with Groups((m,)) turns the grouped stage functions into tile functions.
+W[e:e+1] with Groups((m,)) turns the grouped stage functions into tile functions. preGEMM and
+postGEMM call grouped_linear (bias added inside the GEMM, one rounding), glu_activation and
+activate: the building blocks expert_forward composes. They cannot call expert_forward itself,
+which runs both GEMMs of whole rows while a preGEMM tile owns only columns c of z1.
+
+A kernel is called when its task starts: it reads its inputs then and computes, and returns a
+Commit that writes its outputs when the task ends. So a value that lands while a task runs is
+not seen by it, as on a GPU (the gate-dependency race depends on this).
 
   preGEMM   n over P:  z1[:, c] = x W1[e, c]^T + b1[e, c];  a1[:, c] = act(z1[:, c])
             ("glu": h[:, c], h[:, F+c] from Wgu, a[:, c] = act(hg) * hu)
@@ -20,6 +27,7 @@ W[e:e+1] with Groups((m,)) turns the grouped stage functions into tile functions
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -29,6 +37,8 @@ from shardmoe.moe.activations import activate
 from shardmoe.moe.routing import Routing, grad_gate_gemm
 from shardmoe.tasks.memory import Memory
 from shardmoe.tasks.plan import Plan, Ref, Task, TaskType
+
+Commit = Callable[[], None]  # a task's writes, applied when it ends
 
 
 @dataclass
@@ -47,12 +57,19 @@ def _one_expert(m: int) -> ex.Groups:
     return ex.Groups.from_counts(torch.tensor([m]))
 
 
+def _bias(ctx: KernelContext, name: str, expert: int, cols: slice) -> torch.Tensor | None:
+    """Columns `cols` of expert `expert`'s bias as the [1, c] one-expert slice grouped_linear adds
+    inside its GEMM (one rounding, as the fused layer), or None for a bias-free layer."""
+    bias = ctx.params[name]
+    return None if bias is None else bias[expert:expert + 1, cols]
+
+
 def _add_expert_grad(ctx: KernelContext, ref: Ref, name: str, local_expert: int, index, value) -> None:
     ctx.memory[Ref(ref.device, ref.name, name)][local_expert][index] += value
 
 
 # --- forward -----------------------------------------------------------------------------------
-def pre_gemm(task: Task, ctx: KernelContext) -> None:
+def pre_gemm(task: Task, ctx: KernelContext) -> Commit:
     cfg, tile, mem, op = ctx.plan.config, ctx.plan.row_tile_of(task), ctx.memory, task.operands
     cols = ctx.plan.columns(task.tile_idx, cfg.ffn_size)
     xs, e, groups = mem[op["x"]], tile.expert, _one_expert(tile.size)
@@ -61,55 +78,72 @@ def pre_gemm(task: Task, ctx: KernelContext) -> None:
         h = ex.grouped_linear(xs, ctx.params["gate_up_proj"][e:e + 1, both], groups)
         a, _ = ex.glu_activation(h, cfg.activation)
         width = cols.stop - cols.start
-        mem[op["z"]][:, cols] = h[:, :width]
-        mem[op["z"]][:, cfg.ffn_size + cols.start:cfg.ffn_size + cols.stop] = h[:, width:]
-    else:
-        z1 = ex.grouped_linear(xs, ctx.params["w1"][e:e + 1, cols], groups)
-        if ctx.params["b1"] is not None:
-            z1 = z1 + ctx.params["b1"][e, cols]
-        a = activate(cfg.activation, z1)
+
+        def commit():
+            mem[op["z"]][:, cols] = h[:, :width]
+            mem[op["z"]][:, cfg.ffn_size + cols.start:cfg.ffn_size + cols.stop] = h[:, width:]
+            mem[op["a"]][:, cols] = a
+        return commit
+    z1 = ex.grouped_linear(xs, ctx.params["w1"][e:e + 1, cols], groups, _bias(ctx, "b1", e, cols))
+    a = activate(cfg.activation, z1)
+
+    def commit():
         mem[op["z"]][:, cols] = z1
-    mem[op["a"]][:, cols] = a
+        mem[op["a"]][:, cols] = a
+    return commit
 
 
-def post_gemm(task: Task, ctx: KernelContext) -> None:
+def post_gemm(task: Task, ctx: KernelContext) -> Commit:
     cfg, tile, mem, op = ctx.plan.config, ctx.plan.row_tile_of(task), ctx.memory, task.operands
     cols = ctx.plan.columns(task.tile_idx, cfg.hidden_size)
     e, groups = tile.expert, _one_expert(tile.size)
-    name, bias = ("down_proj", None) if cfg.expert == "glu" else ("w2", ctx.params["b2"])
-    z2 = ex.grouped_linear(mem[op["a"]], ctx.params[name][e:e + 1, cols], groups)
-    if bias is not None:
-        z2 = z2 + bias[e, cols]
-    mem[op["z2"]][:, cols] = z2
-    mem[op["y"]][:, cols] = activate(cfg.output_activation, z2)
+    name, bias = ("down_proj", None) if cfg.expert == "glu" else ("w2", _bias(ctx, "b2", e, cols))
+    z2 = ex.grouped_linear(mem[op["a"]], ctx.params[name][e:e + 1, cols], groups, bias)
+    y = activate(cfg.output_activation, z2)
+
+    def commit():
+        mem[op["z2"]][:, cols] = z2
+        mem[op["y"]][:, cols] = y
+    return commit
 
 
-def combine(task: Task, ctx: KernelContext) -> None:
+def combine(task: Task, ctx: KernelContext) -> Commit:
     tile, mem, op = ctx.plan.row_tile_of(task), ctx.memory, task.operands
     cols = ctx.plan.columns(task.tile_idx, ctx.plan.config.hidden_size)
     rows = ctx.plan.local_tokens(tile.tokens, task.peer)
-    mem[op["out"]][rows, cols] += comb.scale_rows(mem[op["y"]][:, cols], tile.weight)
+    scaled = comb.scale_rows(mem[op["y"]][:, cols], tile.weight)
+
+    def commit():
+        mem[op["out"]][rows, cols] += scaled
+    return commit
 
 
 # --- backward ----------------------------------------------------------------------------------
-def grad_combine(task: Task, ctx: KernelContext) -> None:
+def grad_combine(task: Task, ctx: KernelContext) -> Commit:
     tile, mem, op = ctx.plan.row_tile_of(task), ctx.memory, task.operands
     cols = ctx.plan.columns(task.tile_idx, ctx.plan.config.hidden_size)
-    mem[op["out"]][:, cols] = comb.grad_combine(mem[op["g"]][:, cols], tile.weight)
+    ge = comb.grad_combine(mem[op["g"]][:, cols], tile.weight)
+
+    def commit():
+        mem[op["out"]][:, cols] = ge
+    return commit
 
 
-def grad_gate_combine(task: Task, ctx: KernelContext) -> None:
-    """Writes the tile's dots into the token device's gate_dots (P2P store) or into a heap cell
-    that the token device's subscriber scatters (remote)."""
+def grad_gate_combine(task: Task, ctx: KernelContext) -> Commit:
+    """Writes the tile's dots into the token device's gate_dots (P2P store) or into the expert's
+    gate_rows cell, which the protocol puts into the token device's heap (remote)."""
     cfg, tile, mem, op = ctx.plan.config, ctx.plan.row_tile_of(task), ctx.memory, task.operands
     dots = comb.grad_gate_combine(mem[op["g"]], activate(cfg.output_activation, mem[op["z2"]]))
-    if op["out"].name == "gate_dots":
-        mem[op["out"]][ctx.plan.local_tokens(tile.tokens, task.peer), tile.pairs % cfg.top_k] = dots
-    else:
-        mem[op["out"]] = dots
+
+    def commit():
+        if op["out"].name == "gate_dots":
+            mem[op["out"]][ctx.plan.local_tokens(tile.tokens, task.peer), tile.pairs % cfg.top_k] = dots
+        else:
+            mem[op["out"]] = dots
+    return commit
 
 
-def grad_post_gemm(task: Task, ctx: KernelContext) -> None:
+def grad_post_gemm(task: Task, ctx: KernelContext) -> Commit:
     cfg, tile, mem, op = ctx.plan.config, ctx.plan.row_tile_of(task), ctx.memory, task.operands
     cols = ctx.plan.columns(task.tile_idx, cfg.ffn_size)
     e, le, groups = tile.expert, tile.local_expert, _one_expert(tile.size)
@@ -118,18 +152,21 @@ def grad_post_gemm(task: Task, ctx: KernelContext) -> None:
         # ge already carries w, so the stage function gets unit weights: w (g Wdown) = (w g) Wdown.
         grad_a, grad_down, _ = ex.grad_post_gemm_glu(ge, ge.new_ones(tile.size), a,
                                                      ctx.params["down_proj"][e:e + 1, :, cols], groups)
-        _add_expert_grad(ctx, op["dw"], "down_proj", le, (slice(None), cols), grad_down[0])
+        grads = [("down_proj", (slice(None), cols), grad_down[0])]
     else:
         has_bias = ctx.params["b2"] is not None and task.tile_idx == 0
         grad_a, grad_w2, grad_b2 = ex.grad_post_gemm_mlp(ge, mem[op["z2"]], a, ctx.params["w2"][e:e + 1, :, cols],
                                                          has_bias, groups, cfg.output_activation)
-        _add_expert_grad(ctx, op["dw"], "w2", le, (slice(None), cols), grad_w2[0])
-        if has_bias:
-            _add_expert_grad(ctx, op["dw"], "b2", le, slice(None), grad_b2[0])
-    mem[op["out"]][:, cols] = grad_a
+        grads = [("w2", (slice(None), cols), grad_w2[0])] + ([("b2", slice(None), grad_b2[0])] if has_bias else [])
+
+    def commit():
+        mem[op["out"]][:, cols] = grad_a
+        for name, index, value in grads:
+            _add_expert_grad(ctx, op["dw"], name, le, index, value)
+    return commit
 
 
-def grad_pre_gemm(task: Task, ctx: KernelContext) -> None:
+def grad_pre_gemm(task: Task, ctx: KernelContext) -> Commit:
     cfg, tile, mem, op = ctx.plan.config, ctx.plan.row_tile_of(task), ctx.memory, task.operands
     cols = ctx.plan.columns(task.tile_idx, cfg.hidden_size)
     e, le, groups = tile.expert, tile.local_expert, _one_expert(tile.size)
@@ -138,22 +175,29 @@ def grad_pre_gemm(task: Task, ctx: KernelContext) -> None:
         _, act_gate = ex.glu_activation(z, cfg.activation)
         grad_x, grad_gu = ex.grad_pre_gemm_glu(grad_a, z, act_gate, xs, ctx.params["gate_up_proj"][e:e + 1, :, cols],
                                                groups, cfg.activation)
-        _add_expert_grad(ctx, op["dw"], "gate_up_proj", le, (slice(None), cols), grad_gu[0])
+        grads = [("gate_up_proj", (slice(None), cols), grad_gu[0])]
     else:
         has_bias = ctx.params["b1"] is not None and task.tile_idx == 0
         grad_x, grad_w1, grad_b1 = ex.grad_pre_gemm_mlp(grad_a, z, xs, ctx.params["w1"][e:e + 1, :, cols], has_bias,
                                                         groups, cfg.activation)
-        _add_expert_grad(ctx, op["dw"], "w1", le, (slice(None), cols), grad_w1[0])
-        if has_bias:
-            _add_expert_grad(ctx, op["dw"], "b1", le, slice(None), grad_b1[0])
-    mem[op["out"]][:, cols] = grad_x
+        grads = [("w1", (slice(None), cols), grad_w1[0])] + ([("b1", slice(None), grad_b1[0])] if has_bias else [])
+
+    def commit():
+        mem[op["out"]][:, cols] = grad_x
+        for name, index, value in grads:
+            _add_expert_grad(ctx, op["dw"], name, le, index, value)
+    return commit
 
 
-def grad_input_combine(task: Task, ctx: KernelContext) -> None:
+def grad_input_combine(task: Task, ctx: KernelContext) -> Commit:
     """Pure accumulation: gradCombine already applied w (no probability scaling here)."""
     tile, mem, op = ctx.plan.row_tile_of(task), ctx.memory, task.operands
     cols = ctx.plan.columns(task.tile_idx, ctx.plan.config.hidden_size)
-    mem[op["out"]][ctx.plan.local_tokens(tile.tokens, task.peer), cols] += mem[op["src"]][:, cols]
+    dx = mem[op["src"]][:, cols].clone()
+
+    def commit():
+        mem[op["out"]][ctx.plan.local_tokens(tile.tokens, task.peer), cols] += dx
+    return commit
 
 
 def _token_routing(routing: Routing, tokens: torch.Tensor) -> Routing:
@@ -163,20 +207,23 @@ def _token_routing(routing: Routing, tokens: torch.Tensor) -> Routing:
                    routing.kept_per_expert, routing.row_pair[:0])
 
 
-def grad_gate_gemm_tile(task: Task, ctx: KernelContext) -> None:
+def grad_gate_gemm_tile(task: Task, ctx: KernelContext) -> Commit:
     """Column tile n of the gate backward for the tokens in operands["tokens"] (global indices, all
-    homed on task.peer); reads their gate dots, which must hold every kept pair's dw by now."""
+    homed on task.peer); reads their gate dots at its start, which must hold every kept pair's dw."""
     plan, mem, op = ctx.plan, ctx.memory, task.operands
     tokens = op["tokens"]
     if tokens.numel() == 0:
-        return
+        return lambda: None
     cols = plan.columns(task.tile_idx, plan.config.hidden_size)
     rows = plan.local_tokens(tokens, task.peer)
     grad_x, grad_gate = grad_gate_gemm(mem[op["x"]][rows][:, cols], ctx.params["gate_weight"][cols],
                                        _token_routing(plan.routing, tokens), mem[op["dots"]][rows],
                                        ctx.grad_loss, plan.config, num_tokens=plan.num_tokens)
-    mem[op["out"]][rows, cols] += grad_x.to(mem[op["out"]].dtype)
-    mem[op["dwg"]][cols] += grad_gate.to(mem[op["dwg"]].dtype)
+
+    def commit():
+        mem[op["out"]][rows, cols] += grad_x.to(mem[op["out"]].dtype)
+        mem[op["dwg"]][cols] += grad_gate.to(mem[op["dwg"]].dtype)
+    return commit
 
 
 KERNELS = {

@@ -11,9 +11,11 @@
     grad_expert [m, H]  ge = w g                 (gradCombine output, cData[0])
     grad_xm [m, P]      dL/da1 or dL/da          (gradPostGEMM output, cData[1])
     grad_x_rows [m, H]  dL/dx of the rows        (gradPreGEMM output, read P2P)
+    gate_rows [m]       dots of a remote pair    (gradGateCombine output, put into gate_heap)
   expert device, per parameter name (key name): expert_grad [nLx, ...]    (gW)
   token device:
     x [S_d, H], out [S_d, H], grad_x [S_d, H]     (hiddenStates, moeOutput, gradInputBasePtr)
+    grad_out [S_d, H]   dL/dout of its tokens, the source of the backward dispatch
     gate_dots [S_d, k]  dw_tj = g_t . y_j(t)     (gGateCombine, one slot per pair)
     gate_weight_grad [H, E]                      (gGateW; summed over devices at the end)
     heap (key (src, s)) [m, H]   remote arrivals: y rows (forward) or dL/dx rows (backward)

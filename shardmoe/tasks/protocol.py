@@ -1,11 +1,15 @@
 """The schedule's rules: what starts a pass, and what each task's completion triggers.
 
 A completion bumps a sync counter on the device that owns it; the increment that reaches a
-threshold calls the next emitter. Devices hand data over in one of two ways:
+threshold calls the next emitter. Devices hand data over in one of two ways, both posted as a
+Delivery that lands scheduler.latency(remote) later (nothing crosses devices instantly):
   P2P    (same node)   the producer stores into, or leaves data for, the other device and sets a
-                       flag; the consumer's final decoder reads the producer's buffer directly
+                       flag; the consumer's decoder runs when the flag lands and reads the
+                       producer's buffer directly
   remote (other node)  the producer puts the data into a heap cell of the consumer with a signal;
-                       the consumer's subscriber decodes the signal
+                       the data lands with the signal, and the consumer's subscriber decodes it
+Dispatch is such a delivery too: the token device sends each row tile's x rows (forward) or g
+rows (backward) into the expert device's packet cell, and the initial decoder fires on arrival.
 Backward thresholds (device of the row tile's expert, syncIdx s):
   tQS[gtQCl + s]  gradCombine x TNx + gradGateCombine x 1   = TNx + 1  -> notifyGradient
   tQS[s]          gradPostGEMM x TN                         = TN       -> notifyGradPreGEMM
@@ -18,6 +22,9 @@ Forward: tQS[s] counts preGEMM (TN -> notifyNext) then postGEMM (TN + TNx -> fla
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Callable
+
 import torch
 
 from shardmoe.tasks.emitters import Emitters
@@ -26,27 +33,57 @@ from shardmoe.tasks.plan import Plan, Ref, RowTile, Task, TaskType
 from shardmoe.tasks.queues import SyncCounters
 
 
+@dataclass(eq=False)
+class Delivery:
+    """Data plus its flag or signal on the way to `device`; land() writes the data (if it is
+    copied) and runs the receiving decoder or subscriber. kind: "flag", "heap signal" or
+    "gate signal"; tile: the row tile it concerns (for the trace)."""
+
+    device: int
+    kind: str
+    tile: RowTile
+    remote: bool
+    land: Callable[[], None]
+
+
 class Protocol:
-    """Shared by both passes: counters per device, signal delivery, the finished check."""
+    """Shared by both passes: counters per device, deliveries between devices, the finished check."""
 
     def __init__(self, plan: Plan, memory: Memory, emitters: Emitters):
         self.plan, self.memory, self.emit = plan, memory, emitters
         self.counters = [SyncCounters(d) for d in range(plan.peers)]
-        self.signals: list[tuple[int, str, RowTile]] = []  # (token device, kind, tile), for the trace
+        self.outbox: list[Delivery] = []  # posted since the runtime last collected them
 
     def _used_slots(self, device: int) -> list[int]:
         return [t.sync_idx for t in self.plan.row_tiles if t.device == device]
 
+    def _send(self, source: int, device: int, tile: RowTile, land: Callable[[], None], kind: str | None = None) -> None:
+        remote = self.plan.is_remote(source, device)
+        self.outbox.append(Delivery(device, kind or ("heap signal" if remote else "flag"), tile, remote, land))
+
+    def _dispatch(self, tile: RowTile, rows: torch.Tensor, packet: str, decoder) -> None:
+        """The token device sends the tile's rows (read now, at send time) into the expert device's
+        packet cell (a P2P store or a heap put, same bytes); the initial decoder fires on arrival."""
+        d, s = tile.device, tile.sync_idx
+
+        def land():
+            self.memory[Ref(d, packet, s)] = rows
+            decoder(tile)
+        self._send(tile.peer, d, tile, land)
+
     def _hand_back(self, tile: RowTile, source: Ref, p2p_decoder, remote_decoder) -> None:
-        """The expert's rows are done: flag a P2P token device, or put a copy into a remote one's heap."""
+        """The expert's rows are done: flag a P2P token device (its decoder reads `source` in place),
+        or put a copy (taken now) into a remote one's heap cell with a signal."""
         d, h = tile.device, tile.peer
         if self.plan.is_remote(d, h):
-            self.memory[Ref(h, "heap", (d, tile.sync_idx))] = self.memory[source].clone()
-            self.signals.append((h, "heap signal", tile))
-            remote_decoder(tile, h)
+            rows = self.memory[source].clone()
+
+            def land():
+                self.memory[Ref(h, "heap", (d, tile.sync_idx))] = rows
+                remote_decoder(tile, h)
+            self._send(d, h, tile, land)
         else:
-            self.signals.append((h, "flag", tile))
-            p2p_decoder(tile)
+            self._send(d, h, tile, lambda: p2p_decoder(tile))
 
 
 class ForwardProtocol(Protocol):
@@ -61,11 +98,11 @@ class ForwardProtocol(Protocol):
             self.counters[d].define("tQS", torch.full((plan.gtqcl,), plan.tn + plan.tnx),
                                     label=lambda i: f"tQS[{i}] (preGEMM + postGEMM of syncIdx {i})")
         for tile in plan.row_tiles:
-            d, s, m = tile.device, tile.sync_idx, tile.size
-            mem[Ref(d, "x_rows", s)] = x[tile.tokens]  # the dispatch (store or put; same bytes)
+            d, s, m, h = tile.device, tile.sync_idx, tile.size, tile.peer
             for name, width in (("z1", z1_width), ("xm", P), ("z2", H), ("y_rows", H)):
                 mem.zeros(Ref(d, name, s), (m, width), x.dtype)
-            self.emit.forward_initial_decoder(tile)
+            rows = mem[Ref(h, "x")][plan.local_tokens(tile.tokens, h)]
+            self._dispatch(tile, rows, "x_rows", self.emit.forward_initial_decoder)
 
     def complete(self, task: Task) -> None:
         if task.type == TaskType.combine:
@@ -108,6 +145,7 @@ class BackwardProtocol(Protocol):
         for d in range(plan.peers):
             lo, hi = plan.token_range[d]
             mem[Ref(d, "x")] = x[lo:hi]
+            mem[Ref(d, "grad_out")] = grad_out[lo:hi]
             mem.zeros(Ref(d, "grad_x"), (hi - lo, H), x.dtype)
             mem.zeros(Ref(d, "gate_dots"), (hi - lo, k), plan.routing.weight.dtype)
             mem.zeros(Ref(d, "gate_weight_grad"), (H, plan.config.num_experts), x.dtype)
@@ -117,13 +155,13 @@ class BackwardProtocol(Protocol):
             if self.gate_dependency == "token":
                 self._define_gate_counters(d)
         for tile in plan.row_tiles:
-            d, s, m = tile.device, tile.sync_idx, tile.size
+            d, s, m, h = tile.device, tile.sync_idx, tile.size, tile.peer
             for name in ("x_rows", "z1", "xm", "z2"):
                 mem[Ref(d, name, s)] = forward_memory[Ref(d, name, s)]
-            mem[Ref(d, "grad_packet", s)] = grad_out[tile.tokens]  # the dispatch of g
             for name, width in (("grad_expert", H), ("grad_xm", P), ("grad_x_rows", H)):
                 mem.zeros(Ref(d, name, s), (m, width), x.dtype)
-            self.emit.backward_initial_decoder(tile)
+            rows = mem[Ref(h, "grad_out")][plan.local_tokens(tile.tokens, h)]
+            self._dispatch(tile, rows, "grad_packet", self.emit.backward_initial_decoder)
         if self.gate_dependency == "token":
             for tile in plan.token_tiles:
                 if self.counters[tile.device].values["gateTile"][tile.index] == tile.tokens.numel():
@@ -165,8 +203,9 @@ class BackwardProtocol(Protocol):
             if counters.add("tQS", g + s, task) == plan.tnx + 1:
                 self.emit.notify_gradient(tile)
                 if self.gate_dependency == "row_tile":
-                    self.emit.notify_gate_gradient_row_tile(tile, self.gate_tokens[(tile.device, s)])
-            if kind == TaskType.gradGateCombine and self.gate_dependency == "token":
+                    tokens = self.gate_tokens[(tile.device, s)]
+                    self._send(tile.device, tile.peer, tile, lambda: self.emit.gate_decoder_row_tile(tile, tokens))
+            if kind == TaskType.gradGateCombine:
                 self._deliver_dots(tile, task)
         elif kind == TaskType.gradPostGEMM:
             if counters.add("tQS", s, task) == plan.tn:
@@ -177,13 +216,23 @@ class BackwardProtocol(Protocol):
                                 self.emit.remote_final_decoder)
 
     def _deliver_dots(self, tile: RowTile, task: Task) -> None:
-        out = task.operands["out"]
-        if out.name == "gate_heap":  # remote: the token device's subscriber scatters the heap cell
-            h, k = tile.peer, self.plan.config.top_k
-            self.signals.append((h, "gate signal", tile))
-            dots = self.memory[Ref(h, "gate_dots")]
-            dots[self.plan.local_tokens(tile.tokens, h), tile.pairs % k] = self.memory[out]
-        self._gate_arrived(tile, task)
+        """P2P: the dots are in gate_dots already (stored at the task's end). Remote: they land in
+        the heap cell with a signal later, and the token device's subscriber scatters them. Only
+        the per-token mode counts them (the seeds' mode waits for nothing)."""
+        out, counted = task.operands["out"], self.gate_dependency == "token"
+        if out.name != "gate_rows":
+            if counted:
+                self._gate_arrived(tile, task)
+            return
+        h, k = tile.peer, self.plan.config.top_k
+        dots, cell = self.memory[out].clone(), Ref(h, "gate_heap", (tile.device, tile.sync_idx))
+
+        def land():
+            self.memory[cell] = dots
+            self.memory[Ref(h, "gate_dots")][self.plan.local_tokens(tile.tokens, h), tile.pairs % k] = self.memory[cell]
+            if counted:
+                self._gate_arrived(tile, task)
+        self._send(tile.device, h, tile, land, "gate signal")
 
     def unfinished(self) -> list[str]:
         out = []

@@ -1,9 +1,12 @@
-"""Schedulers: which pending task an idle processor takes, and how long a task takes.
+"""Schedulers: which announced task an idle processor takes, and how long tasks and deliveries take.
 
 Time is logical: a task of type T lasts COST[T] units (GEMM tiles 4, the gate GEMM 2, combines
-and dot products 1). "fifo" takes the oldest pending task of its device, "lifo" the newest,
-"random" a uniformly chosen one and stretches each duration by a factor in [0.25, 1.75), both
+and dot products 1). "fifo" takes the oldest announced signal of its device (in the order
+QueueReader.poll found them), "lifo" the newest, "random" a uniformly chosen one and stretches each duration by a factor in [0.25, 1.75), both
 from its own seeded generator, so one seed is one reproducible interleaving.
+A delivery (dispatch packet, flag, heap put + signal) lands LATENCY[remote] units after it was
+posted: 1 on one node (NVLink), 2 across nodes; "random" stretches it by the same factor range,
+so packets arrive, and decoders fire, in varying orders.
 """
 from __future__ import annotations
 
@@ -17,25 +20,30 @@ COST = {
     TaskType.gradPreGEMM: 4.0, TaskType.gradInputCombine: 1.0, TaskType.gradGateGEMM: 2.0,
 }
 
+LATENCY = {False: 1.0, True: 2.0}  # by remote: P2P store + flag, or heap put + signal
+
 SCHEDULERS = ("fifo", "lifo", "random")
 
 
 class Scheduler:
     name = "fifo"
 
-    def pick(self, pending: list[Task]) -> int:
-        """Index into `pending` (non-empty, in write order) of the task to run next."""
+    def pick(self, announced: list[int]) -> int:
+        """Index into `announced` (non-empty signals, in the order polling found them) of the next."""
         return 0
 
     def duration(self, task: Task) -> float:
         return COST[task.type]
 
+    def latency(self, remote: bool) -> float:
+        return LATENCY[remote]
+
 
 class LifoScheduler(Scheduler):
     name = "lifo"
 
-    def pick(self, pending: list[Task]) -> int:
-        return len(pending) - 1
+    def pick(self, announced: list[int]) -> int:
+        return len(announced) - 1
 
 
 class RandomScheduler(Scheduler):
@@ -44,11 +52,14 @@ class RandomScheduler(Scheduler):
     def __init__(self, seed: int):
         self.rng = random.Random(seed)
 
-    def pick(self, pending: list[Task]) -> int:
-        return self.rng.randrange(len(pending))
+    def pick(self, announced: list[int]) -> int:
+        return self.rng.randrange(len(announced))
 
     def duration(self, task: Task) -> float:
         return COST[task.type] * self.rng.uniform(0.25, 1.75)
+
+    def latency(self, remote: bool) -> float:
+        return LATENCY[remote] * self.rng.uniform(0.25, 1.75)
 
 
 def make_scheduler(name: str, seed: int = 0) -> Scheduler:

@@ -76,7 +76,7 @@ def test_ptq_strides_and_head_domains():
     seed_layout = PtqLayout(plan, backward=True, gate_dependency="row_tile")
     assert seed_layout.stride == tn + 2 * tnx
     assert {n: (d.head_base, d.offset, d.size) for n, d in seed_layout.domains.items()} == {
-        "primary": (0, 0, tn + tnx), "secondary": (g, tn + tnx, tnx)}
+        "primary": (0, 0, tn), "secondary": (g, tn + tnx, tnx)}
     layout = PtqLayout(plan, backward=True)
     assert layout.stride == tn + 2 * tnx
     assert {n: (d.head_base, d.offset, d.size) for n, d in layout.domains.items()} == {
@@ -110,12 +110,13 @@ def test_remote_final_decoder_applies_is_remote_expert():
     emit = Emitters(plan, queues)
     remote = next(t for t in plan.row_tiles if t.device != t.peer)
     emit.remote_final_decoder(remote, own_rank=remote.peer)
-    assert [t.type for t in queues[remote.peer].pending] == [TaskType.gradInputCombine] * plan.tnx
-    assert all(t.remote and t.operands["src"].name == "heap" for t in queues[remote.peer].pending)
+    written = queues[remote.peer].tq[:queues[remote.peer].tq_tail]
+    assert [t.type for t in written] == [TaskType.gradInputCombine] * plan.tnx
+    assert all(t.remote and t.operands["src"].name == "heap" for t in written)
     queues = build_queues(plan, True, Ledger())
     local = next(t for t in plan.row_tiles if t.device == t.peer)
     Emitters(plan, queues).remote_final_decoder(local, own_rank=local.device)
-    assert queues[local.peer].pending == []
+    assert queues[local.peer].tq_tail == 0
 
 
 def test_tq_capacity_bounds_every_run():
@@ -143,10 +144,13 @@ def test_overflows_and_counters_raise_naming_task_and_queue():
     with pytest.raises(ScheduleError, match=r"tQ of device 0 overflows its capacity 1 at task gradCombine\(device=0, "
                                             r"syncIdx=3"):
         dq.write_tq(Task(TaskType.gradCombine, 0, 3, 1, 1, 0))
+    last = plan.gtqcl - 1  # a writer checks only its allocation: the last slot's secondary domain ends it
     for _ in range(plan.tnx):
-        dq.write_ptq(Task(TaskType.gradPreGEMM, 0, 2, 0, 1, 0), 2, "secondary")
-    with pytest.raises(ScheduleError, match=r"secondary domain tQH\[\d+\] overflows .* gradPreGEMM"):
-        dq.write_ptq(Task(TaskType.gradPreGEMM, 0, 2, 9, 1, 0), 2, "secondary")
+        dq.write_ptq(Task(TaskType.gradPreGEMM, 0, last, 0, 1, 0), last, "secondary")
+    with pytest.raises(ScheduleError, match=rf"ptQ of device 0: entry {plan.gtqcl * dq.layout.stride} of slot {last} "
+                                            rf"\(secondary domain tQH\[{plan.gtqcl + last}\]\) lies past its "
+                                            rf"{plan.gtqcl * dq.layout.stride} entries at task gradPreGEMM"):
+        dq.write_ptq(Task(TaskType.gradPreGEMM, 0, last, 9, 1, 0), last, "secondary")
     counters = SyncCounters(1)
     counters.define("tQS", torch.tensor([2, 2]))
     assert counters.add("tQS", 1, task) == 1 and counters.add("tQS", 1, task) == 2
