@@ -89,52 +89,54 @@ def _router(block):
     return None
 
 
-def _feature_refusal(block) -> ValueError | None:
-    """The first feature of the block MoE cannot express, detected by what the instance holds."""
+def _unsupported_features(block) -> list[str]:
+    """Every feature of the block MoE cannot express, detected by what the instance holds."""
     names = _names(block)
     router, experts = _router(block), getattr(block, "experts", None)
+    features = []
     shared = sorted({n.split(".")[0] for n in names if "shared" in n.split(".")[0]})
     if shared:
-        return _refuse(block, f"shared experts are not supported (found {', '.join(shared)})")
+        features.append(f"shared experts are not supported (found {', '.join(shared)})")
     correction = [n for n in names if "correction_bias" in n or n.split(".")[-1] == "expert_bias"]
     if correction:
-        return _refuse(block, f"a correction bias on the expert scores is not supported (found {correction[0]})")
+        features.append(f"a correction bias on the expert scores is not supported (found {correction[0]})")
     if router is None:
-        return _refuse(block, "router kind: expected a `gate` or `router` module, found neither")
+        features.append("router kind: expected a `gate` or `router` module, found neither")
     router_bias = [n for n in _names(router) if n.split(".")[-1] == "bias"]
     if router_bias:
-        return _refuse(block, f"a router bias is not supported (found {router_bias[0]})")
+        features.append(f"a router bias is not supported (found {router_bias[0]})")
     for owner in (block, router):
         for name in _SCALING_NAMES:
             value = getattr(owner, name, None)
             if isinstance(value, (int, float)) and value != 1:
-                return _refuse(block, f"a scaling factor is not supported ({name}={value})")
+                features.append(f"a scaling factor is not supported ({name}={value})")
         for name in _JITTER_NAMES:
             value = getattr(owner, name, None)
             if isinstance(value, (int, float)) and value > 0:
-                return _refuse(block, f"router jitter is not supported ({name}={value}; MoE trains without "
-                                      "noise, so the block's training forward would differ)")
+                features.append(f"router jitter is not supported ({name}={value}; MoE trains without noise, "
+                                "so the block's training forward would differ)")
     if not isinstance(experts, torch.nn.Module):
-        return _refuse(block, "expert layout: expected an `experts` module holding gate_up_proj and down_proj")
-    expert_tensors = sorted(n for n, _ in experts.named_parameters())
-    if expert_tensors != ["down_proj", "gate_up_proj"]:
-        return _refuse(block, "expert layout: expected exactly the parameters gate_up_proj [E, 2F, H] and "
-                              f"down_proj [E, H, F], got {expert_tensors}")
-    return None
+        features.append("expert layout: expected an `experts` module holding gate_up_proj and down_proj")
+    else:
+        expert_tensors = sorted(n for n, _ in experts.named_parameters())
+        if expert_tensors != ["down_proj", "gate_up_proj"]:
+            features.append("expert layout: expected exactly the parameters gate_up_proj [E, 2F, H] and "
+                            f"down_proj [E, H, F], got {expert_tensors}")
+    return features
 
 
 def mixtral_semantics(block) -> MixtralSemantics:
     """Read what the block computes, or raise ValueError naming its family and the feature MoE
     cannot express. Reads only; nothing is copied."""
-    refusal = _feature_refusal(block)
-    if refusal is not None:
-        raise refusal
+    features = _unsupported_features(block)
     known = _MIXTRAL_LIKE.get(type(block).__name__)
-    router, experts = _router(block), block.experts
-    if known is None or getattr(block, known[0], None) is not router:
-        raise _refuse(block, f"router kind: {type(block).__name__} with router {type(router).__name__} is not "
-                             "a block known to route by softmax(x W^T), top-k (known: "
-                             f"{', '.join(sorted(_MIXTRAL_LIKE))})")
+    router, experts = _router(block), getattr(block, "experts", None)
+    if router is not None and (known is None or getattr(block, known[0], None) is not router):
+        features.append(f"router kind: {type(block).__name__} with router {type(router).__name__} is not a block "
+                        "known to route by softmax(x W^T), top-k (the known ones are listed in "
+                        "shardmoe/moe/hf_blocks.py)")
+    if features:
+        raise _refuse(block, "; ".join(features))
     _, router_cls, experts_cls, renormalize = known
     if type(router).__name__ != router_cls:
         raise _refuse(block, f"router kind: expected router {router_cls}, got {type(router).__name__}")

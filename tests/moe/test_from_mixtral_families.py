@@ -1,8 +1,9 @@
 """MoE.from_mixtral on the sparse MoE block of every family in the installed transformers.
 
 Each block is found by reading the modeling sources (a class whose __init__ sets `self.experts` and
-a `self.gate` or `self.router`), so a family added to transformers is covered without editing this
-file. Each is built tiny from its config class in float64 with random weights, and from_mixtral
+a `self.gate` or `self.router`: the sparse blocks, and the Gemma 4 / DiffusionGemma decoder layers
+that hold router and experts directly), so a family added to transformers is covered without
+editing this file. Each is built tiny from its config class in float64 with random weights, and from_mixtral
 must either refuse it with a ValueError naming the family and the feature, or give the block's
 own forward output, within the float32 precision of the block's routing softmax.
 """
@@ -16,15 +17,13 @@ from pathlib import Path
 import pytest
 import torch
 
-transformers = pytest.importorskip("transformers")
+import transformers
 
 import shardmoe  # noqa: E402
 
 MODELS = Path(transformers.__file__).parent / "models"
 _CLASS = re.compile(r"^class (\w+)\([^\n]*\n(.*?)(?=^\S)", re.M | re.S)
 _INIT = re.compile(r"def __init__\(.*?(?=\n    def |\Z)", re.S)
-# A decoder layer that holds a router and experts directly is a layer, not a sparse block.
-_NOT_A_BLOCK = re.compile(r"(Decoder|Encoder)\w*Layer$")
 
 # Blocks that, in transformers 5.23, compute softmax(x W^T) -> top-k (-> renormalise) over
 # Mixtral-layout experts: from_mixtral must accept these (with their default config), so the
@@ -33,17 +32,14 @@ EXPRESSIBLE = {"MixtralSparseMoeBlock", "MiniMaxSparseMoeBlock", "Qwen3VLMoeText
                "GraniteMoeSWAMoE", "GraniteMoeHybridMoE", "GraniteMoeSharedMoE", "JambaSparseMoeBlock",
                "Qwen3MoeSparseMoeBlock", "Qwen3OmniMoeThinkerTextSparseMoeBlock", "OlmoeSparseMoeBlock",
                "FlexOlmoSparseMoeBlock", "MellumSparseMoeBlock"}
-# Blocks the generic tiny builder below cannot construct, with the reason.
-UNBUILDABLE = {
-    "Dots3NoteVisionMoE": "takes a per-layer config list (per_layer_config) instead of one config",
-}
 FEATURES = ("shared experts", "correction bias", "router bias", "scaling factor", "router jitter",
             "expert layout", "router kind", "activation")
 
 TINY = dict(hidden_size=8, d_model=8, intermediate_size=12, moe_intermediate_size=12, expert_intermediate_size=12,
             shared_expert_intermediate_size=12, ffn_hidden_size=12, d_ff=12, num_experts=4, num_local_experts=4,
             n_routed_experts=4, moe_num_experts=4, num_experts_per_tok=2, moe_topk=2, moe_top_k=2, top_k=2,
-            n_group=1, topk_group=1, num_shared_experts=1, n_shared_experts=1, expert_capacity=64)
+            n_group=1, topk_group=1, num_shared_experts=1, n_shared_experts=1, expert_capacity=64,
+            enable_moe_block=True)  # Gemma 4: its decoder layer holds router and experts only when enabled
 
 
 def discover() -> list[tuple[str, str]]:
@@ -55,8 +51,7 @@ def discover() -> list[tuple[str, str]]:
             continue
         for name, body in _CLASS.findall(path.read_text()):
             init = _INIT.search(body)
-            if (init and "self.experts =" in init.group(0) and re.search(r"self\.(gate|router) =", init.group(0))
-                    and not _NOT_A_BLOCK.search(name)):
+            if init and "self.experts =" in init.group(0) and re.search(r"self\.(gate|router) =", init.group(0)):
                 found.append((family, name))
     return found
 
@@ -64,15 +59,21 @@ def discover() -> list[tuple[str, str]]:
 BLOCKS = discover()
 
 
-def _tiny_config(config_class):
-    config = config_class()
+def _shrink(config) -> None:
     for key, value in TINY.items():
+        if key in (getattr(config, "per_layer_attributes", None) or ()):
+            continue  # Dots3-Note vision: set on each per-layer config instead
         if not isinstance(getattr(config, key, None), (list, dict)):
             setattr(config, key, value)
-    if hasattr(config, "ffn_config"):  # DBRX keeps its MoE sizes in a sub-config
-        for key, value in TINY.items():
-            if key in vars(config.ffn_config):
-                setattr(config.ffn_config, key, value)
+
+
+def _tiny_config(config_class):
+    config = config_class()
+    _shrink(config)
+    # DBRX keeps its MoE sizes in a sub-config, Dots3-Note's vision tower in per-layer configs.
+    for sub in [getattr(config, "ffn_config", None), *(getattr(config, "per_layer_config", None) or [])]:
+        if sub is not None:
+            _shrink(sub)
     config._experts_implementation = "eager"
     return config
 
@@ -84,19 +85,21 @@ def build_block(family: str, block_name: str) -> torch.nn.Module:
     config_classes = sorted((c for n, c in vars(configs).items()
                              if inspect.isclass(c) and n.endswith("Config") and c.__module__ == configs.__name__),
                             key=lambda c: ("Text" not in c.__name__, c.__name__))
+    # Arguments after the config: a layer index, or a width (NllbMoe's ffn_dim).
+    extra = [0 if "idx" in name else 12 for name, param in list(inspect.signature(block_class).parameters.items())[1:]
+             if param.default is param.empty and param.kind is param.POSITIONAL_OR_KEYWORD]
     errors = []
     for config_class in config_classes:
-        for extra in ((), (0,)):
-            try:
-                block = block_class(_tiny_config(config_class), *extra)
-            except Exception as error:  # the next config class or signature may fit
-                errors.append(f"{config_class.__name__}{extra}: {error!r}"[:160])
-                continue
-            gen = torch.Generator().manual_seed(0)
-            with torch.no_grad():
-                for p in block.parameters():
-                    p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
-            return block.double()
+        try:
+            block = block_class(_tiny_config(config_class), *extra)
+        except Exception as error:  # the next config class may be the one the block takes
+            errors.append(f"{config_class.__name__}: {error!r}"[:160])
+            continue
+        gen = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            for p in block.parameters():
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
+        return block.double()
     raise RuntimeError(f"could not build {family}.{block_name}: {errors}")
 
 
@@ -122,8 +125,6 @@ def test_discovery_finds_the_families():
 
 @pytest.mark.parametrize("family,block_name", BLOCKS, ids=[name for _, name in BLOCKS])
 def test_block_is_reproduced_or_refused(family, block_name):
-    if block_name in UNBUILDABLE:
-        pytest.skip(UNBUILDABLE[block_name])
     block = build_block(family, block_name)
     try:
         layer = shardmoe.MoE.from_mixtral(block)
