@@ -20,15 +20,13 @@ from torch import nn
 
 from shardmoe.moe.config import MoEConfig
 from shardmoe.moe.function import FusedMoE, expert_param_names
+from shardmoe.moe.hf_blocks import MIXTRAL_ACTIVATIONS, mixtral_semantics
 from shardmoe.parallel import expert_tensor as etp
 from shardmoe.parallel.expert_parallel import ExpertParallel
 from shardmoe.parallel.sync import EXPERT, REPLICATED, mark_grad_sync
 
 # the dtypes the layer computes in (float16 runs, but at ~1 GFLOP/s on CPU: design.md)
 DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
-
-# shardmoe activation name <-> transformers ACT2FN name
-_MIXTRAL_ACT = {"silu": "silu", "gelu": "gelu", "gelu_tanh": "gelu_pytorch_tanh", "relu": "relu"}
 
 
 class MoE(nn.Module):
@@ -141,26 +139,27 @@ class MoE(nn.Module):
     # --- transformers interop -------------------------------------------------------------
     @classmethod
     def from_mixtral(cls, block, mesh=None, **overrides) -> "MoE":
-        """A MoE holding the weights of a transformers MixtralSparseMoeBlock.
+        """A MoE holding the weights of a transformers sparse block that routes as Mixtral does.
 
-        The block's router (weight [E, H]) becomes gate_weight [H, E]; its experts'
-        gate_up_proj [E, 2F, H] and down_proj [E, H, F] are copied as they are, or, with a
-        sharded mesh, this rank's shard of them. Mixtral always renormalises its top-k
-        weights; `overrides` replace constructor options."""
-        router, experts = block.gate, block.experts
-        act = getattr(getattr(experts, "config", None), "hidden_act", "silu")
-        by_mixtral_name = {v: k for k, v in _MIXTRAL_ACT.items()}
-        if act not in by_mixtral_name:
-            raise ValueError(f"block: expected hidden_act in {sorted(by_mixtral_name)}, got {act!r}")
-        E, two_f, H = experts.gate_up_proj.shape
-        options = dict(expert="glu", activation=by_mixtral_name[act], renormalize=True,
-                       dtype=experts.gate_up_proj.dtype, device=experts.gate_up_proj.device)
+        The block's semantics are checked first (shardmoe/moe/hf_blocks.py): a block MoE cannot
+        express (shared experts, sigmoid router, correction or router bias, scaling factor, jitter,
+        another expert layout or activation, or a class not known to be Mixtral-like) raises
+        ValueError naming its family and the feature, before anything is built or copied.
+        The router weight [E, H] becomes gate_weight [H, E]; the experts' gate_up_proj [E, 2F, H]
+        and down_proj [E, H, F] are copied as they are, or, with a sharded mesh, this rank's shard
+        of them. top_k, renormalize (as the block does) and the activation come from the block;
+        `overrides` replace constructor options, even ones that contradict the block."""
+        semantics = mixtral_semantics(block)
+        gate_up = semantics.gate_up_proj
+        E, two_f, H = gate_up.shape
+        options = dict(expert="glu", activation=semantics.activation, renormalize=semantics.renormalize,
+                       dtype=gate_up.dtype, device=gate_up.device)
         options.update(overrides)
-        layer = cls(H, two_f // 2, E, router.top_k, mesh=mesh, **options)
+        layer = cls(H, two_f // 2, E, semantics.top_k, mesh=mesh, **options)
         with torch.no_grad():
-            layer.gate_weight.copy_(router.weight.t())
-            layer.gate_up_proj.copy_(etp.shard_expert_param("gate_up_proj", experts.gate_up_proj, mesh))
-            layer.down_proj.copy_(etp.shard_expert_param("down_proj", experts.down_proj, mesh))
+            layer.gate_weight.copy_(semantics.router_weight.t())
+            layer.gate_up_proj.copy_(etp.shard_expert_param("gate_up_proj", gate_up, mesh))
+            layer.down_proj.copy_(etp.shard_expert_param("down_proj", semantics.down_proj, mesh))
         return layer
 
     def to_mixtral_state_dict(self) -> dict[str, torch.Tensor]:
@@ -168,9 +167,9 @@ class MoE(nn.Module):
 
         With a sharded mesh the expert tensors are gathered whole: collective over ('e', 't')."""
         c = self.config
-        if c.expert != "glu" or c.activation not in _MIXTRAL_ACT or not c.renormalize:
+        if c.expert != "glu" or c.activation not in MIXTRAL_ACTIVATIONS or not c.renormalize:
             raise ValueError("to_mixtral_state_dict: expected expert='glu', renormalize=True and activation in "
-                             f"{sorted(_MIXTRAL_ACT)}, got expert={c.expert!r}, renormalize={c.renormalize}, "
+                             f"{sorted(MIXTRAL_ACTIVATIONS)}, got expert={c.expert!r}, renormalize={c.renormalize}, "
                              f"activation={c.activation!r}")
         return {"gate.weight": self.gate_weight.detach().t().contiguous(),
                 "experts.gate_up_proj": etp.gather_expert_param("gate_up_proj", self.gate_up_proj.detach(),

@@ -336,12 +336,13 @@ def _seed003() -> dict:
 
 def _run_seed003(example: dict) -> dict:
     mesh = Mesh(tp=2, ranks_per_node=2)
-    # A stand-in with the attributes from_mixtral reads of a MixtralSparseMoeBlock (importing
-    # transformers in every rank would cost seconds; the real block is covered in tests/moe).
-    block = SimpleNamespace(gate=SimpleNamespace(weight=example["router"], top_k=1),
-                            experts=SimpleNamespace(gate_up_proj=example["gate_up"], down_proj=example["down"],
-                                                    config=SimpleNamespace(hidden_act="silu")))
-    layer = shardmoe.MoE.from_mixtral(block, mesh=mesh, renormalize=False)
+    # The whole Mixtral-layout tensors, sharded as from_mixtral does (from_mixtral itself wants a
+    # real transformers block, and importing transformers in every rank would cost seconds).
+    layer = shardmoe.MoE(4, 4, 2, 1, renormalize=False, mesh=mesh, dtype=torch.float64)
+    with torch.no_grad():
+        layer.gate_weight.copy_(example["router"].t())
+        for name, whole in (("gate_up_proj", example["gate_up"]), ("down_proj", example["down"])):
+            getattr(layer, name).copy_(etp.shard_expert_param(name, whole, mesh))
     x = example["x"].clone().requires_grad_(True)
     out = layer(x)
     out.sum().backward()
