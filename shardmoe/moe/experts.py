@@ -137,20 +137,40 @@ def _glu(h: torch.Tensor, activation: str, act_gate: torch.Tensor | None = None)
     return a
 
 
+def pre_gemm(expert: str, activation: str, xs: torch.Tensor, params: dict[str, torch.Tensor | None],
+             groups: Groups) -> tuple[torch.Tensor, torch.Tensor]:
+    """The expert's first GEMM and activation, (a, z) for dispatched rows xs [N, H]:
+      "glu": z = h = xs Wgu_e^T [N, 2F],       a = act(hg) * hu [N, F]
+      "mlp": z = z1 = xs W1_e^T + b1_e [N, P], a = act(z1)      [N, P]
+    A tile task passes the weight rows of its columns (both halves for "glu") and gets those columns."""
+    if expert == "glu":
+        h = grouped_linear(xs, params["gate_up_proj"], groups)
+        return _glu(h, activation), h
+    z1 = grouped_linear(xs, params["w1"], groups, params["b1"])
+    return activate(activation, z1), z1
+
+
+def post_gemm(expert: str, output_activation: str, a: torch.Tensor, params: dict[str, torch.Tensor | None],
+              groups: Groups) -> tuple[torch.Tensor, torch.Tensor]:
+    """The expert's second GEMM and output activation, (y, z2) [N, H] each:
+      "glu": y = z2 = a Wdown_e^T;  "mlp": z2 = a W2_e^T + b2_e, y = act_out(z2)."""
+    if expert == "glu":
+        y = grouped_linear(a, params["down_proj"], groups)
+        return y, y
+    z2 = grouped_linear(a, params["w2"], groups, params["b2"])
+    return activate(output_activation, z2), z2
+
+
 def expert_forward(expert: str, activation: str, output_activation: str, xs: torch.Tensor,
                    params: dict[str, torch.Tensor | None], groups: Groups):
-    """y [N, H] for dispatched rows xs [N, H], and the tensors backward keeps:
-    "glu": (h,) with h [N, 2F];  "mlp": (z1, z2) with z1 [N, P], z2 [N, H]."""
+    """y [N, H] for dispatched rows xs [N, H] (pre_gemm then post_gemm), and the tensors backward
+    keeps: "glu": (h,) with h [N, 2F];  "mlp": (z1, z2) with z1 [N, P], z2 [N, H]."""
     if kernels.available(xs):
         from shardmoe.kernels import experts as triton_experts
         return triton_experts.expert_forward(expert, activation, output_activation, xs, params, groups)
-    if expert == "glu":
-        h = grouped_linear(xs, params["gate_up_proj"], groups)
-        y = grouped_linear(_glu(h, activation), params["down_proj"], groups)
-        return y, (h,)
-    z1 = grouped_linear(xs, params["w1"], groups, params["b1"])
-    z2 = grouped_linear(activate(activation, z1), params["w2"], groups, params["b2"])
-    return activate(output_activation, z2), (z1, z2)
+    a, z = pre_gemm(expert, activation, xs, params, groups)
+    y, z2 = post_gemm(expert, output_activation, a, params, groups)
+    return y, ((z,) if expert == "glu" else (z, z2))
 
 
 def grad_post_gemm_glu(grad_rows: torch.Tensor, weight_rows: torch.Tensor, a: torch.Tensor,

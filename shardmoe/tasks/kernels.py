@@ -4,9 +4,9 @@ Every formula is the fused layer's own (shardmoe.moe): a task calls the stage fu
 tile's slices. Column tile n covers cols = [n*block_n, (n+1)*block_n) of the tiled dim; a row
 tile has m rows of one expert e (local index le on its device), so the one-expert weight slice
 W[e:e+1] with Groups((m,)) turns the grouped stage functions into tile functions. preGEMM and
-postGEMM call grouped_linear (bias added inside the GEMM, one rounding), glu_activation and
-activate: the building blocks expert_forward composes. They cannot call expert_forward itself,
-which runs both GEMMs of whole rows while a preGEMM tile owns only columns c of z1.
+postGEMM call experts.pre_gemm and experts.post_gemm, the two halves expert_forward composes,
+with the weight rows (and bias entries) of their columns: expert_forward itself runs both GEMMs
+of whole rows, while a preGEMM tile owns only columns c of z1.
 
 A kernel is called when its task starts: it reads its inputs then and computes, and returns a
 Commit that writes its outputs when the task ends. So a value that lands while a task runs is
@@ -72,23 +72,19 @@ def _add_expert_grad(ctx: KernelContext, ref: Ref, name: str, local_expert: int,
 def pre_gemm(task: Task, ctx: KernelContext) -> Commit:
     cfg, tile, mem, op = ctx.plan.config, ctx.plan.row_tile_of(task), ctx.memory, task.operands
     cols = ctx.plan.columns(task.tile_idx, cfg.ffn_size)
-    xs, e, groups = mem[op["x"]], tile.expert, _one_expert(tile.size)
-    if cfg.expert == "glu":
-        both = torch.cat([torch.arange(cfg.ffn_size)[cols], cfg.ffn_size + torch.arange(cfg.ffn_size)[cols]])
-        h = ex.grouped_linear(xs, ctx.params["gate_up_proj"][e:e + 1, both], groups)
-        a, _ = ex.glu_activation(h, cfg.activation)
-        width = cols.stop - cols.start
-
-        def commit():
-            mem[op["z"]][:, cols] = h[:, :width]
-            mem[op["z"]][:, cfg.ffn_size + cols.start:cfg.ffn_size + cols.stop] = h[:, width:]
-            mem[op["a"]][:, cols] = a
-        return commit
-    z1 = ex.grouped_linear(xs, ctx.params["w1"][e:e + 1, cols], groups, _bias(ctx, "b1", e, cols))
-    a = activate(cfg.activation, z1)
+    e, ffn = tile.expert, cfg.ffn_size
+    if cfg.expert == "glu":  # the tile's columns of both halves, [hg | hu]
+        both = torch.cat([torch.arange(ffn)[cols], ffn + torch.arange(ffn)[cols]])
+        params = {"gate_up_proj": ctx.params["gate_up_proj"][e:e + 1, both]}
+        z_cols = [cols, slice(ffn + cols.start, ffn + cols.stop)]
+    else:
+        params = {"w1": ctx.params["w1"][e:e + 1, cols], "b1": _bias(ctx, "b1", e, cols)}
+        z_cols = [cols]
+    a, z = ex.pre_gemm(cfg.expert, cfg.activation, mem[op["x"]], params, _one_expert(tile.size))
 
     def commit():
-        mem[op["z"]][:, cols] = z1
+        for part, dest in zip(z.chunk(len(z_cols), dim=1), z_cols):
+            mem[op["z"]][:, dest] = part
         mem[op["a"]][:, cols] = a
     return commit
 
@@ -96,10 +92,12 @@ def pre_gemm(task: Task, ctx: KernelContext) -> Commit:
 def post_gemm(task: Task, ctx: KernelContext) -> Commit:
     cfg, tile, mem, op = ctx.plan.config, ctx.plan.row_tile_of(task), ctx.memory, task.operands
     cols = ctx.plan.columns(task.tile_idx, cfg.hidden_size)
-    e, groups = tile.expert, _one_expert(tile.size)
-    name, bias = ("down_proj", None) if cfg.expert == "glu" else ("w2", _bias(ctx, "b2", e, cols))
-    z2 = ex.grouped_linear(mem[op["a"]], ctx.params[name][e:e + 1, cols], groups, bias)
-    y = activate(cfg.output_activation, z2)
+    e = tile.expert
+    if cfg.expert == "glu":
+        params = {"down_proj": ctx.params["down_proj"][e:e + 1, cols]}
+    else:
+        params = {"w2": ctx.params["w2"][e:e + 1, cols], "b2": _bias(ctx, "b2", e, cols)}
+    y, z2 = ex.post_gemm(cfg.expert, cfg.output_activation, mem[op["a"]], params, _one_expert(tile.size))
 
     def commit():
         mem[op["z2"]][:, cols] = z2
