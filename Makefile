@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 run: $(STAMP)
-	$(PY) -m shardmoe train
+	$(PY) -m shardmoe train --overwrite
 
 test: $(STAMP)
 	$(PY) -m pytest
