@@ -64,8 +64,16 @@ def _bias(ctx: KernelContext, name: str, expert: int, cols: slice) -> torch.Tens
     return None if bias is None else bias[expert:expert + 1, cols]
 
 
-def _add_expert_grad(ctx: KernelContext, ref: Ref, name: str, local_expert: int, index, value) -> None:
-    ctx.memory[Ref(ref.device, ref.name, name)][local_expert][index] += value
+def _write_rows_and_expert_grads(ctx: KernelContext, op: dict[str, Ref], cols: slice, rows: torch.Tensor,
+                                 local_expert: int, grads: list) -> Commit:
+    """The commit of gradPostGEMM and gradPreGEMM: their rows go to columns `cols` of op["out"], and
+    each (name, index, value) of `grads` is added to that weight's gradient of the local expert."""
+    def commit():
+        ctx.memory[op["out"]][:, cols] = rows
+        for name, index, value in grads:
+            ref = op["dw"]
+            ctx.memory[Ref(ref.device, ref.name, name)][local_expert][index] += value
+    return commit
 
 
 # --- forward -----------------------------------------------------------------------------------
@@ -157,11 +165,7 @@ def grad_post_gemm(task: Task, ctx: KernelContext) -> Commit:
                                                          has_bias, groups, cfg.output_activation)
         grads = [("w2", (slice(None), cols), grad_w2[0])] + ([("b2", slice(None), grad_b2[0])] if has_bias else [])
 
-    def commit():
-        mem[op["out"]][:, cols] = grad_a
-        for name, index, value in grads:
-            _add_expert_grad(ctx, op["dw"], name, le, index, value)
-    return commit
+    return _write_rows_and_expert_grads(ctx, op, cols, grad_a, le, grads)
 
 
 def grad_pre_gemm(task: Task, ctx: KernelContext) -> Commit:
@@ -180,11 +184,7 @@ def grad_pre_gemm(task: Task, ctx: KernelContext) -> Commit:
                                                         groups, cfg.activation)
         grads = [("w1", (slice(None), cols), grad_w1[0])] + ([("b1", slice(None), grad_b1[0])] if has_bias else [])
 
-    def commit():
-        mem[op["out"]][:, cols] = grad_x
-        for name, index, value in grads:
-            _add_expert_grad(ctx, op["dw"], name, le, index, value)
-    return commit
+    return _write_rows_and_expert_grads(ctx, op, cols, grad_x, le, grads)
 
 
 def grad_input_combine(task: Task, ctx: KernelContext) -> Commit:
