@@ -9,7 +9,8 @@
                 checksums   {tensor name: sha256 of its bytes} as JSON
                 step        optimizer steps taken (the run resumes at step + 1)
                 config      the TrainConfig as JSON (model table included)
-                identity    the settings a resume must share (TrainConfig.resume_identity) as JSON
+                identity    the settings a resume must share (TrainConfig.resume_identity) as JSON;
+                            the architecture preset `arch` among them
                 data        the batch stream's state_dict as JSON
 
 Weights and moments are gathered whole, so a checkpoint does not depend on the mesh: a run saved
@@ -33,6 +34,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from shardmoe.model.transformer import Transformer
+from shardmoe.train.presets import DEFAULT_ARCH
 
 from .optim import AdamW
 
@@ -111,6 +113,7 @@ def check_resumable(path: str | Path, identity: dict) -> int:
         raise ValueError(f"--resume: no checkpoint at {path}")
     _, metadata = read_verified(path)
     saved = json.loads(metadata["identity"])
+    saved.setdefault("arch", DEFAULT_ARCH)  # written before presets existed: the defaults, i.e. mixtral
     differences = _differences(saved, json.loads(json.dumps(identity)))
     if differences:
         raise ValueError(f"--resume: checkpoint {path} was written with another config: "

@@ -1,6 +1,7 @@
 """`shardmoe train`: train the MoE transformer on the embedded corpus (or a configured one).
 
     shardmoe train                                   # the default config, one process
+    shardmoe train --arch mixtral                    # an architecture preset (shardmoe.train.presets)
     shardmoe train --steps 50 --out runs/short --seed 1
     shardmoe train --resume                          # continue runs/default from its checkpoint
     shardmoe train --overwrite                       # start runs/default afresh, deleting the old run
@@ -27,6 +28,7 @@ from shardmoe.mesh import parse_mesh
 from shardmoe.model.residuals import BACKWARD_MODES
 from shardmoe.model.transformer import check_layout
 from shardmoe.train.config import TrainConfig, load_config
+from shardmoe.train.presets import ARCH_PRESETS, DEFAULT_ARCH, check_arch
 
 DEFAULT_OUT = "runs/default"
 MESH_AXIS_NAMES = {"d": "dp", "e": "ep", "t": "tp"}
@@ -35,6 +37,9 @@ MESH_AXIS_NAMES = {"d": "dp", "e": "ep", "t": "tp"}
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", metavar="FILE",
                         help="JSON or TOML file of settings (a [model] table for the model)")
+    parser.add_argument("--arch", metavar="NAME",
+                        help=f"architecture preset: {', '.join(ARCH_PRESETS)} (default: the config file's "
+                             f"arch, else {DEFAULT_ARCH}); the config file's settings override it")
     parser.add_argument("--steps", type=int, metavar="N", help="optimizer steps (also the cosine schedule's length)")
     parser.add_argument("--out", default=DEFAULT_OUT, metavar="DIR", help=f"output directory (default {DEFAULT_OUT})")
     parser.add_argument("--seed", type=int, metavar="S", help="seed of the initial weights and the data order")
@@ -51,7 +56,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def resolve_config(args: argparse.Namespace) -> TrainConfig:
-    config = load_config(args.config) if args.config else TrainConfig()
+    """Defaults < the preset (--arch, else the file's arch) < the config file < the other flags."""
+    if args.arch is not None:
+        check_arch(args.arch, "--arch")
+    if args.config:
+        config = load_config(args.config, args.arch)
+    else:
+        config = TrainConfig.from_dict({} if args.arch is None else {"arch": args.arch})
     overrides = {k: getattr(args, k) for k in ("steps", "seed", "backward", "timeout_minutes")
                  if getattr(args, k) is not None}
     return config.replace(**overrides) if overrides else config

@@ -1,15 +1,17 @@
 """TrainConfig: every setting of a training run, with defaults, loaded from JSON or TOML.
 
 A config file holds top-level training settings and a `model` table (TransformerConfig fields);
-anything left out keeps its default:
+anything left out keeps the value of its architecture preset (`arch`, shardmoe.train.presets),
+or else its default:
 
+    arch = "mixtral"
     steps = 300
     lr = 3e-3
     [model]
     d_model = 96
 
 Unknown keys are errors (a typo must not silently train the default). Command-line options
-(--steps, --seed, --backward, --timeout-minutes) override the file.
+(--arch, --steps, --seed, --backward, --timeout-minutes) override the file.
 """
 from __future__ import annotations
 
@@ -24,11 +26,12 @@ from pathlib import Path
 from shardmoe.model.residuals import check_backward_mode
 from shardmoe.model.transformer import TransformerConfig
 from shardmoe.train.data import VOCAB_SIZE
+from shardmoe.train.presets import DEFAULT_ARCH, check_arch, with_preset
 
 DTYPES = ("float32", "float64")
 # Settings a resumed run must share with the checkpoint: they fix the weights' shapes and the data
 # stream. Optimizer settings and `steps` may change on resume (docs/training.md).
-RESUME_IDENTITY = ("model", "dtype", "seq_len", "batch_size", "seed", "corpus", "val_fraction")
+RESUME_IDENTITY = ("arch", "model", "dtype", "seq_len", "batch_size", "seed", "corpus", "val_fraction")
 
 
 @dataclass(frozen=True)
@@ -48,8 +51,11 @@ class TrainConfig:
     collective) before failing with a message, instead of torch's default 30 minutes.
     model.vocab_size must cover the byte tokenizer's VOCAB_SIZE = 257 ids: an id without an
     embedding row would make the cross-entropy meaningless (it went negative).
+    arch: the preset (shardmoe.train.presets) the settings started from; from_dict applies it,
+    the constructor only checks the name (the defaults are the "mixtral" preset).
     """
 
+    arch: str = DEFAULT_ARCH
     model: TransformerConfig = field(default_factory=TransformerConfig)
     steps: int = 600
     batch_size: int = 16
@@ -77,6 +83,7 @@ class TrainConfig:
     timeout_minutes: float = 5.0
 
     def __post_init__(self) -> None:
+        check_arch(self.arch)
         if not isinstance(self.model, TransformerConfig):
             raise ValueError(f"model: expected a TransformerConfig, got {type(self.model).__name__}")
         if self.model.vocab_size < VOCAB_SIZE:
@@ -113,11 +120,12 @@ class TrainConfig:
 
     @classmethod
     def from_dict(cls, values: dict) -> "TrainConfig":
+        """The settings in `values` over those of the preset `values["arch"]` (default "mixtral")."""
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(values) - known)
         if unknown:
             raise ValueError(f"unknown setting(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
-        values = dict(values)
+        values = with_preset(values)
         if "model" in values:
             if not isinstance(values["model"], dict):
                 raise ValueError(f"model: expected a table of model settings, got {values['model']!r}")
@@ -133,8 +141,9 @@ class TrainConfig:
         return {key: values[key] for key in RESUME_IDENTITY}
 
 
-def load_config(path: str | Path) -> TrainConfig:
-    """TrainConfig from a .json or .toml file; errors name the file and the setting."""
+def load_config(path: str | Path, arch: str | None = None) -> TrainConfig:
+    """TrainConfig from a .json or .toml file; errors name the file and the setting.
+    `arch` (the --arch flag) replaces the file's own `arch`."""
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"--config: no such file {str(path)!r}")
@@ -148,7 +157,7 @@ def load_config(path: str | Path) -> TrainConfig:
             raise ValueError(f"expected a .json or .toml file, got suffix {path.suffix!r}")
         if not isinstance(values, dict):
             raise ValueError("expected a table of settings at the top level")
-        return TrainConfig.from_dict(values)
+        return TrainConfig.from_dict(values if arch is None else {**values, "arch": arch})
     except (ValueError, TypeError, tomllib.TOMLDecodeError) as err:
         raise ValueError(f"--config {path}: {err}") from None
 

@@ -1,0 +1,39 @@
+"""Architecture presets (`shardmoe train --arch NAME`, `arch = "NAME"` in a config file).
+
+A preset is a row of overrides of the training settings, written like a config file: top-level
+TrainConfig settings and a `model` table of TransformerConfig fields. A run's settings are
+
+    TrainConfig defaults  <  ARCH_PRESETS[arch]  <  the config file  <  command-line flags
+
+each layer replacing the settings it names; the `model` tables merge field by field, so a file
+that sets `model.d_model` keeps the preset's experts. The defaults of TrainConfig and
+TransformerConfig are the Mixtral-like model, so its row is empty. Another architecture is one
+more row, e.g. {"lr": 3e-3, "model": {"num_experts": 16, "top_k": 4, "aux_loss_coef": 0.0}}; a
+row naming an unknown setting fails like a config file would (tests/train/test_presets.py
+resolves every row).
+"""
+from __future__ import annotations
+
+DEFAULT_ARCH = "mixtral"
+
+ARCH_PRESETS: dict[str, dict] = {
+    "mixtral": {},  # softmax top-2 of 4 SwiGLU experts, aux-loss balancing: the defaults
+}
+
+
+def check_arch(name, argument: str = "arch") -> str:
+    """`name` if it is a preset; otherwise ValueError naming `argument` and listing the presets."""
+    if not isinstance(name, str) or name not in ARCH_PRESETS:
+        raise ValueError(f"{argument}: expected one of the presets {', '.join(ARCH_PRESETS)}, got {name!r}")
+    return name
+
+
+def with_preset(values: dict) -> dict:
+    """Config-file values over the preset they name (`arch`, default DEFAULT_ARCH); `model` merged
+    field by field. Returns the values for TrainConfig.from_dict, `arch` included."""
+    arch = check_arch(values.get("arch", DEFAULT_ARCH))
+    preset = ARCH_PRESETS[arch]
+    merged = {**preset, **values, "arch": arch}
+    if isinstance(preset.get("model"), dict) and isinstance(values.get("model", {}), dict):
+        merged["model"] = {**preset["model"], **values.get("model", {})}
+    return merged
