@@ -13,7 +13,8 @@ reported as one line, exit status 2, before any process group exists. Rank 0 the
 directory (shardmoe.train.rundir: locked against a second run, empty unless --resume or
 --overwrite) and tells the other ranks the outcome. A peer that hangs or dies makes the others
 fail within --timeout-minutes with one line and exit status 1, as does a failed write of the
-metrics. At the end rank 0 writes DIR/loss_curve.png and prints a summary and a few sampled lines.
+metrics. At the end rank 0 writes DIR/loss_curve.png and DIR/expert_load.png (tokens per expert
+over the steps) and prints a summary and a few sampled lines.
 """
 from __future__ import annotations
 
@@ -184,7 +185,8 @@ def _first_line(err: BaseException) -> str:
 
 def _train_and_report(config: TrainConfig, args: argparse.Namespace, mesh) -> int:
     from shardmoe.train.loop import train
-    from shardmoe.train.plots import plot_loss_curve
+    from shardmoe.train.plots import plot_expert_load, plot_loss_curve
+    from shardmoe.train.rundir import CURVE_FILE, LOAD_FILE
     from shardmoe.train.sample import DEFAULT_PROMPTS, sample
 
     rank0 = mesh is None or mesh.rank == 0
@@ -203,9 +205,10 @@ def _train_and_report(config: TrainConfig, args: argparse.Namespace, mesh) -> in
     if not rank0:
         return 0
     model = config.model
-    curve = plot_loss_curve(rows, Path(args.out) / "loss_curve.png",
-                            title=f"shardmoe train: {model.n_layers} layers, d_model {model.d_model}, "
-                                  f"{model.num_experts} experts (top {model.top_k}), {config.steps} steps")
+    title = (f"shardmoe train --arch {config.arch}: {model.n_layers} layers, d_model {model.d_model}, "
+             f"{model.num_experts} experts (top {model.top_k}), {config.steps} steps")
+    curve = plot_loss_curve(rows, Path(args.out) / CURVE_FILE, title=title)
+    load = plot_expert_load(rows, Path(args.out) / LOAD_FILE, title=title)
     tokens_per_s = len(new) * config.batch_size * config.seq_len / sum(r["seconds"] for r in new)
     mean_mfu = sum(r["mfu"] for r in new) / len(new)
     final = rows[-1]
@@ -213,7 +216,9 @@ def _train_and_report(config: TrainConfig, args: argparse.Namespace, mesh) -> in
     print(f"steps {new[0]['step']}..{final['step']}: loss {new[0]['loss']:.3f} -> {final['loss']:.3f}{held_out}; "
           f"{wall:.0f} s wall, {tokens_per_s:.0f} tokens/s, mean MFU {mean_mfu:.1%} of a measured "
           f"{result.peak_flops / 1e9:.1f} GFLOP/s matmul peak per rank")
-    print(f"wrote {Path(args.out) / 'metrics.jsonl'}, {curve} and {Path(args.out) / 'checkpoint.safetensors'}")
+    print(f"wrote {Path(args.out) / 'metrics.jsonl'}, {curve}, {load} and {Path(args.out) / 'checkpoint.safetensors'}")
+    print(f"expert load, max/mean over the experts of the worst layer: step {new[0]['step']} "
+          f"{new[0]['worst_load_max_over_mean']:.2f} -> step {final['step']} {final['worst_load_max_over_mean']:.2f}")
     if samples:
         print("samples:")
         for text in samples:  # one line each: sampling stops at a newline; control bytes are masked

@@ -8,7 +8,11 @@ One optimizer step n (1-based) on every rank of the mesh:
     clip       the global gradient norm (all shards, each counted once) to max_grad_norm
     update     AdamW with the warm-up + cosine learning rate of step n
 and rank 0 appends one JSON row to DIR/metrics.jsonl. The logged `loss` is the cross-entropy of
-the global batch before the update (nats per byte); `aux_loss` the summed weighted MoE losses.
+the global batch before the update (nats per byte); `aux_loss` the summed weighted MoE losses;
+the load columns (metrics.load_columns) count each layer's tokens per expert over the global
+batch. Under a mesh the MoE layer's stats["tokens_per_expert"] is already that global count: the
+dispatch plan all-gathers every token-parallel rank's (d, e) counts before any row moves
+(shardmoe/parallel/dispatch.py), and t peers hold the same tokens, so nothing is summed again.
 
 Determinism: initial weights come from config.seed, the batch stream is a pure function of
 (seed, position), the optimizer is elementwise, and nothing else draws random numbers; so a run
@@ -31,7 +35,7 @@ from shardmoe.train.checkpoint import checkpoint_path, load_checkpoint, save_che
 from shardmoe.train.config import TrainConfig
 from shardmoe.train.data import PackedBatches, load_corpus, split_documents
 from shardmoe.train.flops import measure_peak_flops, train_flops_per_token
-from shardmoe.train.metrics import MetricsLog, read_metrics, write_metrics
+from shardmoe.train.metrics import MetricsLog, load_columns, read_metrics, write_metrics
 from shardmoe.train.optim import AdamW, clip_grads, global_grad_norm, learning_rate
 
 SPLIT_SEED = 0  # the held-out documents stay the same whatever the training seed
@@ -122,6 +126,7 @@ def train(config: TrainConfig, out_dir: str | Path | None, *, mesh=None, resume:
             optimizer.zero_grad()
             batch = next(data)
             losses = model(batch.ids, batch.is_seq_start, batch.targets)
+            loads = load_columns([s["tokens_per_expert"] for s in model.moe_stats()])  # before evaluate() reroutes
             losses.total.backward()
             model.sync_grads()
             grad_norm = global_grad_norm([(p.grad, model.replicas(n)) for n, p in params])
@@ -135,7 +140,7 @@ def train(config: TrainConfig, out_dir: str | Path | None, *, mesh=None, resume:
                    "tokens_per_s": config.batch_size * config.seq_len / seconds,
                    "mfu": flops_per_step / seconds / (result.peak_flops * world),
                    "dropped_tokens": sum(int(s.get("dropped_tokens", 0)) for s in model.moe_stats()),
-                   "seconds": seconds}
+                   "seconds": seconds, **loads}
             if flagged:
                 row["flagged"] = flagged
                 if bar is not None:

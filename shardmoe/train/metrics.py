@@ -6,6 +6,14 @@ ends in a torn line, and the OSError names the file. A row torn by something the
 catch (power loss, SIGKILL mid-write) is an unterminated final line: read_metrics drops it with a
 warning naming the file (the checkpoint, not the log, says where a resume continues). Any other
 unparsable line is an error that names the file and the line number.
+
+The load columns of a row (load_columns), per MoE layer l and expert j of the step's global batch:
+
+    expert_tokens[l][j]          (token, expert) pairs layer l sent to expert j (after capacity),
+                                 summed over every rank's tokens
+    load_max_over_mean[l]        max_j expert_tokens[l][j] / mean_j expert_tokens[l][j]
+                                 (1 is perfect balance, E means one expert took every token)
+    worst_load_max_over_mean     max_l load_max_over_mean[l]
 """
 from __future__ import annotations
 
@@ -13,6 +21,8 @@ import json
 import os
 import warnings
 from pathlib import Path
+
+import torch
 
 METRICS_FILE = "metrics.jsonl"
 
@@ -42,6 +52,13 @@ class MetricsLog:
 
     def close(self) -> None:
         os.close(self._fd)
+
+
+def load_columns(tokens_per_expert: list[torch.Tensor]) -> dict:
+    """The load columns (see the module doc) from each layer's global tokens per expert [E]."""
+    counts = [[int(c) for c in layer.tolist()] for layer in tokens_per_expert]
+    ratios = [max(c) * len(c) / sum(c) for c in counts]
+    return {"expert_tokens": counts, "load_max_over_mean": ratios, "worst_load_max_over_mean": max(ratios)}
 
 
 def read_metrics(out_dir: str | Path, up_to: int) -> list[dict]:

@@ -23,7 +23,8 @@ from shardmoe.train.metrics import METRICS_FILE
 
 LOCK_FILE = ".lock"
 CURVE_FILE = "loss_curve.png"
-RUN_FILES = (METRICS_FILE, METRICS_FILE + ".tmp", CHECKPOINT_FILE, CHECKPOINT_FILE + ".tmp", CURVE_FILE)
+LOAD_FILE = "expert_load.png"
+RUN_FILES = (METRICS_FILE, METRICS_FILE + ".tmp", CHECKPOINT_FILE, CHECKPOINT_FILE + ".tmp", CURVE_FILE, LOAD_FILE)
 
 
 class RunDirLock:

@@ -34,6 +34,8 @@ def test_tiny_run_writes_metrics_curve_checkpoint_and_samples(tmp_path, capsys, 
     rows = read_rows(out)
     assert [r["step"] for r in rows] == [1, 2, 3] and all("loss" in r for r in rows)
     assert (out / "loss_curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (out / "expert_load.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "expert load, max/mean over the experts of the worst layer: step 1" in printed
     assert (out / "checkpoint.safetensors").is_file()
     samples = printed.split("samples:\n")[1].splitlines()
     assert len(samples) == 3 and samples[0].startswith("  In the beginning")
@@ -95,7 +97,8 @@ def test_a_new_run_refuses_a_directory_holding_a_run_unless_resumed_or_overwritt
     assert main(second) == 2
     assert capsys.readouterr().err == (
         f"shardmoe train: --out {out}: expected an empty directory for a new run, but it holds checkpoint.safetensors, "
-        "loss_curve.png, metrics.jsonl; pass --resume to continue that run or --overwrite to replace it\n")
+        "expert_load.png, loss_curve.png, metrics.jsonl; pass --resume to continue that run or --overwrite to "
+        "replace it\n")
     assert (out / "metrics.jsonl").read_text() == old_rows  # untouched
 
     assert main(second + ["--resume", "--overwrite"]) == 2
