@@ -4,6 +4,8 @@ PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
+# the architecture preset `make run` trains (shardmoe/train/presets.py): make run ARCH=NAME
+ARCH   ?= mixtral
 
 .PHONY: run test venv clean
 
@@ -16,7 +18,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 run: $(STAMP)
-	$(PY) -m shardmoe train --overwrite
+	$(PY) -m shardmoe train --overwrite --arch $(ARCH)
 
 test: $(STAMP)
 	$(PY) -m pytest
