@@ -4,6 +4,9 @@
       tensors   model.<param>                  full weights (the model's dtype)
                 optim.exp_avg.<param>          AdamW first moments, full
                 optim.exp_avg_sq.<param>       AdamW second moments, full
+                buffer.<name>                  the model's persistent buffers (state that is not
+                                               trained by gradient, e.g. a router's selection bias);
+                                               replicated, so rank 0's copy is every rank's
                 rng.torch                      torch's CPU generator state (uint8)
       metadata  format      "shardmoe-checkpoint/2"
                 checksums   {tensor name: sha256 of its bytes} as JSON
@@ -51,6 +54,7 @@ def save_checkpoint(out_dir: str | Path, model: Transformer, optimizer: AdamW, s
                     identity: dict, data_state: dict, write: bool) -> None:
     """Gather the state (collective) and, when `write` (rank 0), write it atomically."""
     tensors = {f"model.{name}": t for name, t in model.full_state_dict().items()}
+    tensors.update({f"buffer.{name}": b.detach().clone() for name, b in persistent_buffers(model).items()})
     with torch.no_grad():
         for key in MOMENTS:
             for name, local in optimizer.state_dict()[key].items():
@@ -68,6 +72,12 @@ def save_checkpoint(out_dir: str | Path, model: Transformer, optimizer: AdamW, s
     tmp = path.with_name(path.name + ".tmp")
     save_file(tensors, str(tmp), metadata=metadata)
     os.replace(tmp, path)
+
+
+def persistent_buffers(model: Transformer) -> dict[str, torch.Tensor]:
+    """The buffers in the model's state_dict (its non-parameter state), by name."""
+    params = {name for name, _ in model.named_parameters()}
+    return {name: t for name, t in model.state_dict(keep_vars=True).items() if name not in params}
 
 
 def tensor_checksum(tensor: torch.Tensor) -> str:
@@ -125,7 +135,15 @@ def load_checkpoint(path: str | Path, model: Transformer, optimizer: AdamW) -> t
     """Load weights and optimizer moments (keeping this rank's shards) and the RNG state;
     returns (step, data state dict). Every rank reads (and verifies) the file itself: no communication."""
     tensors, metadata = read_verified(path)
+    buffers = persistent_buffers(model)
+    saved = {k[len("buffer."):]: v for k, v in tensors.items() if k.startswith("buffer.")}
+    in_file, in_model = ({n: list(t.shape) for n, t in d.items()} for d in (saved, buffers))
+    if in_file != in_model:  # checked before anything is loaded
+        raise ValueError(f"checkpoint {path}: buffers {in_file} in the file, the model has {in_model}")
     model.load_full_state_dict({k[len("model."):]: v for k, v in tensors.items() if k.startswith("model.")})
+    with torch.no_grad():
+        for name, buffer in buffers.items():
+            buffer.copy_(saved[name])
     state = {"step": int(metadata["step"])}
     for key in MOMENTS:
         prefix = f"optim.{key}."

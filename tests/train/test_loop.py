@@ -116,3 +116,28 @@ def test_a_flipped_data_byte_is_refused_before_any_weight_is_used(tmp_path, tiny
     assert all(torch.equal(before[n], p) for n, p in fresh.named_parameters())  # nothing was loaded
     with pytest.raises(ValueError, match=message):
         train(config.replace(steps=2), tmp_path, resume=True, progress=False)
+
+
+def test_buffers_round_trip_through_the_checkpoint(tmp_path, tiny_config, one_thread):
+    """State that is not a parameter (a router's selection bias is one) is saved and restored."""
+    config = tiny_config(steps=1, eval_batches=0)
+
+    def model_with_bias(values):
+        model = train(config, None, stop_after=0, progress=False).model
+        model.blocks[1].moe.register_buffer("selection_bias", torch.tensor(values, dtype=torch.float32))
+        return model, ckpt.AdamW(model.named_parameters(), betas=(0.9, 0.9), eps=1e-8, weight_decay=0.0)
+
+    saved, optimizer = model_with_bias([0.25, -0.5, 0.0, 1e-3])
+    ckpt.save_checkpoint(tmp_path, saved, optimizer, 1, config.to_dict(), config.resume_identity(), {}, write=True)
+    with safe_open(str(ckpt.checkpoint_path(tmp_path)), framework="pt") as f:
+        assert "buffer.blocks.1.moe.selection_bias" in set(f.keys())
+    loaded, optimizer = model_with_bias([0.0] * 4)
+    ckpt.load_checkpoint(ckpt.checkpoint_path(tmp_path), loaded, optimizer)
+    assert torch.equal(loaded.blocks[1].moe.selection_bias, saved.blocks[1].moe.selection_bias)
+
+    plain = train(config, None, stop_after=0, progress=False).model
+    before = {n: p.detach().clone() for n, p in plain.named_parameters()}
+    with pytest.raises(ValueError, match=r"buffers \{'blocks\.1\.moe\.selection_bias': \[4\]\} in the file, "
+                                         r"the model has \{\}"):
+        ckpt.load_checkpoint(ckpt.checkpoint_path(tmp_path), plain, optimizer)
+    assert all(torch.equal(before[n], p) for n, p in plain.named_parameters())  # nothing was loaded
