@@ -5,6 +5,7 @@ before step n (a run stopped after n - 1 steps), batch n of the data stream, eac
 captured by a hook, and top-k of x . gate_weight in float64 counted with bincount. A 2-rank world
 (d = 2 and e = 2 in turn) must log the same global counts as the single process.
 """
+import json
 import struct
 
 import pytest
@@ -14,7 +15,7 @@ from shardmoe.mesh import Mesh
 from shardmoe.testing import run_distributed
 from shardmoe.train import plots
 from shardmoe.train.loop import build_streams, train
-from shardmoe.train.metrics import load_columns
+from shardmoe.train.metrics import METRICS_FILE, load_columns
 
 from .conftest import tiny_train_config
 
@@ -48,14 +49,19 @@ def recomputed_counts(config, steps):
     return counts
 
 
+def read_rows(out_dir):
+    return [json.loads(line) for line in (out_dir / METRICS_FILE).read_text().splitlines()]
+
+
 @pytest.fixture(scope="module")
-def single_process():
-    """(metrics rows, recomputed counts) of the float64 tiny run on one process and one thread."""
+def single_process(tmp_path_factory):
+    """(rows of metrics.jsonl, recomputed counts) of the float64 tiny run on one process and one thread."""
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        config = float64_config()
-        return train(config, None, progress=False).metrics, recomputed_counts(config, STEPS)
+        config, out = float64_config(), tmp_path_factory.mktemp("single")
+        train(config, out, progress=False)
+        return read_rows(out), recomputed_counts(config, STEPS)
     finally:
         torch.set_num_threads(before)
 
@@ -73,20 +79,20 @@ def test_logged_loads_equal_the_recomputed_counts(single_process):
     assert max(r["worst_load_max_over_mean"] for r in rows) > 1.0  # the counts are not trivially balanced
 
 
-def _two_rank_loads(layouts):
-    return {layout: [{k: r[k] for k in ("expert_tokens", "load_max_over_mean", "worst_load_max_over_mean")}
-                     for r in train(float64_config(), None, mesh=Mesh(*layout), progress=False).metrics]
-            for layout in layouts}
+def _train_layouts(layouts, out_dirs):
+    for layout, out in zip(layouts, out_dirs):
+        train(float64_config(), out, mesh=Mesh(*layout), progress=False)
 
 
-def test_two_ranks_log_the_global_counts(single_process, one_thread):
+def test_two_ranks_log_the_global_counts(single_process, tmp_path, one_thread):
     rows, counts = single_process
     layouts = [(2, 1, 1), (1, 2, 1)]  # (d, e, t): tokens split over d, then over e
-    per_rank = run_distributed(_two_rank_loads, 2, args=(layouts,), timeout=180)
-    for rank, loads in enumerate(per_rank):
-        for layout in layouts:
-            assert [r["expert_tokens"] for r in loads[layout]] == counts, (rank, layout)
-            assert [r["load_max_over_mean"] for r in loads[layout]] == [r["load_max_over_mean"] for r in rows]
+    out_dirs = [tmp_path / f"d{d}e{e}t{t}" for d, e, t in layouts]
+    run_distributed(_train_layouts, 2, args=(layouts, [str(o) for o in out_dirs]), timeout=180)
+    for layout, out in zip(layouts, out_dirs):
+        logged = read_rows(out)  # rank 0's file
+        assert [r["expert_tokens"] for r in logged] == counts, layout
+        assert [r["load_max_over_mean"] for r in logged] == [r["load_max_over_mean"] for r in rows], layout
 
 
 def png_size(path):
