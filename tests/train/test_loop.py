@@ -5,6 +5,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from shardmoe.model.transformer import Transformer
 from shardmoe.train import checkpoint as ckpt
 from shardmoe.train.loop import train
 from shardmoe.train.metrics import METRICS_FILE
@@ -123,7 +124,7 @@ def test_buffers_round_trip_through_the_checkpoint(tmp_path, tiny_config, one_th
     config = tiny_config(steps=1, eval_batches=0)
 
     def model_with_bias(values):
-        model = train(config, None, stop_after=0, progress=False).model
+        model = Transformer(config.model, seed=config.seed)
         model.blocks[1].moe.register_buffer("selection_bias", torch.tensor(values, dtype=torch.float32))
         return model, ckpt.AdamW(model.named_parameters(), betas=(0.9, 0.9), eps=1e-8, weight_decay=0.0)
 
@@ -135,7 +136,7 @@ def test_buffers_round_trip_through_the_checkpoint(tmp_path, tiny_config, one_th
     ckpt.load_checkpoint(ckpt.checkpoint_path(tmp_path), loaded, optimizer)
     assert torch.equal(loaded.blocks[1].moe.selection_bias, saved.blocks[1].moe.selection_bias)
 
-    plain = train(config, None, stop_after=0, progress=False).model
+    plain = Transformer(config.model, seed=config.seed)
     before = {n: p.detach().clone() for n, p in plain.named_parameters()}
     with pytest.raises(ValueError, match=r"buffers \{'blocks\.1\.moe\.selection_bias': \[4\]\} in the file, "
                                          r"the model has \{\}"):
