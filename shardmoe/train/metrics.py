@@ -12,7 +12,8 @@ The load columns of a row (load_columns), per MoE layer l and expert j of the st
     expert_tokens[l][j]          (token, expert) pairs layer l sent to expert j (after capacity),
                                  summed over every rank's tokens
     load_max_over_mean[l]        max_j expert_tokens[l][j] / mean_j expert_tokens[l][j]
-                                 (1 is perfect balance, E means one expert took every token)
+                                 (1 is perfect balance; E / k, its most for dropless top-k, means k
+                                 experts took every token)
     worst_load_max_over_mean     max_l load_max_over_mean[l]
 """
 from __future__ import annotations
