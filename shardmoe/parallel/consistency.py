@@ -31,11 +31,11 @@ import struct
 import torch
 
 from shardmoe import shardops
-from shardmoe.moe.config import ACTIVATIONS, EXPERT_KINDS
+from shardmoe.moe.config import ACTIVATIONS, EXPERT_KINDS, SCORE_FUNCS
 from shardmoe.notation import MESH_AXES
 from shardmoe.parallel.exchange import ExchangeError
 
-_STRINGS = EXPERT_KINDS + ACTIVATIONS
+_STRINGS = EXPERT_KINDS + ACTIVATIONS + SCORE_FUNCS
 _DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
 # (tag, payload) per setting, so that a rank can print the values the other ranks sent
 _NONE, _INT, _FLOAT, _STRING, _DTYPE = range(5)
@@ -111,8 +111,8 @@ def check_settings(table: torch.Tensor, names, what: str) -> None:
 
 
 def check_t_peers(table: torch.Tensor, mesh) -> None:
-    """table [W, 3 + E]: each rank's token count, checksums of its tokens and of its top-k choices,
-    and selections per expert. The ranks along 't' hold the same tokens and the same gate, so they
+    """table [W, 4 + E]: each rank's token count, checksums of its tokens and of its top-k choices,
+    its sequences and selections per expert. The ranks along 't' hold the same tokens and the same gate, so they
     must agree on all of it."""
     for group in _groups_along(mesh, "t"):
         rows = table[group]
