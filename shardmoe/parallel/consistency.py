@@ -11,7 +11,7 @@ names the setting and the ranks:
               (settings_words), compared across the whole mesh by check_settings. They ride on
               the forward's counts all-gather (dispatch.plan_dispatch), and once per layer on a
               fixed-size all-gather before the first forward (ExpertParallel), because the counts
-              row has E + 1 words and ranks that disagree on E cannot share one all-gather.
+              row has E + 2 words and ranks that disagree on E cannot share one all-gather.
   t-peers     the ranks along 't' must hold the same tokens (tokens are split over the (d, e)
               coordinate and replicated over 't'): each rank adds its token count, checksum(x) and
               checksum(top-k choices) to the counts row, and check_t_peers compares them (equal
