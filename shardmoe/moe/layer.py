@@ -223,6 +223,7 @@ class MoE(nn.Module):
 
         With a sharded mesh the expert tensors are gathered whole: collective over ('e', 't')."""
         c = self.config
+        routers.check_mixtral_router(c, "to_mixtral_state_dict")
         if c.expert != "glu" or c.activation not in MIXTRAL_ACTIVATIONS or not c.renormalize:
             raise ValueError("to_mixtral_state_dict: expected expert='glu', renormalize=True and activation in "
                              f"{sorted(MIXTRAL_ACTIVATIONS)}, got expert={c.expert!r}, renormalize={c.renormalize}, "
