@@ -9,7 +9,10 @@ matrix crosses every option that changes the math:
 on S = 13 tokens, with the aux and z losses switched on in half of the cases
 (alternating, so each other option is seen both with and without them), and
 adds the edge cases: an expert that receives no tokens (dropless and with
-capacity), S = 1, S = 0, and tokens with more than one leading dim.
+capacity), S = 1, S = 0, and tokens with more than one leading dim. The router
+matrix crosses the router families (ROUTERS: sigmoid, router and correction
+biases, groups, epsilon, scaling) with capacity x top_k x the losses (aux, z and
+sequence-wise, on 3 sequences of 5 tokens), and adds ties in the selection scores.
 
 Shapes are tiny (H=8, F=6, E=4) so that the full matrix runs in seconds on a CPU.
 """
@@ -52,6 +55,7 @@ class CheckCase:
     tokens_shape: tuple[int, ...] = (TOKENS,)
     empty_expert: int | None = None
     seed: int = 0
+    tie: bool = False  # expert 1's gate column (and correction bias) copies expert 0's: tied scores
 
     @property
     def num_tokens(self) -> int:
@@ -69,12 +73,57 @@ class CheckCase:
         parts.append("renorm" if c.renormalize else "raw")
         if c.capacity_factor is not None:
             parts.append(f"cap{c.capacity_factor:g}")
-        if c.aux_loss_coef or c.z_loss_coef:
+        parts += _router_tags(c)
+        if c.aux_loss_coef or c.z_loss_coef or c.seq_aux_loss_coef:
             parts.append("aux")
+        if self.tie:
+            parts.append("tie")
         if self.empty_expert is not None:
             parts.append(f"empty{self.empty_expert}")
         parts.append("S=" + "x".join(map(str, self.tokens_shape)))
         return "-".join(parts)
+
+
+# Router families, as MoEConfig options (E = 4: groups of 2, or of 1 expert).
+ROUTERS = (
+    dict(score_func="sigmoid"),
+    dict(score_func="sigmoid", correction_bias=True, n_group=2, topk_group=1, renormalize_epsilon=1e-20,
+         routed_scaling_factor=2.5),  # DeepSeek-V3
+    dict(router_bias=True),  # GPT-OSS
+    dict(correction_bias=True, n_group=4, topk_group=2),
+    dict(score_func="sigmoid", router_bias=True, renormalize=False, routed_scaling_factor=1.5),
+)
+SEQ_AUX_LOSS_COEF = 0.3
+ROUTER_TOKENS = (3, 5)  # 3 sequences of 5 tokens for the sequence-wise loss
+
+
+def _router_tags(c: MoEConfig) -> list[str]:
+    tags = [] if c.score_func == "softmax" else [c.score_func]
+    tags += [tag for tag, on in (("rbias", c.router_bias), ("cbias", c.correction_bias)) if on]
+    if c.n_group > 1:
+        tags.append(f"g{c.topk_group}of{c.n_group}")
+    if c.renormalize_epsilon:
+        tags.append(f"eps{c.renormalize_epsilon:g}")
+    if c.routed_scaling_factor != 1.0:
+        tags.append(f"x{c.routed_scaling_factor:g}")
+    return tags
+
+
+def _router_config(router: dict, *, top_k: int = 2, capacity: bool = False, aux: bool = False) -> MoEConfig:
+    return dataclasses.replace(_config("glu", "silu", top_k=top_k, capacity=capacity, aux=aux),
+                               seq_aux_loss_coef=SEQ_AUX_LOSS_COEF if aux else 0.0, **router)
+
+
+def router_matrix() -> list[CheckCase]:
+    """Every router family x capacity x top_k = 1, 2 (the losses on in half, alternating), glu
+    experts on 3 sequences of 5 tokens; plus each family with tied scores (k = 2, losses on)."""
+    cases = []
+    for router in ROUTERS:
+        for capacity, top_k in itertools.product((False, True), (1, 2)):
+            config = _router_config(router, top_k=top_k, capacity=capacity, aux=(top_k + capacity) % 2 == 1)
+            cases.append(CheckCase(config, tokens_shape=ROUTER_TOKENS))
+    cases += [CheckCase(_router_config(router, aux=True), tokens_shape=ROUTER_TOKENS, tie=True) for router in ROUTERS]
+    return cases
 
 
 def _config(expert: str, activation: str, output_activation: str = "identity", *, bias: bool = False,
@@ -126,13 +175,14 @@ def edge_cases() -> list[CheckCase]:
 
 
 def full_matrix() -> list[CheckCase]:
-    return core_matrix() + edge_cases()
+    return core_matrix() + edge_cases() + router_matrix()
 
 
 def quick_matrix() -> list[CheckCase]:
     """A subset of full_matrix touching every option: each expert variant once, rotating
     through the routing settings (renormalize x capacity x top_k), plus one case of each
-    edge-case kind."""
+    edge-case kind, and each router family once (rotating through capacity x top_k x losses)
+    plus one tie."""
     core, variants = core_matrix(), len(_expert_variants())
     per_variant = len(core) // variants
     # A stride coprime with per_variant (16) visits every routing setting in turn.
@@ -143,7 +193,10 @@ def quick_matrix() -> list[CheckCase]:
         if kind not in seen:
             seen.add(kind)
             cases.append(case)
-    return cases
+    routers = router_matrix()
+    per_router = 4
+    cases += [routers[r * per_router + r % per_router] for r in range(len(ROUTERS))]
+    return cases + [routers[len(ROUTERS) * per_router + 1]]
 
 
 def unit_size_cases() -> list[CheckCase]:
@@ -172,7 +225,8 @@ def precision_cases() -> list[CheckCase]:
         CheckCase(_config("mlp", "gelu_tanh", "silu", bias=True, top_k=2, renormalize=False, capacity=True, aux=True)),
         CheckCase(_config("mlp", "relu", "identity", bias=True, top_k=3)),
         CheckCase(_config("mlp", "identity", "gelu", top_k=EXPERTS, aux=True)),
-    ] + unit_size_cases()
+    ] + unit_size_cases() + [CheckCase(_router_config(router, aux=True), tokens_shape=ROUTER_TOKENS)
+                             for router in ROUTERS[1:4]]
 
 
 def gradcheck_cases() -> list[CheckCase]:

@@ -85,12 +85,14 @@ def fused_layer(config: MoEConfig, dtype: torch.dtype, device="cpu"):
     """A shardmoe.MoE built from `config` (looked up at call time, so tests can substitute it)."""
     import shardmoe
 
+    from shardmoe.moe.layer import ROUTER_OPTIONS
+
     c = config
     return shardmoe.MoE(
         c.hidden_size, c.ffn_size, c.num_experts, c.top_k, expert=c.expert, activation=c.activation,
         output_activation=c.output_activation, bias=c.bias, renormalize=c.renormalize,
         capacity_factor=c.capacity_factor, aux_loss_coef=c.aux_loss_coef, z_loss_coef=c.z_loss_coef,
-        dtype=dtype, device=device,
+        dtype=dtype, device=device, **{name: getattr(c, name) for name in ROUTER_OPTIONS},
     )
 
 
@@ -102,6 +104,8 @@ def run_fused(config: MoEConfig, inputs: CaseInputs, device="cpu"):
     with torch.no_grad():
         for name, value in inputs.params.items():
             getattr(layer, name).copy_(value)
+        if inputs.correction_bias is not None:
+            layer.correction_bias.copy_(inputs.correction_bias)
     x = inputs.x.to(device).requires_grad_(True)
     y = layer(x)
     aux = layer.aux_loss
@@ -115,7 +119,8 @@ def run_fused(config: MoEConfig, inputs: CaseInputs, device="cpu"):
 
 def _stats_problems(layer, case: CheckCase, inputs64: CaseInputs) -> list[str]:
     """Compare the layer's routing statistics with the reference routing's."""
-    routing = reference_routing(inputs64.x, inputs64.params["gate_weight"], case.config)
+    routing = reference_routing(inputs64.x, inputs64.params["gate_weight"], case.config,
+                                inputs64.params.get("gate_bias"), inputs64.correction_bias)
     expected = {"tokens_per_expert": routing.tokens_per_expert.tolist(), "dropped_tokens": routing.dropped_pairs}
     problems = []
     for key, want in expected.items():
@@ -134,7 +139,7 @@ def compare_with_reference(case: CheckCase, dtype: torch.dtype = torch.float64, 
     inputs = make_inputs(case, dtype)
     inputs64 = inputs.to(torch.float64)
     ref_out, ref_aux, ref_grads = reference_forward_backward(inputs64.x, inputs64.params, case.config,
-                                                             inputs64.grad_out)
+                                                             inputs64.grad_out, inputs64.correction_bias)
     layer, y, x_grad = run_fused(case.config, inputs, device)
 
     if y.shape != inputs.x.shape or y.dtype != dtype:

@@ -12,7 +12,11 @@ more than the round-off, so inputs are redrawn until
   |u| >= KINK_MARGIN for every relu input u of a kept pair
       (glu: hg = x Wgate^T; mlp: z1 with activation relu, z2 with output activation relu)
 
-with margins per compute dtype.
+with margins per compute dtype. A router other than the plain softmax one selects on
+scores (plus a correction bias, within groups), so its margin is measured there: the k-th and
+(k+1)-th choice among the allowed experts and the topk_group-th and next group score are at
+least SCORE_MARGIN apart; values tied exactly (a tie case's twin experts, decided by index in
+every dtype alike) count as one, measured against their distinct neighbours.
 """
 from __future__ import annotations
 
@@ -30,7 +34,10 @@ from shardmoe.moe.reference import ACTIVATION_FUNCTIONS, Routing, parameter_shap
 # and above a float64 finite-difference step (1e-6), yet small enough to redraw rarely.
 ROUTING_MARGIN = {torch.float64: 1e-4, torch.float32: 1e-3, torch.bfloat16: 1e-1}
 KINK_MARGIN = {torch.float64: 1e-5, torch.float32: 1e-4, torch.bfloat16: 2e-2}
+# Scores move by at most a quarter of their logits' error (sigmoid' <= 1/4, p (1 - p) <= 1/4).
+SCORE_MARGIN = {dtype: margin / 4 for dtype, margin in ROUTING_MARGIN.items()}
 MAX_DRAWS = 500
+CORRECTION_BIAS_STD = 0.1
 # Forcing an expert empty: every token gets this much of feature 0, and the empty
 # expert's gate column this much negative weight on it, so its logit sits ~9 below the rest.
 EMPTY_OFFSET = 3.0
@@ -38,19 +45,22 @@ EMPTY_OFFSET = 3.0
 
 @dataclass
 class CaseInputs:
-    """x [*tokens_shape, H], params by layer name, grad_out like x; all in one dtype."""
+    """x [*tokens_shape, H], params by layer name, grad_out like x; all in one dtype.
+    correction_bias [E] float32 (the layer's buffer) or None."""
 
     x: torch.Tensor
     params: dict[str, torch.Tensor]
     grad_out: torch.Tensor
+    correction_bias: torch.Tensor | None = None
 
     def to(self, dtype: torch.dtype) -> "CaseInputs":
         return CaseInputs(self.x.to(dtype), {n: p.to(dtype) for n, p in self.params.items()},
-                          self.grad_out.to(dtype))
+                          self.grad_out.to(dtype), self.correction_bias)
 
 
 def _draw(case: CheckCase, generator: torch.Generator) -> CaseInputs:
-    """x ~ N(0, 1), matrices ~ N(0, 1/fan_in), biases ~ N(0, 0.1^2), grad_out ~ N(0, 1)."""
+    """x ~ N(0, 1), matrices ~ N(0, 1/fan_in), biases ~ N(0, 0.1^2), gate_bias ~ N(0, 1/E),
+    correction_bias ~ N(0, 0.1^2) in float32, grad_out ~ N(0, 1)."""
     config = case.config
     H = config.hidden_size
 
@@ -68,7 +78,52 @@ def _draw(case: CheckCase, generator: torch.Generator) -> CaseInputs:
     if case.empty_expert is not None:
         x[..., 0] += EMPTY_OFFSET
         params["gate_weight"][0, case.empty_expert] = -EMPTY_OFFSET
-    return CaseInputs(x, params, normal(*case.tokens_shape, H))
+    grad_out = normal(*case.tokens_shape, H)
+    correction_bias = None
+    if config.correction_bias:
+        correction_bias = (CORRECTION_BIAS_STD * normal(config.num_experts)).float()
+    if case.tie:
+        params["gate_weight"][:, 1] = params["gate_weight"][:, 0]
+        if "gate_bias" in params:
+            params["gate_bias"][1] = params["gate_bias"][0]
+        if correction_bias is not None:
+            correction_bias[1] = correction_bias[0]
+    return CaseInputs(x, params, grad_out, correction_bias)
+
+
+def _boundary_gap(values: list[float], k: int) -> float:
+    """How far values [n] are from changing which k are the largest (ties decided by index): the
+    gap between the k-th and (k+1)-th largest or, when those are equal, between that value and its
+    nearest distinct neighbours. inf when k >= n."""
+    if k >= len(values):
+        return math.inf
+    ordered = sorted(values, reverse=True)
+    if ordered[k - 1] != ordered[k]:
+        return ordered[k - 1] - ordered[k]
+    tied = ordered[k]
+    others = [abs(v - tied) for v in ordered if v != tied]
+    return min(others, default=math.inf)
+
+
+def _selection_gap(config: MoEConfig, routing: Routing, correction_bias: torch.Tensor | None) -> float:
+    """Smallest _boundary_gap of the group and expert selections over tokens (module docstring)."""
+    choice = routing.probs.detach()
+    if correction_bias is not None:
+        choice = choice + correction_bias.to(choice.dtype)
+    size, gap = config.num_experts // config.n_group, math.inf
+    for values in choice.tolist():
+        groups = [sum(sorted(values[g * size:(g + 1) * size], reverse=True)[:2]) for g in range(config.n_group)]
+        gap = min(gap, _boundary_gap(groups, config.topk_group))
+        kept_groups = sorted(range(config.n_group), key=lambda g: (-groups[g], g))[: config.topk_group]
+        allowed = [values[e] for g in kept_groups for e in range(g * size, (g + 1) * size)]
+        gap = min(gap, _boundary_gap(allowed, config.top_k))
+    return gap
+
+
+def _plain_router(config: MoEConfig) -> bool:
+    """Softmax top-k on the logits alone, the router whose margin is measured on logits."""
+    return (config.score_func == "softmax" and not config.router_bias and not config.correction_bias
+            and config.n_group == 1)
 
 
 def _routing_gap(config: MoEConfig, x: torch.Tensor, gate_weight: torch.Tensor) -> float:
@@ -114,9 +169,13 @@ def make_inputs(case: CheckCase, dtype: torch.dtype = torch.float64) -> CaseInpu
     for _ in range(MAX_DRAWS):
         inputs = _draw(case, generator).to(dtype).to(torch.float64)
         x = inputs.x.reshape(-1, case.config.hidden_size)
-        if _routing_gap(case.config, x, inputs.params["gate_weight"]) < ROUTING_MARGIN[dtype]:
+        plain = _plain_router(case.config)
+        if plain and _routing_gap(case.config, x, inputs.params["gate_weight"]) < ROUTING_MARGIN[dtype]:
             continue
-        routing = reference_routing(x, inputs.params["gate_weight"], case.config)
+        routing = reference_routing(x, inputs.params["gate_weight"], case.config, inputs.params.get("gate_bias"),
+                                    inputs.correction_bias)
+        if not plain and _selection_gap(case.config, routing, inputs.correction_bias) < SCORE_MARGIN[dtype]:
+            continue
         if _kink_gap(case.config, inputs, routing) < KINK_MARGIN[dtype]:
             continue
         if case.empty_expert is not None and (routing.selected == case.empty_expert).any():

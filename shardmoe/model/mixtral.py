@@ -26,6 +26,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from shardmoe.moe.routers import check_mixtral_router
+
 from .transformer import Transformer, TransformerConfig
 
 
@@ -53,6 +55,7 @@ def mixtral_config(config: TransformerConfig, **overrides):
     """A transformers MixtralConfig of the same model (overrides: extra MixtralConfig fields)."""
     from transformers import MixtralConfig
 
+    check_mixtral_router(config, "mixtral_config")
     options = dict(
         vocab_size=config.vocab_size, hidden_size=config.d_model, intermediate_size=config.ffn_size,
         num_hidden_layers=config.n_layers, num_attention_heads=config.n_q_heads,
@@ -89,6 +92,7 @@ def from_mixtral_state_dict(state: dict[str, Tensor], config: TransformerConfig)
 
 def to_mixtral_state_dict(full: dict[str, Tensor], config: TransformerConfig) -> dict[str, Tensor]:
     """A MixtralForCausalLM state dict from our full state dict (the inverse of the above)."""
+    check_mixtral_router(config, "to_mixtral_state_dict")
     M, K, D = config.d_model, config.n_kv_heads, config.head_dim
     Q = config.n_q_heads // K
     state = {"model.embed_tokens.weight": full["embedding.weight"], "model.norm.weight": full["final_norm.weight"],

@@ -40,3 +40,12 @@ def attention_mask(segment_ids: Tensor) -> Tensor:
     causal = torch.ones(length, length, dtype=torch.bool, device=segment_ids.device).tril()
     same_segment = segment_ids[:, :, None] == segment_ids[:, None, :]
     return same_segment & causal
+
+
+def sequence_starts(segment_ids: Tensor) -> Tensor:
+    """Offsets into the flattened [B L] tokens where a sequence of the MoE's sequence-wise loss
+    begins: every row's first token and every token whose segment differs from its left neighbour's
+    (a document cut by a row boundary counts as two sequences, one per row). [B L] -> [Q] int64."""
+    begins = torch.ones_like(segment_ids, dtype=torch.bool)
+    begins[:, 1:] = segment_ids[:, 1:] != segment_ids[:, :-1]
+    return begins.reshape(-1).nonzero().flatten()

@@ -40,7 +40,7 @@ from torch import Tensor, nn
 
 from shardmoe import shardops
 from shardmoe.moe.config import MoEConfig
-from shardmoe.moe.layer import MoE
+from shardmoe.moe.layer import ROUTER_OPTIONS, MoE
 from shardmoe.notation import MESH_AXES, parse_spec
 from shardmoe.parallel import expert_tensor as etp
 from shardmoe.parallel.sync import mark_grad_sync, sync_grads
@@ -51,13 +51,15 @@ from .embedding import Embedding
 from .residuals import check_backward_mode
 from .rmsnorm import RMSNorm
 from .rope import RopeTable, rope_table
-from .segments import packed_layout
+from .segments import packed_layout, sequence_starts
 from .sharding import keep_block, whole_to_partial_grad
 from .unembed import Unembedding
 
 DENSE_GRAD_SYNC = ("e",)  # the dense layers already summed over d themselves
 EXPERT_PARAMS = ("gate_up_proj", "down_proj")
 GATE_SPEC = "H E"
+GATE_BIAS_SPEC = "E"
+ROUTER_STATE = ("gate_weight", "gate_bias", "correction_bias")  # replicated on every rank
 
 
 @dataclass(frozen=True)
@@ -65,7 +67,9 @@ class TransformerConfig:
     """Dims and MoE options of the model; validated at construction (every error names the option).
 
     vocab_size includes padding (the byte tokenizer's 257 ids padded to split evenly over t).
-    aux_loss_coef and z_loss_coef weight each block's load-balancing and router z losses.
+    aux_loss_coef and z_loss_coef weight each block's load-balancing and router z losses; the
+    router options after them are MoEConfig's (docs/moe.md "Routers"); with seq_aux_loss_coef the
+    sequences are the packed documents (a row's segments, is_seq_start), cut at row boundaries.
     Residual-branch outputs (w_o, down_proj) start at init_std / sqrt(2 n_layers) (GPT-2).
     """
 
@@ -81,6 +85,15 @@ class TransformerConfig:
     capacity_factor: float | None = None
     aux_loss_coef: float = 0.01
     z_loss_coef: float = 0.0
+    score_func: str = "softmax"
+    router_bias: bool = False
+    correction_bias: bool = False
+    bias_update_rate: float = 0.001
+    n_group: int = 1
+    topk_group: int = 1
+    renormalize_epsilon: float = 0.0
+    routed_scaling_factor: float = 1.0
+    seq_aux_loss_coef: float = 0.0
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     init_std: float = 0.02
@@ -97,7 +110,8 @@ class TransformerConfig:
     def moe(self) -> MoEConfig:
         return MoEConfig(self.d_model, self.ffn_size, self.num_experts, self.top_k, expert="glu",
                          activation="silu", capacity_factor=self.capacity_factor,
-                         aux_loss_coef=self.aux_loss_coef, z_loss_coef=self.z_loss_coef)
+                         aux_loss_coef=self.aux_loss_coef, z_loss_coef=self.z_loss_coef,
+                         **{name: getattr(self, name) for name in ROUTER_OPTIONS})
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -126,7 +140,8 @@ def check_layout(config: TransformerConfig, dp: int = 1, ep: int = 1, tp: int = 
 
 
 def full_shapes(config: TransformerConfig) -> dict[str, tuple[int, ...]]:
-    """Name -> unsharded shape of every parameter, in the model's parameter order."""
+    """Name -> unsharded shape of every parameter, in the model's parameter order, then of the
+    state that is not a parameter: each block's MoE correction bias (a float32 buffer)."""
     V, M, K, D = config.vocab_size, config.d_model, config.n_kv_heads, config.head_dim
     Q, E, F = config.n_q_heads // config.n_kv_heads, config.num_experts, config.ffn_size
     shapes = {"embedding.weight": (V, M)}
@@ -135,19 +150,27 @@ def full_shapes(config: TransformerConfig) -> dict[str, tuple[int, ...]]:
                        f"blocks.{i}.attention.w_kv": (2, M, K, D), f"blocks.{i}.attention.w_o": (M, Q, K, D),
                        f"blocks.{i}.ffn_norm.weight": (M,), f"blocks.{i}.moe.gate_weight": (M, E),
                        f"blocks.{i}.moe.gate_up_proj": (E, 2 * F, M), f"blocks.{i}.moe.down_proj": (E, M, F)})
+        if config.router_bias:
+            shapes[f"blocks.{i}.moe.gate_bias"] = (E,)
     shapes.update({"final_norm.weight": (M,), "unembedding.weight": (V, M)})
+    if config.correction_bias:
+        shapes.update({f"blocks.{i}.moe.correction_bias": (E,) for i in range(config.n_layers)})
     return shapes
 
 
 def init_full_weights(config: TransformerConfig, seed: int, dtype: torch.dtype = torch.float32) -> dict[str, Tensor]:
-    """Every full weight drawn from `seed`: norm gains 1, the rest N(0, std^2) with std = init_std,
-    or init_std / sqrt(2 n_layers) for the residual-branch outputs w_o and down_proj."""
+    """Every full weight drawn from `seed`: norm gains 1, router and correction biases 0 (the
+    correction bias in float32), the rest N(0, std^2) with std = init_std, or
+    init_std / sqrt(2 n_layers) for the residual-branch outputs w_o and down_proj."""
     generator = torch.Generator().manual_seed(seed)
     residual_std = config.init_std / math.sqrt(2 * config.n_layers)
     weights = {}
     for name, shape in full_shapes(config).items():
         if name.endswith("norm.weight"):
             weights[name] = torch.ones(shape, dtype=dtype)
+            continue
+        if name.endswith(("gate_bias", "correction_bias")):
+            weights[name] = torch.zeros(shape, dtype=torch.float32 if name.endswith("correction_bias") else dtype)
             continue
         std = residual_std if name.endswith(("w_o", "down_proj")) else config.init_std
         weights[name] = (torch.randn(shape, generator=generator, dtype=torch.float64) * std).to(dtype)
@@ -178,10 +201,10 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(config.d_model, config.norm_eps, **kw)
         self.moe = MoE(**dataclasses.asdict(config.moe()), mesh=mesh, dtype=dtype)  # MoE takes MoEConfig's fields
 
-    def forward(self, x: Tensor, segment_ids: Tensor, rope: RopeTable) -> Tensor:
+    def forward(self, x: Tensor, segment_ids: Tensor, rope: RopeTable, sequence_starts: Tensor | None) -> Tensor:
         x = x + self.attention(self.attn_norm(x), segment_ids, rope)
         nx = whole_to_partial_grad(self.ffn_norm(x), self.mesh, "t")
-        return x + keep_block("B L M -> B L M/t", self.moe(nx), self.mesh)
+        return x + keep_block("B L M -> B L M/t", self.moe(nx, sequence_starts), self.mesh)
 
 
 class Transformer(nn.Module):
@@ -218,6 +241,7 @@ class Transformer(nn.Module):
                 specs[f"{module_name}.{param_name}"] = spec
         for i in range(self.config.n_layers):
             specs[f"blocks.{i}.moe.gate_weight"] = GATE_SPEC
+            specs[f"blocks.{i}.moe.gate_bias"] = GATE_BIAS_SPEC
             for short in EXPERT_PARAMS:
                 specs[f"blocks.{i}.moe.{short}"] = etp.SHARD_SPECS[short][1]
         return {name: specs[name] for name, _ in self.named_parameters()}
@@ -225,7 +249,7 @@ class Transformer(nn.Module):
     @staticmethod
     def _kind(name: str) -> str:
         short = name.rsplit(".", 1)[-1]
-        return "expert" if short in EXPERT_PARAMS else "gate" if short == "gate_weight" else "dense"
+        return "expert" if short in EXPERT_PARAMS else "gate" if short in ROUTER_STATE else "dense"
 
     def replicas(self, name: str) -> int:
         """Number of ranks holding the same shard of parameter `name` (its gradient norm counts once)."""
@@ -254,10 +278,24 @@ class Transformer(nn.Module):
         spec = self.specs[name]
         return shardops.all_gather(f"{spec} -> {_unsharded(spec)}", local.contiguous(), self.mesh)
 
+    def _correction_biases(self) -> dict[str, Tensor]:
+        return {name: b for name, b in self.named_buffers() if name.endswith(".correction_bias")}
+
     @torch.no_grad()
     def full_state_dict(self) -> dict[str, Tensor]:
-        """Unsharded parameters by name (equal on every rank). Collective: every rank calls it."""
-        return {name: self.gather_full(name, p.detach()).clone() for name, p in self.named_parameters()}
+        """Unsharded parameters and correction biases by name (equal on every rank). Collective:
+        every rank calls it."""
+        state = {name: self.gather_full(name, p.detach()).clone() for name, p in self.named_parameters()}
+        state.update({name: b.clone() for name, b in self._correction_biases().items()})
+        return state
+
+    @torch.no_grad()
+    def update_correction_biases(self) -> None:
+        """Each block's MoE.update_correction_bias from its last forward's global loads (the
+        selections summed over the mesh, equal on every rank); call it after the optimizer step."""
+        for block in self.blocks:
+            if block.moe.correction_bias is not None:
+                block.moe.update_correction_bias(block.moe.stats["selected_per_expert"])
 
     @torch.no_grad()
     def load_full_state_dict(self, state: dict[str, Tensor]) -> None:
@@ -271,6 +309,11 @@ class Transformer(nn.Module):
                 raise ValueError(f"state dict: {name} has shape {list(state[name].shape)}, "
                                  f"expected {list(shapes[name])}")
             param.copy_(self.shard_full(name, state[name].to(param.dtype)))
+        for name, buffer in self._correction_biases().items():
+            if tuple(state[name].shape) != shapes[name]:
+                raise ValueError(f"state dict: {name} has shape {list(state[name].shape)}, "
+                                 f"expected {list(shapes[name])}")
+            buffer.copy_(state[name])
 
     # -- forward -----------------------------------------------------------------------------
 
@@ -279,8 +322,9 @@ class Transformer(nn.Module):
         layout = packed_layout(is_seq_start)
         rope = rope_table(layout.positions, self.config.head_dim, self.config.rope_theta, self.dtype)
         x = self.embedding(ids)
+        starts = sequence_starts(layout.segment_ids) if self.config.seq_aux_loss_coef else None
         for block in self.blocks:
-            x = block(x, layout.segment_ids, rope)
+            x = block(x, layout.segment_ids, rope, starts)
         return x
 
     def forward(self, ids: Tensor, is_seq_start: Tensor, targets: Tensor) -> Losses:

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 EXPERT_KINDS = ("glu", "mlp")
 ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "silu", "identity")
+SCORE_FUNCS = ("softmax", "sigmoid")
 
 
 def _check_int(name: str, value, low: int, high: int | None = None) -> None:
@@ -33,6 +34,15 @@ class MoEConfig:
     capacity_factor None means dropless; otherwise each expert keeps its first
     EC = min(S, ceil(S / E * capacity_factor * k)) tokens in token order (an expert can
     receive at most S tokens, so any factor >= E / k keeps every pair).
+
+    Router options (formulas in shardmoe/moe/routing.py and docs/moe.md): score_func "softmax"
+    (Mixtral, Qwen, GPT-OSS) or "sigmoid" (DeepSeek-V3); router_bias, a learnable [E] bias added
+    to the logits (GPT-OSS); correction_bias, a selection-only [E] buffer moved by
+    b_e += bias_update_rate * sign(mean load - load_e) (DeepSeek-V3 aux-loss-free balancing);
+    group-limited selection over n_group groups of E / n_group experts, keeping the topk_group
+    groups with the largest sums of their two best scores; renormalize_epsilon added to the
+    renormalisation's denominator (DeepSeek-V3: 1e-20); routed_scaling_factor multiplying the
+    combine weights; seq_aux_loss_coef weighting the DeepSeek-V3 sequence-wise balance loss.
     """
 
     hidden_size: int
@@ -47,6 +57,15 @@ class MoEConfig:
     capacity_factor: float | None = None
     aux_loss_coef: float = 0.0
     z_loss_coef: float = 0.0
+    score_func: str = "softmax"
+    router_bias: bool = False
+    correction_bias: bool = False
+    bias_update_rate: float = 0.001
+    n_group: int = 1
+    topk_group: int = 1
+    renormalize_epsilon: float = 0.0
+    routed_scaling_factor: float = 1.0
+    seq_aux_loss_coef: float = 0.0
 
     def __post_init__(self) -> None:
         _check_int("hidden_size", self.hidden_size, 1)
@@ -64,10 +83,28 @@ class MoEConfig:
             cf = self.capacity_factor
             if isinstance(cf, bool) or not isinstance(cf, (int, float)) or not math.isfinite(cf) or cf <= 0:
                 raise ValueError(f"capacity_factor: expected None or a positive finite number, got {cf!r}")
-        for name in ("aux_loss_coef", "z_loss_coef"):
+        for name in ("aux_loss_coef", "z_loss_coef", "seq_aux_loss_coef", "bias_update_rate", "renormalize_epsilon"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
                 raise ValueError(f"{name}: expected a finite number >= 0, got {v!r}")
+        self._check_router()
+
+    def _check_router(self) -> None:
+        _check_choice("score_func", self.score_func, SCORE_FUNCS)
+        for name in ("renormalize", "router_bias", "correction_bias"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}: expected a bool, got {getattr(self, name)!r}")
+        v = self.routed_scaling_factor
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+            raise ValueError(f"routed_scaling_factor: expected a finite number > 0, got {v!r}")
+        _check_int("n_group", self.n_group, 1, self.num_experts)
+        if self.num_experts % self.n_group:
+            raise ValueError(f"n_group: expected a divisor of num_experts={self.num_experts}, got {self.n_group}")
+        _check_int("topk_group", self.topk_group, 1, self.n_group)
+        reachable = self.topk_group * (self.num_experts // self.n_group)
+        if reachable < self.top_k:
+            raise ValueError(f"topk_group: expected topk_group * experts per group >= top_k={self.top_k}, got "
+                             f"{self.topk_group} * {self.num_experts // self.n_group} = {reachable}")
 
     def capacity(self, num_tokens: int) -> int | None:
         """Expert capacity EC for S tokens, or None when dropless."""

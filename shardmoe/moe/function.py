@@ -13,7 +13,8 @@ Backward, the six stages of design.md section 4, in order:
 
 Saved for backward (all through ctx.save_for_backward, so saved-tensor hooks see them):
   x [S, H]; routing: probs [S, E], logsumexp [S], top_idx [S, k] int64, top_prob [S, k],
-  weight [S, k] (acc dtype), per-expert counts [E] x2, row_pair [N] int64;
+  weight [S, k] (acc dtype), per-expert counts [E] x2, row_pair [N] int64, and the router
+  options' extras (routing.Routing: empty unless a sigmoid z loss or the sequence-wise loss asks);
   "glu": h [N, 2F];  "mlp": z1 [N, P], z2 [N, H].
   Per token that is H + k*2F (glu) elements of the input dtype plus 4E + 4 + 24k bytes of
   routing state (fp32 acc): see docs/moe.md. The expert output y is not saved:
@@ -81,14 +82,17 @@ def not_twice_differentiable(backward):
 
 
 class FusedMoE(torch.autograd.Function):
-    """apply(x [S, H], config, stats: dict, gate_weight [H, E], *expert params) -> (out [S, H], loss [])
+    """apply(x [S, H], config, stats: dict, correction_bias [E] or None, token_sequence [S] or None,
+    gate_weight [H, E], gate_bias [E] or None, *expert params) -> (out [S, H], loss [])
 
-    `stats` is filled in place with this forward's routing statistics."""
+    `stats` is filled in place with this forward's routing statistics. correction_bias and
+    token_sequence steer the selection and the sequence-wise loss and get no gradient."""
 
     @staticmethod
-    def forward(ctx, x, config: MoEConfig, stats: dict, gate_weight, *expert_weights):
+    def forward(ctx, x, config: MoEConfig, stats: dict, correction_bias, token_sequence, gate_weight, gate_bias,
+                *expert_weights):
         num_tokens, k = x.shape[0], config.top_k
-        routing = route(x, gate_weight, config)
+        routing = route(x, gate_weight, config, gate_bias, correction_bias, token_sequence)
         params = dict(zip(expert_param_names(config), expert_weights))
         groups = ex.Groups.from_counts(routing.kept_per_expert)
         row_token, weight_rows = routing.rows(k)
@@ -104,7 +108,7 @@ class FusedMoE(torch.autograd.Function):
         )
         ctx.config = config
         ctx.save_for_backward(
-            x, gate_weight, *expert_weights,
+            x, gate_weight, gate_bias, *expert_weights,
             *routing.tensors(), *saved,
         )
         return out, loss
@@ -114,7 +118,7 @@ class FusedMoE(torch.autograd.Function):
     def backward(ctx, grad_out, grad_loss):
         config: MoEConfig = ctx.config
         n_expert = len(expert_param_names(config))
-        x, gate_weight, *rest = ctx.saved_tensors
+        x, gate_weight, gate_bias, *rest = ctx.saved_tensors
         expert_weights, rest = rest[:n_expert], rest[n_expert:]
         n_routing = len(fields(Routing))
         routing, saved = Routing(*rest[:n_routing]), rest[n_routing:]
@@ -130,8 +134,10 @@ class FusedMoE(torch.autograd.Function):
             config.expert, config.activation, config.output_activation, grad_rows, weight_rows, xs, saved,
             params, groups)
         grad_x = comb.grad_input_combine(grad_xs, routing.row_pair, num_tokens, k)
-        grad_x_gate, grad_gate = grad_gate_from_rows(x, gate_weight, routing, grad_weight_rows, grad_loss, config)
+        grad_x_gate, grad_gate, grad_gate_bias = grad_gate_from_rows(x, gate_weight, routing, grad_weight_rows,
+                                                                     grad_loss, config)
         grad_x = (grad_x + grad_x_gate).to(x.dtype)
         expert_grads = [None if g is None else g.to(p.dtype)
                         for g, p in zip((grads[n] for n in expert_param_names(config)), expert_weights)]
-        return (grad_x, None, None, grad_gate.to(gate_weight.dtype), *expert_grads)
+        grad_gate_bias = None if gate_bias is None else grad_gate_bias.to(gate_bias.dtype)
+        return (grad_x, None, None, None, None, grad_gate.to(gate_weight.dtype), grad_gate_bias, *expert_grads)

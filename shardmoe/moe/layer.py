@@ -3,8 +3,12 @@
   y = MoE(H, F, E, k)(x)         x [..., H] -> y [..., H]
   layer.aux_loss                 weighted aux + z loss of the last forward (differentiable)
   layer.stats                    tokens_per_expert, selected_per_expert, dropped_tokens, capacity
+  y = layer(x, sequence_starts)  where sequences begin, for the sequence-wise loss (default:
+                                 each [T] row of x [..., T, H] when x has 3+ dims, else one)
+  layer.update_correction_bias(load)   after the optimizer step, with the step's global loads
 
-Parameters (design.md section 3): gate_weight [H, E]; "glu": gate_up_proj [E, 2F, H],
+Parameters (design.md section 3): gate_weight [H, E], gate_bias [E] (router_bias, else None);
+buffer correction_bias [E] float32 (correction_bias, else None); "glu": gate_up_proj [E, 2F, H],
 down_proj [E, H, F]; "mlp": w1 [E, P, H], b1 [E, P], w2 [E, H, P], b2 [E, H].
 Single process (mesh None or of one rank), forward and backward are FusedMoE
 (shardmoe/moe/function.py). With a mesh, parameters hold this rank's shard (experts split over
@@ -18,12 +22,17 @@ import math
 import torch
 from torch import nn
 
+from shardmoe.moe import routers
 from shardmoe.moe.config import MoEConfig
 from shardmoe.moe.function import FusedMoE, expert_param_names
 from shardmoe.moe.hf_blocks import MIXTRAL_ACTIVATIONS, mixtral_semantics
 from shardmoe.parallel import expert_tensor as etp
 from shardmoe.parallel.expert_parallel import ExpertParallel
 from shardmoe.parallel.sync import EXPERT, REPLICATED, mark_grad_sync
+
+# MoEConfig's router fields, which MoE takes as keyword options
+ROUTER_OPTIONS = ("score_func", "router_bias", "correction_bias", "bias_update_rate", "n_group", "topk_group",
+                  "renormalize_epsilon", "routed_scaling_factor", "seq_aux_loss_coef")
 
 # the dtypes the layer computes in (float16 runs, but at ~1 GFLOP/s on CPU: design.md)
 DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -34,12 +43,18 @@ class MoE(nn.Module):
                  expert: str = "glu", activation: str = "silu", output_activation: str = "identity",
                  bias: bool = False, renormalize: bool = True, capacity_factor: float | None = None,
                  aux_loss_coef: float = 0.0, z_loss_coef: float = 0.0, mesh=None,
-                 dtype: torch.dtype | None = None, device=None):
+                 dtype: torch.dtype | None = None, device=None, **router_options):
+        """router_options: MoEConfig's router fields (score_func, router_bias, correction_bias,
+        bias_update_rate, n_group, topk_group, renormalize_epsilon, routed_scaling_factor,
+        seq_aux_loss_coef)."""
         super().__init__()
+        unknown = sorted(set(router_options) - set(ROUTER_OPTIONS))
+        if unknown:
+            raise ValueError(f"router_options: expected names among {', '.join(ROUTER_OPTIONS)}, got {unknown}")
         self.config = MoEConfig(hidden_size, ffn_size, num_experts, top_k, expert=expert,
                                 activation=activation, output_activation=output_activation, bias=bias,
                                 renormalize=renormalize, capacity_factor=capacity_factor,
-                                aux_loss_coef=aux_loss_coef, z_loss_coef=z_loss_coef)
+                                aux_loss_coef=aux_loss_coef, z_loss_coef=z_loss_coef, **router_options)
         if dtype is not None and dtype not in DTYPES:
             raise ValueError(f"dtype: expected None or one of {', '.join(map(str, DTYPES))}, got {dtype!r}")
         etp.check_layout(self.config, mesh)  # before any communication
@@ -53,6 +68,12 @@ class MoE(nn.Module):
             self._whole_shapes.update(w1=(E, F, H), w2=(E, H, F), b1=(E, F), b2=(E, H))
         self.gate_weight = nn.Parameter(torch.empty(H, E, **kw))
         mark_grad_sync(self.gate_weight, REPLICATED)
+        self.gate_bias = nn.Parameter(torch.empty(E, **kw)) if self.config.router_bias else None
+        if self.gate_bias is not None:
+            mark_grad_sync(self.gate_bias, REPLICATED)
+        # float32 whatever the layer's dtype: bf16 would round away updates of 1e-3 near |b| ~ 1
+        self.register_buffer("correction_bias", torch.zeros(E, dtype=torch.float32, device=device)
+                             if self.config.correction_bias else None)
         for name, shape in list(self._whole_shapes.items())[1:]:
             param = None
             if bias or name not in ("b1", "b2"):
@@ -79,6 +100,8 @@ class MoE(nn.Module):
         shard, so ranks seeded alike hold exactly the shards of the single-process layer."""
         sharded = etp.is_sharded(self.mesh)
         with torch.no_grad():
+            if self.gate_bias is not None:
+                nn.init.zeros_(self.gate_bias)  # as GPT-OSS: routing starts from the weights alone
             for name in ("gate_weight", *expert_param_names(self.config)):
                 p = getattr(self, name)
                 if p is None:
@@ -109,16 +132,49 @@ class MoE(nn.Module):
         if x.device != w.device:
             raise ValueError(f"x: expected device {w.device} (the parameters' device), got {x.device}")
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def token_sequence(self, x: torch.Tensor, sequence_starts: torch.Tensor | None) -> torch.Tensor | None:
+        """[S] sequence of each token for the sequence-wise loss (None when it is off)."""
+        if not self.config.seq_aux_loss_coef:
+            if sequence_starts is not None:
+                raise ValueError("sequence_starts: expected None with seq_aux_loss_coef=0 (nothing would use "
+                                 f"them), got {sequence_starts!r}")
+            return None
+        num_tokens = x.numel() // x.shape[-1]
+        if sequence_starts is None and x.dim() >= 3:
+            length = x.shape[-2]
+            sequence_starts = torch.arange(0, num_tokens, length, device=x.device) if length else None
+        return routers.token_sequence_ids(num_tokens, sequence_starts, x.device)
+
+    def forward(self, x: torch.Tensor, sequence_starts: torch.Tensor | None = None) -> torch.Tensor:
+        """x [..., H] -> [..., H]. sequence_starts: offsets into the flattened tokens where the
+        sequences of the sequence-wise loss begin (routers.token_sequence_ids)."""
         self._check_input(x)
+        token_sequence = self.token_sequence(x, sequence_starts)
         stats: dict = {}
         tokens = x.reshape(-1, x.shape[-1])
         if self._parallel is None:
-            out, loss = FusedMoE.apply(tokens, self.config, stats, self.gate_weight, *self.expert_parameters())
+            out, loss = FusedMoE.apply(tokens, self.config, stats, self.correction_bias, token_sequence,
+                                       self.gate_weight, self.gate_bias, *self.expert_parameters())
         else:
-            out, loss = self._parallel(tokens, stats, self.gate_weight, *self.expert_parameters())
+            out, loss = self._parallel(tokens, stats, self.correction_bias, token_sequence,
+                                       self.gate_weight, self.gate_bias, *self.expert_parameters())
         self.aux_loss, self.stats = loss, stats
         return out.view(x.shape)
+
+    def update_correction_bias(self, load: torch.Tensor) -> None:
+        """b_e += bias_update_rate * sign(mean load - load_e) (DeepSeek-V3 aux-loss-free balancing);
+        a no-op when correction_bias is off. load [E]: this step's tokens per expert summed over the
+        mesh (stats['selected_per_expert'] is that for one forward), the same on every rank, so the
+        replicas stay identical. Call it after the optimizer step."""
+        E = self.config.num_experts
+        if not isinstance(load, torch.Tensor) or tuple(load.shape) != (E,):
+            raise ValueError(f"load: expected a tensor of shape [{E}] (num_experts), got "
+                             f"{list(load.shape) if isinstance(load, torch.Tensor) else type(load).__name__}")
+        if self.correction_bias is None:
+            return
+        with torch.no_grad():
+            self.correction_bias.copy_(routers.corrected_bias(self.correction_bias, load.to(self.correction_bias.device),
+                                                              self.config.bias_update_rate))
 
     def __getstate__(self) -> dict:
         """State for copy.deepcopy and pickle, without the last forward's results.
@@ -167,6 +223,7 @@ class MoE(nn.Module):
 
         With a sharded mesh the expert tensors are gathered whole: collective over ('e', 't')."""
         c = self.config
+        routers.check_mixtral_router(c, "to_mixtral_state_dict")
         if c.expert != "glu" or c.activation not in MIXTRAL_ACTIVATIONS or not c.renormalize:
             raise ValueError("to_mixtral_state_dict: expected expert='glu', renormalize=True and activation in "
                              f"{sorted(MIXTRAL_ACTIVATIONS)}, got expert={c.expert!r}, renormalize={c.renormalize}, "

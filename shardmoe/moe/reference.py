@@ -10,11 +10,14 @@ fused path is held to.
 Shapes: S tokens (all leading dims of x flattened), H hidden, E experts, k top-k,
 F ("glu") or P ("mlp") expert intermediate size.
 
-Per token t (design.md section 4):
-    logits_t = x_t @ Wg                                   [E]
-    p_t      = softmax(logits_t)       (float32 for fp32/bf16 inputs, float64 for float64)
-    sel_t    = topk(p_t, k)                               [k]
-    w_tj     = p_tj / sum_{i in sel_t} p_ti   if renormalize else p_tj
+Per token t (design.md section 4; the router options of docs/moe.md "Routers"):
+    logits_t = x_t @ Wg (+ gate_bias)                     [E]
+    p_t      = softmax(logits_t) or sigmoid(logits_t)  (float32 for fp32/bf16 inputs, float64 for float64)
+    c_t      = p_t + correction_bias                      (selection only, detached)
+    groups   = the topk_group groups of E / n_group experts with the largest sums of their two
+               best c (ties: lower group); sel_t = the k largest c inside them (ties: lower
+               expert), chosen by a Python loop over sorted lists, not by the fused path's sort
+    w_tj     = factor * p_tj / (sum_{i in sel_t} p_ti + eps)  if renormalize else factor * p_tj
     out_t    = sum_{j in sel_t, (t, j) kept} w_tj * expert_j(x_t)
 An expert keeps its first EC = ceil(S / E * capacity_factor * k) tokens in
 token order (all tokens when capacity_factor is None).
@@ -27,7 +30,10 @@ LB is the value of transformers' Mixtral `load_balancing_loss_func` on the same
 logits: f_e counts every selection (dropped or not) and is NOT divided by k,
 so perfectly uniform routing gives LB = k; the sum is multiplied by E. f_e is a
 count and carries no gradient; the gradient flows through P_e only. With S = 0
-both means are taken as 0.
+both means are taken as 0. For sigmoid scores P_e averages p_te / sum_e p_te.
+Plus seq_aux_loss_coef * SEQ, DeepSeek-V3's sequence-wise loss, averaged over sequences q:
+    SEQ = mean_q sum_e f_qe P_qe,  f_qe = E / (k T_q) * (selections of e in q),
+          P_qe = mean_{t in q} p_te / sum_e p_te   (p itself for softmax)
 """
 from __future__ import annotations
 
@@ -52,6 +58,8 @@ def parameter_shapes(config: MoEConfig) -> dict[str, tuple[int, ...]]:
     """Name -> shape of every parameter of a layer with this config (unsharded)."""
     H, I, E = config.hidden_size, config.ffn_size, config.num_experts
     shapes: dict[str, tuple[int, ...]] = {"gate_weight": (H, E)}
+    if config.router_bias:
+        shapes["gate_bias"] = (E,)
     if config.expert == "glu":
         shapes["gate_up_proj"] = (E, 2 * I, H)
         shapes["down_proj"] = (E, H, I)
@@ -114,14 +122,45 @@ def _capacity_mask(selected: torch.Tensor, num_experts: int, capacity: int | Non
     return kept
 
 
-def reference_routing(x: torch.Tensor, gate_weight: torch.Tensor, config: MoEConfig) -> Routing:
-    """Route tokens x [..., H] with gate_weight [H, E]; differentiable in both."""
+def _largest_first(values: list[float], candidates) -> list[int]:
+    """candidates ordered by value, largest first; equal values: lower index first."""
+    return sorted(candidates, key=lambda i: (-values[i], i))
+
+
+def _select(choice: torch.Tensor, config: MoEConfig) -> torch.Tensor:
+    """[S, k] experts chosen on choice [S, E], group-limited, one token at a time."""
+    size = config.num_experts // config.n_group
+    rows = []
+    for values in choice.tolist():
+        group_scores = []
+        for g in range(config.n_group):
+            best = sorted(values[g * size:(g + 1) * size], reverse=True)
+            group_scores.append(sum(best[:2]))
+        groups = _largest_first(group_scores, range(config.n_group))[: config.topk_group]
+        allowed = [e for g in groups for e in range(g * size, (g + 1) * size)]
+        rows.append(_largest_first(values, allowed)[: config.top_k])
+    return torch.tensor(rows, dtype=torch.int64).reshape(-1, config.top_k)
+
+
+def reference_routing(x: torch.Tensor, gate_weight: torch.Tensor, config: MoEConfig,
+                      gate_bias: torch.Tensor | None = None, correction_bias: torch.Tensor | None = None) -> Routing:
+    """Route tokens x [..., H] with gate_weight [H, E] (+ gate_bias [E]); differentiable in those."""
     x2 = x.reshape(-1, config.hidden_size)
-    # The logits GEMM runs in the input dtype; softmax is then done in the routing dtype.
+    # The logits GEMM runs in the input dtype; the scores are then done in the routing dtype.
     logits = (x2 @ gate_weight.to(x2.dtype)).to(routing_dtype(x.dtype))
-    probs = torch.softmax(logits, dim=-1)
-    top_probs, selected = torch.topk(probs, config.top_k, dim=-1)
-    weights = top_probs / top_probs.sum(dim=-1, keepdim=True) if config.renormalize else top_probs
+    if gate_bias is not None:
+        logits = logits + gate_bias.to(logits.dtype)
+    probs = torch.softmax(logits, dim=-1) if config.score_func == "softmax" else torch.sigmoid(logits)
+    choice = probs.detach()
+    if correction_bias is not None:
+        choice = choice + correction_bias.to(choice.dtype)
+    selected = _select(choice, config).to(x.device)
+    top_probs = probs.gather(1, selected)
+    if config.renormalize:
+        weights = top_probs / (top_probs.sum(dim=-1, keepdim=True) + config.renormalize_epsilon)
+    else:
+        weights = top_probs
+    weights = weights * config.routed_scaling_factor
     kept = _capacity_mask(selected, config.num_experts, config.capacity(x2.shape[0])).to(x.device)
     return Routing(logits, probs, selected, weights, kept)
 
@@ -142,25 +181,50 @@ def expert_forward(x: torch.Tensor, params: dict[str, torch.Tensor], config: MoE
     return act_out(F.linear(act(F.linear(x, params["w1"][e], b1)), params["w2"][e], b2))
 
 
-def reference_aux_loss(routing: Routing, config: MoEConfig) -> torch.Tensor:
-    """aux_loss_coef * LB + z_loss_coef * Z (module docstring); a scalar in the routing dtype."""
+def reference_sequences(x: torch.Tensor, sequence_starts=None) -> list[range]:
+    """The token ranges of the sequences of x [..., H]: from sequence_starts (offsets into the
+    flattened tokens), else one per [T] row of x [..., T, H] (3+ dims), else one."""
+    num_tokens = x.numel() // x.shape[-1]
+    if sequence_starts is None:
+        length = x.shape[-2] if x.dim() >= 3 else num_tokens
+        sequence_starts = list(range(0, num_tokens, max(length, 1)))
+    bounds = [int(s) for s in sequence_starts] + [num_tokens]
+    return [range(a, b) for a, b in zip(bounds[:-1], bounds[1:])]
+
+
+def reference_aux_loss(routing: Routing, config: MoEConfig, sequences: list[range] | None = None) -> torch.Tensor:
+    """aux_loss_coef * LB + z_loss_coef * Z + seq_aux_loss_coef * SEQ (module docstring); a scalar
+    in the routing dtype. sequences: token ranges (default: all tokens, one sequence)."""
     S, E = routing.probs.shape
     # Means over zero tokens are taken as 0; max(S, 1) keeps the graph connected.
     denom = max(S, 1)
+    balance = routing.probs if config.score_func == "softmax" else routing.probs / routing.probs.sum(-1, keepdim=True)
     counts = torch.bincount(routing.selected.reshape(-1), minlength=E).to(routing.probs.dtype)
-    load_balancing = E * torch.sum(counts / denom * routing.probs.sum(dim=0) / denom)
+    load_balancing = E * torch.sum(counts / denom * balance.sum(dim=0) / denom)
     z_loss = torch.logsumexp(routing.logits, dim=-1).square().sum() / denom
-    return config.aux_loss_coef * load_balancing + config.z_loss_coef * z_loss
+    total = config.aux_loss_coef * load_balancing + config.z_loss_coef * z_loss
+    sequences = [range(S)] if sequences is None else sequences
+    if config.seq_aux_loss_coef and S:
+        per_sequence = []
+        for q in sequences:
+            length = len(q)
+            seq_counts = torch.bincount(routing.selected[q.start:q.stop].reshape(-1), minlength=E)
+            f = E / (config.top_k * length) * seq_counts.to(balance.dtype)
+            per_sequence.append((f * balance[q.start:q.stop].mean(dim=0)).sum())
+        total = total + config.seq_aux_loss_coef * torch.stack(per_sequence).mean()
+    return total
 
 
-def reference_moe(x: torch.Tensor, params: dict[str, torch.Tensor], config: MoEConfig) -> tuple[torch.Tensor, torch.Tensor]:
+def reference_moe(x: torch.Tensor, params: dict[str, torch.Tensor], config: MoEConfig,
+                  correction_bias: torch.Tensor | None = None, sequence_starts=None) -> tuple[torch.Tensor, torch.Tensor]:
     """(output with x's shape and dtype, weighted aux loss scalar in the routing dtype).
 
     x [..., H]; params by layer parameter name (parameter_shapes). Differentiable
-    in x and every parameter through plain autograd.
+    in x and every parameter through plain autograd. correction_bias [E] (a buffer) and
+    sequence_starts (reference_sequences) as the layer takes them.
     """
     x2 = x.reshape(-1, config.hidden_size)
-    routing = reference_routing(x2, params["gate_weight"], config)
+    routing = reference_routing(x2, params["gate_weight"], config, params.get("gate_bias"), correction_bias)
     out = torch.zeros(x2.shape, dtype=routing.weights.dtype, device=x.device)
     for e in range(config.num_experts):
         tokens, slots = torch.nonzero((routing.selected == e) & routing.kept, as_tuple=True)
@@ -168,11 +232,13 @@ def reference_moe(x: torch.Tensor, params: dict[str, torch.Tensor], config: MoEC
             continue
         y = expert_forward(x2[tokens], params, config, e)
         out = out.index_add(0, tokens, routing.weights[tokens, slots, None] * y)
-    return out.to(x.dtype).reshape(x.shape), reference_aux_loss(routing, config)
+    sequences = reference_sequences(x, sequence_starts)
+    return out.to(x.dtype).reshape(x.shape), reference_aux_loss(routing, config, sequences)
 
 
 def reference_forward_backward(
-    x: torch.Tensor, params: dict[str, torch.Tensor], config: MoEConfig, grad_out: torch.Tensor
+    x: torch.Tensor, params: dict[str, torch.Tensor], config: MoEConfig, grad_out: torch.Tensor,
+    correction_bias: torch.Tensor | None = None, sequence_starts=None,
 ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
     """(output, aux loss, grads) for the loss L = sum(output * grad_out) + aux loss.
 
@@ -182,14 +248,15 @@ def reference_forward_backward(
     """
     leaves = {"x": x.detach().clone().requires_grad_(True)}
     leaves.update({name: p.detach().clone().requires_grad_(True) for name, p in params.items()})
-    out, aux = reference_moe(leaves["x"], {n: leaves[n] for n in params}, config)
+    out, aux = reference_moe(leaves["x"], {n: leaves[n] for n in params}, config, correction_bias, sequence_starts)
     loss = (out * grad_out.to(out.dtype)).sum() + aux.to(out.dtype)
     grads = torch.autograd.grad(loss, list(leaves.values()), allow_unused=True)
     named = {name: torch.zeros_like(leaf) if g is None else g for (name, leaf), g in zip(leaves.items(), grads)}
     return out.detach(), aux.detach(), named
 
 
-def reference_grads(x: torch.Tensor, params: dict[str, torch.Tensor], config: MoEConfig, grad_out: torch.Tensor) -> dict[str, torch.Tensor]:
+def reference_grads(x: torch.Tensor, params: dict[str, torch.Tensor], config: MoEConfig, grad_out: torch.Tensor,
+                    correction_bias: torch.Tensor | None = None, sequence_starts=None) -> dict[str, torch.Tensor]:
     """Gradients of sum(output * grad_out) + aux loss wrt "x" and every parameter name."""
-    return reference_forward_backward(x, params, config, grad_out)[2]
+    return reference_forward_backward(x, params, config, grad_out, correction_bias, sequence_starts)[2]
 

@@ -1,17 +1,21 @@
-"""Routing: gate logits, softmax, top-k, renormalisation, capacity, balance losses,
+"""Routing: gate logits, scores, selection, combine weights, capacity, balance losses,
 and the gate's backward (grad_gate_gemm, stage 6 of the fused backward).
 
-Shapes: S tokens, H hidden, E experts, k = top_k, N = number of kept (token, expert)
-pairs. A pair is indexed p = t * k + j (token t, its j-th choice). Dispatch sorts
-the kept pairs by expert, tokens in order within an expert, giving N "rows".
+Shapes: S tokens, H hidden, E experts, k = top_k, Q sequences, N = number of kept
+(token, expert) pairs. A pair is indexed p = t * k + j (token t, its j-th choice). Dispatch
+sorts the kept pairs by expert, tokens in order within an expert, giving N "rows".
 
 Forward, per token t (computed in float32 for fp32/bf16 inputs, float64 for float64):
-  logits_t = x_t Wg                                  [S, E]
-  p_t      = softmax(logits_t)                       [S, E]
-  sel_t    = top-k indices of p_t                    [S, k]
-  w_tj     = p_tj / sum_{i in sel_t} p_ti  (renormalize) else p_tj
+  logits_t = x_t Wg (+ b)                            [S, E]   (b: router_bias, learnable)
+  s_t      = softmax(logits_t) or sigmoid(logits_t)  [S, E]   (score_func)
+  sel_t    = selection on s_t + correction bias, group-limited   [S, k]   (routers.py)
+  a_tj     = s_t[sel_tj]                             (the uncorrected scores)
+  w_tj     = c * a_tj / (sum_{i in sel_t} a_ti + eps)  (renormalize) else c * a_tj
+             c = routed_scaling_factor, eps = renormalize_epsilon
   capacity EC = ceil(S / E * capacity_factor * k): an expert keeps its first EC
   pairs in token order; the others are dropped (no output, no gradient).
+Top-k of the logits then a softmax over the k selected (GPT-OSS) is softmax + renormalise with
+eps = 0: exp(l_j) / sum_{i in sel} exp(l_i) = p_j / sum_{i in sel} p_i, and softmax is monotonic.
 """
 from __future__ import annotations
 
@@ -19,6 +23,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
+from shardmoe.moe import routers
 from shardmoe.moe.config import MoEConfig
 
 
@@ -31,14 +36,21 @@ def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
 class Routing:
     """One forward's routing decisions.
 
-    probs     [S, E] softmax of the logits (accumulation dtype)
+    probs     [S, E] the scores s: softmax probabilities or sigmoids (accumulation dtype)
     logsumexp [S]    logsumexp of the logits (for the z loss)
     top_idx   [S, k] selected experts, int64
-    top_prob  [S, k] their probabilities p_tj
+    top_prob  [S, k] their scores a_tj
     weight    [S, k] combine weights w_tj (accumulation dtype)
     selected_per_expert [E] pairs routed to each expert before capacity (int64)
     kept_per_expert     [E] pairs each expert keeps (int64)
     row_pair  [N]    pair index p = t*k + j of each dispatched row, sorted by expert
+    z_probs   [S, E] softmax of the logits for a sigmoid router's z loss ([S, 0] otherwise:
+                     softmax routers use probs)
+    token_sequence    [S] sequence of each token ([S, 0] without the sequence-wise loss)
+    sequence_selected [Q, E] top-k choices per sequence and expert ([0, E] without it)
+    sequence_tokens   [Q] tokens per sequence ([0] without it)
+    Tensors a config does not need hold no elements, so they cost nothing to save and still
+    slice by token.
     """
 
     probs: torch.Tensor
@@ -49,6 +61,10 @@ class Routing:
     selected_per_expert: torch.Tensor
     kept_per_expert: torch.Tensor
     row_pair: torch.Tensor
+    z_probs: torch.Tensor
+    token_sequence: torch.Tensor
+    sequence_selected: torch.Tensor
+    sequence_tokens: torch.Tensor
 
     @property
     def dropped_pairs(self) -> int:
@@ -63,17 +79,39 @@ class Routing:
         return tuple(getattr(self, f.name) for f in fields(self))
 
 
-def route(x: torch.Tensor, gate_weight: torch.Tensor, config: MoEConfig) -> Routing:
-    """Routing of x [S, H] through gate_weight [H, E]; no autograd graph is built."""
+def route(x: torch.Tensor, gate_weight: torch.Tensor, config: MoEConfig, gate_bias: torch.Tensor | None = None,
+          correction_bias: torch.Tensor | None = None, token_sequence: torch.Tensor | None = None) -> Routing:
+    """Routing of x [S, H] through gate_weight [H, E] (+ gate_bias [E]); no autograd graph is built.
+
+    correction_bias [E] moves the selection only; token_sequence [S] (routers.token_sequence_ids)
+    is needed when config.seq_aux_loss_coef > 0, and then defaults to one sequence."""
     acc = accumulation_dtype(x.dtype)
     num_tokens, k, num_experts = x.shape[0], config.top_k, config.num_experts
     logits = x.to(acc) @ gate_weight.to(acc)
+    if gate_bias is not None:
+        logits = logits + gate_bias.to(acc)
     logsumexp = torch.logsumexp(logits, dim=-1)
-    probs = torch.exp(logits - logsumexp[:, None])
-    top_prob, top_idx = torch.topk(probs, k, dim=-1)
-    weight = top_prob / top_prob.sum(-1, keepdim=True) if config.renormalize else top_prob
+    probs = routers.scores_from_logits(logits, logsumexp, config)
+    if config.score_func == "sigmoid" and config.z_loss_coef:
+        z_probs = torch.exp(logits - logsumexp[:, None])
+    else:
+        z_probs = probs.new_empty(num_tokens, 0)
+    top_idx = routers.select_experts(probs, config, correction_bias)
+    top_prob = probs.gather(1, top_idx)
+    weight = top_prob / (top_prob.sum(-1, keepdim=True) + config.renormalize_epsilon) if config.renormalize else top_prob
+    if config.routed_scaling_factor != 1.0:
+        weight = weight * config.routed_scaling_factor
     row_pair, selected, kept = dispatch_order(top_idx, num_experts, config.capacity(num_tokens))
-    return Routing(probs, logsumexp, top_idx, top_prob, weight, selected, kept, row_pair)
+    if config.seq_aux_loss_coef:
+        if token_sequence is None:
+            token_sequence = torch.zeros(num_tokens, dtype=torch.int64, device=x.device)
+        seq_selected, seq_tokens = routers.sequence_selections(top_idx, token_sequence, num_experts)
+    else:
+        token_sequence = torch.zeros(num_tokens, 0, dtype=torch.int64, device=x.device)
+        seq_selected = torch.zeros(0, num_experts, dtype=torch.int64, device=x.device)
+        seq_tokens = torch.zeros(0, dtype=torch.int64, device=x.device)
+    return Routing(probs, logsumexp, top_idx, top_prob, weight, selected, kept, row_pair,
+                   z_probs, token_sequence, seq_selected, seq_tokens)
 
 
 def dispatch_order(top_idx: torch.Tensor, num_experts: int, capacity: int | None):
@@ -104,25 +142,37 @@ def keep_first(order: torch.Tensor, sorted_expert: torch.Tensor, selected: torch
     return order[keep], torch.minimum(selected, limit)
 
 
-def balance_loss(routing: Routing, config: MoEConfig, num_tokens: int | None = None) -> torch.Tensor:
-    """Weighted aux + z loss (a scalar in the accumulation dtype).
+def balance_loss(routing: Routing, config: MoEConfig, num_tokens: int | None = None,
+                 num_sequences: int | None = None) -> torch.Tensor:
+    """Weighted aux + z + sequence-wise loss (a scalar in the accumulation dtype).
 
-    aux = E * sum_e (selected_e / S) * (sum_t p_te / S)   (Switch / Mixtral load balancing;
+    s' = routers.balance_scores(s): the probabilities (softmax), s / sum_e s_e (sigmoid).
+    aux = E * sum_e (selected_e / S) * (sum_t s'_te / S)   (Switch / Mixtral load balancing;
           selected_e counts top-k choices before capacity, as transformers does)
     z   = sum_t logsumexp(logits_t)^2 / S
-    S is the rows of `routing` unless `num_tokens` says otherwise: a rank holding part of a
-    batch passes the batch's S and its selected counts, and gets its share of the batch's loss.
+    seq = (1/Q) sum_q sum_e f_qe P_qe,  f_qe = E / (k T_q) * selected_qe,  P_qe = sum_{t in q} s'_te / T_q
+          (DeepSeek-V3's sequence-wise balance loss, averaged over the Q sequences of T_q tokens)
+    S and Q are the rows and sequences of `routing` unless `num_tokens` / `num_sequences` say
+    otherwise: a rank holding part of a batch passes the batch's S, Q and its selected counts,
+    and gets its share of the batch's loss.
     """
     probs = routing.probs
     num_tokens = probs.shape[0] if num_tokens is None else num_tokens
     loss = probs.new_zeros(())
     if num_tokens == 0:
         return loss
+    balance = routers.balance_scores(probs, config) if config.aux_loss_coef or config.seq_aux_loss_coef else None
     if config.aux_loss_coef:
         fraction = routing.selected_per_expert.to(probs.dtype) / num_tokens
-        loss = loss + config.aux_loss_coef * config.num_experts * (fraction * probs.sum(0)).sum() / num_tokens
+        loss = loss + config.aux_loss_coef * config.num_experts * (fraction * balance.sum(0)).sum() / num_tokens
     if config.z_loss_coef:
         loss = loss + config.z_loss_coef * routing.logsumexp.square().sum() / num_tokens
+    num_sequences = routing.sequence_tokens.numel() if num_sequences is None else num_sequences
+    if config.seq_aux_loss_coef and num_sequences:
+        per_sequence = balance.new_zeros(routing.sequence_selected.shape).index_add_(0, routing.token_sequence, balance)
+        length = routing.sequence_tokens.to(probs.dtype)[:, None]
+        f_times_p = config.num_experts / config.top_k * routing.sequence_selected.to(probs.dtype) * per_sequence
+        loss = loss + config.seq_aux_loss_coef * (f_times_p / length.square()).sum() / num_sequences
     return loss
 
 
@@ -134,15 +184,17 @@ def grad_gate_from_rows(
     grad_loss: torch.Tensor | None,
     config: MoEConfig,
     num_tokens: int | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    num_sequences: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Stage 6 from the kept rows, as the fused and the expert-parallel backward both hold it:
     grad_weight_rows [N] are dw of the pairs routing.row_pair lists (in that order); they are
     scattered into dL/dw [S, k] (zero for dropped pairs) for grad_gate_gemm, whose arguments and
-    result (dx [S, H], dWg [H, E]) the others are."""
+    result (dx [S, H], dWg [H, E], db [E] or None) the others are."""
     S, k = x.shape[0], routing.top_idx.shape[1]
     grad_weight = x.new_zeros(S * k, dtype=accumulation_dtype(x.dtype))
     grad_weight[routing.row_pair] = grad_weight_rows
-    return grad_gate_gemm(x, gate_weight, routing, grad_weight.view(S, k), grad_loss, config, num_tokens)
+    return grad_gate_gemm(x, gate_weight, routing, grad_weight.view(S, k), grad_loss, config, num_tokens,
+                          num_sequences)
 
 
 def grad_gate_gemm(
@@ -153,36 +205,58 @@ def grad_gate_gemm(
     grad_loss: torch.Tensor | None,
     config: MoEConfig,
     num_tokens: int | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Stage 6: from dL/dw_tj to the gate weight and input gradients.
+    num_sequences: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Stage 6: from dL/dw_tj to the gate weight, router bias and input gradients.
 
     grad_weight [S, k] holds dw_tj = g_t . y_j(t) (zero for dropped pairs); grad_loss is
-    dL/d(balance_loss) or None.
-      dp_tj    = (dw_tj - sum_{i in sel} w_ti dw_ti) / sum_{i in sel} p_ti   (renormalize)
-               = dw_tj                                                       (otherwise)
-      dp      += aux_coef * E * selected_e / S^2                             (aux loss)
-      dlogits  = p * (dp - sum_e p_e dp_e)  +  z_coef * 2 lse_t p_t / S      (softmax, z loss)
-      dWg = x^T dlogits  [H, E];   dx = dlogits Wg^T  [S, H]
-    `num_tokens` is the S of the balance losses when `routing` holds a subset of the tokens
-    (a tile of them, or one rank's share of a batch, as in balance_loss); by default its rows.
-    Returns (dx [S, H], dWg [H, E]) in the accumulation dtype.
+    dL/d(balance_loss) or None. With D_t = sum_{i in sel} a_ti + eps and c the scaling factor:
+      da_tj    = (c dw_tj - sum_{i in sel} w_ti dw_ti) / D_t                 (renormalize)
+               = c dw_tj                                                     (otherwise)
+      ds       = da scattered to the selected experts (the selection itself passes no gradient)
+      ds'      = aux_coef * E * selected_e / S^2                             (aux loss)
+               + seq_coef * E / (k Q) * selected_{q(t)e} / T_q(t)^2          (sequence-wise loss)
+      ds      += ds'  (softmax)  or  (ds' - sum_e s'_e ds'_e) / sum_e s_e    (sigmoid: s' = s / sum s)
+      dlogits  = s * (ds - sum_e s_e ds_e)  (softmax)  or  ds * s * (1 - s)  (sigmoid)
+               + z_coef * 2 lse_t softmax(logits_t) / S                      (z loss)
+      dWg = x^T dlogits  [H, E];   dx = dlogits Wg^T  [S, H];   db = sum_t dlogits_t  [E]
+    `num_tokens` / `num_sequences` are the S / Q of the balance losses when `routing` holds a
+    subset of the tokens (a tile of them, or one rank's share of a batch, as in balance_loss).
+    Returns (dx, dWg, db) in the accumulation dtype, db None unless config.router_bias.
     """
     probs = routing.probs
     acc = probs.dtype
     num_tokens = probs.shape[0] if num_tokens is None else num_tokens
+    num_sequences = routing.sequence_tokens.numel() if num_sequences is None else num_sequences
     grad_weight = grad_weight.to(acc)
+    scale = config.routed_scaling_factor
     if config.renormalize:
         coupled = (routing.weight * grad_weight).sum(-1, keepdim=True)
-        grad_top = (grad_weight - coupled) / routing.top_prob.sum(-1, keepdim=True)
+        scaled = grad_weight if scale == 1.0 else scale * grad_weight
+        grad_top = (scaled - coupled) / (routing.top_prob.sum(-1, keepdim=True) + config.renormalize_epsilon)
     else:
-        grad_top = grad_weight
+        grad_top = grad_weight if scale == 1.0 else scale * grad_weight
     grad_probs = torch.zeros_like(probs).scatter_(1, routing.top_idx, grad_top)
+    grad_balance = None
     if grad_loss is not None and config.aux_loss_coef and num_tokens:
-        scale = grad_loss.to(acc) * config.aux_loss_coef * config.num_experts / num_tokens**2
-        grad_probs = grad_probs + scale * routing.selected_per_expert.to(acc)
-    grad_logits = probs * (grad_probs - (probs * grad_probs).sum(-1, keepdim=True))
+        coef = grad_loss.to(acc) * config.aux_loss_coef * config.num_experts / num_tokens**2
+        grad_balance = (coef * routing.selected_per_expert.to(acc)).expand_as(probs)
+    if grad_loss is not None and config.seq_aux_loss_coef and num_sequences:
+        coef = grad_loss.to(acc) * config.seq_aux_loss_coef * config.num_experts / (config.top_k * num_sequences)
+        sequence = routing.token_sequence
+        length = routing.sequence_tokens.to(acc)[sequence, None]
+        term = coef * routing.sequence_selected.to(acc)[sequence] / length.square()
+        grad_balance = term if grad_balance is None else grad_balance + term
+    if grad_balance is not None:
+        grad_probs = grad_probs + routers.grad_balance_scores(probs, grad_balance, config)
+    if config.score_func == "softmax":
+        grad_logits = probs * (grad_probs - (probs * grad_probs).sum(-1, keepdim=True))
+    else:
+        grad_logits = grad_probs * probs * (1 - probs)
     if grad_loss is not None and config.z_loss_coef and num_tokens:
-        scale = grad_loss.to(acc) * config.z_loss_coef * 2.0 / num_tokens
-        grad_logits = grad_logits + scale * routing.logsumexp[:, None] * probs
+        coef = grad_loss.to(acc) * config.z_loss_coef * 2.0 / num_tokens
+        softmax = routing.probs if config.score_func == "softmax" else routing.z_probs
+        grad_logits = grad_logits + coef * routing.logsumexp[:, None] * softmax
     x_acc = x.to(acc)
-    return grad_logits @ gate_weight.to(acc).t(), x_acc.t() @ grad_logits
+    grad_bias = grad_logits.sum(0) if config.router_bias else None
+    return grad_logits @ gate_weight.to(acc).t(), x_acc.t() @ grad_logits, grad_bias

@@ -11,7 +11,7 @@ names the setting and the ranks:
               (settings_words), compared across the whole mesh by check_settings. They ride on
               the forward's counts all-gather (dispatch.plan_dispatch), and once per layer on a
               fixed-size all-gather before the first forward (ExpertParallel), because the counts
-              row has E + 1 words and ranks that disagree on E cannot share one all-gather.
+              row has E + 2 words and ranks that disagree on E cannot share one all-gather.
   t-peers     the ranks along 't' must hold the same tokens (tokens are split over the (d, e)
               coordinate and replicated over 't'): each rank adds its token count, checksum(x) and
               checksum(top-k choices) to the counts row, and check_t_peers compares them (equal
@@ -31,11 +31,11 @@ import struct
 import torch
 
 from shardmoe import shardops
-from shardmoe.moe.config import ACTIVATIONS, EXPERT_KINDS
+from shardmoe.moe.config import ACTIVATIONS, EXPERT_KINDS, SCORE_FUNCS
 from shardmoe.notation import MESH_AXES
 from shardmoe.parallel.exchange import ExchangeError
 
-_STRINGS = EXPERT_KINDS + ACTIVATIONS
+_STRINGS = EXPERT_KINDS + ACTIVATIONS + SCORE_FUNCS
 _DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
 # (tag, payload) per setting, so that a rank can print the values the other ranks sent
 _NONE, _INT, _FLOAT, _STRING, _DTYPE = range(5)
@@ -111,8 +111,8 @@ def check_settings(table: torch.Tensor, names, what: str) -> None:
 
 
 def check_t_peers(table: torch.Tensor, mesh) -> None:
-    """table [W, 3 + E]: each rank's token count, checksums of its tokens and of its top-k choices,
-    and selections per expert. The ranks along 't' hold the same tokens and the same gate, so they
+    """table [W, 4 + E]: each rank's token count, checksums of its tokens and of its top-k choices,
+    its sequences and selections per expert. The ranks along 't' hold the same tokens and the same gate, so they
     must agree on all of it."""
     for group in _groups_along(mesh, "t"):
         rows = table[group]

@@ -3,8 +3,8 @@
 Token-parallel ranks are the (d, e) coordinates, numbered r = coord(('d', 'e')) = d * ep + e;
 ranks along 't' hold the same tokens and make the same plan. Before any row moves, every rank
 all-gathers over the whole mesh one int64 row: its layer settings (consistency.settings_words),
-its token count, checksums of its tokens and its top-k choices (tp > 1 only) and its per-expert
-selection counts. The
+its token count, checksums of its tokens and its top-k choices (tp > 1 only), its number of
+sequences (for the sequence-wise loss) and its per-expert selection counts. The
 settings and the t-peers' rows are checked against each other (consistency); the t = 0 rows give
 the [R, E] selections and [R] token counts, from which each rank derives, without further
 communication:
@@ -36,13 +36,15 @@ from shardmoe.parallel import consistency
 class DispatchPlan:
     """One forward's global routing counts and this rank's view of them.
 
-    tokens [R] tokens per token-parallel rank; selected [R, E] top-k choices before capacity;
+    tokens [R] tokens per token-parallel rank; sequences [R] sequences of the sequence-wise loss
+    per token-parallel rank (0 when it is off); selected [R, E] top-k choices before capacity;
     kept [R, E] pairs kept; capacity EC or None (dropless); rank r and peer index (e coord) of
     this rank; experts per peer El. counts is the [G, G] split matrix of this rank's e-group,
     recv_per_expert [G, El] the rows this rank's experts receive from each peer.
     """
 
     tokens: torch.Tensor
+    sequences: torch.Tensor
     selected: torch.Tensor
     kept: torch.Tensor
     capacity: int | None
@@ -55,6 +57,10 @@ class DispatchPlan:
     @property
     def global_tokens(self) -> int:
         return int(self.tokens.sum())
+
+    @property
+    def global_sequences(self) -> int:
+        return int(self.sequences.sum())
 
     @property
     def rows_per_local_expert(self) -> torch.Tensor:
@@ -94,7 +100,8 @@ def plan_dispatch(x: torch.Tensor, routing: Routing, config, mesh) -> tuple[Disp
     # The t-peers' tokens and routing must agree; with tp = 1 there is nothing to compare.
     t_peers = mesh.size("t") > 1
     checksums = [consistency.checksum(x), consistency.checksum(routing.top_idx)] if t_peers else [0, 0]
-    mine = torch.cat([consistency.settings_words(settings), torch.tensor([num_tokens, *checksums]),
+    sequences = routing.sequence_tokens.numel()
+    mine = torch.cat([consistency.settings_words(settings), torch.tensor([num_tokens, *checksums, sequences]),
                       routing.selected_per_expert.cpu()]).to(routing.probs.device)
     full = consistency.gather_table(mine, mesh, "expert-parallel counts exchange")
     consistency.check_settings(full[:, : 2 * len(settings)], list(settings), "MoE layer settings")
@@ -102,7 +109,7 @@ def plan_dispatch(x: torch.Tensor, routing: Routing, config, mesh) -> tuple[Disp
     consistency.check_t_peers(full, mesh)
     # The token-parallel ranks (d, e) are the t = 0 rows (global rank order is d, e, t with t fastest).
     table = full[:: mesh.size("t")]
-    tokens, selected = table[:, 0], table[:, 3:]
+    tokens, sequences, selected = table[:, 0], table[:, 3], table[:, 4:]
     rank = mesh.coord(("d", "e"))
     capacity = config.capacity(int(tokens.sum()))
     if capacity is None:
@@ -119,7 +126,7 @@ def plan_dispatch(x: torch.Tensor, routing: Routing, config, mesh) -> tuple[Disp
     local = E // ep
     slice_rows = kept[rank - peer : rank - peer + ep]  # the token ranks of this d slice, in e order
     per_peer = slice_rows.view(ep, ep, local).sum(-1)  # [source, destination block]
-    plan = DispatchPlan(tokens, selected, kept, capacity, rank, peer, local, per_peer.tolist(),
+    plan = DispatchPlan(tokens, sequences, selected, kept, capacity, rank, peer, local, per_peer.tolist(),
                         slice_rows[:, peer * local : (peer + 1) * local])
     return plan, routing
 

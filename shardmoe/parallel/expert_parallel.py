@@ -10,7 +10,8 @@ intermediate dim (expert_tensor). Forward, on rank (d, e, t):
                  to the peers along 'e' -> 'N_recv H' (P2P or remote path)      (exchange)
   experts        the fused path's expert math on the local experts' rows, psum over 't'
   combine        rows y back along 'e' (reverse splits) -> out_t = sum_j w_tj y_j(x_t)
-  aux loss       this rank's share of the global aux + z loss (global counts)
+  aux loss       this rank's share of the global aux + z + sequence-wise loss (global counts of
+                 selections, tokens and sequences; a sequence lies on one rank)
 
 Backward, the six stages of the fused path with the exchanges in between:
   token side     g rows and their weights w go to the experts         (dispatch, reverse of combine)
@@ -57,22 +58,31 @@ class ExpertParallel:
         self.exchange = shared_exchange(mesh, "e")
         self.agreed = False  # whether the ranks' settings and gates were compared (first forward)
 
-    def __call__(self, x: torch.Tensor, stats: dict, gate_weight: torch.Tensor, *expert_weights):
-        """x 'S H' (this rank's tokens) -> (out 'S H', this rank's share of the aux loss [])."""
+    def __call__(self, x: torch.Tensor, stats: dict, correction_bias, token_sequence, gate_weight: torch.Tensor,
+                 gate_bias, *expert_weights):
+        """x 'S H' (this rank's tokens) -> (out 'S H', this rank's share of the aux loss []).
+        Arguments as FusedMoE.apply's; token_sequence numbers this rank's sequences from 0."""
         with self.exchange.tell_peers_on_failure():
             if not self.agreed:
-                self.check_agreement(x.dtype, gate_weight)
-            return ExpertParallelMoE.apply(x, self, stats, gate_weight, *expert_weights)
+                self.check_agreement(x.dtype, gate_weight, gate_bias, correction_bias)
+            return ExpertParallelMoE.apply(x, self, stats, correction_bias, token_sequence, gate_weight, gate_bias,
+                                           *expert_weights)
 
-    def check_agreement(self, dtype: torch.dtype, gate_weight: torch.Tensor) -> None:
-        """Before the first forward: one fixed-size all-gather of the settings and the gate's checksum
-        over the mesh; RankMismatchError on every rank when they differ. (Each forward's counts row
-        carries the settings again, but has E + 1 words: ranks that disagree on E could not share it.)"""
+    def check_agreement(self, dtype: torch.dtype, gate_weight: torch.Tensor, gate_bias=None,
+                        correction_bias=None) -> None:
+        """Before the first forward: one fixed-size all-gather of the settings and the checksums of
+        the replicated router tensors (gate_weight, gate_bias, correction_bias) over the mesh;
+        RankMismatchError on every rank when they differ. (Each forward's counts row carries the
+        settings again, but has E + 2 words: ranks that disagree on E could not share it.)"""
         settings = consistency.layer_settings(self.config, self.mesh, dtype)
-        row = torch.cat([consistency.settings_words(settings), torch.tensor([consistency.checksum(gate_weight)])])
+        replicas = [(n, t) for n, t in (("gate_weight", gate_weight), ("gate_bias", gate_bias),
+                                        ("correction_bias", correction_bias)) if t is not None]
+        sums = torch.tensor([consistency.checksum(t) for _, t in replicas])
+        row = torch.cat([consistency.settings_words(settings), sums])
         table = consistency.gather_table(row.to(gate_weight.device), self.mesh, "MoE layer agreement check")
-        consistency.check_settings(table[:, :-1], list(settings), "MoE layer settings")
-        consistency.check_replicas([("gate_weight", MESH_AXES)], table[:, -1:], self.mesh, "MoE layer")
+        consistency.check_settings(table[:, : -len(replicas)], list(settings), "MoE layer settings")
+        consistency.check_replicas([(n, MESH_AXES) for n, _ in replicas], table[:, -len(replicas):], self.mesh,
+                                   "MoE layer")
         self.agreed = True
 
 
@@ -98,15 +108,17 @@ def global_counts(routing: Routing, plan: DispatchPlan) -> Routing:
 
 
 class ExpertParallelMoE(torch.autograd.Function):
-    """apply(x 'S H', parallel: ExpertParallel, stats: dict, gate_weight 'H E', *expert shards)
+    """apply(x 'S H', parallel: ExpertParallel, stats: dict, correction_bias 'E' or None,
+    token_sequence 'S' or None, gate_weight 'H E', gate_bias 'E' or None, *expert shards)
     -> (out 'S H', aux share [])."""
 
     @staticmethod
-    def forward(ctx, x, parallel: ExpertParallel, stats: dict, gate_weight, *expert_weights):
+    def forward(ctx, x, parallel: ExpertParallel, stats: dict, correction_bias, token_sequence, gate_weight,
+                gate_bias, *expert_weights):
         config, mesh, exchange = parallel.config, parallel.mesh, parallel.exchange
         num_tokens, k = x.shape[0], config.top_k
         clock = _Clock(dict.fromkeys(PHASES, 0.0))
-        routing, plan = _route(x, gate_weight, config, mesh)
+        routing, plan = _route(x, gate_weight, gate_bias, correction_bias, token_sequence, config, mesh)
         clock.lap("route")
 
         row_token, weight_rows = routing.rows(k)
@@ -122,14 +134,14 @@ class ExpertParallelMoE(torch.autograd.Function):
         (y_send,) = _to_tokens(exchange, plan, order, y)
         out = comb.combine(y_send, weight_rows, routing.row_pair, num_tokens, k).to(x.dtype)
         share_routing = global_counts(routing, plan)
-        loss = balance_loss(share_routing, config, num_tokens=plan.global_tokens)
+        loss = balance_loss(share_routing, config, num_tokens=plan.global_tokens, num_sequences=plan.global_sequences)
         clock.lap("combine")
 
         stats.update(plan.stats())
         stats.update(rows=_row_stats(routing, plan, exchange), seconds=clock.seconds)
         ctx.config, ctx.parallel, ctx.plan, ctx.seconds = config, parallel, plan, clock.seconds
         ctx.save_for_backward(
-            x, gate_weight, *expert_weights,
+            x, gate_weight, gate_bias, *expert_weights,
             *share_routing.tensors(), order, xs, *saved,
         )
         return out, loss
@@ -146,7 +158,7 @@ def _backward(ctx, grad_out, grad_loss):
     config, plan, exchange, mesh = ctx.config, ctx.plan, ctx.parallel.exchange, ctx.parallel.mesh
     clock = _Clock(ctx.seconds)
     n_expert = len(expert_param_names(config))
-    x, gate_weight, *rest = ctx.saved_tensors
+    x, gate_weight, gate_bias, *rest = ctx.saved_tensors
     expert_weights, rest = rest[:n_expert], rest[n_expert:]
     n_routing = len(dataclasses.fields(Routing))
     routing = Routing(*rest[:n_routing])
@@ -168,18 +180,22 @@ def _backward(ctx, grad_out, grad_loss):
     grad_x = comb.grad_input_combine(grad_xs, routing.row_pair, num_tokens, k)
     clock.lap("combine")
 
-    grad_x_gate, grad_gate = grad_gate_from_rows(x, gate_weight, routing, grad_dots, grad_loss, config,
-                                                 num_tokens=plan.global_tokens)
+    grad_x_gate, grad_gate, grad_gate_bias = grad_gate_from_rows(
+        x, gate_weight, routing, grad_dots, grad_loss, config, num_tokens=plan.global_tokens,
+        num_sequences=plan.global_sequences)
     grad_x = (grad_x + grad_x_gate).to(x.dtype)
     clock.lap("route")
     expert_grads = [None if g is None else g.to(p.dtype)
                     for g, p in zip((grads[n] for n in expert_param_names(config)), expert_weights)]
-    return (grad_x, None, None, grad_gate.to(gate_weight.dtype), *expert_grads)
+    grad_gate_bias = None if gate_bias is None else grad_gate_bias.to(gate_bias.dtype)
+    return (grad_x, None, None, None, None, grad_gate.to(gate_weight.dtype), grad_gate_bias, *expert_grads)
 
 
-def _route(x, gate_weight, config: MoEConfig, mesh) -> tuple[Routing, DispatchPlan]:
+def _route(x, gate_weight, gate_bias, correction_bias, token_sequence, config: MoEConfig,
+           mesh) -> tuple[Routing, DispatchPlan]:
     """Dropless local routing, then the global plan (which applies the global capacity)."""
-    routing = route(x, gate_weight, dataclasses.replace(config, capacity_factor=None))
+    routing = route(x, gate_weight, dataclasses.replace(config, capacity_factor=None), gate_bias, correction_bias,
+                    token_sequence)
     plan, routing = plan_dispatch(x, routing, config, mesh)
     return routing, plan
 

@@ -56,7 +56,7 @@ def _params(layer) -> dict[str, torch.Tensor | None]:
     c = layer.config
     whole = parameter_shapes(c)
     params = {}
-    for name in ("gate_weight", *expert_param_names(c)):
+    for name in ("gate_weight", "gate_bias", *expert_param_names(c)):
         p = getattr(layer, name)
         if p is not None and tuple(p.shape) != whole[name]:
             raise ValueError(f"layer.{name}: expected the whole parameter {list(whole[name])}, got {list(p.shape)} "
@@ -82,7 +82,9 @@ def run_forward(layer, x: torch.Tensor, *, peers: int = 1, ranks_per_node: int |
     """The layer's forward as tile tasks: preGEMM, postGEMM, combine."""
     config = layer.config
     xf = x.detach().reshape(-1, config.hidden_size)
-    routing: Routing = route(xf, layer.gate_weight.detach(), config)
+    gate_bias = None if layer.gate_bias is None else layer.gate_bias.detach()
+    routing: Routing = route(xf, layer.gate_weight.detach(), config, gate_bias, layer.correction_bias,
+                             layer.token_sequence(x, None))
     plan = Plan(config, routing, xf.shape[0], peers=peers, ranks_per_node=ranks_per_node,
                 block_m=block_m, block_n=block_n)
     ledger, memory = Ledger(), Memory()
@@ -133,7 +135,8 @@ def run_backward(layer, x: torch.Tensor, grad_out: torch.Tensor, *, peers: int =
     queues = build_queues(plan, True, ledger, gate_dependency)
     emitters = Emitters(plan, queues, gate_dependency, final_gate_combine)
     protocol = BackwardProtocol(plan, memory, emitters, gate_dependency)
-    expert_shapes = {n: tuple(p.shape[1:]) for n, p in params.items() if n != "gate_weight" and p is not None}
+    expert_shapes = {n: tuple(p.shape[1:]) for n, p in params.items()
+                     if n not in ("gate_weight", "gate_bias") and p is not None}
     trace = run_schedule(plan, queues, ledger, protocol, KernelContext(plan, memory, params, grad_loss_t),
                          make_scheduler(scheduler, seed), processors, "backward",
                          lambda: protocol.start(xf, gf, forward.memory, expert_shapes))
@@ -142,6 +145,8 @@ def run_backward(layer, x: torch.Tensor, grad_out: torch.Tensor, *, peers: int =
     devices = range(plan.peers)
     grad_input = torch.cat([memory[Ref(d, "grad_x")] for d in devices]).to(x.dtype).view(x.shape)
     grads = {"gate_weight": sum(memory[Ref(d, "gate_weight_grad")] for d in devices).to(params["gate_weight"].dtype)}
+    if params["gate_bias"] is not None:
+        grads["gate_bias"] = sum(memory[Ref(d, "gate_bias_grad")] for d in devices).to(params["gate_bias"].dtype)
     for name, shape in expert_shapes.items():
         grads[name] = torch.cat([memory[Ref(d, "expert_grad", name)] for d in devices]).to(params[name].dtype)
     return BackwardResult(grad_input, grads, counts, trace, forward)

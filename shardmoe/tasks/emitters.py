@@ -96,7 +96,8 @@ class Emitters:
         grad_x live there, and a remote device may not be read."""
         h = tile.peer
         self._write_tq(TaskType.gradGateGEMM, tile, h, self.plan.tnx, "gate decoder", tokens=tokens,
-                       x=Ref(h, "x"), dots=Ref(h, "gate_dots"), out=Ref(h, "grad_x"), dwg=Ref(h, "gate_weight_grad"))
+                       x=Ref(h, "x"), dots=Ref(h, "gate_dots"), out=Ref(h, "grad_x"), dwg=Ref(h, "gate_weight_grad"),
+                       dwb=Ref(h, "gate_bias_grad"))
 
     def notify_gate_gradient_tokens(self, tile: TokenTile) -> None:
         """gradGateGEMM of a token tile whose tokens have all their dots, on the token device."""
@@ -104,7 +105,7 @@ class Emitters:
         for n in range(self.plan.tnx):
             task = Task(TaskType.gradGateGEMM, h, g, n, -1, h,
                         dict(tokens=tile.tokens, x=Ref(h, "x"), dots=Ref(h, "gate_dots"), out=Ref(h, "grad_x"),
-                             dwg=Ref(h, "gate_weight_grad")), False, "notifyGateGradient")
+                             dwg=Ref(h, "gate_weight_grad"), dwb=Ref(h, "gate_bias_grad")), False, "notifyGateGradient")
             self.queues[h].write_ptq(task, g, "gate")
 
     def notify_grad_pre_gemm(self, tile: RowTile) -> None:

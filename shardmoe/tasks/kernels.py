@@ -26,6 +26,7 @@ not seen by it, as on a GPU (the gate-dependency race depends on this).
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Callable
 
@@ -199,28 +200,32 @@ def grad_input_combine(task: Task, ctx: KernelContext) -> Commit:
 
 
 def _token_routing(routing: Routing, tokens: torch.Tensor) -> Routing:
-    """The routing rows of a token subset; per-expert counts stay global (the aux loss uses them)."""
-    return Routing(routing.probs[tokens], routing.logsumexp[tokens], routing.top_idx[tokens],
-                   routing.top_prob[tokens], routing.weight[tokens], routing.selected_per_expert,
-                   routing.kept_per_expert, routing.row_pair[:0])
+    """The routing rows of a token subset; per-expert and per-sequence counts stay global (the
+    balance losses use them)."""
+    per_token = ("probs", "logsumexp", "top_idx", "top_prob", "weight", "z_probs", "token_sequence")
+    return dataclasses.replace(routing, row_pair=routing.row_pair[:0],
+                               **{name: getattr(routing, name)[tokens] for name in per_token})
 
 
 def grad_gate_gemm_tile(task: Task, ctx: KernelContext) -> Commit:
     """Column tile n of the gate backward for the tokens in operands["tokens"] (global indices, all
-    homed on task.peer); reads their gate dots at its start, which must hold every kept pair's dw."""
+    homed on task.peer); reads their gate dots at its start, which must hold every kept pair's dw.
+    The router bias gradient does not depend on the column, so column tile 0 commits it."""
     plan, mem, op = ctx.plan, ctx.memory, task.operands
     tokens = op["tokens"]
     if tokens.numel() == 0:
         return lambda: None
     cols = plan.columns(task.tile_idx, plan.config.hidden_size)
     rows = plan.local_tokens(tokens, task.peer)
-    grad_x, grad_gate = grad_gate_gemm(mem[op["x"]][rows][:, cols], ctx.params["gate_weight"][cols],
+    grad_x, grad_gate, grad_bias = grad_gate_gemm(mem[op["x"]][rows][:, cols], ctx.params["gate_weight"][cols],
                                        _token_routing(plan.routing, tokens), mem[op["dots"]][rows],
                                        ctx.grad_loss, plan.config, num_tokens=plan.num_tokens)
 
     def commit():
         mem[op["out"]][rows, cols] += grad_x.to(mem[op["out"]].dtype)
         mem[op["dwg"]][cols] += grad_gate.to(mem[op["dwg"]].dtype)
+        if grad_bias is not None and task.tile_idx == 0:
+            mem[op["dwb"]] += grad_bias.to(mem[op["dwb"]].dtype)
     return commit
 
 

@@ -18,6 +18,7 @@
     grad_out [S_d, H]   dL/dout of its tokens, the source of the backward dispatch
     gate_dots [S_d, k]  dw_tj = g_t . y_j(t)     (gGateCombine, one slot per pair)
     gate_weight_grad [H, E]                      (gGateW; summed over devices at the end)
+    gate_bias_grad [E]  router bias gradient, with router_bias (summed over devices at the end)
     heap (key (src, s)) [m, H]   remote arrivals: y rows (forward) or dL/dx rows (backward)
     gate_heap (key (src, s)) [m] remote arrivals of gate dots
 """

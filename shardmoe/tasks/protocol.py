@@ -149,6 +149,8 @@ class BackwardProtocol(Protocol):
             mem.zeros(Ref(d, "grad_x"), (hi - lo, H), x.dtype)
             mem.zeros(Ref(d, "gate_dots"), (hi - lo, k), plan.routing.weight.dtype)
             mem.zeros(Ref(d, "gate_weight_grad"), (H, plan.config.num_experts), x.dtype)
+            if plan.config.router_bias:
+                mem.zeros(Ref(d, "gate_bias_grad"), (plan.config.num_experts,), x.dtype)
             for name, shape in expert_grads.items():
                 mem.zeros(Ref(d, "expert_grad", name), (plan.local_experts, *shape), x.dtype)
             self.counters[d].define("tQS", torch.tensor([tn + tnx] * g + [tnx + 1] * g), label=self._tqs_label)

@@ -4,9 +4,10 @@
       tensors   model.<param>                  full weights (the model's dtype)
                 optim.exp_avg.<param>          AdamW first moments, full
                 optim.exp_avg_sq.<param>       AdamW second moments, full
-                buffer.<name>                  the model's persistent buffers (state that is not
-                                               trained by gradient, e.g. a router's selection bias);
-                                               replicated, so rank 0's copy is every rank's
+                model.<block>.moe.correction_bias   each router's correction bias (float32), when
+                                               the model has them
+                buffer.<name>                  any other persistent buffer (state that is not trained
+                                               by gradient); replicated, so rank 0's copy is every rank's
                 rng.torch                      torch's CPU generator state (uint8)
       metadata  format      "shardmoe-checkpoint/2"
                 checksums   {tensor name: sha256 of its bytes} as JSON
@@ -36,7 +37,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from shardmoe.model.transformer import Transformer
+from shardmoe.model.transformer import Transformer, full_shapes
 from shardmoe.train.presets import DEFAULT_ARCH
 
 from .optim import AdamW
@@ -75,9 +76,10 @@ def save_checkpoint(out_dir: str | Path, model: Transformer, optimizer: AdamW, s
 
 
 def persistent_buffers(model: Transformer) -> dict[str, torch.Tensor]:
-    """The buffers in the model's state_dict (its non-parameter state), by name."""
-    params = {name for name, _ in model.named_parameters()}
-    return {name: t for name, t in model.state_dict(keep_vars=True).items() if name not in params}
+    """The buffers in the model's state_dict that its full state dict does not already carry (the
+    correction biases travel as model.<name>), by name: none is dropped silently."""
+    carried = set(full_shapes(model.config))
+    return {name: t for name, t in model.state_dict(keep_vars=True).items() if name not in carried}
 
 
 def tensor_checksum(tensor: torch.Tensor) -> str:

@@ -6,7 +6,8 @@ One optimizer step n (1-based) on every rank of the mesh:
     backward   from this rank's total; the dense layers reduce-scatter their gradients over d
     sync       model.sync_grads(): dense over e, MoE gate over (d, e), experts over d
     clip       the global gradient norm (all shards, each counted once) to max_grad_norm
-    update     AdamW with the warm-up + cosine learning rate of step n
+    update     AdamW with the warm-up + cosine learning rate of step n, then each MoE correction
+               bias from the step's global expert loads (when the model has them)
 and rank 0 appends one JSON row to DIR/metrics.jsonl. The logged `loss` is the cross-entropy of
 the global batch before the update (nats per byte); `aux_loss` the summed weighted MoE losses;
 the load columns (metrics.load_columns) count each layer's tokens per expert over the global
@@ -134,6 +135,7 @@ def train(config: TrainConfig, out_dir: str | Path | None, *, mesh=None, resume:
             clip_grads([p.grad for _, p in params], grad_norm, config.max_grad_norm)
             lr = learning_rate(step, config.lr, config.warmup_steps, config.steps, config.min_lr_ratio)
             optimizer.step(lr)
+            model.update_correction_biases()  # from this step's global loads (DeepSeek-V3 bias balancing)
             ce, aux = model.global_losses(losses)
             seconds = time.perf_counter() - started
             row = {"step": step, "loss": ce, "aux_loss": aux, "lr": lr, "grad_norm": grad_norm,

@@ -3,8 +3,8 @@ import pytest
 import torch
 
 import shardmoe
-from shardmoe.check.cases import (EXPERTS, GLU_ACTIVATIONS, MLP_ACTIVATIONS, core_matrix, edge_cases, full_matrix,
-                                  gradcheck_cases, precision_cases, quick_matrix)
+from shardmoe.check.cases import (EXPERTS, GLU_ACTIVATIONS, MLP_ACTIVATIONS, ROUTERS, core_matrix, edge_cases,
+                                  full_matrix, gradcheck_cases, precision_cases, quick_matrix, router_matrix)
 from shardmoe.check.command import single_threaded
 from shardmoe.check.compare import TOLERANCES, compare_with_reference, relative_error, run_fused
 from shardmoe.check.inputs import make_inputs
@@ -72,8 +72,43 @@ def test_case_counts_are_the_ones_docs_checking_md_gives():
     # per kind, per (renormalize, capacity): an empty expert for k = 1..E-1, four tiny layouts for
     # k = 1 and E; plus one (3, 5) layout per kind
     assert len(edge_cases()) == 2 * (4 * ((EXPERTS - 1) + 2 * 4) + 1) == 90
-    assert len(quick_matrix()) == variants + 2 * 6 == 37  # + one case of each of the 6 edge kinds per kind
-    assert len(precision_cases()) == 12 and len(gradcheck_cases()) == 3
+    # router families x capacity x k = 1, 2, plus a tie case per family
+    assert len(router_matrix()) == len(ROUTERS) * (2 * 2 + 1) == 25
+    # + one case of each of the 6 edge kinds per kind, one per router family and one tie
+    assert len(quick_matrix()) == variants + 2 * 6 + len(ROUTERS) + 1 == 43
+    assert len(precision_cases()) == 15 and len(gradcheck_cases()) == 3
+
+
+def test_router_matrix_covers_every_router_option_and_ties():
+    configs = [c.config for c in MATRIX]
+    assert {c.score_func for c in configs} == {"softmax", "sigmoid"}
+    for option in ("router_bias", "correction_bias"):
+        assert any(getattr(c, option) and c.score_func == "sigmoid" for c in configs)
+        assert any(getattr(c, option) and c.score_func == "softmax" for c in configs)
+    assert {(c.n_group, c.topk_group) for c in configs} >= {(1, 1), (2, 1), (4, 2)}
+    assert any(c.renormalize_epsilon > 0 for c in configs) and any(c.routed_scaling_factor != 1 for c in configs)
+    assert any(c.seq_aux_loss_coef > 0 and c.capacity_factor is not None for c in configs)
+    assert any(not c.renormalize and c.score_func == "sigmoid" for c in configs)
+    ties = [c for c in MATRIX if c.tie]
+    assert {tuple(sorted(dict(score=c.config.score_func, groups=c.config.n_group).items())) for c in ties} \
+        >= {(("groups", 1), ("score", "softmax")), (("groups", 2), ("score", "sigmoid"))}
+    assert any(c.tie for c in quick_matrix())
+
+
+def test_tie_cases_route_both_twins_and_the_lower_wins():
+    """The tie cases' inputs give experts 0 and 1 bitwise equal scores, and the fused layer's
+    expert 1 only receives tokens that also chose expert 0 (top_k = 2) or that expert 0 could not
+    take: its selection counts never exceed expert 0's."""
+    for case in (c for c in MATRIX if c.tie):
+        inputs = make_inputs(case, torch.float64)
+        routing = reference_routing(inputs.x, inputs.params["gate_weight"], case.config,
+                                    inputs.params.get("gate_bias"), inputs.correction_bias)
+        assert torch.equal(routing.probs[:, 0], routing.probs[:, 1]), case.name
+        layer, _, _ = run_fused(case.config, inputs)
+        chose_1 = (routing.selected == 1).any(-1)
+        assert ((routing.selected == 0).any(-1) | ~chose_1).all(), case.name
+        assert layer.stats["selected_per_expert"].tolist() == torch.bincount(routing.selected.reshape(-1),
+                                                                             minlength=4).tolist()
 
 
 def test_quick_matrix_is_a_subset_touching_every_activation():

@@ -59,8 +59,8 @@ def kernel_moe(x, gate_weight, params, config: MoEConfig, grad_out, grad_loss):
     grad_x = kcomb.grad_input_combine(grad_xs, routing.row_pair, num_tokens, k)
     grad_weight = grad_weight_rows.new_zeros(num_tokens * k)
     grad_weight[routing.row_pair] = grad_weight_rows
-    grad_x_gate, grads["gate_weight"] = grad_gate_gemm(x, gate_weight, routing, grad_weight.view(num_tokens, k),
-                                                       grad_loss, config)
+    grad_x_gate, grads["gate_weight"], _ = grad_gate_gemm(x, gate_weight, routing,
+                                                          grad_weight.view(num_tokens, k), grad_loss, config)
     grads["x"] = grad_x + grad_x_gate
     return out, loss, grads, routing
 
@@ -70,7 +70,8 @@ def fused_float64(x, gate_weight, params, config: MoEConfig, grad_out, grad_loss
     names = expert_param_names(config)
     leaves = {"x": x, "gate_weight": gate_weight, **{n: params[n] for n in names}}
     leaves = {n: None if t is None else t.detach().clone().requires_grad_(True) for n, t in leaves.items()}
-    out, loss = FusedMoE.apply(leaves["x"], config, {}, leaves["gate_weight"], *(leaves[n] for n in names))
+    out, loss = FusedMoE.apply(leaves["x"], config, {}, None, None, leaves["gate_weight"], None,
+                               *(leaves[n] for n in names))
     torch.autograd.backward([out, loss], [grad_out, grad_loss])
     grads = {n: None if t is None else t.grad for n, t in leaves.items()}
     return out.detach(), loss.detach(), grads, route(x, gate_weight, config)

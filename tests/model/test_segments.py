@@ -1,6 +1,7 @@
 import torch
 
 from shardmoe.model import attention_mask, packed_layout
+from shardmoe.model.segments import sequence_starts
 
 
 def test_segment_ids_and_positions_restart_at_each_start(packed_starts):
@@ -29,3 +30,9 @@ def test_rejects_non_bool_flags():
         assert "is_seq_start" in str(err)
     else:
         raise AssertionError("expected a ValueError")
+
+
+def test_sequence_starts_cut_at_documents_and_rows():
+    """The MoE sequence-wise loss's sequences: each row's first token and each document start."""
+    is_seq_start = torch.tensor([[False, False, True, False], [True, False, False, True]])
+    assert sequence_starts(packed_layout(is_seq_start).segment_ids).tolist() == [0, 2, 4, 7]

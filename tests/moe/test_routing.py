@@ -81,6 +81,6 @@ def test_grad_gate_gemm_matches_autograd_float64():
         if cfg.z_loss_coef:
             loss = loss + cfg.z_loss_coef * torch.logsumexp(x @ wg, -1).square().mean()
         gx, gwg = torch.autograd.grad(loss, (x, wg))
-        dx, dwg = grad_gate_gemm(x.detach(), wg.detach(), r, grad_w, torch.tensor(1.0, dtype=torch.float64), cfg)
+        dx, dwg, _ = grad_gate_gemm(x.detach(), wg.detach(), r, grad_w, torch.tensor(1.0, dtype=torch.float64), cfg)
         assert torch.allclose(dx, gx, rtol=1e-12, atol=1e-14), kw
         assert torch.allclose(dwg, gwg, rtol=1e-12, atol=1e-14), kw

@@ -28,6 +28,7 @@ SETTINGS = {
     "ffn_size": (dict(ffn_size=12), dict(ffn_size=16)),
     "capacity_factor": (dict(capacity_factor=None), dict(capacity_factor=1.25)),
     "num_experts": (dict(num_experts=4), dict(num_experts=8)),
+    "score_func": (dict(score_func="softmax"), dict(score_func="sigmoid")),
 }
 EXPECTED = {
     "top_k": "top_k: rank 0 has 2, rank 1 has 3",
@@ -36,6 +37,7 @@ EXPECTED = {
     "ffn_size": "ffn_size: rank 0 has 12, rank 1 has 16",
     "capacity_factor": "capacity_factor: rank 0 has None, rank 1 has 1.25",
     "num_experts": "num_experts: rank 0 has 4, rank 1 has 8",
+    "score_func": "score_func: rank 0 has 'softmax', rank 1 has 'sigmoid'",
 }
 
 
@@ -96,6 +98,15 @@ def _t_peers_gates_drift() -> str:
     return _error(lambda: _step(layer, x))
 
 
+def _router_biases_differ(name: str) -> str:
+    """ep=2: rank 1's router bias or correction bias differs; the first forward must refuse."""
+    layer = _moe(Mesh(ep=2), router_bias=True, correction_bias=True)
+    if dist.get_rank() == 1:
+        with torch.no_grad():
+            getattr(layer, name).add_(0.5)
+    return _error(lambda: _step(layer, torch.randn(5, H)))
+
+
 def _gate_seeded_per_rank() -> str:
     """ep=2: each rank seeds its layer with its own rank; the gates differ."""
     layer = _moe(Mesh(ep=2), seed=dist.get_rank())
@@ -142,6 +153,7 @@ def _agreement_world() -> dict:
     out["t tokens"] = _t_peers_get_different_tokens()
     out["t gates"] = _t_peers_gates_drift()
     out["gate per rank"] = _gate_seeded_per_rank()
+    out["router biases"] = {name: _router_biases_differ(name) for name in ("gate_bias", "correction_bias")}
     out["dense per rank"] = _replicas_differ_at_sync("proj.weight", dp=1, ep=2)
     out["experts per d rank"] = _replicas_differ_at_sync("moe.gate_up_proj", dp=2, ep=1)
     out["modules differ"] = _modules_differ_at_sync()
@@ -189,6 +201,9 @@ def test_t_peers_with_different_tokens_are_told_the_rule(messages):
 
 def test_replicated_parameters_that_differ_are_named(messages):
     assert "MoE layer: parameter 'gate_weight' must hold the same value on ranks 0, 1" in messages[0]["gate per rank"]
+    for name, text in messages[0]["router biases"].items():
+        assert f"MoE layer: parameter '{name}' must hold the same value on ranks 0, 1" in text, text
+        assert messages[1]["router biases"][name] == text
     dense = messages[0]["dense per rank"]
     assert "sync_grads: parameter 'proj.weight' must hold the same value on ranks 0, 1 (replicated along mesh " \
            "axes ('e',))" in dense, dense

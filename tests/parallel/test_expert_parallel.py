@@ -37,7 +37,15 @@ CONFIGS = {
     "mlp_bias_capacity": dict(ffn_size=FFN, num_experts=4, top_k=2, expert="mlp", activation="gelu",
                               output_activation="gelu_tanh", bias=True, renormalize=False, capacity_factor=0.5),
     "one_block_capacity": dict(ffn_size=FFN, num_experts=8, top_k=2, capacity_factor=1.0, aux_loss_coef=0.05),
+    # every router option at once: sigmoid, router and correction biases, 4 groups choose 2, epsilon,
+    # scaling, aux + z + sequence-wise losses (each rank's tokens are one sequence), capacity drops
+    "deepseek_router": dict(ffn_size=FFN, num_experts=8, top_k=2, score_func="sigmoid", router_bias=True,
+                            correction_bias=True, n_group=4, topk_group=2, renormalize_epsilon=1e-20,
+                            routed_scaling_factor=2.5, aux_loss_coef=0.05, z_loss_coef=0.01, seq_aux_loss_coef=0.3,
+                            capacity_factor=1.0),
 }
+ROUTER_OPTIONS = ("score_func", "router_bias", "correction_bias", "n_group", "topk_group", "renormalize_epsilon",
+                  "routed_scaling_factor", "seq_aux_loss_coef")
 TOKENS = {1: [10], 2: [0, 11], 4: [5, 0, 7, 4]}  # tokens per token-parallel rank (d, e); one holds none
 
 
@@ -64,7 +72,19 @@ def _case(name: str, layout: tuple[int, int, int], seed: int) -> dict:
         params["gate_weight"][0, :2] = torch.tensor([2.0, 1.6], dtype=torch.float64)
     for pname, shape in _whole_shapes(config).items():
         params[pname] = randn(*shape, scale=0.4)
-    return dict(name=name, layout=layout, config=config, counts=counts, x=x, params=params, grad_out=randn(S, H))
+    if config.router_bias:
+        params["gate_bias"] = randn(E)
+    correction = randn(E, scale=0.2).float() if config.correction_bias else None
+    return dict(name=name, layout=layout, config=config, counts=counts, x=x, params=params, grad_out=randn(S, H),
+                correction_bias=correction)
+
+
+def _reference_extras(case: dict) -> dict:
+    """correction_bias (float64) and the sequence starts (each rank's tokens, if any, are one) of
+    the reference run on the concatenation."""
+    bias = case["correction_bias"]
+    starts = [o for o, c in zip(_offsets(case["counts"]), case["counts"]) if c]
+    return dict(correction_bias=None if bias is None else bias.double(), sequence_starts=starts)
 
 
 def _whole_shapes(config: MoEConfig) -> dict:
@@ -82,13 +102,20 @@ def _share_grads(case: dict, mask: torch.Tensor) -> tuple[float, dict]:
     output gradient, plus the masked tokens' share of the global aux + z loss (global counts)."""
     config, params = case["config"], case["params"]
     leaves = {n: p.detach().clone().requires_grad_(True) for n, p in params.items()}
-    x = case["x"]
-    out, _ = reference_moe(x, leaves, config)
-    routing = reference_routing(x, leaves["gate_weight"], config)
+    x, extras = case["x"], _reference_extras(case)
+    out, _ = reference_moe(x, leaves, config, **extras)
+    routing = reference_routing(x, leaves["gate_weight"], config, leaves.get("gate_bias"), extras["correction_bias"])
     S, E = x.shape[0], config.num_experts
     counts = torch.bincount(routing.selected.reshape(-1), minlength=E).to(torch.float64)
-    share = config.aux_loss_coef * E * (counts / S * routing.probs[mask].sum(0) / S).sum()
+    balance = routing.probs if config.score_func == "softmax" else routing.probs / routing.probs.sum(-1, keepdim=True)
+    share = config.aux_loss_coef * E * (counts / S * balance[mask].sum(0) / S).sum()
     share = share + config.z_loss_coef * torch.logsumexp(routing.logits[mask], -1).square().sum() / S
+    bounds = extras["sequence_starts"] + [S]
+    for start, stop in zip(bounds[:-1], bounds[1:]):  # the sequences within the mask, each 1/Q of the loss
+        if config.seq_aux_loss_coef and bool(mask[start]):
+            seq_counts = torch.bincount(routing.selected[start:stop].reshape(-1), minlength=E).to(torch.float64)
+            f = E / (config.top_k * (stop - start)) * seq_counts
+            share = share + config.seq_aux_loss_coef * (f * balance[start:stop].mean(0)).sum() / (len(bounds) - 1)
     loss = (out[mask] * case["grad_out"][mask]).sum() + share
     grads = torch.autograd.grad(loss, list(leaves.values()))
     return share.item(), dict(zip(leaves, grads))
@@ -108,7 +135,7 @@ def _assert_close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> No
 def _local_shard(name: str, whole: torch.Tensor, coords: dict, layout) -> torch.Tensor:
     """This rank's shard, cut here by hand (not with the code under test)."""
     dp, ep, tp = layout
-    if name == "gate_weight":
+    if name in ("gate_weight", "gate_bias"):
         return whole
     El = whole.shape[0] // ep
     block = whole[coords["e"] * El : (coords["e"] + 1) * El]
@@ -128,9 +155,11 @@ def _check_case(case: dict, results: list[dict]) -> None:
     """Every rank's results against the float64 references of its share."""
     layout, counts = case["layout"], case["counts"]
     dp, ep, tp = layout
-    out, aux, full = reference_forward_backward(case["x"], case["params"], case["config"], case["grad_out"])
+    extras = _reference_extras(case)
+    out, aux, full = reference_forward_backward(case["x"], case["params"], case["config"], case["grad_out"], **extras)
     offsets = _offsets(counts)
-    routing = reference_routing(case["x"], case["params"]["gate_weight"], case["config"])
+    routing = reference_routing(case["x"], case["params"]["gate_weight"], case["config"], case["params"].get("gate_bias"),
+                                extras["correction_bias"])
     shares, slices = {}, {}
     for rank, res in enumerate(results):
         coords = {"d": rank // (ep * tp), "e": rank // tp % ep, "t": rank % tp}
@@ -155,6 +184,13 @@ def _check_case(case: dict, results: list[dict]) -> None:
             _assert_close(res["local"][name], expected, f"{what} local {name} gradient")
             _assert_close(res["synced"][name], _local_shard(name, full[name], coords, layout), f"{what} synced {name}")
         _assert_close(res["synced"]["gate_weight"], full["gate_weight"], f"{what} synced gate gradient")
+        if "gate_bias" in full:
+            _assert_close(res["local"]["gate_bias"], share_grads["gate_bias"], f"{what} local gate bias gradient")
+            _assert_close(res["synced"]["gate_bias"], full["gate_bias"], f"{what} synced gate bias gradient")
+        if case["correction_bias"] is not None:  # one update from the global loads, the same on every rank
+            load = torch.bincount(routing.selected.reshape(-1), minlength=case["config"].num_experts).double()
+            step = case["config"].bias_update_rate * torch.sign(load.mean() - load)
+            assert torch.equal(res["correction_bias"], case["correction_bias"] + step.float()), f"{what} bias update"
         assert torch.equal(res["tokens_per_expert"], routing.tokens_per_expert), f"{what} tokens_per_expert"
         assert res["dropped_tokens"] == routing.dropped_pairs, f"{what} dropped_tokens"
         assert res["capacity"] == case["config"].capacity(sum(counts))
@@ -175,12 +211,14 @@ def _assert_same(a: dict, b: dict, what: str) -> None:
 def _run_case(case: dict, mesh: Mesh) -> dict:
     config = case["config"]
     kw = {f: getattr(config, f) for f in ("expert", "activation", "output_activation", "bias", "renormalize",
-                                          "capacity_factor", "aux_loss_coef", "z_loss_coef")}
+                                          "capacity_factor", "aux_loss_coef", "z_loss_coef", *ROUTER_OPTIONS)}
     layer = shardmoe.MoE(H, config.ffn_size, config.num_experts, config.top_k, mesh=mesh, dtype=torch.float64, **kw)
     with torch.no_grad():
         for name, p in layer.named_parameters():
-            p.copy_(case["params"][name] if name == "gate_weight" else
+            p.copy_(case["params"][name] if name in ("gate_weight", "gate_bias") else
                     etp.shard_expert_param(name, case["params"][name], mesh))
+        if case["correction_bias"] is not None:
+            layer.correction_bias.copy_(case["correction_bias"])
     r = mesh.coord(("d", "e"))
     start = _offsets(case["counts"])[r]
     rows = slice(start, start + case["counts"][r])
@@ -198,6 +236,9 @@ def _run_case(case: dict, mesh: Mesh) -> dict:
                             tokens_per_expert=stats["tokens_per_expert"], dropped_tokens=stats["dropped_tokens"],
                             capacity=stats["capacity"], rows=stats["rows"]))
     _assert_same(results[0], results[1], "second step")
+    if layer.correction_bias is not None:
+        layer.update_correction_bias(layer.stats["selected_per_expert"])
+        results[0]["correction_bias"] = layer.correction_bias.clone()
     return results[0]
 
 

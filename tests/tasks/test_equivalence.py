@@ -1,6 +1,6 @@
 """The tile-task runtime equals the fused layer (float64, 1e-12 relative) under every schedule:
-9 configurations x 52 schedules (FIFO, LIFO, 50 seeded random orders with 1 to 5 processors per
-device) = 468 backward schedules, plus 5 forward schedules per configuration."""
+10 configurations x 52 schedules (FIFO, LIFO, 50 seeded random orders with 1 to 5 processors per
+device) = 520 backward schedules, plus 5 forward schedules per configuration."""
 import pytest
 import torch
 
@@ -8,7 +8,7 @@ import shardmoe
 from shardmoe.tasks import run_backward, run_forward
 from shardmoe.tasks.plan import backward_task_counts, forward_task_counts
 
-# (layer options, top_k, experts, tokens, schedule options)
+# (layer options, top_k, experts, tokens (a count, or the leading shape of x), schedule options)
 CASES = {
     "mlp-k1-single": (dict(expert="mlp", activation="relu"), 1, 4, 12, dict(peers=1, block_m=4, block_n=4)),
     "mlp-k2-bias-p2p": (dict(expert="mlp", bias=True, activation="gelu", output_activation="silu"), 2, 4, 12,
@@ -31,6 +31,13 @@ CASES = {
                             dict(peers=4, ranks_per_node=3, block_m=3, block_n=5)),
     "glu-k3-three-peers": (dict(expert="glu", activation="gelu", z_loss_coef=0.05), 3, 6, 14,
                            dict(peers=3, ranks_per_node=2, block_m=4, block_n=3)),
+    # every router option: sigmoid, both biases, 4 groups choose 2, epsilon, scaling, all three losses
+    # over 2 sequences of 8 tokens, drops
+    "glu-k2-sigmoid-groups-mixed": (dict(expert="glu", activation="silu", score_func="sigmoid", router_bias=True,
+                                         correction_bias=True, n_group=4, topk_group=2, renormalize_epsilon=1e-20,
+                                         routed_scaling_factor=2.5, capacity_factor=0.8, aux_loss_coef=0.2,
+                                         z_loss_coef=0.1, seq_aux_loss_coef=0.3), 2, 8, (2, 8),
+                                    dict(peers=4, ranks_per_node=2, block_m=3, block_n=4)),
 }
 SCHEDULES = [("fifo", 0, 4), ("lifo", 0, 2)] + [("random", seed, 1 + seed % 5) for seed in range(50)]
 HIDDEN, FFN = 8, 6
@@ -43,8 +50,11 @@ def _setup(name):
     with torch.no_grad():
         for p in layer.parameters():
             p.normal_()
-    x = torch.randn(tokens, HIDDEN, dtype=torch.float64, requires_grad=True)
-    grad_out = torch.randn(tokens, HIDDEN, dtype=torch.float64)
+        if layer.correction_bias is not None:
+            layer.correction_bias.normal_(0, 0.2)
+    shape = (*tokens, HIDDEN) if isinstance(tokens, tuple) else (tokens, HIDDEN)
+    x = torch.randn(shape, dtype=torch.float64, requires_grad=True)
+    grad_out = torch.randn(shape, dtype=torch.float64)
     return layer, x, grad_out, schedule
 
 

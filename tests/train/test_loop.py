@@ -1,4 +1,5 @@
 """The training loop: metrics rows, checkpoints, and resuming with bitwise-identical losses."""
+import dataclasses
 import json
 
 import pytest
@@ -9,6 +10,8 @@ from shardmoe.model.transformer import Transformer
 from shardmoe.train import checkpoint as ckpt
 from shardmoe.train.loop import train
 from shardmoe.train.metrics import METRICS_FILE
+
+from .conftest import TINY_MODEL
 
 ROW_KEYS = {"step", "loss", "aux_loss", "lr", "grad_norm", "tokens_per_s", "mfu", "dropped_tokens", "seconds",
             "expert_tokens", "load_max_over_mean", "worst_load_max_over_mean"}
@@ -142,3 +145,27 @@ def test_buffers_round_trip_through_the_checkpoint(tmp_path, tiny_config, one_th
                                          r"the model has \{\}"):
         ckpt.load_checkpoint(ckpt.checkpoint_path(tmp_path), plain, optimizer)
     assert all(torch.equal(before[n], p) for n, p in plain.named_parameters())  # nothing was loaded
+
+
+def test_resume_with_correction_bias_in_the_checkpoint_is_bitwise(tmp_path, tiny_config, one_thread):
+    """A DeepSeek-like router (sigmoid, group-limited, router and correction biases, scaling,
+    sequence-wise loss over the packed documents): the loop moves each block's correction bias after
+    every optimizer step, the checkpoint carries it, and a resumed run reproduces the losses and the
+    biases bitwise."""
+    model = dataclasses.replace(TINY_MODEL, score_func="sigmoid", router_bias=True, correction_bias=True,
+                                bias_update_rate=0.01, n_group=2, topk_group=1, renormalize_epsilon=1e-20,
+                                routed_scaling_factor=2.5, aux_loss_coef=0.0, seq_aux_loss_coef=0.01)
+    config = tiny_config(model=model, checkpoint_every=2)
+    whole = train(config, tmp_path / "whole", progress=False)
+    first = train(config, tmp_path / "split", stop_after=3, progress=False)
+    with safe_open(str(ckpt.checkpoint_path(tmp_path / "split")), "pt") as f:
+        saved = {k: f.get_tensor(k) for k in f.keys() if k.endswith("correction_bias")}
+    assert sorted(saved) == ["model.blocks.0.moe.correction_bias", "model.blocks.1.moe.correction_bias"]
+    assert all(b.dtype == torch.float32 and b.abs().max() > 0 for b in saved.values())  # it moved
+    second = train(config, tmp_path / "split", resume=True, progress=False)
+    losses = [r["loss"] for r in whole.metrics]
+    assert [r["loss"] for r in first.metrics + second.new_metrics] == losses
+    for a, b in zip(whole.model.blocks, second.model.blocks):
+        assert torch.equal(a.moe.correction_bias, b.moe.correction_bias)
+        assert torch.equal(a.moe.gate_bias, b.moe.gate_bias)
+    assert losses[-1] < losses[0]

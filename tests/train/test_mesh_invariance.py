@@ -5,8 +5,12 @@ The golden losses are the single-process run's, computed here in the same test. 
 world per world size runs every layout of that size in turn; each rank also checks, in float64,
 that the model's synced gradients gather to the single-process gradients (the placement of the
 dense-weight sums over e and of the MoE seam over t) and that full weights round-trip through
-the shards. A checkpoint written by the d = 2 run resumes on one process.
+the shards; the same for a DeepSeek-like router (sigmoid, groups, both biases, scaling, sequence-wise
+loss over the packed documents), whose correction biases after one update must equal the
+single-process ones. A checkpoint written by the d = 2 run resumes on one process.
 """
+import dataclasses
+
 import pytest
 import torch
 
@@ -18,6 +22,9 @@ from shardmoe.train.loop import build_streams, train
 from .conftest import TINY_MODEL, tiny_train_config
 
 STEPS = 20
+ROUTER_MODEL = dataclasses.replace(TINY_MODEL, score_func="sigmoid", router_bias=True, correction_bias=True,
+                                   bias_update_rate=0.01, n_group=2, topk_group=1, renormalize_epsilon=1e-20,
+                                   routed_scaling_factor=2.5, seq_aux_loss_coef=0.01)
 LAYOUTS = {2: [(2, 1, 1), (1, 1, 2), (1, 2, 1)], 4: [(2, 2, 1), (1, 2, 2)]}  # (d, e, t)
 
 
@@ -25,28 +32,40 @@ def training_config():
     return tiny_train_config(steps=STEPS, eval_batches=0, health_every=0)
 
 
-def float64_gradients(mesh):
-    """(loss, {name: full gradient}) of one float64 step on the first global batch."""
+def float64_gradients(mesh, model_config=TINY_MODEL):
+    """(loss, {name: full gradient, and each correction bias after its update}) of one float64
+    step on the first global batch."""
     shards = 1 if mesh is None else mesh.size(("d", "e"))
     rank = 0 if mesh is None else mesh.coord(("d", "e"))
     batch = next(build_streams(training_config(), rank, shards)[0])
-    model = Transformer(TINY_MODEL, mesh=mesh, dtype=torch.float64, seed=3)
+    model = Transformer(model_config, mesh=mesh, dtype=torch.float64, seed=3)
+    with torch.no_grad():  # biases away from their zero init, so that they matter
+        for name, p in model.named_parameters():
+            if name.endswith("gate_bias"):
+                p.copy_(torch.linspace(-0.5, 0.5, p.numel(), dtype=p.dtype))
     losses = model(batch.ids, batch.is_seq_start, batch.targets)
     losses.total.backward()
     model.sync_grads()
     ce, aux = model.global_losses(losses)
     grads = {n: model.gather_full(n, p.grad) for n, p in model.named_parameters()}
+    model.update_correction_biases()
+    grads.update({n: b for n, b in model.full_state_dict().items() if n.endswith("correction_bias")})
     return ce + aux, grads
 
 
 def run_layouts(layouts, checkpoint_dir=None):
     reference_loss, reference_grads = float64_gradients(None)
+    router_loss, router_grads = float64_gradients(None, ROUTER_MODEL)
     results = {}
     for d, e, t in layouts:
         mesh = Mesh(dp=d, ep=e, tp=t)
         loss, grads = float64_gradients(mesh)
         grad_errors = {n: ((g - reference_grads[n]).norm() / reference_grads[n].norm()).item()
                        for n, g in grads.items()}
+        mesh_router_loss, mesh_router_grads = float64_gradients(mesh, ROUTER_MODEL)
+        grad_errors.update({f"router {n}": ((g - router_grads[n]).norm() / router_grads[n].norm()).item()
+                            for n, g in mesh_router_grads.items()})
+        grad_errors["router loss"] = abs(mesh_router_loss - router_loss) / router_loss
         model = Transformer(TINY_MODEL, mesh=mesh, seed=5)
         expected = Transformer(TINY_MODEL, seed=5).full_state_dict()
         round_trip = all(torch.equal(w, expected[n]) for n, w in model.full_state_dict().items())
