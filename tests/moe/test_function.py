@@ -11,6 +11,8 @@ CASES = [
     dict(expert="glu", activation="silu"),
     dict(expert="glu", activation="gelu_tanh", renormalize=False, capacity_factor=0.6, aux_loss_coef=0.1,
          z_loss_coef=0.01),
+    dict(expert="glu", bias=True, activation="silu"),
+    dict(expert="glu", bias=True, activation="gelu", renormalize=False, capacity_factor=0.6, aux_loss_coef=0.1),
     dict(expert="mlp", bias=True, activation="gelu", output_activation="gelu_tanh"),
     dict(expert="mlp", bias=True, activation="relu", output_activation="silu", capacity_factor=1.0,
          aux_loss_coef=0.3, z_loss_coef=0.2),
