@@ -32,7 +32,11 @@ class MoEConfig:
 
     hidden_size H, ffn_size F ("glu") or P ("mlp"), num_experts E, top_k k.
     capacity_factor None means dropless; otherwise each expert keeps its first
-    EC = min(S, ceil(S / E * capacity_factor * k)) tokens in token order (an expert can
+    EC = min(S, ceil(S / E * capacity_factor * k)) tokens in token order
+    bias adds b1 [E, P], b2 [E, H] ("mlp") or gate_up_proj_bias [E, 2F], down_proj_bias [E, H]
+    ("glu", GPT-OSS's names, in the layer's [gate | up] layout, not GPT-OSS's interleaved one).
+    A biased "glu" runs in the single-process fused layer only: expert parallelism / expert TP
+    (parallel/expert_tensor.check_layout) and the tile-task runtime (tasks/plan.py) refuse it. (an expert can
     receive at most S tokens, so any factor >= E / k keeps every pair).
 
     Router options (formulas in shardmoe/moe/routing.py and docs/moe.md): score_func "softmax"
@@ -77,8 +81,6 @@ class MoEConfig:
         _check_choice("output_activation", self.output_activation, ACTIVATIONS)
         if self.expert == "glu" and self.output_activation != "identity":
             raise ValueError(f"output_activation: expected 'identity' for expert='glu', got {self.output_activation!r}")
-        if self.expert == "glu" and self.bias:
-            raise ValueError("bias: expected False for expert='glu' (biases belong to expert='mlp'), got True")
         if self.capacity_factor is not None:
             cf = self.capacity_factor
             if isinstance(cf, bool) or not isinstance(cf, (int, float)) or not math.isfinite(cf) or cf <= 0:

@@ -1,8 +1,9 @@
 """Expert FFNs on expert-sorted rows: grouped GEMMs, forward, and backward stages 3 and 4.
 
 Rows [N, .] are grouped by expert (Groups). Parameters, per expert e:
-  "glu":  gate_up_proj [E, 2F, H] (rows 0:F gate, F:2F up), down_proj [E, H, F]
-          h = x Wgu_e^T = [hg | hu];  a = act(hg) * hu;  y = a Wdown_e^T
+  "glu":  gate_up_proj [E, 2F, H] (rows 0:F gate, F:2F up), down_proj [E, H, F],
+          optional gate_up_proj_bias [E, 2F], down_proj_bias [E, H] (GPT-OSS names; None without bias)
+          h = x Wgu_e^T + bgu_e = [hg | hu];  a = act(hg) * hu;  y = a Wdown_e^T + bdown_e
   "mlp":  w1 [E, P, H], b1 [E, P], w2 [E, H, P], b2 [E, H]
           z1 = x W1_e^T + b1_e;  a1 = act(z1);  z2 = a1 W2_e^T + b2_e;  y = act_out(z2)
 
@@ -140,11 +141,11 @@ def _glu(h: torch.Tensor, activation: str, act_gate: torch.Tensor | None = None)
 def pre_gemm(expert: str, activation: str, xs: torch.Tensor, params: dict[str, torch.Tensor | None],
              groups: Groups) -> tuple[torch.Tensor, torch.Tensor]:
     """The expert's first GEMM and activation, (a, z) for dispatched rows xs [N, H]:
-      "glu": z = h = xs Wgu_e^T [N, 2F],       a = act(hg) * hu [N, F]
+      "glu": z = h = xs Wgu_e^T + bgu_e [N, 2F], a = act(hg) * hu [N, F]
       "mlp": z = z1 = xs W1_e^T + b1_e [N, P], a = act(z1)      [N, P]
     A tile task passes the weight rows of its columns (both halves for "glu") and gets those columns."""
     if expert == "glu":
-        h = grouped_linear(xs, params["gate_up_proj"], groups)
+        h = grouped_linear(xs, params["gate_up_proj"], groups, params.get("gate_up_proj_bias"))
         return _glu(h, activation), h
     z1 = grouped_linear(xs, params["w1"], groups, params["b1"])
     return activate(activation, z1), z1
@@ -153,9 +154,9 @@ def pre_gemm(expert: str, activation: str, xs: torch.Tensor, params: dict[str, t
 def post_gemm(expert: str, output_activation: str, a: torch.Tensor, params: dict[str, torch.Tensor | None],
               groups: Groups) -> tuple[torch.Tensor, torch.Tensor]:
     """The expert's second GEMM and output activation, (y, z2) [N, H] each:
-      "glu": y = z2 = a Wdown_e^T;  "mlp": z2 = a W2_e^T + b2_e, y = act_out(z2)."""
+      "glu": y = z2 = a Wdown_e^T + bdown_e;  "mlp": z2 = a W2_e^T + b2_e, y = act_out(z2)."""
     if expert == "glu":
-        y = grouped_linear(a, params["down_proj"], groups)
+        y = grouped_linear(a, params["down_proj"], groups, params.get("down_proj_bias"))
         return y, y
     z2 = grouped_linear(a, params["w2"], groups, params["b2"])
     return activate(output_activation, z2), z2
@@ -165,7 +166,8 @@ def expert_forward(expert: str, activation: str, output_activation: str, xs: tor
                    params: dict[str, torch.Tensor | None], groups: Groups):
     """y [N, H] for dispatched rows xs [N, H] (pre_gemm then post_gemm), and the tensors backward
     keeps: "glu": (h,) with h [N, 2F];  "mlp": (z1, z2) with z1 [N, P], z2 [N, H]."""
-    if kernels.available(xs):
+    # the Triton kernels take no glu biases: a biased glu runs the torch path on every device
+    if kernels.available(xs) and params.get("gate_up_proj_bias") is None:
         from shardmoe.kernels import experts as triton_experts
         return triton_experts.expert_forward(expert, activation, output_activation, xs, params, groups)
     a, z = pre_gemm(expert, activation, xs, params, groups)
@@ -174,29 +176,34 @@ def expert_forward(expert: str, activation: str, output_activation: str, xs: tor
 
 
 def grad_post_gemm_glu(grad_rows: torch.Tensor, weight_rows: torch.Tensor, a: torch.Tensor,
-                       down_proj: torch.Tensor, groups: Groups):
+                       down_proj: torch.Tensor, groups: Groups, has_bias: bool = False):
     """Stage 3 for "glu", fed the unscaled g [N, H] and w [N]:
       g_down = g Wdown_e            [N, F]   (also feeds stage 2: g . y = g_down . a)
       dA     = w g_down = ge Wdown_e [N, F]
       dWdown_e = sum ge^T a          [E, H, F]
-    Applying w after the GEMM is exact (it is linear) and lets stage 2 reuse the GEMM."""
-    if kernels.available(grad_rows):
+      dbdown_e = sum ge              [E, H]   (with has_bias, else None)
+    Applying w after the GEMM is exact (it is linear) and lets stage 2 reuse the GEMM.
+    The bias adds w_tj bdown_e to the output, so stage 2's gate dot gains g . bdown_e: the
+    caller adds it (expert_backward), since this function only sees the gradient side."""
+    if kernels.available(grad_rows) and not has_bias:
         from shardmoe.kernels import experts as triton_experts
-        return triton_experts.grad_post_gemm_glu(grad_rows, weight_rows, a, down_proj, groups)
+        return (*triton_experts.grad_post_gemm_glu(grad_rows, weight_rows, a, down_proj, groups), None)
     g_down = grouped_linear_t(grad_rows, down_proj, groups)
     grad_a = grad_combine(g_down, weight_rows)
-    grad_down = grouped_weight_grad(grad_combine(grad_rows, weight_rows), a, groups)
-    return grad_a, grad_down, g_down
+    grad_expert = grad_combine(grad_rows, weight_rows)
+    grad_down = grouped_weight_grad(grad_expert, a, groups)
+    grad_down_bias = grouped_bias_grad(grad_expert, groups) if has_bias else None
+    return grad_a, grad_down, g_down, grad_down_bias
 
 
 def grad_pre_gemm_glu(grad_a: torch.Tensor, h: torch.Tensor, act_gate: torch.Tensor, xs: torch.Tensor,
-                      gate_up_proj: torch.Tensor, groups: Groups, activation: str):
+                      gate_up_proj: torch.Tensor, groups: Groups, activation: str, has_bias: bool = False):
     """Stage 4 for "glu", given act(hg) from the recomputed forward:
       dhg = (dA * hu) * act'(hg);  dhu = dA * act(hg);  dh = [dhg | dhu]   [N, 2F]
-      dWgu_e = sum dh^T x   [E, 2F, H];   dx = dh Wgu_e   [N, H]"""
-    if kernels.available(grad_a):
+      dWgu_e = sum dh^T x   [E, 2F, H];   dx = dh Wgu_e   [N, H];   dbgu_e = sum dh  [E, 2F] (has_bias)"""
+    if kernels.available(grad_a) and not has_bias:
         from shardmoe.kernels import experts as triton_experts
-        return triton_experts.grad_pre_gemm_glu(grad_a, h, act_gate, xs, gate_up_proj, groups, activation)
+        return (*triton_experts.grad_pre_gemm_glu(grad_a, h, act_gate, xs, gate_up_proj, groups, activation), None)
     ffn = act_gate.shape[-1]
     grad_h = torch.empty_like(h)
     # one pass per row chunk: the [N, F] intermediate dA * hu never leaves the cache
@@ -204,7 +211,8 @@ def grad_pre_gemm_glu(grad_a: torch.Tensor, h: torch.Tensor, act_gate: torch.Ten
         gate, up = h[c, :ffn], h[c, ffn:]
         grad_h[c, :ffn] = activate_backward(activation, grad_a[c] * up, gate)
         torch.mul(grad_a[c], act_gate[c], out=grad_h[c, ffn:])
-    return grouped_linear_t(grad_h, gate_up_proj, groups), grouped_weight_grad(grad_h, xs, groups)
+    grad_bias = grouped_bias_grad(grad_h, groups) if has_bias else None
+    return grouped_linear_t(grad_h, gate_up_proj, groups), grouped_weight_grad(grad_h, xs, groups), grad_bias
 
 
 def grad_post_gemm_mlp(grad_expert: torch.Tensor, z2: torch.Tensor, a1: torch.Tensor, w2: torch.Tensor,
@@ -240,11 +248,18 @@ def expert_backward(expert: str, activation: str, output_activation: str, grad_r
     """
     if expert == "glu":
         (h,) = saved
+        has_bias = params.get("gate_up_proj_bias") is not None
         a, act_gate = glu_activation(h, activation)
-        grad_a, grad_down, g_down = grad_post_gemm_glu(grad_rows, weight_rows, a, params["down_proj"], groups)
+        grad_a, grad_down, g_down, grad_down_bias = grad_post_gemm_glu(grad_rows, weight_rows, a, params["down_proj"],
+                                                                       groups, has_bias)
         grad_dots = grad_gate_combine(g_down, act_gate, h[:, act_gate.shape[1]:])
-        grad_xs, grad_gate_up = grad_pre_gemm_glu(grad_a, h, act_gate, xs, params["gate_up_proj"], groups, activation)
-        return grad_xs, grad_dots, {"gate_up_proj": grad_gate_up, "down_proj": grad_down}
+        if has_bias:  # y = a Wdown_e^T + bdown_e, so g . y gains g . bdown_e
+            row_bias = params["down_proj_bias"][groups.row_expert(grad_rows.device)]
+            grad_dots = grad_dots + grad_gate_combine(grad_rows, row_bias)
+        grad_xs, grad_gate_up, grad_gate_up_bias = grad_pre_gemm_glu(grad_a, h, act_gate, xs, params["gate_up_proj"],
+                                                                     groups, activation, has_bias)
+        return grad_xs, grad_dots, {"gate_up_proj": grad_gate_up, "gate_up_proj_bias": grad_gate_up_bias,
+                                    "down_proj": grad_down, "down_proj_bias": grad_down_bias}
     z1, z2 = saved
     has_bias = params["b1"] is not None
     grad_dots = grad_gate_combine(grad_rows, activate(output_activation, z2))

@@ -34,8 +34,12 @@ from shardmoe.moe.routing import Routing, balance_loss, grad_gate_from_rows, rou
 
 
 def expert_param_names(config: MoEConfig) -> tuple[str, ...]:
-    """Names of the expert parameters, in the order FusedMoE.apply takes them."""
-    return ("gate_up_proj", "down_proj") if config.expert == "glu" else ("w1", "b1", "w2", "b2")
+    """Names of the expert parameters, in the order FusedMoE.apply takes them (the glu biases only
+    with config.bias; the "mlp" b1, b2 always, None without bias)."""
+    if config.expert == "glu":
+        return ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias") if config.bias \
+            else ("gate_up_proj", "down_proj")
+    return ("w1", "b1", "w2", "b2")
 
 
 class _SecondDerivative(torch.autograd.Function):

@@ -36,6 +36,8 @@ ROUTER_OPTIONS = ("score_func", "router_bias", "correction_bias", "bias_update_r
 
 # the dtypes the layer computes in (float16 runs, but at ~1 GFLOP/s on CPU: design.md)
 DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+# the expert parameters that exist only with bias=True
+BIAS_NAMES = ("b1", "b2", "gate_up_proj_bias", "down_proj_bias")
 
 
 class MoE(nn.Module):
@@ -63,7 +65,8 @@ class MoE(nn.Module):
         H, F, E = hidden_size, ffn_size, num_experts
         self._whole_shapes = {"gate_weight": (H, E)}
         if expert == "glu":
-            self._whole_shapes.update(gate_up_proj=(E, 2 * F, H), down_proj=(E, H, F))
+            self._whole_shapes.update(gate_up_proj=(E, 2 * F, H), gate_up_proj_bias=(E, 2 * F),
+                                      down_proj=(E, H, F), down_proj_bias=(E, H))
         else:
             self._whole_shapes.update(w1=(E, F, H), w2=(E, H, F), b1=(E, F), b2=(E, H))
         self.gate_weight = nn.Parameter(torch.empty(H, E, **kw))
@@ -76,7 +79,7 @@ class MoE(nn.Module):
                              if self.config.correction_bias else None)
         for name, shape in list(self._whole_shapes.items())[1:]:
             param = None
-            if bias or name not in ("b1", "b2"):
+            if bias or name not in BIAS_NAMES:
                 param = nn.Parameter(torch.empty(etp.shard_shape(name, shape, mesh), **kw))
                 mark_grad_sync(param, EXPERT)
             setattr(self, name, param)
@@ -108,7 +111,7 @@ class MoE(nn.Module):
                     continue
                 shape = self._whole_shapes[name]
                 whole = torch.empty(shape, dtype=p.dtype, device=p.device) if sharded and name != "gate_weight" else p
-                if name in ("b1", "b2"):
+                if name in BIAS_NAMES:
                     nn.init.zeros_(whole)
                 else:
                     fan_in = shape[0] if name == "gate_weight" else shape[-1]

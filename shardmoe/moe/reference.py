@@ -62,7 +62,11 @@ def parameter_shapes(config: MoEConfig) -> dict[str, tuple[int, ...]]:
         shapes["gate_bias"] = (E,)
     if config.expert == "glu":
         shapes["gate_up_proj"] = (E, 2 * I, H)
+        if config.bias:
+            shapes["gate_up_proj_bias"] = (E, 2 * I)
         shapes["down_proj"] = (E, H, I)
+        if config.bias:
+            shapes["down_proj_bias"] = (E, H)
     else:
         shapes["w1"] = (E, I, H)
         if config.bias:
@@ -168,13 +172,19 @@ def reference_routing(x: torch.Tensor, gate_weight: torch.Tensor, config: MoECon
 def expert_forward(x: torch.Tensor, params: dict[str, torch.Tensor], config: MoEConfig, e: int) -> torch.Tensor:
     """Expert e on tokens x [n, H] -> [n, H], in x's dtype.
 
-    glu: (act(x Wgate_e^T) * (x Wup_e^T)) Wdown_e^T, Wgate_e/Wup_e = rows [0:F]/[F:2F] of gate_up_proj[e].
+    glu: (act(x Wgate_e^T + bgate_e) * (x Wup_e^T + bup_e)) Wdown_e^T + bdown_e, Wgate_e/Wup_e = rows
+         [0:F]/[F:2F] of gate_up_proj[e] (bgate_e/bup_e the same halves of gate_up_proj_bias[e]; biases
+         only with config.bias).
     mlp: act_out(act(x W1_e^T + b1_e) W2_e^T + b2_e).
     """
     act = ACTIVATION_FUNCTIONS[config.activation]
     if config.expert == "glu":
         w_gate, w_up = params["gate_up_proj"][e].split(config.ffn_size, dim=0)
-        return F.linear(act(F.linear(x, w_gate)) * F.linear(x, w_up), params["down_proj"][e])
+        b_gate, b_up, b_down = None, None, None
+        if config.bias:
+            b_gate, b_up = params["gate_up_proj_bias"][e].split(config.ffn_size, dim=0)
+            b_down = params["down_proj_bias"][e]
+        return F.linear(act(F.linear(x, w_gate, b_gate)) * F.linear(x, w_up, b_up), params["down_proj"][e], b_down)
     act_out = ACTIVATION_FUNCTIONS[config.output_activation]
     b1 = params["b1"][e] if config.bias else None
     b2 = params["b2"][e] if config.bias else None

@@ -49,6 +49,9 @@ def check_layout(config, mesh) -> None:
     """Raise ValueError, before any communication, when the mesh cannot split this layer."""
     if mesh is None:
         return
+    if config.expert == "glu" and config.bias and mesh.size() > 1:
+        raise ValueError(f"bias: expected False for expert='glu' on a mesh of {mesh.size()} ranks (biased glu "
+                         "experts run in the single-process layer only, not yet sharded), got True")
     ep, tp = mesh.size("e"), mesh.size("t")
     if config.num_experts % ep:
         raise ValueError(f"num_experts: expected a multiple of the mesh's ep = {ep} (experts are split over 'e'), "

@@ -157,7 +157,7 @@ def grad_post_gemm(task: Task, ctx: KernelContext) -> Commit:
     ge, a = mem[op["ge"]], mem[op["a"]][:, cols]
     if cfg.expert == "glu":
         # ge already carries w, so the stage function gets unit weights: w (g Wdown) = (w g) Wdown.
-        grad_a, grad_down, _ = ex.grad_post_gemm_glu(ge, ge.new_ones(tile.size), a,
+        grad_a, grad_down, _, _ = ex.grad_post_gemm_glu(ge, ge.new_ones(tile.size), a,
                                                      ctx.params["down_proj"][e:e + 1, :, cols], groups)
         grads = [("down_proj", (slice(None), cols), grad_down[0])]
     else:
@@ -176,7 +176,7 @@ def grad_pre_gemm(task: Task, ctx: KernelContext) -> Commit:
     grad_a, z, xs = mem[op["grad"]], mem[op["z"]], mem[op["x"]][:, cols]
     if cfg.expert == "glu":
         _, act_gate = ex.glu_activation(z, cfg.activation)
-        grad_x, grad_gu = ex.grad_pre_gemm_glu(grad_a, z, act_gate, xs, ctx.params["gate_up_proj"][e:e + 1, :, cols],
+        grad_x, grad_gu, _ = ex.grad_pre_gemm_glu(grad_a, z, act_gate, xs, ctx.params["gate_up_proj"][e:e + 1, :, cols],
                                                groups, cfg.activation)
         grads = [("gate_up_proj", (slice(None), cols), grad_gu[0])]
     else:

@@ -67,7 +67,7 @@ def test_grad_post_gemm_glu(routed, expert_params, rel_err):
     params = expert_params("glu", False, routed.x.device)
     _, _, a, _ = _glu_saved(routed, params, "silu")
     grad_rows = routed.grad_out[routed.row_token]
-    expected = ex.grad_post_gemm_glu(grad_rows, routed.weight_rows, a, params["down_proj"], groups)
+    expected = ex.grad_post_gemm_glu(grad_rows, routed.weight_rows, a, params["down_proj"], groups)[:3]  # [3]: the bias gradient, None here
     r32 = routed.cast(F32)
     args = (r32.weight_rows, a.to(F32), params["down_proj"].to(F32), groups)
     assert_all_close(kex.grad_post_gemm_glu(r32.grad_out[r32.row_token], *args), expected, rel_err)
@@ -84,7 +84,7 @@ def test_grad_pre_gemm_glu(routed, expert_params, rel_err, activation):
     params = expert_params("glu", False, routed.x.device)
     xs, h, a, act_gate = _glu_saved(routed, params, activation)
     grad_a = random_like(a, seed=4)
-    expected = ex.grad_pre_gemm_glu(grad_a, h, act_gate, xs, params["gate_up_proj"], groups, activation)
+    expected = ex.grad_pre_gemm_glu(grad_a, h, act_gate, xs, params["gate_up_proj"], groups, activation)[:2]  # [2]: the bias gradient
     got = kex.grad_pre_gemm_glu(grad_a.to(F32), h.to(F32), act_gate.to(F32), routed.x.to(F32),
                                 params["gate_up_proj"].to(F32), groups, activation, row_index=routed.row_token)
     assert_all_close(got, expected, rel_err)

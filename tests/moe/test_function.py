@@ -11,6 +11,8 @@ CASES = [
     dict(expert="glu", activation="silu"),
     dict(expert="glu", activation="gelu_tanh", renormalize=False, capacity_factor=0.6, aux_loss_coef=0.1,
          z_loss_coef=0.01),
+    dict(expert="glu", bias=True, activation="silu"),
+    dict(expert="glu", bias=True, activation="gelu", renormalize=False, capacity_factor=0.6, aux_loss_coef=0.1),
     dict(expert="mlp", bias=True, activation="gelu", output_activation="gelu_tanh"),
     dict(expert="mlp", bias=True, activation="relu", output_activation="silu", capacity_factor=1.0,
          aux_loss_coef=0.3, z_loss_coef=0.2),
@@ -119,3 +121,21 @@ def test_expert_parallel_double_backward_raises_the_same_error():
         assert len(messages) == 2
         for message in messages:
             assert re.match(NOT_TWICE.replace("FusedMoE", "ExpertParallelMoE"), message), message
+
+
+@pytest.mark.parametrize("dtype,bar", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_biased_glu_low_precision_within_the_documented_bars(dtype, bar):
+    """fp32 and bf16 biased glu (both biases non-zero) against the float64 reference, bars of docs/moe.md."""
+    from shardmoe.moe.reference import reference_forward_backward
+    torch.manual_seed(0)
+    layer = shardmoe.MoE(16, 32, 4, 2, bias=True, dtype=dtype)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.normal_(0, 0.2)
+    x = torch.randn(20, 16, dtype=dtype, requires_grad=True)
+    grad_out = torch.randn(20, 16, dtype=dtype)
+    (layer(x) * grad_out).sum().backward()
+    params = {n: p.detach().double() for n, p in layer.named_parameters()}
+    _, _, want = reference_forward_backward(x.detach().double(), params, layer.config, grad_out.double())
+    for name, got in [("x", x.grad), *((n, p.grad) for n, p in layer.named_parameters())]:
+        assert (got.double() - want[name]).abs().max() <= bar * want[name].abs().max(), name

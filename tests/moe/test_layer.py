@@ -16,7 +16,6 @@ def test_constructor_errors_name_argument_expected_and_actual():
         (dict(capacity_factor=0.0), r"capacity_factor: expected None or a positive finite number, got 0\.0"),
         (dict(capacity_factor=math.inf), r"capacity_factor: .* got inf"),
         (dict(capacity_factor=-1), r"capacity_factor: .* got -1"),
-        (dict(bias=True), r"bias: expected False for expert='glu'"),
         (dict(expert="mlp", output_activation="softmax"), r"output_activation: expected one of .* got 'softmax'"),
         (dict(aux_loss_coef=float("nan")), r"aux_loss_coef: expected a finite number >= 0, got nan"),
         (dict(dtype=torch.int32), r"dtype: expected None or one of torch\.float32, .*, got torch\.int32"),
@@ -155,3 +154,12 @@ def test_capacity_factor_keeping_every_pair_caps_capacity_at_the_token_count(fac
     assert torch.equal(layer(x), dropless(x))
     assert layer.stats["capacity"] == 7 and layer.stats["dropped_tokens"] == 0
     assert layer.config.capacity(0) == 0
+
+
+def test_biased_glu_refused_where_not_yet_carried():
+    """The tile-task runtime does not carry the glu biases: it refuses them before any work."""
+    from shardmoe.moe.config import MoEConfig
+    from shardmoe.tasks.plan import Plan
+    config = MoEConfig(8, 6, 4, 2, expert="glu", bias=True)
+    with pytest.raises(ValueError, match=r"config\.bias: expected False for expert='glu' .* got True"):
+        Plan(config, None, 5)
