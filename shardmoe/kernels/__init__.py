@@ -11,6 +11,7 @@ Set SHARDMOE_KERNELS=0 to keep every stage on the torch path (to compare the two
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 import os
@@ -18,6 +19,10 @@ import os
 import torch
 
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)
+KERNEL_EXPERTS = ("glu", "mlp")
+KERNEL_ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "silu", "identity")  # activations.activation's branches
+
+_forced_on_cpu = False  # set only by force_kernel_path(), a test switch
 
 
 @functools.cache
@@ -42,6 +47,41 @@ def available(tensor: torch.Tensor) -> bool:
     return (
         tensor.is_cuda
         and tensor.dtype in KERNEL_DTYPES
+        and os.environ.get("SHARDMOE_KERNELS", "1") != "0"
+        and triton_importable()
+    )
+
+
+@contextlib.contextmanager
+def force_kernel_path():
+    """Test switch: inside it, fused_path() also accepts CPU tensors, so the wiring
+    runs the Triton kernels under TRITON_INTERPRET=1 (tests/kernels/ sets it).
+    `available()` is unaffected: normal CPU use never reaches the interpreter.
+    """
+    global _forced_on_cpu
+    previous, _forced_on_cpu = _forced_on_cpu, True
+    try:
+        yield
+    finally:
+        _forced_on_cpu = previous
+
+
+def fused_path(config, x: torch.Tensor) -> bool:
+    """The one predicate for "does the fused kernel path take this layer?".
+
+    True when the layer's config uses only features the kernels implement (expert
+    kind in KERNEL_EXPERTS, activation and output_activation in KERNEL_ACTIVATIONS;
+    bias and capacity drops are implemented) and x is a kernel dtype on CUDA (or on
+    CPU inside force_kernel_path()), triton importable and SHARDMOE_KERNELS not 0.
+    A config option the kernels do not implement falls back to torch by adding one
+    condition here.
+    """
+    return (
+        config.expert in KERNEL_EXPERTS
+        and config.activation in KERNEL_ACTIVATIONS
+        and config.output_activation in KERNEL_ACTIVATIONS
+        and (x.is_cuda or _forced_on_cpu)
+        and x.dtype in KERNEL_DTYPES
         and os.environ.get("SHARDMOE_KERNELS", "1") != "0"
         and triton_importable()
     )

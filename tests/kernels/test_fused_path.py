@@ -1,0 +1,33 @@
+"""shardmoe.kernels.fused_path: the one predicate that routes a layer to the kernels."""
+import pytest
+import torch
+
+from shardmoe.kernels import available, force_kernel_path, fused_path
+from shardmoe.moe.config import MoEConfig
+
+
+def _config(**overrides):
+    return MoEConfig(**{"hidden_size": 8, "ffn_size": 16, "num_experts": 4, "top_k": 2, **overrides})
+
+
+def test_cpu_tensors_refused_unless_forced():
+    x = torch.zeros(3, 8)
+    assert fused_path(_config(), x) is False
+    with force_kernel_path():
+        assert fused_path(_config(), x) is True
+        assert available(x) is False  # the switch reaches the predicate only
+    assert fused_path(_config(), x) is False
+
+
+@pytest.mark.parametrize("overrides", [{"expert": "glu", "capacity_factor": 1.0}, {"expert": "mlp", "bias": True}])
+def test_implemented_features_accepted(overrides):
+    with force_kernel_path():
+        assert fused_path(_config(**overrides), torch.zeros(3, 8)) is True
+
+
+def test_refusals_fall_back_to_torch(monkeypatch):
+    x = torch.zeros(3, 8)
+    with force_kernel_path():
+        assert fused_path(_config(), x.double()) is False
+        monkeypatch.setenv("SHARDMOE_KERNELS", "0")
+        assert fused_path(_config(), x) is False
