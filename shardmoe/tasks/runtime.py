@@ -77,8 +77,11 @@ def build_queues(plan: Plan, backward: bool, ledger: Ledger, gate_dependency: st
 
 
 def run_schedule(plan: Plan, queues: list[DeviceQueues], ledger: Ledger, protocol, ctx: KernelContext,
-                 scheduler: Scheduler, processors: int, name: str, start) -> Trace:
+                 scheduler: Scheduler, processors: int, name: str, start, kernels=None) -> Trace:
     """Run every task the protocol emits to completion; returns the trace.
+
+    `kernels` (task type -> body, default KERNELS) lets shardmoe.simulate run this same loop
+    without tensors: its bodies compute nothing and the scheduler's durations carry the costs.
 
     `start()` begins the pass (it posts the dispatch deliveries). The scheduler of each device
     reads its queues through a QueueReader built here with its own layout (same pass and gate
@@ -92,6 +95,7 @@ def run_schedule(plan: Plan, queues: list[DeviceQueues], ledger: Ledger, protoco
     ready: list[list[int]] = [[] for _ in range(plan.peers)]  # announced signals not yet taken, per device
     events: list[tuple] = []  # (time, sequence, Delivery) or (time, sequence, (device, proc, task, start, commit))
     now, sequence = 0.0, 0
+    kernels = KERNELS if kernels is None else kernels
 
     def post_deliveries() -> None:
         nonlocal sequence
@@ -110,7 +114,7 @@ def run_schedule(plan: Plan, queues: list[DeviceQueues], ledger: Ledger, protoco
                     task = reader.read(ready[device].pop(scheduler.pick(ready[device])))
                     ledger.started(task)
                     _check_reach(plan, task)
-                    commit = KERNELS[task.type](task, ctx)  # reads its inputs now, writes at its end
+                    commit = kernels[task.type](task, ctx)  # reads its inputs now, writes at its end
                     idle[device][proc] = False
                     heapq.heappush(events, (now + scheduler.duration(task), sequence, (device, proc, task, now, commit)))
                     sequence += 1
