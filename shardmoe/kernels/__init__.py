@@ -71,13 +71,15 @@ def fused_path(config, x: torch.Tensor) -> bool:
 
     True when the layer's config uses only features the kernels implement (expert
     kind in KERNEL_EXPERTS, activation and output_activation in KERNEL_ACTIVATIONS;
-    bias and capacity drops are implemented) and x is a kernel dtype on CUDA (or on
+    mlp biases and capacity drops are implemented, glu biases are not; the router runs in torch
+    on every path, so its options do not matter here) and x is a kernel dtype on CUDA (or on
     CPU inside force_kernel_path()), triton importable and SHARDMOE_KERNELS not 0.
     A config option the kernels do not implement falls back to torch by adding one
     condition here.
     """
     return (
         config.expert in KERNEL_EXPERTS
+        and not (config.expert == "glu" and config.bias)
         and config.activation in KERNEL_ACTIVATIONS
         and config.output_activation in KERNEL_ACTIVATIONS
         and (x.is_cuda or _forced_on_cpu)

@@ -29,5 +29,6 @@ def test_refusals_fall_back_to_torch(monkeypatch):
     x = torch.zeros(3, 8)
     with force_kernel_path():
         assert fused_path(_config(), x.double()) is False
+        assert fused_path(_config(expert="glu", bias=True), x) is False  # the kernels take no glu biases
         monkeypatch.setenv("SHARDMOE_KERNELS", "0")
         assert fused_path(_config(), x) is False
