@@ -93,7 +93,7 @@ def expert_forward_combine(expert: str, activation: str, output_activation: str,
     slots = fill((num_tokens * top_k, down.shape[1]), dtype=accumulation_dtype(x.dtype), device=x.device)
     z2 = forward_gemm(act, down, groups, bias=params.get("b2"), activation=output_activation,
                       store_pre=expert == "mlp", post=slots, scale=weight_rows, dest=row_pair)
-    out = slots if top_k == 1 else slots.view(num_tokens, top_k, -1).sum(1)
+    out = slots if top_k == 1 else slots.view(num_tokens, top_k, down.shape[1]).sum(1)  # S = 0 works too
     return out, ((pre,) if expert == "glu" else (pre, z2))
 
 

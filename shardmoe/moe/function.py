@@ -1,6 +1,8 @@
 """FusedMoE: the autograd.Function of one MoE layer, with an explicit backward.
 
-Forward (S tokens, H hidden, E experts, k top-k, N kept pairs):
+Forward (S tokens, H hidden, E experts, k top-k, N kept pairs; on the kernel path,
+kernels.fused_path, the gather, y and the combine live inside two fused GEMMs and backward's
+stages 1-3 fuse likewise: shardmoe/kernels/layer_path.py):
   route x [S, H] -> weights w [S, k], pairs sorted by expert (row_pair [N])
   xs = x[token of each row]                      [N, H]   (gathered, not saved)
   y  = expert_forward(xs)                        [N, H]
@@ -27,6 +29,7 @@ from dataclasses import fields
 
 import torch
 
+from shardmoe import kernels
 from shardmoe.moe import combine as comb
 from shardmoe.moe import experts as ex
 from shardmoe.moe.config import MoEConfig
@@ -100,9 +103,16 @@ class FusedMoE(torch.autograd.Function):
         params = dict(zip(expert_param_names(config), expert_weights))
         groups = ex.Groups.from_counts(routing.kept_per_expert)
         row_token, weight_rows = routing.rows(k)
-        y, saved = ex.expert_forward(config.expert, config.activation, config.output_activation,
-                                     x[row_token], params, groups)
-        out = comb.combine(y, weight_rows, routing.row_pair, num_tokens, k).to(x.dtype)
+        ctx.fused_path = kernels.fused_path(config, x)
+        if ctx.fused_path:  # no x[row_token], no stored y (kernels/layer_path.py)
+            from shardmoe.kernels import layer_path  # imports triton: only when the kernels run
+            out, saved = layer_path.expert_forward_combine(config, x, row_token, weight_rows, routing.row_pair,
+                                                           params, groups)
+        else:
+            y, saved = ex.expert_forward(config.expert, config.activation, config.output_activation,
+                                         x[row_token], params, groups)
+            out = comb.combine(y, weight_rows, routing.row_pair, num_tokens, k)
+        out = out.to(x.dtype)
         loss = balance_loss(routing, config)
         stats.update(
             tokens_per_expert=routing.kept_per_expert,
@@ -130,14 +140,17 @@ class FusedMoE(torch.autograd.Function):
         num_tokens, k = x.shape[0], config.top_k
         groups = ex.Groups.from_counts(routing.kept_per_expert)
         row_token, weight_rows = routing.rows(k)
-        xs = x[row_token]
-        grad_rows = grad_out.contiguous()[row_token]
-
-        # stages 1-4 (for "glu": 1 and 3 with w on both sides of the Wdown GEMM, 2 on (g Wdown, a))
-        grad_xs, grad_weight_rows, grads = ex.expert_backward(
-            config.expert, config.activation, config.output_activation, grad_rows, weight_rows, xs, saved,
-            params, groups)
-        grad_x = comb.grad_input_combine(grad_xs, routing.row_pair, num_tokens, k)
+        if ctx.fused_path:  # the kernels read grad_out and x through row_token: no gathered copies
+            from shardmoe.kernels import layer_path
+            grad_xs, grad_weight_rows, grads = layer_path.expert_backward(
+                config, grad_out.contiguous(), weight_rows, x, saved, params, groups, row_index=row_token)
+            grad_x = layer_path.grad_input_combine(grad_xs, routing.row_pair, num_tokens, k)
+        else:
+            # stages 1-4 (for "glu": 1 and 3 with w on both sides of the Wdown GEMM, 2 on (g Wdown, a))
+            grad_xs, grad_weight_rows, grads = ex.expert_backward(
+                config.expert, config.activation, config.output_activation, grad_out.contiguous()[row_token],
+                weight_rows, x[row_token], saved, params, groups)
+            grad_x = comb.grad_input_combine(grad_xs, routing.row_pair, num_tokens, k)
         grad_x_gate, grad_gate, grad_gate_bias = grad_gate_from_rows(x, gate_weight, routing, grad_weight_rows,
                                                                      grad_loss, config)
         grad_x = (grad_x + grad_x_gate).to(x.dtype)

@@ -33,7 +33,7 @@ import time
 
 import torch
 
-from shardmoe import shardops
+from shardmoe import kernels, shardops
 from shardmoe.moe import combine as comb
 from shardmoe.moe import experts as ex
 from shardmoe.moe.activations import activate
@@ -217,8 +217,13 @@ def _experts_forward(config: MoEConfig, mesh, xs, params, groups):
 def _experts_backward(config: MoEConfig, mesh, grad_rows, weight_rows, xs, saved, params, groups):
     """Stages 1-4 on the expert side: (dx rows 'N H', gate dots dw 'N', expert shard gradients).
     With F split over 't' the glu dots (taken over F) and the input-gradient rows are partial sums."""
-    grad_xs, grad_dots, grads = ex.expert_backward(config.expert, config.activation, config.output_activation,
-                                                   grad_rows, weight_rows, xs, saved, params, groups)
+    if kernels.fused_path(config, grad_rows):  # stages 1+2 (mlp) or 2+3 (glu) in one kernel
+        from shardmoe.kernels import layer_path  # imports triton: only when the kernels run
+        grad_xs, grad_dots, grads = layer_path.expert_backward(config, grad_rows, weight_rows, xs, saved, params,
+                                                               groups)
+    else:
+        grad_xs, grad_dots, grads = ex.expert_backward(config.expert, config.activation, config.output_activation,
+                                                       grad_rows, weight_rows, xs, saved, params, groups)
     if config.expert == "glu":
         grad_dots = etp.reduce_gate_dot(shardops.unreduced("N", grad_dots, "t"), mesh)
     return etp.reduce_input_grad(shardops.unreduced("N H", grad_xs, "t"), mesh), grad_dots, grads

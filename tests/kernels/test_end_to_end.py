@@ -1,10 +1,10 @@
 """A whole MoE layer, forward and backward, assembled from the kernels in float32, against
 the fused layer (shardmoe.moe.function.FusedMoE) in float64.
 
-The assembly follows FusedMoE's stages with the fused kernel entry points, the way the
-layer would run them on a GPU: rows are gathered inside the kernels (no x[row_token] or
-grad_out[row_token] copies), the second GEMM writes weighted slots, stages 1 + 2 (mlp)
-or 2 + 3 (glu) run as one kernel. Routing and stage 6 stay on torch (routing.py).
+The expert side is kernels/layer_path.py, the code FusedMoE runs on the kernel path: rows are
+gathered inside the kernels (no x[row_token] or grad_out[row_token] copies), the second GEMM
+writes weighted slots, stages 1 + 2 (mlp) or 2 + 3 (glu) run as one kernel. Routing and stage 6
+stay on torch (routing.py). tests/kernels/test_layer_path.py runs the same code through the layer.
 """
 import pytest
 import torch
@@ -14,11 +14,9 @@ from shardmoe.kernels import triton_importable
 if not triton_importable():
     pytest.skip("triton cannot be imported; install triton==3.9.0 to run the kernel tests", allow_module_level=True)
 
-from shardmoe.kernels import combine as kcomb  # noqa: E402
-from shardmoe.kernels import experts as kex  # noqa: E402
-from shardmoe.moe.activations import activate  # noqa: E402
+from shardmoe.kernels import layer_path  # noqa: E402
 from shardmoe.moe.config import MoEConfig  # noqa: E402
-from shardmoe.moe.experts import Groups, glu_activation  # noqa: E402
+from shardmoe.moe.experts import Groups  # noqa: E402
 from shardmoe.moe.function import FusedMoE, expert_param_names  # noqa: E402
 from shardmoe.moe.routing import balance_loss, grad_gate_gemm, route  # noqa: E402
 
@@ -27,36 +25,18 @@ F32, F64 = torch.float32, torch.float64
 
 
 def kernel_moe(x, gate_weight, params, config: MoEConfig, grad_out, grad_loss):
-    """(out [S, H], loss, {"x", "gate_weight", *expert params: gradient}, routing)."""
-    num_tokens, k, act, act_out = x.shape[0], config.top_k, config.activation, config.output_activation
+    """(out [S, H], loss, {"x", "gate_weight", *expert params: gradient}, routing), the expert side
+    by kernels/layer_path.py (the code FusedMoE runs on the kernel path) called directly."""
+    num_tokens, k = x.shape[0], config.top_k
     routing = route(x, gate_weight, config)
     groups = Groups.from_counts(routing.kept_per_expert)
-    row_token = routing.row_pair // k
-    weight_rows = routing.weight.reshape(-1)[routing.row_pair]
-    out, saved = kex.expert_forward_combine(config.expert, act, act_out, x, row_token, weight_rows,
-                                            routing.row_pair, params, groups, k)
+    row_token, weight_rows = routing.rows(k)
+    out, saved = layer_path.expert_forward_combine(config, x, row_token, weight_rows, routing.row_pair, params,
+                                                   groups)
     loss = balance_loss(routing, config)
-
-    if config.expert == "glu":
-        (h,) = saved
-        a, act_gate = glu_activation(h, act)
-        grad_a, grad_down, grad_weight_rows = kex.grad_gate_post_gemm_glu(
-            grad_out, weight_rows, a, params["down_proj"], groups, row_index=row_token)
-        grad_xs, grad_gate_up = kex.grad_pre_gemm_glu(grad_a, h, act_gate, x, params["gate_up_proj"], groups, act,
-                                                      row_index=row_token)
-        grads = {"gate_up_proj": grad_gate_up, "down_proj": grad_down}
-    else:
-        z1, z2 = saved
-        has_bias = params["b1"] is not None
-        grad_expert, grad_weight_rows = kcomb.grad_combine_gate(grad_out, z2, weight_rows,
-                                                                output_activation=act_out, row_index=row_token)
-        grad_a1, grad_w2, grad_b2 = kex.grad_post_gemm_mlp(grad_expert, z2, activate(act, z1), params["w2"],
-                                                           has_bias, groups, act_out)
-        grad_xs, grad_w1, grad_b1 = kex.grad_pre_gemm_mlp(grad_a1, z1, x, params["w1"], has_bias, groups, act,
-                                                          row_index=row_token)
-        grads = {"w1": grad_w1, "b1": grad_b1, "w2": grad_w2, "b2": grad_b2}
-
-    grad_x = kcomb.grad_input_combine(grad_xs, routing.row_pair, num_tokens, k)
+    grad_xs, grad_weight_rows, grads = layer_path.expert_backward(config, grad_out, weight_rows, x, saved, params,
+                                                                  groups, row_index=row_token)
+    grad_x = layer_path.grad_input_combine(grad_xs, routing.row_pair, num_tokens, k)
     grad_weight = grad_weight_rows.new_zeros(num_tokens * k)
     grad_weight[routing.row_pair] = grad_weight_rows
     grad_x_gate, grads["gate_weight"], _ = grad_gate_gemm(x, gate_weight, routing,

@@ -1,0 +1,158 @@
+"""The fused layer's kernel path (kernels/layer_path.py), wired into FusedMoE and expert
+parallelism's expert stages, run on CPU in Triton's interpreter by force_kernel_path().
+
+Each case runs shardmoe.MoE in float32 through the kernel path and compares the output, the aux
+loss and every gradient with the independent float64 reference (moe/reference.py), 1e-5
+relative; a spy checks that the fused entry points ran and the torch expert stages did not."""
+import pytest
+import torch
+
+import shardmoe
+from shardmoe import kernels
+from shardmoe.mesh import Mesh
+from shardmoe.moe import experts as ex
+from shardmoe.moe.function import expert_param_names
+from shardmoe.moe.reference import reference_forward_backward
+
+pytestmark = pytest.mark.skipif(not kernels.triton_importable(),
+                                reason="triton cannot be imported; install triton==3.9.0 to run the kernel tests")
+
+H, F, E, K = 40, 24, 6, 2
+TOL = 1e-5
+
+
+@pytest.fixture
+def spy(monkeypatch):
+    """Counts calls of the kernel path's entry points and of the torch path's expert stages."""
+    from shardmoe.kernels import layer_path
+    calls = {"forward_combine": 0, "backward": 0, "torch_forward": 0, "torch_backward": 0}
+
+    def counting(module, name, key):
+        original = getattr(module, name)
+
+        def wrapped(*args, **kwargs):
+            calls[key] += 1
+            return original(*args, **kwargs)
+        monkeypatch.setattr(module, name, wrapped)
+
+    counting(layer_path, "expert_forward_combine", "forward_combine")
+    counting(layer_path, "expert_backward", "backward")
+    counting(ex, "expert_forward", "torch_forward")
+    counting(ex, "expert_backward", "torch_backward")
+    return calls
+
+
+def _layers(options, empty_expert=None):
+    """(float32 layer, float64 layer) with the same O(1) weights; `empty_expert` never wins."""
+    torch.manual_seed(0)
+    layer64 = shardmoe.MoE(H, F, E, K, dtype=torch.float64, **options)
+    with torch.no_grad():
+        for p in layer64.parameters():
+            p.normal_(0, 0.3)
+        if empty_expert is not None:  # a constant feature with a large negative gate weight
+            layer64.gate_weight[0, empty_expert] = -30.0
+    layer = shardmoe.MoE(H, F, E, K, **options)
+    layer.load_state_dict({k: v.float() if v.dtype == torch.float64 else v for k, v in layer64.state_dict().items()})
+    return layer, layer64
+
+
+def _inputs(num_tokens):
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(num_tokens, H, generator=gen, dtype=torch.float64)
+    x[:, 0] = 3.0
+    return x, torch.randn(num_tokens, H, generator=gen, dtype=torch.float64)
+
+
+def _rel(actual, expected):
+    scale = expected.abs().max().item()
+    diff = (actual.double() - expected).abs().max().item()
+    return diff / scale if scale > 0 else diff
+
+
+CASES = {
+    "glu-silu-capacity-aux-z": dict(expert="glu", activation="silu", capacity_factor=0.75, aux_loss_coef=0.1,
+                                    z_loss_coef=0.01),
+    "mlp-gelu-bias-capacity": dict(expert="mlp", activation="gelu", output_activation="gelu_tanh", bias=True,
+                                   capacity_factor=1.0, aux_loss_coef=0.1),
+    "glu-deepseek-router": dict(expert="glu", activation="silu", score_func="sigmoid", router_bias=True,
+                                correction_bias=True, n_group=3, topk_group=2, renormalize_epsilon=1e-20,
+                                routed_scaling_factor=2.5, seq_aux_loss_coef=0.05),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_kernel_path_matches_float64_reference(spy, name):
+    options = CASES[name]
+    layer, layer64 = _layers(options, empty_expert=4)
+    if options.get("correction_bias"):
+        with torch.no_grad():
+            layer.correction_bias.copy_(torch.linspace(-0.2, 0.2, E))
+            layer64.correction_bias.copy_(layer.correction_bias)
+    x, grad_out = _inputs(25)
+    x32 = x.float().requires_grad_()
+    with kernels.force_kernel_path():
+        out = layer(x32)
+        torch.autograd.backward([out, layer.aux_loss], [grad_out.float(), torch.ones_like(layer.aux_loss)])
+    assert spy == {"forward_combine": 1, "backward": 1, "torch_forward": 0, "torch_backward": 0}
+    assert layer.stats["tokens_per_expert"][4] == 0  # an empty expert group
+    if options.get("capacity_factor"):
+        assert layer.stats["dropped_tokens"] > 0
+
+    params64 = {k: v.detach() for k, v in layer64.named_parameters()}
+    correction = layer64.correction_bias if options.get("correction_bias") else None
+    ref_out, ref_aux, ref_grads = reference_forward_backward(x, params64, layer64.config, grad_out, correction)
+    assert _rel(out, ref_out) < TOL
+    assert _rel(layer.aux_loss, ref_aux) < TOL
+    assert _rel(x32.grad, ref_grads["x"]) < TOL
+    for pname, p in layer.named_parameters():
+        assert p.grad is not None and p.grad.dtype == torch.float32, pname
+        assert _rel(p.grad, ref_grads[pname]) < TOL, pname
+
+
+@pytest.mark.parametrize("expert", ["glu", "mlp"])
+def test_kernel_path_with_no_tokens(spy, expert):
+    layer, _ = _layers(dict(expert=expert, bias=expert == "mlp"))
+    x = torch.zeros(0, H, requires_grad=True)
+    with kernels.force_kernel_path():
+        out = layer(x)
+        out.sum().backward()
+    assert out.shape == (0, H) and x.grad.shape == (0, H)
+    assert spy["forward_combine"] == 1 and spy["backward"] == 1
+    assert all(p.grad is not None and not p.grad.any() for p in layer.parameters())
+
+
+def test_kernel_path_not_taken_for_a_biased_glu(spy):
+    """fused_path refuses what the kernels do not implement; the layer then runs torch, exactly."""
+    layer, _ = _layers(dict(expert="glu", bias=True))
+    x, grad_out = _inputs(9)
+    with kernels.force_kernel_path():
+        layer(x.float()).backward(grad_out.float())
+    assert spy == {"forward_combine": 0, "backward": 0, "torch_forward": 1, "torch_backward": 1}
+
+
+@pytest.mark.parametrize("expert", ["glu", "mlp"])
+def test_expert_parallel_backward_stage_equals_torch_stage(expert):
+    """parallel.expert_parallel._experts_backward on the kernel path (stages 1+2 or 2+3 fused) equals
+    the torch stages on the same dispatched rows (a one-rank mesh: no communication)."""
+    from shardmoe.parallel.expert_parallel import _experts_backward, _experts_forward
+    layer, _ = _layers(dict(expert=expert, bias=expert == "mlp", output_activation="identity"))
+    gen = torch.Generator().manual_seed(3)
+    counts = torch.tensor([5, 0, 3, 9, 0, 4])
+    groups = ex.Groups.from_counts(counts)
+    rows = int(counts.sum())
+    xs, grad_rows = torch.randn(rows, H, generator=gen), torch.randn(rows, H, generator=gen)
+    weight_rows = torch.rand(rows, generator=gen) + 0.1
+    params = {n: None if p is None else p.detach()
+              for n, p in zip(expert_param_names(layer.config), layer.expert_parameters())}
+    mesh = Mesh()
+    _, saved = _experts_forward(layer.config, mesh, xs, params, groups)
+    expected = _experts_backward(layer.config, mesh, grad_rows, weight_rows, xs, saved, params, groups)
+    with kernels.force_kernel_path():
+        got = _experts_backward(layer.config, mesh, grad_rows, weight_rows, xs, saved, params, groups)
+    assert _rel(got[0], expected[0].double()) < TOL
+    assert _rel(got[1], expected[1].double()) < TOL
+    for pname, grad in expected[2].items():
+        if grad is None:
+            assert got[2].get(pname) is None, pname
+        else:
+            assert _rel(got[2][pname], grad.double()) < TOL, pname
