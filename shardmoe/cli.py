@@ -1,4 +1,4 @@
-"""The `shardmoe` command line: `shardmoe train | check | bench | trace`.
+"""The `shardmoe` command line: `shardmoe train | check | bench | trace | simulate`.
 
 Each subcommand lives in the module that owns its concept; that module exposes
 `add_arguments(parser)` and `run(args) -> int` (the exit code), and imports its
@@ -17,6 +17,7 @@ COMMANDS = {
     "check": ("shardmoe.check.command", "check the fused MoE layer's gradients against float64 references"),
     "bench": ("shardmoe.bench", "benchmark the fused MoE layer against its anchors"),
     "trace": ("shardmoe.tasks.command", "run the tile-task schedule and export its trace"),
+    "simulate": ("shardmoe.simulate.command", "simulate the tile schedule vs bulk-synchronous EP from 8 to 1024 GPUs"),
 }
 
 

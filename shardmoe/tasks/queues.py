@@ -94,6 +94,7 @@ class DeviceQueues:
         self.tq_tail = 0
         self.ptq: list[Task | None] = [None] * (gtqcl * layout.stride)
         self.heads = [0] * (len(layout.domains) * gtqcl)
+        self.moved_heads: set[int] = set()  # heads written since the reader last looked (its doorbell)
 
     def write_tq(self, task: Task) -> int:
         if self.tq_tail >= len(self.tq):
@@ -118,13 +119,15 @@ class DeviceQueues:
         self.on_write(task)
         self.ptq[index] = task
         self.heads[head] += 1
+        self.moved_heads.add(head)
         return index
 
 
 class QueueReader:
     """The scheduler's side of one device's queues, independent of the writers' index computation.
 
-    poll() walks what it has not consumed yet: tQ's tail, then every tQH[h] (domain D = h // gtQCl,
+    poll() walks what it has not consumed yet: tQ's tail, then every tQH[h] that moved (the writer
+rings a doorbell naming the head, so a poll costs what was written, not the number of heads) (domain D = h // gtQCl,
     slot s = h % gtQCl) and turns each new entry into a signal, as the seeds' scheduler does:
         tQ entry i                    signal = i                                   (< sT)
         j-th entry of tQH[h]          signal = sT + s * blockQStride + D.offset + j  (>= sT)
@@ -145,7 +148,10 @@ class QueueReader:
         q, g, st = self.queues, self.layout.gtqcl, len(self.queues.tq)
         signals = list(range(self.tail_seen, q.tq_tail))
         self.tail_seen = q.tq_tail
-        for h, (seen, count) in enumerate(zip(self.heads_seen, q.heads)):
+        # the doorbell says which heads moved; they are read in ascending order, as a full scan would
+        moved, q.moved_heads = sorted(q.moved_heads), set()
+        for h in moved:
+            seen, count = self.heads_seen[h], q.heads[h]
             if count == seen:
                 continue
             domain, slot = self.domain_at[h // g], h % g

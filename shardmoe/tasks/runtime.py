@@ -7,7 +7,8 @@ from that slot; the task's kernel reads its inputs at that start time. Then the 
 happens: either a running task ends (its kernel writes its outputs, and the protocol bumps its
 counters, which may emit tasks or post deliveries) or a delivery lands (a dispatch packet, a
 flag, a heap put with its signal: the data lands and the receiving decoder runs). A delivery
-takes scheduler.latency(remote) after it was posted. The loop ends when nothing runs, nothing
+takes scheduler.transfer(delivery, now) after it was posted (latency(remote) unless a cost
+model prices its bytes and links: shardmoe/simulate/cost.py). The loop ends when nothing runs, nothing
 is in flight and nothing is announced.
 
 Invariants, each raising ScheduleError that names the task and the counter or queue:
@@ -100,7 +101,7 @@ def run_schedule(plan: Plan, queues: list[DeviceQueues], ledger: Ledger, protoco
     def post_deliveries() -> None:
         nonlocal sequence
         for delivery in protocol.outbox:
-            heapq.heappush(events, (now + scheduler.latency(delivery.remote), sequence, delivery))
+            heapq.heappush(events, (now + scheduler.transfer(delivery, now), sequence, delivery))
             sequence += 1
         protocol.outbox.clear()
 

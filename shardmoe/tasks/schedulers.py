@@ -38,6 +38,11 @@ class Scheduler:
     def latency(self, remote: bool) -> float:
         return LATENCY[remote]
 
+    def transfer(self, delivery, now: float) -> float:
+        """How long `delivery` (posted at `now`) takes to land: the logical latency of its link
+        class here; a cost model (shardmoe.simulate.cost) prices its bytes and contention instead."""
+        return self.latency(delivery.remote)
+
 
 class LifoScheduler(Scheduler):
     name = "lifo"

@@ -1,0 +1,104 @@
+"""`shardmoe simulate`: one MoE layer's forward + backward at several GPU counts, the tile-task
+schedule (FlashMoE's, run by shardmoe.tasks without tensors under the cost model) against the
+bulk-synchronous baseline. Prints a table, writes DIR/simulate.json and DIR/simulate.png.
+
+    shardmoe simulate --preset deepseek-v3 --gpus 8,64,512,1024
+    shardmoe simulate --preset mixtral-8x7b --routing zipf:1.2 --set fabric_bandwidth=25e9
+    shardmoe simulate --config cluster.toml --routing replay:runs/default/metrics.jsonl
+
+GPU counts whose expert-parallel group is the same (min(gpus, E)) are simulated once (their
+data-parallel copies are identical within the layer: sweep.py).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from pathlib import Path
+
+from .presets import HARDWARE, MODELS, resolve
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--preset", default="deepseek-v3", choices=sorted(MODELS), help="the MoE layer's shape")
+    parser.add_argument("--hardware", default="h100", choices=sorted(HARDWARE))
+    parser.add_argument("--gpus", default="8,16,32,64,128,256,512,1024",
+                        help="comma-separated GPU counts (default 8..1024)")
+    parser.add_argument("--routing", default="uniform", help="uniform | zipf:EXPONENT | replay:METRICS_JSONL")
+    parser.add_argument("--config", default=None, metavar="TOML", help="[hardware] and [model] overrides")
+    parser.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
+                        help="override one hardware or model field (repeatable)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default="runs/simulate", help="directory for simulate.json and simulate.png")
+
+
+def parse_gpus(text: str) -> list[int]:
+    try:
+        counts = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise ValueError(f"--gpus: expected comma-separated integers, got {text!r}") from None
+    if not counts or any(c < 1 for c in counts):
+        raise ValueError(f"--gpus: expected positive integers, got {text!r}")
+    return counts
+
+
+def sweep(counts: list[int], shape, hardware, routing: str, seed: int) -> list[dict]:
+    from .sweep import layout, simulate_point
+    eps = [layout(gpus, shape, hardware)["ep"] for gpus in counts]  # every count checked before any work
+    simulated: dict[int, dict] = {}
+    rows = []
+    for gpus, ep in zip(counts, eps):
+        if ep not in simulated:
+            simulated[ep] = simulate_point(gpus, shape, hardware, routing, seed)
+        rows.append(dict(simulated[ep], gpus=gpus, replicas=gpus // ep))
+    return rows
+
+
+def format_table(rows: list[dict]) -> str:
+    head = (f"{'GPUs':>5} {'EP':>4} {'tile ms':>8} {'bulk ms':>8} {'speedup':>7} {'tile %peak':>10} "
+            f"{'bulk %peak':>10} {'overlap':>7} {'bound by':>8} {'fabric GB':>9} {'NVLink GB':>9} {'sim s':>6}")
+    lines = [head]
+    for r in rows:
+        lines.append(f"{r['gpus']:>5} {r['ep']:>4} {r['tile_seconds'] * 1e3:>8.2f} {r['bulk_seconds'] * 1e3:>8.2f} "
+                     f"{r['speedup']:>6.2f}x {100 * r['tile_fraction_of_peak']:>9.1f}% "
+                     f"{100 * r['bulk_fraction_of_peak']:>9.1f}% {100 * r['tile_overlap']:>6.0f}% "
+                     f"{r['tile_binding']:>8} {r['link_bytes']['fabric'] / 1e9:>9.1f} "
+                     f"{r['link_bytes']['nvlink'] / 1e9:>9.1f} {r['simulated_in_seconds']:>6.1f}")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], title: str, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    gpus = [r["gpus"] for r in rows]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    for key, label in (("tile", "tile-task schedule (FlashMoE)"), ("bulk", "bulk-synchronous EP")):
+        left.plot(gpus, [r[f"{key}_seconds"] * 1e3 for r in rows], marker="o", label=label)
+        right.plot(gpus, [100 * r[f"{key}_fraction_of_peak"] for r in rows], marker="o", label=label)
+    for ax, ylabel in ((left, "step time of one MoE layer, fwd+bwd (ms)"), (right, "fraction of peak (%)")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("GPUs")
+        ax.set_ylabel(ylabel)
+        ax.grid(True, alpha=0.3)
+    right.set_ylim(bottom=0)
+    left.legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def run(args) -> int:
+    hardware, shape = resolve(args.hardware, args.preset, args.config, args.set)
+    counts = parse_gpus(args.gpus)
+    rows = sweep(counts, shape, hardware, args.routing, args.seed)
+    print(format_table(rows))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    report = {"preset": args.preset, "routing": args.routing, "hardware": dataclasses.asdict(hardware),
+              "model": dataclasses.asdict(shape), "points": rows}
+    (out / "simulate.json").write_text(json.dumps(report, indent=1))
+    plot(rows, f"{args.preset}, {args.routing} routing, {args.hardware}", out / "simulate.png")
+    print(f"wrote {out / 'simulate.json'} and {out / 'simulate.png'}")
+    return 0
