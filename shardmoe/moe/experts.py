@@ -7,13 +7,15 @@ Rows [N, .] are grouped by expert (Groups). Parameters, per expert e:
   "mlp":  w1 [E, P, H], b1 [E, P], w2 [E, H, P], b2 [E, H]
           z1 = x W1_e^T + b1_e;  a1 = act(z1);  z2 = a1 W2_e^T + b2_e;  y = act_out(z2)
 
-The stage functions below are the one place that picks an implementation: CUDA tensors go to
-the Triton kernels of shardmoe/kernels (same signatures) when kernels.available() says so.
-On CPU, GEMMs use torch.nn.functional.grouped_mm for fp32/bf16 operands whose strides are
-16-byte aligned (its kernels require it), and a per-expert loop otherwise (float64,
-odd tiny shapes). Elementwise math stays in the input dtype: the activation kernels
-compute in float32 internally and round once, and a bf16 -> fp32 -> bf16 round trip
-would cost more than the GEMMs on CPU. Reductions over tokens accumulate in float32.
+The stage functions below are the torch backend (shardmoe/moe/backends.py picks the backend once
+per forward; the Triton kernels of shardmoe/kernels provide the same names). GEMMs use
+torch.nn.functional.grouped_mm for fp32/bf16 operands whose strides are 16-byte aligned (its
+kernels require it), and a per-expert loop otherwise (float64, odd tiny shapes, and whenever the
+output comes from a workspace: grouped_mm cannot write into a given buffer).
+`workspace` (shardmoe/moe/workspace.py), where a function takes one, supplies the large row
+buffers it returns; None allocates them fresh. Elementwise math stays in the input dtype: the
+activation kernels compute in float32 internally and round once, and a bf16 -> fp32 -> bf16
+round trip would cost more than the GEMMs on CPU. Reductions over tokens accumulate in float32.
 """
 from __future__ import annotations
 
@@ -22,10 +24,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from shardmoe import kernels
 from shardmoe.moe.activations import activate, activate_backward
-from shardmoe.moe.combine import grad_combine, grad_gate_combine, row_chunks
+from shardmoe.moe.combine import grad_combine, row_chunks
 from shardmoe.moe.routing import accumulation_dtype
+from shardmoe.moe.workspace import Workspace, empty_rows
 
 
 @dataclass(frozen=True)
@@ -68,16 +70,16 @@ def _use_grouped_mm(*operands: torch.Tensor) -> bool:
 
 
 def grouped_linear(rows: torch.Tensor, weight: torch.Tensor, groups: Groups,
-                   bias: torch.Tensor | None = None) -> torch.Tensor:
+                   bias: torch.Tensor | None = None, *, workspace: Workspace | None = None) -> torch.Tensor:
     """out_r = rows_r W_e^T (+ b_e) for the expert e of row r: rows [N, K], weight [E, O, K],
     bias [E, O] -> [N, O].
 
     With a bias each expert runs one addmm, which adds b_e inside the GEMM and rounds once
     (grouped_mm takes no bias on CPU, and adding it after a bf16 GEMM rounds twice)."""
     weight_t = weight.transpose(-2, -1)
-    if bias is None and _use_grouped_mm(rows, weight_t):
+    if bias is None and workspace is None and _use_grouped_mm(rows, weight_t):
         return F.grouped_mm(rows, weight_t, offs=groups.offsets)
-    out = rows.new_empty((rows.shape[0], weight.shape[1]))
+    out = empty_rows(workspace, (rows.shape[0], weight.shape[1]), rows)
     for e, (part, dest) in enumerate(zip(rows.split(groups.sizes), out.split(groups.sizes))):
         if bias is None:
             torch.mm(part, weight_t[e], out=dest)
@@ -86,11 +88,12 @@ def grouped_linear(rows: torch.Tensor, weight: torch.Tensor, groups: Groups,
     return out
 
 
-def grouped_linear_t(rows: torch.Tensor, weight: torch.Tensor, groups: Groups) -> torch.Tensor:
+def grouped_linear_t(rows: torch.Tensor, weight: torch.Tensor, groups: Groups, *,
+                     workspace: Workspace | None = None) -> torch.Tensor:
     """out_r = rows_r W_e (the input-gradient GEMM): rows [N, O], weight [E, O, K] -> [N, K]."""
-    if _use_grouped_mm(rows, weight):
+    if workspace is None and _use_grouped_mm(rows, weight):
         return F.grouped_mm(rows, weight, offs=groups.offsets)
-    out = rows.new_empty((rows.shape[0], weight.shape[2]))
+    out = empty_rows(workspace, (rows.shape[0], weight.shape[2]), rows)
     for e, (part, dest) in enumerate(zip(rows.split(groups.sizes), out.split(groups.sizes))):
         torch.mm(part, weight[e], out=dest)
     return out
@@ -118,18 +121,20 @@ def grouped_bias_grad(grad_rows: torch.Tensor, groups: Groups) -> torch.Tensor:
     return out.to(grad_rows.dtype)
 
 
-def glu_activation(h: torch.Tensor, activation: str) -> tuple[torch.Tensor, torch.Tensor]:
+def glu_activation(h: torch.Tensor, activation: str, *,
+                   workspace: Workspace | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """For h = [hg | hu] [N, 2F]: (a = act(hg) * hu, act(hg)), both [N, F] (backward needs both)."""
     ffn = h.shape[-1] // 2
-    act_gate = h.new_empty((h.shape[0], ffn))
-    return _glu(h, activation, act_gate), act_gate
+    act_gate = empty_rows(workspace, (h.shape[0], ffn), h)
+    return _glu(h, activation, act_gate, workspace=workspace), act_gate
 
 
-def _glu(h: torch.Tensor, activation: str, act_gate: torch.Tensor | None = None) -> torch.Tensor:
+def _glu(h: torch.Tensor, activation: str, act_gate: torch.Tensor | None = None, *,
+         workspace: Workspace | None = None) -> torch.Tensor:
     """a = act(hg) * hu [N, F], row chunk by row chunk so that act(hg) is still in cache when the
     product reads it; act(hg) is also written to act_gate when one is given."""
     ffn = h.shape[-1] // 2
-    a = h.new_empty((h.shape[0], ffn))
+    a = empty_rows(workspace, (h.shape[0], ffn), h)
     for c in row_chunks(h):
         act = activate(activation, h[c, :ffn])
         if act_gate is not None:
@@ -139,44 +144,41 @@ def _glu(h: torch.Tensor, activation: str, act_gate: torch.Tensor | None = None)
 
 
 def pre_gemm(expert: str, activation: str, xs: torch.Tensor, params: dict[str, torch.Tensor | None],
-             groups: Groups) -> tuple[torch.Tensor, torch.Tensor]:
+             groups: Groups, *, workspace: Workspace | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The expert's first GEMM and activation, (a, z) for dispatched rows xs [N, H]:
       "glu": z = h = xs Wgu_e^T + bgu_e [N, 2F], a = act(hg) * hu [N, F]
       "mlp": z = z1 = xs W1_e^T + b1_e [N, P], a = act(z1)      [N, P]
     A tile task passes the weight rows of its columns (both halves for "glu") and gets those columns."""
     if expert == "glu":
-        h = grouped_linear(xs, params["gate_up_proj"], groups, params.get("gate_up_proj_bias"))
-        return _glu(h, activation), h
+        h = grouped_linear(xs, params["gate_up_proj"], groups, params.get("gate_up_proj_bias"), workspace=workspace)
+        return _glu(h, activation, workspace=workspace), h
     z1 = grouped_linear(xs, params["w1"], groups, params["b1"])
     return activate(activation, z1), z1
 
 
 def post_gemm(expert: str, output_activation: str, a: torch.Tensor, params: dict[str, torch.Tensor | None],
-              groups: Groups) -> tuple[torch.Tensor, torch.Tensor]:
+              groups: Groups, *, workspace: Workspace | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The expert's second GEMM and output activation, (y, z2) [N, H] each:
       "glu": y = z2 = a Wdown_e^T + bdown_e;  "mlp": z2 = a W2_e^T + b2_e, y = act_out(z2)."""
     if expert == "glu":
-        y = grouped_linear(a, params["down_proj"], groups, params.get("down_proj_bias"))
+        y = grouped_linear(a, params["down_proj"], groups, params.get("down_proj_bias"), workspace=workspace)
         return y, y
     z2 = grouped_linear(a, params["w2"], groups, params["b2"])
     return activate(output_activation, z2), z2
 
 
 def expert_forward(expert: str, activation: str, output_activation: str, xs: torch.Tensor,
-                   params: dict[str, torch.Tensor | None], groups: Groups):
+                   params: dict[str, torch.Tensor | None], groups: Groups, *, workspace: Workspace | None = None):
     """y [N, H] for dispatched rows xs [N, H] (pre_gemm then post_gemm), and the tensors backward
     keeps: "glu": (h,) with h [N, 2F];  "mlp": (z1, z2) with z1 [N, P], z2 [N, H]."""
-    # the Triton kernels take no glu biases: a biased glu runs the torch path on every device
-    if kernels.available(xs) and params.get("gate_up_proj_bias") is None:
-        from shardmoe.kernels import experts as triton_experts
-        return triton_experts.expert_forward(expert, activation, output_activation, xs, params, groups)
-    a, z = pre_gemm(expert, activation, xs, params, groups)
-    y, z2 = post_gemm(expert, output_activation, a, params, groups)
+    a, z = pre_gemm(expert, activation, xs, params, groups, workspace=workspace)
+    y, z2 = post_gemm(expert, output_activation, a, params, groups, workspace=workspace)
     return y, ((z,) if expert == "glu" else (z, z2))
 
 
 def grad_post_gemm_glu(grad_rows: torch.Tensor, weight_rows: torch.Tensor, a: torch.Tensor,
-                       down_proj: torch.Tensor, groups: Groups, has_bias: bool = False):
+                       down_proj: torch.Tensor, groups: Groups, has_bias: bool = False, *,
+                       workspace: Workspace | None = None):
     """Stage 3 for "glu", fed the unscaled g [N, H] and w [N]:
       g_down = g Wdown_e            [N, F]   (also feeds stage 2: g . y = g_down . a)
       dA     = w g_down = ge Wdown_e [N, F]
@@ -185,10 +187,7 @@ def grad_post_gemm_glu(grad_rows: torch.Tensor, weight_rows: torch.Tensor, a: to
     Applying w after the GEMM is exact (it is linear) and lets stage 2 reuse the GEMM.
     The bias adds w_tj bdown_e to the output, so stage 2's gate dot gains g . bdown_e: the
     caller adds it (expert_backward), since this function only sees the gradient side."""
-    if kernels.available(grad_rows) and not has_bias:
-        from shardmoe.kernels import experts as triton_experts
-        return (*triton_experts.grad_post_gemm_glu(grad_rows, weight_rows, a, down_proj, groups), None)
-    g_down = grouped_linear_t(grad_rows, down_proj, groups)
+    g_down = grouped_linear_t(grad_rows, down_proj, groups, workspace=workspace)
     grad_a = grad_combine(g_down, weight_rows)
     grad_expert = grad_combine(grad_rows, weight_rows)
     grad_down = grouped_weight_grad(grad_expert, a, groups)
@@ -197,31 +196,27 @@ def grad_post_gemm_glu(grad_rows: torch.Tensor, weight_rows: torch.Tensor, a: to
 
 
 def grad_pre_gemm_glu(grad_a: torch.Tensor, h: torch.Tensor, act_gate: torch.Tensor, xs: torch.Tensor,
-                      gate_up_proj: torch.Tensor, groups: Groups, activation: str, has_bias: bool = False):
+                      gate_up_proj: torch.Tensor, groups: Groups, activation: str, has_bias: bool = False, *,
+                      workspace: Workspace | None = None):
     """Stage 4 for "glu", given act(hg) from the recomputed forward:
       dhg = (dA * hu) * act'(hg);  dhu = dA * act(hg);  dh = [dhg | dhu]   [N, 2F]
       dWgu_e = sum dh^T x   [E, 2F, H];   dx = dh Wgu_e   [N, H];   dbgu_e = sum dh  [E, 2F] (has_bias)"""
-    if kernels.available(grad_a) and not has_bias:
-        from shardmoe.kernels import experts as triton_experts
-        return (*triton_experts.grad_pre_gemm_glu(grad_a, h, act_gate, xs, gate_up_proj, groups, activation), None)
     ffn = act_gate.shape[-1]
-    grad_h = torch.empty_like(h)
+    grad_h = empty_rows(workspace, h.shape, h)
     # one pass per row chunk: the [N, F] intermediate dA * hu never leaves the cache
     for c in row_chunks(h):
         gate, up = h[c, :ffn], h[c, ffn:]
         grad_h[c, :ffn] = activate_backward(activation, grad_a[c] * up, gate)
         torch.mul(grad_a[c], act_gate[c], out=grad_h[c, ffn:])
     grad_bias = grouped_bias_grad(grad_h, groups) if has_bias else None
-    return grouped_linear_t(grad_h, gate_up_proj, groups), grouped_weight_grad(grad_h, xs, groups), grad_bias
+    return (grouped_linear_t(grad_h, gate_up_proj, groups, workspace=workspace), grouped_weight_grad(grad_h, xs, groups),
+            grad_bias)
 
 
 def grad_post_gemm_mlp(grad_expert: torch.Tensor, z2: torch.Tensor, a1: torch.Tensor, w2: torch.Tensor,
                        has_bias: bool, groups: Groups, output_activation: str):
     """Stage 3 for "mlp", fed ge [N, H] from grad_combine:
       dz2 = ge * act_out'(z2);  dW2_e = sum dz2^T a1;  db2_e = sum dz2;  da1 = dz2 W2_e  [N, P]"""
-    if kernels.available(grad_expert):
-        from shardmoe.kernels import experts as triton_experts
-        return triton_experts.grad_post_gemm_mlp(grad_expert, z2, a1, w2, has_bias, groups, output_activation)
     grad_z2 = activate_backward(output_activation, grad_expert, z2)
     grad_b2 = grouped_bias_grad(grad_z2, groups) if has_bias else None
     return grouped_linear_t(grad_z2, w2, groups), grouped_weight_grad(grad_z2, a1, groups), grad_b2
@@ -230,41 +225,45 @@ def grad_post_gemm_mlp(grad_expert: torch.Tensor, z2: torch.Tensor, a1: torch.Te
 def grad_pre_gemm_mlp(grad_a1: torch.Tensor, z1: torch.Tensor, xs: torch.Tensor, w1: torch.Tensor,
                       has_bias: bool, groups: Groups, activation: str):
     """Stage 4 for "mlp": dz1 = da1 * act'(z1);  dW1_e = sum dz1^T x;  db1_e = sum dz1;  dx = dz1 W1_e"""
-    if kernels.available(grad_a1):
-        from shardmoe.kernels import experts as triton_experts
-        return triton_experts.grad_pre_gemm_mlp(grad_a1, z1, xs, w1, has_bias, groups, activation)
     grad_z1 = activate_backward(activation, grad_a1, z1)
     grad_b1 = grouped_bias_grad(grad_z1, groups) if has_bias else None
     return grouped_linear_t(grad_z1, w1, groups), grouped_weight_grad(grad_z1, xs, groups), grad_b1
 
 
 def expert_backward(expert: str, activation: str, output_activation: str, grad_rows: torch.Tensor,
-                    weight_rows: torch.Tensor, xs: torch.Tensor, saved: tuple, params: dict, groups: Groups):
+                    weight_rows: torch.Tensor, xs: torch.Tensor, saved: tuple, params: dict, groups: Groups, *,
+                    stages=None, workspace: Workspace | None = None):
     """Stages 1-4 on dispatched rows, given the unscaled output gradient g [N, H], the combine
     weights w [N], the rows xs [N, H] and what expert_forward saved.
+
+    `stages` is the backend whose stage functions run (shardmoe/moe/backends.py; None: this
+    module's, the torch backend); `workspace` supplies the recomputed act(hg) and a.
 
     Returns (dx rows [N, H], gate dots dw [N] in the acc dtype, {parameter name: gradient}).
     "glu" takes the gate dot over F, as (g Wdown) . a: with F sharded that is a partial sum.
     """
+    if stages is None:
+        from shardmoe.moe.backends import TORCH as stages  # backends imports this module
     if expert == "glu":
         (h,) = saved
         has_bias = params.get("gate_up_proj_bias") is not None
-        a, act_gate = glu_activation(h, activation)
-        grad_a, grad_down, g_down, grad_down_bias = grad_post_gemm_glu(grad_rows, weight_rows, a, params["down_proj"],
-                                                                       groups, has_bias)
-        grad_dots = grad_gate_combine(g_down, act_gate, h[:, act_gate.shape[1]:])
+        a, act_gate = glu_activation(h, activation, workspace=workspace)
+        grad_a, grad_down, g_down, grad_down_bias = stages.grad_post_gemm_glu(grad_rows, weight_rows, a,
+                                                                              params["down_proj"], groups, has_bias)
+        grad_dots = stages.grad_gate_combine(g_down, act_gate, h[:, act_gate.shape[1]:])
         if has_bias:  # y = a Wdown_e^T + bdown_e, so g . y gains g . bdown_e
             row_bias = params["down_proj_bias"][groups.row_expert(grad_rows.device)]
-            grad_dots = grad_dots + grad_gate_combine(grad_rows, row_bias)
-        grad_xs, grad_gate_up, grad_gate_up_bias = grad_pre_gemm_glu(grad_a, h, act_gate, xs, params["gate_up_proj"],
-                                                                     groups, activation, has_bias)
+            grad_dots = grad_dots + stages.grad_gate_combine(grad_rows, row_bias)
+        grad_xs, grad_gate_up, grad_gate_up_bias = stages.grad_pre_gemm_glu(grad_a, h, act_gate, xs,
+                                                                            params["gate_up_proj"], groups, activation,
+                                                                            has_bias)
         return grad_xs, grad_dots, {"gate_up_proj": grad_gate_up, "gate_up_proj_bias": grad_gate_up_bias,
                                     "down_proj": grad_down, "down_proj_bias": grad_down_bias}
     z1, z2 = saved
     has_bias = params["b1"] is not None
-    grad_dots = grad_gate_combine(grad_rows, activate(output_activation, z2))
-    grad_a1, grad_w2, grad_b2 = grad_post_gemm_mlp(grad_combine(grad_rows, weight_rows), z2,
-                                                   activate(activation, z1), params["w2"], has_bias, groups,
-                                                   output_activation)
-    grad_xs, grad_w1, grad_b1 = grad_pre_gemm_mlp(grad_a1, z1, xs, params["w1"], has_bias, groups, activation)
+    grad_dots = stages.grad_gate_combine(grad_rows, activate(output_activation, z2))
+    grad_a1, grad_w2, grad_b2 = stages.grad_post_gemm_mlp(stages.grad_combine(grad_rows, weight_rows), z2,
+                                                          activate(activation, z1), params["w2"], has_bias, groups,
+                                                          output_activation)
+    grad_xs, grad_w1, grad_b1 = stages.grad_pre_gemm_mlp(grad_a1, z1, xs, params["w1"], has_bias, groups, activation)
     return grad_xs, grad_dots, {"w1": grad_w1, "b1": grad_b1, "w2": grad_w2, "b2": grad_b2}

@@ -70,7 +70,7 @@ def fused_float64(x, gate_weight, params, config: MoEConfig, grad_out, grad_loss
     names = expert_param_names(config)
     leaves = {"x": x, "gate_weight": gate_weight, **{n: params[n] for n in names}}
     leaves = {n: None if t is None else t.detach().clone().requires_grad_(True) for n, t in leaves.items()}
-    out, loss = FusedMoE.apply(leaves["x"], config, {}, None, None, leaves["gate_weight"], None,
+    out, loss = FusedMoE.apply(leaves["x"], config, {}, None, None, None, leaves["gate_weight"], None,
                                *(leaves[n] for n in names))
     torch.autograd.backward([out, loss], [grad_out, grad_loss])
     grads = {n: None if t is None else t.grad for n, t in leaves.items()}

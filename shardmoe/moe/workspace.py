@@ -1,0 +1,80 @@
+"""Workspace: a per-layer pool of the large row buffers of the fused layer's forward and backward.
+
+Fresh CPU allocations of 32 MiB and more page-fault on every first touch (glibc maps them anew:
+docs/benchmarks.md), and a GEMM writing into such a buffer ran at a third of its speed. The row
+buffers of one step ([N, 2F] h and its gradient, [N, F] a, act(hg), g Wdown, dA; [N, H] expert
+outputs) are therefore taken from blocks this pool keeps across steps.
+
+Ownership. A block is lent by empty() and free again only when nothing but the pool refers to
+its storage (the storage's use count is 1): a tensor saved for backward keeps its block until
+autograd frees it after that backward (or with the graph), whatever runs in between -- several
+forwards before their backwards (gradient accumulation, several layers, activation
+checkpointing) each get their own block. So the pool holds as many blocks of a size as were ever
+alive at once; nothing is ever handed out twice.
+
+Size. A request that no free block fits allocates a block of 1.25x the request (so a step that
+grows a little does not allocate again) and drops the free blocks of that device it replaces
+(smaller than the request). release() forgets every block (blocks still lent stay alive with
+their tensors and are freed with them); MoE.to() / _apply call it, since blocks never move.
+resident_bytes counts every block the pool holds, lent or free.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+# Below this a request is served by the allocator: glibc recycles small blocks itself, and a pool
+# block per small tensor would only add resident bytes (4 MiB: the size the per-expert outputs
+# that glibc reused were, docs/benchmarks.md).
+MIN_POOLED_BYTES = 4 << 20
+GROWTH = 1.25
+
+
+def _use_count(storage: torch.UntypedStorage) -> int:
+    """References to the storage's data (the pool's own included), as torch counts them."""
+    return torch._C._storage_Use_Count(storage._cdata)
+
+
+class Workspace:
+    """Blocks of reusable memory, per device, lent out as tensors of any dtype and shape."""
+
+    def __init__(self, min_bytes: int = MIN_POOLED_BYTES):
+        if min_bytes < 0:
+            raise ValueError(f"min_bytes: expected >= 0, got {min_bytes}")
+        self.min_bytes = min_bytes
+        self._blocks: list[torch.UntypedStorage] = []
+
+    @property
+    def resident_bytes(self) -> int:
+        """Bytes of every block the pool holds (lent or free)."""
+        return sum(b.nbytes() for b in self._blocks)
+
+    def empty(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """An uninitialised contiguous tensor of `shape` (its contents are whatever the block last
+        held): from a free block when one fits, else from a new one; below min_bytes, from torch."""
+        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        device = torch.device(device)
+        if nbytes < self.min_bytes:
+            return torch.empty(shape, dtype=dtype, device=device)
+        free = [b for b in self._blocks if b.device == device and _use_count(b) == 1]
+        fitting = [b for b in free if b.nbytes() >= nbytes]
+        if fitting:
+            block = min(fitting, key=lambda b: b.nbytes())
+        else:
+            self._blocks = [b for b in self._blocks if not any(b is f for f in free)]
+            block = torch.empty(int(nbytes * GROWTH), dtype=torch.uint8, device=device).untyped_storage()
+            self._blocks.append(block)
+        return torch.empty(0, dtype=dtype, device=device).set_(block, 0, shape)
+
+    def release(self) -> None:
+        """Forget every block: free ones are freed now, lent ones with their last tensor."""
+        self._blocks = []
+
+
+def empty_rows(workspace: Workspace | None, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+    """An uninitialised tensor of `shape` with like's dtype and device: from `workspace` when one is
+    given, else a fresh allocation (the stage functions' default)."""
+    if workspace is None:
+        return like.new_empty(shape)
+    return workspace.empty(tuple(shape), like.dtype, like.device)
