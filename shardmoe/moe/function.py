@@ -86,6 +86,16 @@ def not_twice_differentiable(backward):
     return wrapper
 
 
+def expert_groups(counts: torch.Tensor, dtype: torch.dtype, workspace: Workspace | None) -> ex.Groups:
+    """The expert groups of counts [E] kept rows, tile-padded (ex.Groups.row_tile) when the rows
+    live in workspace buffers, which carry the slack: the workspace's row_tile, or when that is
+    None the measured rule ex.row_tile_for."""
+    if workspace is None:
+        return ex.Groups.from_counts(counts)
+    tile = workspace.row_tile if workspace.row_tile is not None else ex.row_tile_for(dtype, counts)
+    return ex.Groups.from_counts(counts, tile)
+
+
 def gather_rows(tokens: torch.Tensor, row_token: torch.Tensor, workspace: Workspace | None) -> torch.Tensor:
     """tokens[row_token]: [S, D], [N] -> [N, D], into a workspace buffer when one is given."""
     out = empty_rows(workspace, (row_token.shape[0], tokens.shape[1]), tokens)
@@ -110,7 +120,7 @@ class FusedMoE(torch.autograd.Function):
         backend = backends.select(config, x, workspace)
         routing = route(x, gate_weight, config, gate_bias, correction_bias, token_sequence)
         params = dict(zip(expert_param_names(config), expert_weights))
-        groups = ex.Groups.from_counts(routing.kept_per_expert)
+        groups = expert_groups(routing.kept_per_expert, x.dtype, backend.workspace)
         row_token, weight_rows = routing.rows(k)
         y, saved = backend.expert_forward(config.expert, config.activation, config.output_activation,
                                           gather_rows(x, row_token, backend.workspace), params, groups)
@@ -141,7 +151,7 @@ class FusedMoE(torch.autograd.Function):
         routing, saved = Routing(*rest[:n_routing]), rest[n_routing:]
         params = dict(zip(expert_param_names(config), expert_weights))
         num_tokens, k = x.shape[0], config.top_k
-        groups = ex.Groups.from_counts(routing.kept_per_expert)
+        groups = expert_groups(routing.kept_per_expert, x.dtype, backend.workspace)
         row_token, weight_rows = routing.rows(k)
         xs = gather_rows(x, row_token, backend.workspace)
         grad_rows = gather_rows(grad_out.contiguous(), row_token, backend.workspace)

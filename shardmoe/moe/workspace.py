@@ -12,6 +12,11 @@ forwards before their backwards (gradient accumulation, several layers, activati
 checkpointing) each get their own block. So the pool holds as many blocks of a size as were ever
 alive at once; nothing is ever handed out twice.
 
+Slack. Every buffer carries `pad_rows` rows past its end (uninitialised, never part of the
+tensor's shape), so that the GEMMs of tile-padded expert groups (experts.Groups.row_tile) may run
+on whole row tiles up to the last expert's; row_tile picks the tile (None: the measured rule,
+experts.row_tile_for) and pad_rows is the largest tile that can take.
+
 Size. A request that no free block fits allocates a block of 1.25x the request (so a step that
 grows a little does not allocate again) and drops the free blocks of that device it replaces
 (smaller than the request). release() forgets every block (blocks still lent stay alive with
@@ -29,6 +34,7 @@ import torch
 # that glibc reused were, docs/benchmarks.md).
 MIN_POOLED_BYTES = 4 << 20
 GROWTH = 1.25
+MAX_ROW_TILE = 128  # the largest tile the measured rule picks (experts.row_tile_for)
 
 
 def _use_count(storage: torch.UntypedStorage) -> int:
@@ -39,10 +45,16 @@ def _use_count(storage: torch.UntypedStorage) -> int:
 class Workspace:
     """Blocks of reusable memory, per device, lent out as tensors of any dtype and shape."""
 
-    def __init__(self, min_bytes: int = MIN_POOLED_BYTES):
+    def __init__(self, min_bytes: int = MIN_POOLED_BYTES, row_tile: int | None = None):
+        """min_bytes: smaller requests are allocated by torch; row_tile: the tile of tile-padded
+        expert groups (None: chosen per forward by the measured rule, 0: off)."""
         if min_bytes < 0:
             raise ValueError(f"min_bytes: expected >= 0, got {min_bytes}")
+        if row_tile is not None and row_tile < 0:
+            raise ValueError(f"row_tile: expected None or >= 0, got {row_tile}")
         self.min_bytes = min_bytes
+        self.row_tile = row_tile
+        self.pad_rows = MAX_ROW_TILE if row_tile is None else row_tile
         self._blocks: list[torch.UntypedStorage] = []
 
     @property
@@ -52,8 +64,10 @@ class Workspace:
 
     def empty(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """An uninitialised contiguous tensor of `shape` (its contents are whatever the block last
-        held): from a free block when one fits, else from a new one; below min_bytes, from torch."""
-        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        held), with pad_rows rows of slack past its end: from a free block when one fits, else from a
+        new one; below min_bytes, from torch (no slack)."""
+        rows = shape[0] + self.pad_rows if len(shape) >= 2 else shape[0] if shape else 1
+        nbytes = rows * math.prod(shape[1:]) * torch.empty((), dtype=dtype).element_size()
         device = torch.device(device)
         if nbytes < self.min_bytes:
             return torch.empty(shape, dtype=dtype, device=device)
