@@ -17,9 +17,11 @@ tensor's shape), so that the GEMMs of tile-padded expert groups (experts.Groups.
 on whole row tiles up to the last expert's; row_tile picks the tile (None: the measured rule,
 experts.row_tile_for) and pad_rows is the largest tile that can take.
 
-Size. A request that no free block fits allocates a block of 1.25x the request (so a step that
-grows a little does not allocate again) and drops the free blocks of that device it replaces
-(smaller than the request). release() forgets every block (blocks still lent stay alive with
+Size. A request that no free block fits allocates a new block and drops the free blocks of that
+device (all smaller than the request): of the request's size the first time, and of at least
+1.25x the largest block it replaces after that, so steps that keep growing a little (a batch of
+more tokens, fewer drops) do not allocate every time. A block is never larger than needed by
+more than that factor, which matters: a saved tensor's block counts whole in the saved bytes. release() forgets every block (blocks still lent stay alive with
 their tensors and are freed with them); MoE.to() / _apply call it, since blocks never move.
 resident_bytes counts every block the pool holds, lent or free.
 """
@@ -77,7 +79,8 @@ class Workspace:
             block = min(fitting, key=lambda b: b.nbytes())
         else:
             self._blocks = [b for b in self._blocks if not any(b is f for f in free)]
-            block = torch.empty(int(nbytes * GROWTH), dtype=torch.uint8, device=device).untyped_storage()
+            size = max([nbytes] + [int(b.nbytes() * GROWTH) for b in free])
+            block = torch.empty(size, dtype=torch.uint8, device=device).untyped_storage()
             self._blocks.append(block)
         return torch.empty(0, dtype=dtype, device=device).set_(block, 0, shape)
 

@@ -20,7 +20,7 @@ def test_block_is_reused_only_after_its_tensors_are_gone():
     del a
     c = ws.empty((32, 8), torch.float64, "cpu")  # fits a's block (same bytes)
     assert c.data_ptr() == a_ptr and ws.resident_bytes == resident
-    assert resident == 2 * int(64 * 8 * 4 * 1.25)
+    assert resident == 2 * 64 * 8 * 4  # first blocks: the request's size
 
 
 def test_growth_replaces_smaller_free_blocks_and_release_forgets_them():
@@ -28,7 +28,11 @@ def test_growth_replaces_smaller_free_blocks_and_release_forgets_them():
     small = ws.empty((10, 10), torch.float32, "cpu")
     del small
     big = ws.empty((100, 10), torch.float32, "cpu")
-    assert ws.resident_bytes == int(4000 * 1.25)  # the free 400-byte block was dropped
+    assert ws.resident_bytes == 4000  # the free 400-byte block was dropped
+    del big
+    bigger = ws.empty((101, 10), torch.float32, "cpu")
+    assert ws.resident_bytes == 5000  # grown geometrically: 1.25x the block it replaced
+    big = bigger
     ws.release()
     assert ws.resident_bytes == 0
     big.fill_(1.0)  # a lent tensor outlives release()
