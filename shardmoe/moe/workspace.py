@@ -14,8 +14,9 @@ alive at once; nothing is ever handed out twice.
 
 Slack. Every buffer carries `pad_rows` rows past its end (uninitialised, never part of the
 tensor's shape), so that the GEMMs of tile-padded expert groups (experts.Groups.row_tile) may run
-on whole row tiles up to the last expert's; row_tile picks the tile (None: the measured rule,
-experts.row_tile_for) and pad_rows is the largest tile that can take.
+on whole row tiles up to the last expert's; row_tile picks the tile (0, the default: no tiles --
+they did not pay in the layer on the CPU measured, docs/benchmarks.md; None: the rule
+experts.row_tile_for; T: that tile) and pad_rows is the largest tile that can take.
 
 Size. A request that no free block fits allocates a new block and drops the free blocks of that
 device (all smaller than the request): of the request's size the first time, and of at least
@@ -47,9 +48,9 @@ def _use_count(storage: torch.UntypedStorage) -> int:
 class Workspace:
     """Blocks of reusable memory, per device, lent out as tensors of any dtype and shape."""
 
-    def __init__(self, min_bytes: int = MIN_POOLED_BYTES, row_tile: int | None = None):
+    def __init__(self, min_bytes: int = MIN_POOLED_BYTES, row_tile: int | None = 0):
         """min_bytes: smaller requests are allocated by torch; row_tile: the tile of tile-padded
-        expert groups (None: chosen per forward by the measured rule, 0: off)."""
+        expert groups (0: off, the default; None: chosen per forward by experts.row_tile_for)."""
         if min_bytes < 0:
             raise ValueError(f"min_bytes: expected >= 0, got {min_bytes}")
         if row_tile is not None and row_tile < 0:
