@@ -201,7 +201,8 @@ class MoE(nn.Module):
         belongs to the original's graph anyway: a copy (EMA, torch.optim.swa_utils.AveragedModel)
         starts as a layer that has not run a forward, aux_loss None and stats empty."""
         state = super().__getstate__()
-        state.update(aux_loss=None, stats={}, workspace=Workspace())
+        # a copy gets an empty pool of the same settings: blocks are this layer's scratch memory
+        state.update(aux_loss=None, stats={}, workspace=None if self.workspace is None else self.workspace.empty_copy())
         return state
 
     def extra_repr(self) -> str:

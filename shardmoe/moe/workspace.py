@@ -85,6 +85,10 @@ class Workspace:
             self._blocks.append(block)
         return torch.empty(0, dtype=dtype, device=device).set_(block, 0, shape)
 
+    def empty_copy(self) -> "Workspace":
+        """A workspace of the same settings holding no blocks (for copies of a layer)."""
+        return Workspace(self.min_bytes, self.row_tile)
+
     def release(self) -> None:
         """Forget every block: free ones are freed now, lent ones with their last tensor."""
         self._blocks = []

@@ -149,3 +149,15 @@ def test_negative_row_tile_is_refused():
 
     with pytest.raises(ValueError, match="row_tile: expected >= 0, got -1"):
         Groups.from_counts(torch.tensor([3, 4]), row_tile=-1)
+
+
+def test_a_copy_gets_an_empty_pool_of_the_same_settings():
+    import copy
+
+    layer = _layer(0, row_tile=4)
+    layer(torch.randn(5, 8, dtype=torch.float64)).sum().backward()
+    twin = copy.deepcopy(layer)
+    assert twin.workspace is not layer.workspace and twin.workspace.resident_bytes == 0
+    assert (twin.workspace.min_bytes, twin.workspace.row_tile) == (0, 4)
+    layer.workspace = None
+    assert copy.deepcopy(layer).workspace is None
