@@ -93,6 +93,8 @@ def test_gradient_accumulation_two_forwards_then_two_backwards(kw, row_tile):
     gen = torch.Generator().manual_seed(1)
     xs = [torch.randn(13, 8, generator=gen, dtype=torch.float64, requires_grad=True) for _ in range(3)]
     grads = [torch.randn(13, 8, generator=gen, dtype=torch.float64) for _ in range(3)]
+    refs = [_reference(layer, x, g) for x, g in zip(xs, grads)]  # (out, aux, grads) per micro-batch
+    want = {n: sum(ref[2][n] for ref in refs) for n, _ in layer.named_parameters()}
     for step in range(2):  # the second step reuses the first one's blocks
         _plant_garbage(layer)
         layer.zero_grad(set_to_none=True)
@@ -103,11 +105,9 @@ def test_gradient_accumulation_two_forwards_then_two_backwards(kw, row_tile):
         for (out, aux), g in zip(reversed(outs), reversed(grads)):
             torch.autograd.backward([out, aux], [g, torch.ones_like(aux)])
             _plant_garbage(layer)
-        want = {n: sum(_reference(layer, x, g)[2][n] for x, g in zip(xs, grads)) for n, _ in layer.named_parameters()}
         for name, p in layer.named_parameters():
             _assert_close(p.grad, want[name])
-        for (out, _), x, g in zip(outs, xs, grads):
-            ref_out, _, ref = _reference(layer, x, g)
+        for (out, _), x, (ref_out, _, ref) in zip(outs, xs, refs):
             _assert_close(out, ref_out)
             _assert_close(x.grad if step == 0 else x.grad / 2, ref["x"])
     assert layer.workspace.resident_bytes > 0 and layer.stats["workspace_bytes"] == layer.workspace.resident_bytes
