@@ -28,7 +28,7 @@ import argparse
 import os
 import sys
 
-from shardmoe.bench.candidates import CANDIDATES
+from shardmoe.bench.candidates import CANDIDATES, VARIANTS
 from shardmoe.bench.case import run_case
 from shardmoe.bench.flops import SHAPES, Shape
 from shardmoe.bench.report import environment, format_case, format_targets, write_json
@@ -43,7 +43,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(a smoke run)")
     parser.add_argument("--dtype", choices=("fp32", "bf16", "both"), default="both")
     parser.add_argument("--shapes", nargs="+", choices=(*SHAPES, "all"), default=["all"],
-                        help="e8: S=4096 H=512 F=1024 E=8 k=2; e64: S=4096 H=512 F=128 E=64 k=2")
+                        help="e8: S=4096 H=512 F=1024 E=8 k=2; e64: S=4096 H=512 F=128 E=64 k=2; "
+                             "fine: S=4096 H=512 F=128 E=64 k=8")
     parser.add_argument("--tokens", type=int, default=None, help="override S (tokens) for every shape")
     parser.add_argument("--warmup", type=int, default=None,
                         help="warm-up rounds, the first being the saved-bytes/check pass (default 2, quick 1)")
@@ -53,10 +54,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              f"fewer repeats, at least 1 (default none, quick {QUICK_BUDGET_S:g})")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch.set_num_threads before timing (default: leave torch's setting as it is)")
-    parser.add_argument("--candidates", nargs="+", choices=CANDIDATES, default=list(CANDIDATES))
-    parser.add_argument("--routing", choices=("fixed", "fresh"), default="fixed",
-                        help="fixed: the same input every step; fresh: a new input (new routing, new "
-                             "per-expert row counts) every step, as in training")
+    parser.add_argument("--candidates", nargs="+", choices=(*CANDIDATES, *VARIANTS), default=list(CANDIDATES),
+                        help="the default five, and shardmoe's ablations " + ", ".join(VARIANTS))
+    parser.add_argument("--routing", choices=("fixed", "fresh"), default="fresh",
+                        help="fresh (default): a new input (new routing, new per-expert row counts) every "
+                             "step, as in training; fixed: the same input every step")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--json", metavar="PATH", default=None, help="write every number to this JSON file")
     parser.add_argument("--strict", action="store_true", help="exit 1 when a target is missed")

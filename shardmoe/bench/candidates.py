@@ -8,6 +8,10 @@
   dense+alloc   the same matmuls allocating their outputs, as autograd does (allocator cost)
   shardmoe      shardmoe.MoE (FusedMoE, explicit backward)
 
+and, only when asked for (--candidates), ablations of shardmoe for before/after measurements:
+  shardmoe:no-workspace  layer.workspace = None: every row buffer allocated fresh (grouped_mm)
+  shardmoe:tile          tile-padded expert groups by the rule experts.row_tile_for (row_tile=None)
+
 All of them hold the same weights (_init_weights) and see the same inputs.
 """
 from __future__ import annotations
@@ -17,6 +21,7 @@ from dataclasses import dataclass
 from shardmoe.bench.flops import Shape
 
 CANDIDATES = ("transformers", "loop", "dense", "dense+alloc", "shardmoe")
+VARIANTS = ("shardmoe:no-workspace", "shardmoe:tile")
 
 
 def _init_weights(s: Shape, seed: int):
@@ -86,6 +91,7 @@ class Candidate:
     forward: object = None       # () -> output with graph (for saved bytes / checks)
     grads: object = None         # () -> dict of gradients after a step (for checks)
     flops: int | None = None     # GEMM FLOPs of one step, where the candidate knows them exactly
+    workspace_bytes: object = None  # () -> bytes its workspace holds between steps (shardmoe)
 
 
 def build_candidates(s: Shape, dtype, device, names, seed: int = 0, fresh_inputs: int = 0):
@@ -103,7 +109,8 @@ def build_candidates(s: Shape, dtype, device, names, seed: int = 0, fresh_inputs
                          for _ in range(fresh_inputs)]
     cands: dict[str, Candidate] = {}
     weights = _init_weights(s, seed)
-    block = _mixtral_block(s, weights, dtype, device) if {"transformers", "shardmoe"} & set(names) else None
+    shardmoes = [n for n in ("shardmoe", *VARIANTS) if n in names]
+    block = _mixtral_block(s, weights, dtype, device) if "transformers" in names or shardmoes else None
 
     def module_candidate(name, module, params, x_shape, gate_transposed=False):
         """gate_transposed: params[0] is [H, E] (the router holds [E, H]); its gradient
@@ -141,13 +148,19 @@ def build_candidates(s: Shape, dtype, device, names, seed: int = 0, fresh_inputs
         params = (block.gate.weight, block.experts.gate_up_proj, block.experts.down_proj)
         cands["transformers"], inputs["transformers"] = module_candidate(
             "transformers", block, params, (1, s.tokens, s.hidden))
-    if "shardmoe" in names:
+    for name in shardmoes:
         import shardmoe
+        from shardmoe.moe.workspace import Workspace
 
         layer = shardmoe.MoE.from_mixtral(block)
+        if name == "shardmoe:no-workspace":
+            layer.workspace = None
+        elif name == "shardmoe:tile":
+            layer.workspace = Workspace(row_tile=None)
         params = (layer.gate_weight, layer.gate_up_proj, layer.down_proj)
-        cands["shardmoe"], inputs["shardmoe"] = module_candidate(
-            "shardmoe", layer, params, (1, s.tokens, s.hidden), gate_transposed=True)
+        cands[name], inputs[name] = module_candidate(name, layer, params, (1, s.tokens, s.hidden),
+                                                     gate_transposed=True)
+        cands[name].workspace_bytes = lambda ws=layer.workspace: 0 if ws is None else ws.resident_bytes
     if "loop" in names:
         wg, wgu, wd = (w.to(device=device, dtype=dtype).requires_grad_()
                        for w in (weights[0].t().contiguous(), weights[1], weights[2]))

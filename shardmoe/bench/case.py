@@ -36,6 +36,7 @@ class Row:
     saved_bytes_per_token: float | None = None
     saved_input_bytes: int | None = None
     saved_vs_transformers: float | None = None
+    workspace_bytes_per_token: float | None = None  # the layer's workspace after the timed steps
     rel_err_vs_transformers: float | None = None   # max over y and every gradient of |a-b|_2 / |b|_2
 
 
@@ -120,6 +121,8 @@ def run_case(shape_name: str, s: Shape, dtype_name: str, device: str, warmup: in
     for n in cands:
         result.rows.append(Row(n, med[n], min(times[n]), result.flops / med[n] / 1e9, len(times[n])))
     for row in result.rows:
+        if cands[row.candidate].workspace_bytes is not None:
+            row.workspace_bytes_per_token = cands[row.candidate].workspace_bytes() / s.tokens
         if "dense" in med:
             row.fraction_of_dense = med["dense"] / row.median_s
         if "transformers" in med:

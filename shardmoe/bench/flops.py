@@ -9,7 +9,8 @@ from dataclasses import dataclass
 # name -> (S, H, F, E, k)
 SHAPES = {
     "e8": (4096, 512, 1024, 8, 2),    # Mixtral-like: few wide experts
-    "e64": (4096, 512, 128, 64, 2),   # fine-grained: many narrow experts
+    "e64": (4096, 512, 128, 64, 2),   # many narrow experts, top-2
+    "fine": (4096, 512, 128, 64, 8),  # fine-grained as today's MoE models: F = H/4, top-8 of 64
 }
 
 

@@ -19,15 +19,16 @@ def format_case(r: CaseResult) -> str:
         f"[{r.shape_name} {r.dtype}] {s}   GEMM FLOPs fwd+bwd {r.flops / 1e9:.2f} G "
         f"(experts {r.expert_flops / 1e9:.2f} + router {r.router_flops / 1e9:.2f}); "
         f"median of n timed rounds (<= {r.repeats}) after {r.warmup} warm-up; {r.routing} routing",
-        f"  {'candidate':<13}{'median ms':>10}{'min ms':>9}{'GFLOP/s':>9}{'x dense':>9}{'vs tf':>7}"
-        f"{'vs loop':>8}{'saved B/tok':>12}{'saved/tf':>9}{'rel err':>9}{'n':>4}",
+        f"  {'candidate':<22}{'median ms':>10}{'min ms':>9}{'GFLOP/s':>9}{'x dense':>9}{'vs tf':>7}"
+        f"{'vs loop':>8}{'saved B/tok':>12}{'saved/tf':>9}{'ws B/tok':>9}{'rel err':>9}{'n':>4}",
     ]
     for row in r.rows:
         lines.append(
-            f"  {row.candidate:<13}{row.median_s * 1e3:>10.2f}{row.min_s * 1e3:>9.2f}{row.gflops:>9.1f}"
+            f"  {row.candidate:<22}{row.median_s * 1e3:>10.2f}{row.min_s * 1e3:>9.2f}{row.gflops:>9.1f}"
             f"{_fmt(row.fraction_of_dense, '.2f'):>9}{_fmt(row.speedup_vs_transformers, '.2f'):>7}"
             f"{_fmt(row.speedup_vs_loop, '.2f'):>8}{_fmt(row.saved_bytes_per_token, '.0f'):>12}"
-            f"{_fmt(row.saved_vs_transformers, '.2f'):>9}{_fmt(row.rel_err_vs_transformers, '.1e'):>9}{row.repeats:>4}"
+            f"{_fmt(row.saved_vs_transformers, '.2f'):>9}{_fmt(row.workspace_bytes_per_token, '.0f'):>9}"
+            f"{_fmt(row.rel_err_vs_transformers, '.1e'):>9}{row.repeats:>4}"
         )
     return "\n".join(lines)
 

@@ -1,11 +1,11 @@
 """Triton kernels for the fused MoE layer's CUDA path.
 
-The per-stage functions in shardmoe/moe/experts.py and combine.py stay the one place
-that decides which implementation runs: each asks `available(tensor)` and, when it
-says yes, calls the wrapper of the same name and signature in
-shardmoe.kernels.experts or shardmoe.kernels.combine (see docs/kernels.md for the
-map). This module itself never imports triton unless a CUDA tensor asks, so CPU-only
-installs without triton import it freely.
+shardmoe/moe/backends.py picks the implementation once per forward: its Triton backend
+(the wrappers of shardmoe.kernels.experts and .combine, with the names and signatures of
+the torch stage functions, plus the fused entry points of layer_path) when
+fused_path(config, x) says so (see docs/kernels.md for the map). This module itself
+never imports triton unless a kernel runs, so CPU-only installs without triton import it
+freely.
 
 Set SHARDMOE_KERNELS=0 to keep every stage on the torch path (to compare the two).
 """
@@ -37,15 +37,16 @@ def triton_importable() -> bool:
     return True
 
 
-def available(tensor: torch.Tensor) -> bool:
+def available(tensor: torch.Tensor, cuda_only: bool = True) -> bool:
     """True when the Triton kernels should handle this tensor: a CUDA tensor of a
     kernel dtype (float32 or bfloat16), triton importable, SHARDMOE_KERNELS not 0.
 
     CPU tensors always get False, even under TRITON_INTERPRET=1: the interpreter is
-    a test vehicle, far too slow to route real CPU work through.
+    a test vehicle, far too slow to route real CPU work through (cuda_only=False is
+    force_kernel_path's way past that, for tests).
     """
     return (
-        tensor.is_cuda
+        (tensor.is_cuda or not cuda_only)
         and tensor.dtype in KERNEL_DTYPES
         and os.environ.get("SHARDMOE_KERNELS", "1") != "0"
         and triton_importable()
@@ -82,8 +83,5 @@ def fused_path(config, x: torch.Tensor) -> bool:
         and not (config.expert == "glu" and config.bias)
         and config.activation in KERNEL_ACTIVATIONS
         and config.output_activation in KERNEL_ACTIVATIONS
-        and (x.is_cuda or _forced_on_cpu)
-        and x.dtype in KERNEL_DTYPES
-        and os.environ.get("SHARDMOE_KERNELS", "1") != "0"
-        and triton_importable()
+        and (available(x) or (_forced_on_cpu and available(x, cuda_only=False)))
     )

@@ -2,7 +2,7 @@
 
 Each function has the name, positional signature and semantics of its counterpart in
 shardmoe.moe.experts, so a stage function can hand its arguments over unchanged when
-shardmoe.kernels.available(tensor) says so. Extra keyword-only arguments switch on
+the Triton backend (shardmoe/moe/backends.py) is chosen. Extra keyword-only arguments switch on
 fusions the torch path cannot express:
 
   row_index   [N] int: the rows argument is the token-order matrix ([S, H]: x or

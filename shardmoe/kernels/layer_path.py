@@ -1,8 +1,9 @@
-"""The fused layer's kernel path: the expert side of FusedMoE through the fused Triton entry points.
+"""The fused backward of the Triton backend, and what its fused entry points do for the layer.
 
-FusedMoE (moe/function.py) and expert parallelism (parallel/expert_parallel.py) take this path when
-kernels.fused_path(config, x) says so (CUDA tensors of a kernel dtype, a config the kernels
-implement). Routing, the balance losses and stage 6 stay in torch (moe/routing.py) on every path.
+The Triton backend (moe/backends.py, chosen when kernels.fused_path(config, x)) gives FusedMoE
+kernels.experts.expert_forward_combine for its forward and this module's expert_backward for its
+backward; expert parallelism's expert side uses the same backward on dispatched rows. Routing, the
+balance losses and stage 6 stay in torch (moe/routing.py) on every path.
 
 Forward, for x [S, H], N kept rows sorted by expert (row_token [N], weights w [N], row_pair [N]):
   torch path   xs = x[row_token] [N, H];  y = experts(xs) [N, H];  out = combine(w, y)  [S, H]
@@ -36,38 +37,27 @@ from shardmoe.moe.activations import activate
 from shardmoe.moe.experts import Groups, glu_activation
 
 
-def expert_forward_combine(config, x: torch.Tensor, row_token: torch.Tensor, weight_rows: torch.Tensor,
-                           row_pair: torch.Tensor, params: dict, groups: Groups):
-    """(out [S, H] in the acc dtype, saved): experts and combine of the kept rows, in two GEMMs."""
-    return kernel_experts.expert_forward_combine(config.expert, config.activation, config.output_activation, x,
-                                                 row_token, weight_rows, row_pair, params, groups, config.top_k)
-
-
-def expert_backward(config, grad_rows: torch.Tensor, weight_rows: torch.Tensor, xs: torch.Tensor, saved: tuple,
-                    params: dict, groups: Groups, *, row_index: torch.Tensor | None = None):
+def expert_backward(expert: str, activation: str, output_activation: str, grad_rows: torch.Tensor,
+                    weight_rows: torch.Tensor, xs: torch.Tensor, saved: tuple, params: dict, groups: Groups, *,
+                    row_index: torch.Tensor | None = None):
     """Stages 1-4 with the fusions above: (dx rows [N, H], dw [N] acc dtype, {parameter: gradient}).
-
-    grad_rows and xs are [N, H] rows, or the [S, H] token-order tensors with row_index [N]."""
-    if config.expert == "glu":
+    The signature of moe.experts.expert_backward, plus row_index: grad_rows and xs are [N, H] rows,
+    or the [S, H] token-order tensors with row_index [N]."""
+    if expert == "glu":
         (h,) = saved
-        a, act_gate = glu_activation(h, config.activation)
+        a, act_gate = glu_activation(h, activation)
         grad_a, grad_down, grad_dots = kernel_experts.grad_gate_post_gemm_glu(
             grad_rows, weight_rows, a, params["down_proj"], groups, row_index=row_index)
         grad_xs, grad_gate_up = kernel_experts.grad_pre_gemm_glu(grad_a, h, act_gate, xs, params["gate_up_proj"],
-                                                                 groups, config.activation, row_index=row_index)
+                                                                 groups, activation, row_index=row_index)
         return grad_xs, grad_dots, {"gate_up_proj": grad_gate_up, "down_proj": grad_down}
     z1, z2 = saved
     has_bias = params["b1"] is not None
     grad_expert, grad_dots = kernel_combine.grad_combine_gate(grad_rows, z2, weight_rows,
-                                                              output_activation=config.output_activation,
+                                                              output_activation=output_activation,
                                                               row_index=row_index)
     grad_a1, grad_w2, grad_b2 = kernel_experts.grad_post_gemm_mlp(
-        grad_expert, z2, activate(config.activation, z1), params["w2"], has_bias, groups, config.output_activation)
+        grad_expert, z2, activate(activation, z1), params["w2"], has_bias, groups, output_activation)
     grad_xs, grad_w1, grad_b1 = kernel_experts.grad_pre_gemm_mlp(grad_a1, z1, xs, params["w1"], has_bias, groups,
-                                                                 config.activation, row_index=row_index)
+                                                                 activation, row_index=row_index)
     return grad_xs, grad_dots, {"w1": grad_w1, "b1": grad_b1, "w2": grad_w2, "b2": grad_b2}
-
-
-def grad_input_combine(dx_rows: torch.Tensor, row_pair: torch.Tensor, num_tokens: int, top_k: int) -> torch.Tensor:
-    """Stage 5 by the combine kernel: dx_t = sum over t's kept rows of dx_r. [S, H], acc dtype."""
-    return kernel_combine.grad_input_combine(dx_rows, row_pair, num_tokens, top_k)

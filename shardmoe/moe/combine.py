@@ -5,7 +5,8 @@ A row r of the dispatched matrix is the kept pair row_pair[r] = t * k + j. Combi
 each row to its token t = row_pair[r] // k (in row order, so deterministic); dropped pairs
 have no row and add nothing.
 
-CUDA tensors go to the Triton kernels of shardmoe/kernels when kernels.available() says so.
+These functions are the torch backend of the combine-side stages; shardmoe/moe/backends.py picks
+the backend (the Triton kernels of shardmoe/kernels provide the same names) once per forward.
 
 Backward stages (design.md section 4):
   1 grad_combine:        ge_r = w_r g_t(r)                       [N, H]
@@ -16,7 +17,6 @@ from __future__ import annotations
 
 import torch
 
-from shardmoe import kernels
 from shardmoe.moe.routing import accumulation_dtype
 
 
@@ -76,18 +76,12 @@ def combine(expert_out: torch.Tensor, weight_rows: torch.Tensor, row_pair: torch
             num_tokens: int, top_k: int) -> torch.Tensor:
     """Forward combine: out_t = sum_j w_tj y_j(x_t) over kept pairs, w * y formed in the acc dtype.
     Returns [S, H] in the acc dtype."""
-    if kernels.available(expert_out):
-        from shardmoe.kernels import combine as triton_combine
-        return triton_combine.combine(expert_out, weight_rows, row_pair, num_tokens, top_k)
     return combine_rows(expert_out, row_pair, num_tokens, top_k, weight_rows)
 
 
 def grad_combine(grad_rows: torch.Tensor, weight_rows: torch.Tensor) -> torch.Tensor:
     """Stage 1: ge_r = w_r g_r, the gradient each kept pair's expert receives. [N, D] -> [N, D],
     formed in the acc dtype and rounded once to grad_rows' dtype."""
-    if kernels.available(grad_rows):
-        from shardmoe.kernels import combine as triton_combine
-        return triton_combine.grad_combine(grad_rows, weight_rows)
     return scale_rows(grad_rows, weight_rows)
 
 
@@ -101,16 +95,10 @@ def grad_gate_combine(grad_rows: torch.Tensor, out_rows: torch.Tensor,
     expert passes (g Wdown, act(hg), hu), since g . (a Wdown^T) = (g Wdown) . a with a = act(hg) hu,
     so y is never saved and a is never rounded on the way.
     """
-    if kernels.available(grad_rows):
-        from shardmoe.kernels import combine as triton_combine
-        return triton_combine.grad_gate_combine(grad_rows, out_rows if out_scale is None else out_rows * out_scale)
     return rowwise_dot(grad_rows, *((out_rows,) if out_scale is None else (out_rows, out_scale)))
 
 
 def grad_input_combine(dx_rows: torch.Tensor, row_pair: torch.Tensor, num_tokens: int, top_k: int) -> torch.Tensor:
     """Stage 5: dx_t = sum over kept pairs of t of dx_r. No probability scaling: grad_combine
     already applied w. [N, H] -> [S, H] in the acc dtype."""
-    if kernels.available(dx_rows):
-        from shardmoe.kernels import combine as triton_combine
-        return triton_combine.grad_input_combine(dx_rows, row_pair, num_tokens, top_k)
     return combine_rows(dx_rows, row_pair, num_tokens, top_k)

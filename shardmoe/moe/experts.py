@@ -7,13 +7,15 @@ Rows [N, .] are grouped by expert (Groups). Parameters, per expert e:
   "mlp":  w1 [E, P, H], b1 [E, P], w2 [E, H, P], b2 [E, H]
           z1 = x W1_e^T + b1_e;  a1 = act(z1);  z2 = a1 W2_e^T + b2_e;  y = act_out(z2)
 
-The stage functions below are the one place that picks an implementation: CUDA tensors go to
-the Triton kernels of shardmoe/kernels (same signatures) when kernels.available() says so.
-On CPU, GEMMs use torch.nn.functional.grouped_mm for fp32/bf16 operands whose strides are
-16-byte aligned (its kernels require it), and a per-expert loop otherwise (float64,
-odd tiny shapes). Elementwise math stays in the input dtype: the activation kernels
-compute in float32 internally and round once, and a bf16 -> fp32 -> bf16 round trip
-would cost more than the GEMMs on CPU. Reductions over tokens accumulate in float32.
+The stage functions below are the torch backend (shardmoe/moe/backends.py picks the backend once
+per forward; the Triton kernels of shardmoe/kernels provide the same names). GEMMs use
+torch.nn.functional.grouped_mm for fp32/bf16 operands whose strides are 16-byte aligned (its
+kernels require it), and a per-expert loop otherwise (float64, odd tiny shapes, and whenever the
+output comes from a workspace: grouped_mm cannot write into a given buffer).
+`workspace` (shardmoe/moe/workspace.py), where a function takes one, supplies the large row
+buffers it returns; None allocates them fresh. Elementwise math stays in the input dtype: the
+activation kernels compute in float32 internally and round once, and a bf16 -> fp32 -> bf16
+round trip would cost more than the GEMMs on CPU. Reductions over tokens accumulate in float32.
 """
 from __future__ import annotations
 
@@ -22,27 +24,81 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from shardmoe import kernels
 from shardmoe.moe.activations import activate, activate_backward
-from shardmoe.moe.combine import grad_combine, grad_gate_combine, row_chunks
+from shardmoe.moe.combine import grad_combine, row_chunks
 from shardmoe.moe.routing import accumulation_dtype
+from shardmoe.moe.workspace import Workspace, empty_rows
 
 
 @dataclass(frozen=True)
 class Groups:
-    """Expert e owns rows [start_e, start_e + sizes[e]) of the dispatched matrix."""
+    """Expert e owns rows [start_e, start_e + sizes[e]) of the dispatched matrix.
+
+    row_tile T > 0 pads expert groups to whole tiles in the GEMMs that map rows to rows (the
+    forward GEMMs and the input-gradient GEMMs, per-expert loop only): expert e's GEMM runs on
+    the ceil(size_e / T) * T rows from start_e, so fresh routing reuses a few GEMM shapes (a bf16
+    GEMM of a new row count costs oneDNN a kernel build). The rows past an expert's own are the
+    next experts' rows or the slack a workspace buffer carries past its end: their products land
+    in rows that the later experts' GEMMs overwrite (experts run in order) or in that slack, and
+    an output row depends on its own input row only, so no pad row reaches a result. A GEMM runs
+    on exact counts when an operand's storage lacks the rows (a buffer not from a workspace).
+    Weight-gradient GEMMs reduce over rows and always take exact counts."""
 
     sizes: tuple[int, ...]
     offsets: torch.Tensor  # int32 [E], cumulative ends, as grouped_mm wants them
+    row_tile: int = 0
 
     @classmethod
-    def from_counts(cls, counts: torch.Tensor) -> "Groups":
-        return cls(tuple(int(c) for c in counts.tolist()), torch.cumsum(counts, 0).to(torch.int32))
+    def from_counts(cls, counts: torch.Tensor, row_tile: int = 0) -> "Groups":
+        if row_tile < 0:
+            raise ValueError(f"row_tile: expected >= 0, got {row_tile}")
+        return cls(tuple(int(c) for c in counts.tolist()), torch.cumsum(counts, 0).to(torch.int32), row_tile)
+
+    def expert_rows(self, rows: torch.Tensor, out: torch.Tensor):
+        """(e, rows of e, out rows of e) for every expert in order, both extended to whole row tiles
+        when row_tile > 0 and both storages hold the extra rows (see the class docstring)."""
+        start = 0
+        for e, size in enumerate(self.sizes):
+            padded = -(-size // self.row_tile) * self.row_tile if self.row_tile else size
+            if padded > size and _holds_rows(rows, start + padded) and _holds_rows(out, start + padded):
+                yield e, _row_view(rows, start, padded), _row_view(out, start, padded)
+            else:
+                yield e, rows[start:start + size], out[start:start + size]
+            start += size
 
     def row_expert(self, device=None) -> torch.Tensor:
         """[N] expert index of each row."""
         sizes = torch.tensor(self.sizes, device=device if device is not None else self.offsets.device)
         return torch.repeat_interleave(torch.arange(len(self.sizes), device=sizes.device), sizes)
+
+
+def row_tile_for(dtype: torch.dtype, counts: torch.Tensor) -> int:
+    """The row tile of tile-padded expert groups for rows of `dtype`, counts [E] rows per expert,
+    when a workspace asks for the rule (Workspace(row_tile=None); the default is no tile: in the
+    whole layer tiles did not pay on the CPU measured, docs/benchmarks.md).
+
+    Probed (`python -m shardmoe.bench.tile_probe`, docs/benchmarks.md): only bf16/fp16 GEMMs pay
+    for a new row count (oneDNN builds a kernel per shape; fp32 goes to MKL, which does not), and
+    padding costs about T/2 extra rows per expert, so the tile is a power of two near 1/32 of the
+    mean rows per expert, between 8 and 64: 32 at ~1000 rows per expert, 8 at ~128; 0 below 64
+    rows per expert and for other dtypes."""
+    if dtype not in (torch.bfloat16, torch.float16) or counts.numel() == 0:
+        return 0
+    mean_rows = int(counts.sum()) / counts.numel()
+    if mean_rows < 64:  # a tile of 8 would add ~6 % rows or more
+        return 0
+    return max(8, min(64, 1 << int(mean_rows / 32).bit_length() - 1))
+
+
+def _holds_rows(t: torch.Tensor, num_rows: int) -> bool:
+    """Whether t's storage holds num_rows rows of t's layout from t's first row."""
+    last = t.storage_offset() + (num_rows - 1) * t.stride(0) + (t.shape[1] - 1) * t.stride(1)
+    return (last + 1) * t.element_size() <= t.untyped_storage().nbytes()
+
+
+def _row_view(t: torch.Tensor, start: int, num_rows: int) -> torch.Tensor:
+    """Rows [start, start + num_rows) of t's layout, which may reach past t.shape[0] (_holds_rows)."""
+    return t.as_strided((num_rows, t.shape[1]), t.stride(), t.storage_offset() + start * t.stride(0))
 
 
 def _aligned(t: torch.Tensor) -> bool:
@@ -68,17 +124,17 @@ def _use_grouped_mm(*operands: torch.Tensor) -> bool:
 
 
 def grouped_linear(rows: torch.Tensor, weight: torch.Tensor, groups: Groups,
-                   bias: torch.Tensor | None = None) -> torch.Tensor:
+                   bias: torch.Tensor | None = None, *, workspace: Workspace | None = None) -> torch.Tensor:
     """out_r = rows_r W_e^T (+ b_e) for the expert e of row r: rows [N, K], weight [E, O, K],
     bias [E, O] -> [N, O].
 
     With a bias each expert runs one addmm, which adds b_e inside the GEMM and rounds once
     (grouped_mm takes no bias on CPU, and adding it after a bf16 GEMM rounds twice)."""
     weight_t = weight.transpose(-2, -1)
-    if bias is None and _use_grouped_mm(rows, weight_t):
+    if bias is None and workspace is None and _use_grouped_mm(rows, weight_t):
         return F.grouped_mm(rows, weight_t, offs=groups.offsets)
-    out = rows.new_empty((rows.shape[0], weight.shape[1]))
-    for e, (part, dest) in enumerate(zip(rows.split(groups.sizes), out.split(groups.sizes))):
+    out = empty_rows(workspace, (rows.shape[0], weight.shape[1]), rows)
+    for e, part, dest in groups.expert_rows(rows, out):
         if bias is None:
             torch.mm(part, weight_t[e], out=dest)
         else:
@@ -86,12 +142,13 @@ def grouped_linear(rows: torch.Tensor, weight: torch.Tensor, groups: Groups,
     return out
 
 
-def grouped_linear_t(rows: torch.Tensor, weight: torch.Tensor, groups: Groups) -> torch.Tensor:
+def grouped_linear_t(rows: torch.Tensor, weight: torch.Tensor, groups: Groups, *,
+                     workspace: Workspace | None = None) -> torch.Tensor:
     """out_r = rows_r W_e (the input-gradient GEMM): rows [N, O], weight [E, O, K] -> [N, K]."""
-    if _use_grouped_mm(rows, weight):
+    if workspace is None and _use_grouped_mm(rows, weight):
         return F.grouped_mm(rows, weight, offs=groups.offsets)
-    out = rows.new_empty((rows.shape[0], weight.shape[2]))
-    for e, (part, dest) in enumerate(zip(rows.split(groups.sizes), out.split(groups.sizes))):
+    out = empty_rows(workspace, (rows.shape[0], weight.shape[2]), rows)
+    for e, part, dest in groups.expert_rows(rows, out):
         torch.mm(part, weight[e], out=dest)
     return out
 
@@ -118,18 +175,20 @@ def grouped_bias_grad(grad_rows: torch.Tensor, groups: Groups) -> torch.Tensor:
     return out.to(grad_rows.dtype)
 
 
-def glu_activation(h: torch.Tensor, activation: str) -> tuple[torch.Tensor, torch.Tensor]:
+def glu_activation(h: torch.Tensor, activation: str, *,
+                   workspace: Workspace | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """For h = [hg | hu] [N, 2F]: (a = act(hg) * hu, act(hg)), both [N, F] (backward needs both)."""
     ffn = h.shape[-1] // 2
-    act_gate = h.new_empty((h.shape[0], ffn))
-    return _glu(h, activation, act_gate), act_gate
+    act_gate = empty_rows(workspace, (h.shape[0], ffn), h)
+    return _glu(h, activation, act_gate, workspace=workspace), act_gate
 
 
-def _glu(h: torch.Tensor, activation: str, act_gate: torch.Tensor | None = None) -> torch.Tensor:
+def _glu(h: torch.Tensor, activation: str, act_gate: torch.Tensor | None = None, *,
+         workspace: Workspace | None = None) -> torch.Tensor:
     """a = act(hg) * hu [N, F], row chunk by row chunk so that act(hg) is still in cache when the
     product reads it; act(hg) is also written to act_gate when one is given."""
     ffn = h.shape[-1] // 2
-    a = h.new_empty((h.shape[0], ffn))
+    a = empty_rows(workspace, (h.shape[0], ffn), h)
     for c in row_chunks(h):
         act = activate(activation, h[c, :ffn])
         if act_gate is not None:
@@ -139,44 +198,41 @@ def _glu(h: torch.Tensor, activation: str, act_gate: torch.Tensor | None = None)
 
 
 def pre_gemm(expert: str, activation: str, xs: torch.Tensor, params: dict[str, torch.Tensor | None],
-             groups: Groups) -> tuple[torch.Tensor, torch.Tensor]:
+             groups: Groups, *, workspace: Workspace | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The expert's first GEMM and activation, (a, z) for dispatched rows xs [N, H]:
       "glu": z = h = xs Wgu_e^T + bgu_e [N, 2F], a = act(hg) * hu [N, F]
       "mlp": z = z1 = xs W1_e^T + b1_e [N, P], a = act(z1)      [N, P]
     A tile task passes the weight rows of its columns (both halves for "glu") and gets those columns."""
     if expert == "glu":
-        h = grouped_linear(xs, params["gate_up_proj"], groups, params.get("gate_up_proj_bias"))
-        return _glu(h, activation), h
+        h = grouped_linear(xs, params["gate_up_proj"], groups, params.get("gate_up_proj_bias"), workspace=workspace)
+        return _glu(h, activation, workspace=workspace), h
     z1 = grouped_linear(xs, params["w1"], groups, params["b1"])
     return activate(activation, z1), z1
 
 
 def post_gemm(expert: str, output_activation: str, a: torch.Tensor, params: dict[str, torch.Tensor | None],
-              groups: Groups) -> tuple[torch.Tensor, torch.Tensor]:
+              groups: Groups, *, workspace: Workspace | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The expert's second GEMM and output activation, (y, z2) [N, H] each:
       "glu": y = z2 = a Wdown_e^T + bdown_e;  "mlp": z2 = a W2_e^T + b2_e, y = act_out(z2)."""
     if expert == "glu":
-        y = grouped_linear(a, params["down_proj"], groups, params.get("down_proj_bias"))
+        y = grouped_linear(a, params["down_proj"], groups, params.get("down_proj_bias"), workspace=workspace)
         return y, y
     z2 = grouped_linear(a, params["w2"], groups, params["b2"])
     return activate(output_activation, z2), z2
 
 
 def expert_forward(expert: str, activation: str, output_activation: str, xs: torch.Tensor,
-                   params: dict[str, torch.Tensor | None], groups: Groups):
+                   params: dict[str, torch.Tensor | None], groups: Groups, *, workspace: Workspace | None = None):
     """y [N, H] for dispatched rows xs [N, H] (pre_gemm then post_gemm), and the tensors backward
     keeps: "glu": (h,) with h [N, 2F];  "mlp": (z1, z2) with z1 [N, P], z2 [N, H]."""
-    # the Triton kernels take no glu biases: a biased glu runs the torch path on every device
-    if kernels.available(xs) and params.get("gate_up_proj_bias") is None:
-        from shardmoe.kernels import experts as triton_experts
-        return triton_experts.expert_forward(expert, activation, output_activation, xs, params, groups)
-    a, z = pre_gemm(expert, activation, xs, params, groups)
-    y, z2 = post_gemm(expert, output_activation, a, params, groups)
+    a, z = pre_gemm(expert, activation, xs, params, groups, workspace=workspace)
+    y, z2 = post_gemm(expert, output_activation, a, params, groups, workspace=workspace)
     return y, ((z,) if expert == "glu" else (z, z2))
 
 
 def grad_post_gemm_glu(grad_rows: torch.Tensor, weight_rows: torch.Tensor, a: torch.Tensor,
-                       down_proj: torch.Tensor, groups: Groups, has_bias: bool = False):
+                       down_proj: torch.Tensor, groups: Groups, has_bias: bool = False, *,
+                       workspace: Workspace | None = None):
     """Stage 3 for "glu", fed the unscaled g [N, H] and w [N]:
       g_down = g Wdown_e            [N, F]   (also feeds stage 2: g . y = g_down . a)
       dA     = w g_down = ge Wdown_e [N, F]
@@ -185,10 +241,7 @@ def grad_post_gemm_glu(grad_rows: torch.Tensor, weight_rows: torch.Tensor, a: to
     Applying w after the GEMM is exact (it is linear) and lets stage 2 reuse the GEMM.
     The bias adds w_tj bdown_e to the output, so stage 2's gate dot gains g . bdown_e: the
     caller adds it (expert_backward), since this function only sees the gradient side."""
-    if kernels.available(grad_rows) and not has_bias:
-        from shardmoe.kernels import experts as triton_experts
-        return (*triton_experts.grad_post_gemm_glu(grad_rows, weight_rows, a, down_proj, groups), None)
-    g_down = grouped_linear_t(grad_rows, down_proj, groups)
+    g_down = grouped_linear_t(grad_rows, down_proj, groups, workspace=workspace)
     grad_a = grad_combine(g_down, weight_rows)
     grad_expert = grad_combine(grad_rows, weight_rows)
     grad_down = grouped_weight_grad(grad_expert, a, groups)
@@ -197,31 +250,27 @@ def grad_post_gemm_glu(grad_rows: torch.Tensor, weight_rows: torch.Tensor, a: to
 
 
 def grad_pre_gemm_glu(grad_a: torch.Tensor, h: torch.Tensor, act_gate: torch.Tensor, xs: torch.Tensor,
-                      gate_up_proj: torch.Tensor, groups: Groups, activation: str, has_bias: bool = False):
+                      gate_up_proj: torch.Tensor, groups: Groups, activation: str, has_bias: bool = False, *,
+                      workspace: Workspace | None = None):
     """Stage 4 for "glu", given act(hg) from the recomputed forward:
       dhg = (dA * hu) * act'(hg);  dhu = dA * act(hg);  dh = [dhg | dhu]   [N, 2F]
       dWgu_e = sum dh^T x   [E, 2F, H];   dx = dh Wgu_e   [N, H];   dbgu_e = sum dh  [E, 2F] (has_bias)"""
-    if kernels.available(grad_a) and not has_bias:
-        from shardmoe.kernels import experts as triton_experts
-        return (*triton_experts.grad_pre_gemm_glu(grad_a, h, act_gate, xs, gate_up_proj, groups, activation), None)
     ffn = act_gate.shape[-1]
-    grad_h = torch.empty_like(h)
+    grad_h = empty_rows(workspace, h.shape, h)
     # one pass per row chunk: the [N, F] intermediate dA * hu never leaves the cache
     for c in row_chunks(h):
         gate, up = h[c, :ffn], h[c, ffn:]
         grad_h[c, :ffn] = activate_backward(activation, grad_a[c] * up, gate)
         torch.mul(grad_a[c], act_gate[c], out=grad_h[c, ffn:])
     grad_bias = grouped_bias_grad(grad_h, groups) if has_bias else None
-    return grouped_linear_t(grad_h, gate_up_proj, groups), grouped_weight_grad(grad_h, xs, groups), grad_bias
+    return (grouped_linear_t(grad_h, gate_up_proj, groups, workspace=workspace), grouped_weight_grad(grad_h, xs, groups),
+            grad_bias)
 
 
 def grad_post_gemm_mlp(grad_expert: torch.Tensor, z2: torch.Tensor, a1: torch.Tensor, w2: torch.Tensor,
                        has_bias: bool, groups: Groups, output_activation: str):
     """Stage 3 for "mlp", fed ge [N, H] from grad_combine:
       dz2 = ge * act_out'(z2);  dW2_e = sum dz2^T a1;  db2_e = sum dz2;  da1 = dz2 W2_e  [N, P]"""
-    if kernels.available(grad_expert):
-        from shardmoe.kernels import experts as triton_experts
-        return triton_experts.grad_post_gemm_mlp(grad_expert, z2, a1, w2, has_bias, groups, output_activation)
     grad_z2 = activate_backward(output_activation, grad_expert, z2)
     grad_b2 = grouped_bias_grad(grad_z2, groups) if has_bias else None
     return grouped_linear_t(grad_z2, w2, groups), grouped_weight_grad(grad_z2, a1, groups), grad_b2
@@ -230,41 +279,45 @@ def grad_post_gemm_mlp(grad_expert: torch.Tensor, z2: torch.Tensor, a1: torch.Te
 def grad_pre_gemm_mlp(grad_a1: torch.Tensor, z1: torch.Tensor, xs: torch.Tensor, w1: torch.Tensor,
                       has_bias: bool, groups: Groups, activation: str):
     """Stage 4 for "mlp": dz1 = da1 * act'(z1);  dW1_e = sum dz1^T x;  db1_e = sum dz1;  dx = dz1 W1_e"""
-    if kernels.available(grad_a1):
-        from shardmoe.kernels import experts as triton_experts
-        return triton_experts.grad_pre_gemm_mlp(grad_a1, z1, xs, w1, has_bias, groups, activation)
     grad_z1 = activate_backward(activation, grad_a1, z1)
     grad_b1 = grouped_bias_grad(grad_z1, groups) if has_bias else None
     return grouped_linear_t(grad_z1, w1, groups), grouped_weight_grad(grad_z1, xs, groups), grad_b1
 
 
 def expert_backward(expert: str, activation: str, output_activation: str, grad_rows: torch.Tensor,
-                    weight_rows: torch.Tensor, xs: torch.Tensor, saved: tuple, params: dict, groups: Groups):
+                    weight_rows: torch.Tensor, xs: torch.Tensor, saved: tuple, params: dict, groups: Groups, *,
+                    stages=None, workspace: Workspace | None = None):
     """Stages 1-4 on dispatched rows, given the unscaled output gradient g [N, H], the combine
     weights w [N], the rows xs [N, H] and what expert_forward saved.
+
+    `stages` is the backend whose stage functions run (shardmoe/moe/backends.py; None: this
+    module's, the torch backend); `workspace` supplies the recomputed act(hg) and a.
 
     Returns (dx rows [N, H], gate dots dw [N] in the acc dtype, {parameter name: gradient}).
     "glu" takes the gate dot over F, as (g Wdown) . a: with F sharded that is a partial sum.
     """
+    if stages is None:
+        from shardmoe.moe.backends import TORCH as stages  # backends imports this module
     if expert == "glu":
         (h,) = saved
         has_bias = params.get("gate_up_proj_bias") is not None
-        a, act_gate = glu_activation(h, activation)
-        grad_a, grad_down, g_down, grad_down_bias = grad_post_gemm_glu(grad_rows, weight_rows, a, params["down_proj"],
-                                                                       groups, has_bias)
-        grad_dots = grad_gate_combine(g_down, act_gate, h[:, act_gate.shape[1]:])
+        a, act_gate = glu_activation(h, activation, workspace=workspace)
+        grad_a, grad_down, g_down, grad_down_bias = stages.grad_post_gemm_glu(grad_rows, weight_rows, a,
+                                                                              params["down_proj"], groups, has_bias)
+        grad_dots = stages.grad_gate_combine(g_down, act_gate, h[:, act_gate.shape[1]:])
         if has_bias:  # y = a Wdown_e^T + bdown_e, so g . y gains g . bdown_e
             row_bias = params["down_proj_bias"][groups.row_expert(grad_rows.device)]
-            grad_dots = grad_dots + grad_gate_combine(grad_rows, row_bias)
-        grad_xs, grad_gate_up, grad_gate_up_bias = grad_pre_gemm_glu(grad_a, h, act_gate, xs, params["gate_up_proj"],
-                                                                     groups, activation, has_bias)
+            grad_dots = grad_dots + stages.grad_gate_combine(grad_rows, row_bias)
+        grad_xs, grad_gate_up, grad_gate_up_bias = stages.grad_pre_gemm_glu(grad_a, h, act_gate, xs,
+                                                                            params["gate_up_proj"], groups, activation,
+                                                                            has_bias)
         return grad_xs, grad_dots, {"gate_up_proj": grad_gate_up, "gate_up_proj_bias": grad_gate_up_bias,
                                     "down_proj": grad_down, "down_proj_bias": grad_down_bias}
     z1, z2 = saved
     has_bias = params["b1"] is not None
-    grad_dots = grad_gate_combine(grad_rows, activate(output_activation, z2))
-    grad_a1, grad_w2, grad_b2 = grad_post_gemm_mlp(grad_combine(grad_rows, weight_rows), z2,
-                                                   activate(activation, z1), params["w2"], has_bias, groups,
-                                                   output_activation)
-    grad_xs, grad_w1, grad_b1 = grad_pre_gemm_mlp(grad_a1, z1, xs, params["w1"], has_bias, groups, activation)
+    grad_dots = stages.grad_gate_combine(grad_rows, activate(output_activation, z2))
+    grad_a1, grad_w2, grad_b2 = stages.grad_post_gemm_mlp(stages.grad_combine(grad_rows, weight_rows), z2,
+                                                          activate(activation, z1), params["w2"], has_bias, groups,
+                                                          output_activation)
+    grad_xs, grad_w1, grad_b1 = stages.grad_pre_gemm_mlp(grad_a1, z1, xs, params["w1"], has_bias, groups, activation)
     return grad_xs, grad_dots, {"w1": grad_w1, "b1": grad_b1, "w2": grad_w2, "b2": grad_b2}

@@ -29,11 +29,11 @@ from dataclasses import fields
 
 import torch
 
-from shardmoe import kernels
-from shardmoe.moe import combine as comb
+from shardmoe.moe import backends
 from shardmoe.moe import experts as ex
 from shardmoe.moe.config import MoEConfig
 from shardmoe.moe.routing import Routing, balance_loss, grad_gate_from_rows, route
+from shardmoe.moe.workspace import Workspace, empty_rows
 
 
 def expert_param_names(config: MoEConfig) -> tuple[str, ...]:
@@ -88,30 +88,50 @@ def not_twice_differentiable(backward):
     return wrapper
 
 
-class FusedMoE(torch.autograd.Function):
-    """apply(x [S, H], config, stats: dict, correction_bias [E] or None, token_sequence [S] or None,
-    gate_weight [H, E], gate_bias [E] or None, *expert params) -> (out [S, H], loss [])
+def expert_groups(counts: torch.Tensor, dtype: torch.dtype, workspace: Workspace | None) -> ex.Groups:
+    """The expert groups of counts [E] kept rows, tile-padded (ex.Groups.row_tile) when the rows
+    live in workspace buffers, which carry the slack: the workspace's row_tile, or when that is
+    None the measured rule ex.row_tile_for."""
+    if workspace is None:
+        return ex.Groups.from_counts(counts)
+    tile = workspace.row_tile if workspace.row_tile is not None else ex.row_tile_for(dtype, counts)
+    return ex.Groups.from_counts(counts, tile)
 
-    `stats` is filled in place with this forward's routing statistics. correction_bias and
-    token_sequence steer the selection and the sequence-wise loss and get no gradient."""
+
+def gather_rows(tokens: torch.Tensor, row_token: torch.Tensor, workspace: Workspace | None) -> torch.Tensor:
+    """tokens[row_token]: [S, D], [N] -> [N, D], into a workspace buffer when one is given."""
+    out = empty_rows(workspace, (row_token.shape[0], tokens.shape[1]), tokens)
+    return torch.index_select(tokens, 0, row_token, out=out)
+
+
+class FusedMoE(torch.autograd.Function):
+    """apply(x [S, H], config, stats: dict, workspace or None, correction_bias [E] or None,
+    token_sequence [S] or None, gate_weight [H, E], gate_bias [E] or None, *expert params)
+    -> (out [S, H], loss [])
+
+    `stats` is filled in place with this forward's routing statistics. `workspace`
+    (shardmoe/moe/workspace.py) supplies the large row buffers of forward and backward, None
+    allocates them fresh. correction_bias and token_sequence steer the selection and the
+    sequence-wise loss and get no gradient. The stages run on the backend backends.select() picks
+    here, and backward uses the same one."""
 
     @staticmethod
-    def forward(ctx, x, config: MoEConfig, stats: dict, correction_bias, token_sequence, gate_weight, gate_bias,
-                *expert_weights):
+    def forward(ctx, x, config: MoEConfig, stats: dict, workspace: Workspace | None, correction_bias, token_sequence,
+                gate_weight, gate_bias, *expert_weights):
         num_tokens, k = x.shape[0], config.top_k
+        backend = backends.select(config, x, workspace)
         routing = route(x, gate_weight, config, gate_bias, correction_bias, token_sequence)
         params = dict(zip(expert_param_names(config), expert_weights))
-        groups = ex.Groups.from_counts(routing.kept_per_expert)
+        groups = expert_groups(routing.kept_per_expert, x.dtype, backend.workspace)
         row_token, weight_rows = routing.rows(k)
-        ctx.fused_path = kernels.fused_path(config, x)
-        if ctx.fused_path:  # no x[row_token], no stored y (kernels/layer_path.py)
-            from shardmoe.kernels import layer_path  # imports triton: only when the kernels run
-            out, saved = layer_path.expert_forward_combine(config, x, row_token, weight_rows, routing.row_pair,
-                                                           params, groups)
+        if backend.fused_gather:  # no x[row_token], no stored y: kernels/layer_path.py
+            out, saved = backend.expert_forward_combine(config.expert, config.activation, config.output_activation,
+                                                        x, row_token, weight_rows, routing.row_pair, params, groups,
+                                                        k)
         else:
-            y, saved = ex.expert_forward(config.expert, config.activation, config.output_activation,
-                                         x[row_token], params, groups)
-            out = comb.combine(y, weight_rows, routing.row_pair, num_tokens, k)
+            y, saved = backend.expert_forward(config.expert, config.activation, config.output_activation,
+                                              gather_rows(x, row_token, backend.workspace), params, groups)
+            out = backend.combine(y, weight_rows, routing.row_pair, num_tokens, k)
         out = out.to(x.dtype)
         loss = balance_loss(routing, config)
         stats.update(
@@ -120,7 +140,7 @@ class FusedMoE(torch.autograd.Function):
             dropped_tokens=routing.dropped_pairs,
             capacity=config.capacity(num_tokens),
         )
-        ctx.config = config
+        ctx.config, ctx.backend = config, backend
         ctx.save_for_backward(
             x, gate_weight, gate_bias, *expert_weights,
             *routing.tensors(), *saved,
@@ -131,6 +151,7 @@ class FusedMoE(torch.autograd.Function):
     @not_twice_differentiable
     def backward(ctx, grad_out, grad_loss):
         config: MoEConfig = ctx.config
+        backend = ctx.backend
         n_expert = len(expert_param_names(config))
         x, gate_weight, gate_bias, *rest = ctx.saved_tensors
         expert_weights, rest = rest[:n_expert], rest[n_expert:]
@@ -138,23 +159,24 @@ class FusedMoE(torch.autograd.Function):
         routing, saved = Routing(*rest[:n_routing]), rest[n_routing:]
         params = dict(zip(expert_param_names(config), expert_weights))
         num_tokens, k = x.shape[0], config.top_k
-        groups = ex.Groups.from_counts(routing.kept_per_expert)
+        groups = expert_groups(routing.kept_per_expert, x.dtype, backend.workspace)
         row_token, weight_rows = routing.rows(k)
-        if ctx.fused_path:  # the kernels read grad_out and x through row_token: no gathered copies
-            from shardmoe.kernels import layer_path
-            grad_xs, grad_weight_rows, grads = layer_path.expert_backward(
-                config, grad_out.contiguous(), weight_rows, x, saved, params, groups, row_index=row_token)
-            grad_x = layer_path.grad_input_combine(grad_xs, routing.row_pair, num_tokens, k)
+        # stages 1-4 (for "glu": 1 and 3 with w on both sides of the Wdown GEMM, 2 on (g Wdown, a))
+        if backend.fused_gather:  # the kernels read grad_out and x through row_token: no gathered copies
+            grad_xs, grad_weight_rows, grads = backend.expert_backward(
+                config.expert, config.activation, config.output_activation, grad_out.contiguous(), weight_rows, x,
+                saved, params, groups, row_index=row_token)
         else:
-            # stages 1-4 (for "glu": 1 and 3 with w on both sides of the Wdown GEMM, 2 on (g Wdown, a))
-            grad_xs, grad_weight_rows, grads = ex.expert_backward(
-                config.expert, config.activation, config.output_activation, grad_out.contiguous()[row_token],
-                weight_rows, x[row_token], saved, params, groups)
-            grad_x = comb.grad_input_combine(grad_xs, routing.row_pair, num_tokens, k)
+            grad_xs, grad_weight_rows, grads = backend.expert_backward(
+                config.expert, config.activation, config.output_activation,
+                gather_rows(grad_out.contiguous(), row_token, backend.workspace), weight_rows,
+                gather_rows(x, row_token, backend.workspace), saved, params, groups)
+        grad_x = backend.grad_input_combine(grad_xs, routing.row_pair, num_tokens, k)
         grad_x_gate, grad_gate, grad_gate_bias = grad_gate_from_rows(x, gate_weight, routing, grad_weight_rows,
                                                                      grad_loss, config)
         grad_x = (grad_x + grad_x_gate).to(x.dtype)
         expert_grads = [None if g is None else g.to(p.dtype)
                         for g, p in zip((grads[n] for n in expert_param_names(config)), expert_weights)]
         grad_gate_bias = None if gate_bias is None else grad_gate_bias.to(gate_bias.dtype)
-        return (grad_x, None, None, None, None, grad_gate.to(gate_weight.dtype), grad_gate_bias, *expert_grads)
+        return (grad_x, None, None, None, None, None, grad_gate.to(gate_weight.dtype), grad_gate_bias,
+                *expert_grads)

@@ -2,7 +2,11 @@
 
   y = MoE(H, F, E, k)(x)         x [..., H] -> y [..., H]
   layer.aux_loss                 weighted aux + z loss of the last forward (differentiable)
-  layer.stats                    tokens_per_expert, selected_per_expert, dropped_tokens, capacity
+  layer.stats                    tokens_per_expert, selected_per_expert, dropped_tokens, capacity,
+                                 workspace_bytes (resident bytes of the workspace)
+  layer.workspace                the pool of large row buffers reused across steps
+                                 (shardmoe/moe/workspace.py); None allocates them fresh every step;
+                                 workspace.release() frees it, and .to() does
   y = layer(x, sequence_starts)  where sequences begin, for the sequence-wise loss (default:
                                  each [T] row of x [..., T, H] when x has 3+ dims, else one)
   layer.update_correction_bias(load)   after the optimizer step, with the step's global loads
@@ -25,6 +29,7 @@ from torch import nn
 from shardmoe.moe import routers
 from shardmoe.moe.config import MoEConfig
 from shardmoe.moe.function import FusedMoE, expert_param_names
+from shardmoe.moe.workspace import Workspace
 from shardmoe.moe.hf_blocks import MIXTRAL_ACTIVATIONS, mixtral_semantics
 from shardmoe.parallel import expert_tensor as etp
 from shardmoe.parallel.expert_parallel import ExpertParallel
@@ -86,6 +91,8 @@ class MoE(nn.Module):
         self.reset_parameters()
         self.aux_loss: torch.Tensor | None = None
         self.stats: dict = {}
+        # the large row buffers of forward and backward, reused across steps (single process)
+        self.workspace = Workspace()
         self._parallel = ExpertParallel(self.config, mesh) if mesh is not None and mesh.size() > 1 else None
 
     @property
@@ -156,11 +163,12 @@ class MoE(nn.Module):
         stats: dict = {}
         tokens = x.reshape(-1, x.shape[-1])
         if self._parallel is None:
-            out, loss = FusedMoE.apply(tokens, self.config, stats, self.correction_bias, token_sequence,
-                                       self.gate_weight, self.gate_bias, *self.expert_parameters())
+            out, loss = FusedMoE.apply(tokens, self.config, stats, self.workspace, self.correction_bias,
+                                       token_sequence, self.gate_weight, self.gate_bias, *self.expert_parameters())
         else:
             out, loss = self._parallel(tokens, stats, self.correction_bias, token_sequence,
                                        self.gate_weight, self.gate_bias, *self.expert_parameters())
+        stats["workspace_bytes"] = 0 if self.workspace is None else self.workspace.resident_bytes
         self.aux_loss, self.stats = loss, stats
         return out.view(x.shape)
 
@@ -179,6 +187,13 @@ class MoE(nn.Module):
             self.correction_bias.copy_(routers.corrected_bias(self.correction_bias, load.to(self.correction_bias.device),
                                                               self.config.bias_update_rate))
 
+    def _apply(self, fn, recurse=True):
+        """As nn.Module._apply (.to(), .cuda(), .float(), ...), and the workspace's blocks are released:
+        they hold memory of the old device and dtype."""
+        if self.workspace is not None:
+            self.workspace.release()
+        return super()._apply(fn, recurse)
+
     def __getstate__(self) -> dict:
         """State for copy.deepcopy and pickle, without the last forward's results.
 
@@ -186,7 +201,8 @@ class MoE(nn.Module):
         belongs to the original's graph anyway: a copy (EMA, torch.optim.swa_utils.AveragedModel)
         starts as a layer that has not run a forward, aux_loss None and stats empty."""
         state = super().__getstate__()
-        state.update(aux_loss=None, stats={})
+        # a copy gets an empty pool of the same settings: blocks are this layer's scratch memory
+        state.update(aux_loss=None, stats={}, workspace=None if self.workspace is None else self.workspace.empty_copy())
         return state
 
     def extra_repr(self) -> str:

@@ -33,8 +33,8 @@ import time
 
 import torch
 
-from shardmoe import kernels, shardops
-from shardmoe.moe import combine as comb
+from shardmoe import shardops
+from shardmoe.moe import backends
 from shardmoe.moe import experts as ex
 from shardmoe.moe.activations import activate
 from shardmoe.moe.config import MoEConfig
@@ -128,18 +128,19 @@ class ExpertParallelMoE(torch.autograd.Function):
 
         params = dict(zip(expert_param_names(config), expert_weights))
         groups = ex.Groups.from_counts(plan.rows_per_local_expert)
-        y, saved = _experts_forward(config, mesh, xs, params, groups)
+        backend = backends.select(config, x)
+        y, saved = _experts_forward(backend, config, mesh, xs, params, groups)
         clock.lap("experts")
 
         (y_send,) = _to_tokens(exchange, plan, order, y)
-        out = comb.combine(y_send, weight_rows, routing.row_pair, num_tokens, k).to(x.dtype)
+        out = backend.combine(y_send, weight_rows, routing.row_pair, num_tokens, k).to(x.dtype)
         share_routing = global_counts(routing, plan)
         loss = balance_loss(share_routing, config, num_tokens=plan.global_tokens, num_sequences=plan.global_sequences)
         clock.lap("combine")
 
         stats.update(plan.stats())
         stats.update(rows=_row_stats(routing, plan, exchange), seconds=clock.seconds)
-        ctx.config, ctx.parallel, ctx.plan, ctx.seconds = config, parallel, plan, clock.seconds
+        ctx.config, ctx.parallel, ctx.plan, ctx.seconds, ctx.backend = config, parallel, plan, clock.seconds, backend
         ctx.save_for_backward(
             x, gate_weight, gate_bias, *expert_weights,
             *share_routing.tensors(), order, xs, *saved,
@@ -173,11 +174,12 @@ def _backward(ctx, grad_out, grad_loss):
     clock.lap("dispatch")
 
     groups = ex.Groups.from_counts(plan.rows_per_local_expert)
-    grad_xs, grad_dots, grads = _experts_backward(config, mesh, grad_rows, weight_recv, xs, saved, params, groups)
+    grad_xs, grad_dots, grads = _experts_backward(ctx.backend, config, mesh, grad_rows, weight_recv, xs, saved, params,
+                                                  groups)
     clock.lap("experts")
 
     grad_xs, grad_dots = _to_tokens(exchange, plan, order, grad_xs, grad_dots)
-    grad_x = comb.grad_input_combine(grad_xs, routing.row_pair, num_tokens, k)
+    grad_x = ctx.backend.grad_input_combine(grad_xs, routing.row_pair, num_tokens, k)
     clock.lap("combine")
 
     grad_x_gate, grad_gate, grad_gate_bias = grad_gate_from_rows(
@@ -200,30 +202,27 @@ def _route(x, gate_weight, gate_bias, correction_bias, token_sequence, config: M
     return routing, plan
 
 
-def _experts_forward(config: MoEConfig, mesh, xs, params, groups):
+def _experts_forward(backend, config: MoEConfig, mesh, xs, params, groups):
     """y 'N H' (whole over 't') for rows xs of the local experts, and what backward keeps:
     "glu": (h,) with h 'N 2F/t'; "mlp": (z1, z2) with z1 'N P/t' and z2 'N H' (whole)."""
     if config.expert == "glu" or mesh.size("t") == 1:
-        y, saved = ex.expert_forward(config.expert, config.activation, config.output_activation, xs, params, groups)
+        y, saved = backend.expert_forward(config.expert, config.activation, config.output_activation, xs, params,
+                                          groups)
         return etp.reduce_expert_output(shardops.unreduced("N H", y, "t"), mesh), saved  # Wdown contracts F/t
     # b2 and act_out need the whole z2: run the GEMMs without b2, psum, then add b2 once.
-    z2_partial, (z1, _) = ex.expert_forward("mlp", config.activation, "identity", xs, {**params, "b2": None}, groups)
+    z2_partial, (z1, _) = backend.expert_forward("mlp", config.activation, "identity", xs, {**params, "b2": None},
+                                                 groups)
     z2 = etp.reduce_expert_output(shardops.unreduced("N H", z2_partial, "t"), mesh)
     if params["b2"] is not None:
         z2 = z2 + params["b2"][groups.row_expert(z2.device)]
     return activate(config.output_activation, z2), (z1, z2)
 
 
-def _experts_backward(config: MoEConfig, mesh, grad_rows, weight_rows, xs, saved, params, groups):
+def _experts_backward(backend, config: MoEConfig, mesh, grad_rows, weight_rows, xs, saved, params, groups):
     """Stages 1-4 on the expert side: (dx rows 'N H', gate dots dw 'N', expert shard gradients).
     With F split over 't' the glu dots (taken over F) and the input-gradient rows are partial sums."""
-    if kernels.fused_path(config, grad_rows):  # stages 1+2 (mlp) or 2+3 (glu) in one kernel
-        from shardmoe.kernels import layer_path  # imports triton: only when the kernels run
-        grad_xs, grad_dots, grads = layer_path.expert_backward(config, grad_rows, weight_rows, xs, saved, params,
-                                                               groups)
-    else:
-        grad_xs, grad_dots, grads = ex.expert_backward(config.expert, config.activation, config.output_activation,
-                                                       grad_rows, weight_rows, xs, saved, params, groups)
+    grad_xs, grad_dots, grads = backend.expert_backward(config.expert, config.activation, config.output_activation,
+                                                        grad_rows, weight_rows, xs, saved, params, groups)
     if config.expert == "glu":
         grad_dots = etp.reduce_gate_dot(shardops.unreduced("N", grad_dots, "t"), mesh)
     return etp.reduce_input_grad(shardops.unreduced("N H", grad_xs, "t"), mesh), grad_dots, grads

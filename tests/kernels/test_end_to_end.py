@@ -1,7 +1,7 @@
 """A whole MoE layer, forward and backward, assembled from the kernels in float32, against
 the fused layer (shardmoe.moe.function.FusedMoE) in float64.
 
-The expert side is kernels/layer_path.py, the code FusedMoE runs on the kernel path: rows are
+The expert side is the Triton backend's fused entry points, which FusedMoE runs on the kernel path: rows are
 gathered inside the kernels (no x[row_token] or grad_out[row_token] copies), the second GEMM
 writes weighted slots, stages 1 + 2 (mlp) or 2 + 3 (glu) run as one kernel. Routing and stage 6
 stay on torch (routing.py). tests/kernels/test_layer_path.py runs the same code through the layer.
@@ -14,6 +14,8 @@ from shardmoe.kernels import triton_importable
 if not triton_importable():
     pytest.skip("triton cannot be imported; install triton==3.9.0 to run the kernel tests", allow_module_level=True)
 
+from shardmoe.kernels import combine as kcomb  # noqa: E402
+from shardmoe.kernels import experts as kex  # noqa: E402
 from shardmoe.kernels import layer_path  # noqa: E402
 from shardmoe.moe.config import MoEConfig  # noqa: E402
 from shardmoe.moe.experts import Groups  # noqa: E402
@@ -26,17 +28,18 @@ F32, F64 = torch.float32, torch.float64
 
 def kernel_moe(x, gate_weight, params, config: MoEConfig, grad_out, grad_loss):
     """(out [S, H], loss, {"x", "gate_weight", *expert params: gradient}, routing), the expert side
-    by kernels/layer_path.py (the code FusedMoE runs on the kernel path) called directly."""
+    by the fused entry points the Triton backend gives FusedMoE, called directly."""
     num_tokens, k = x.shape[0], config.top_k
     routing = route(x, gate_weight, config)
     groups = Groups.from_counts(routing.kept_per_expert)
     row_token, weight_rows = routing.rows(k)
-    out, saved = layer_path.expert_forward_combine(config, x, row_token, weight_rows, routing.row_pair, params,
-                                                   groups)
+    out, saved = kex.expert_forward_combine(config.expert, config.activation, config.output_activation, x, row_token,
+                                            weight_rows, routing.row_pair, params, groups, k)
     loss = balance_loss(routing, config)
-    grad_xs, grad_weight_rows, grads = layer_path.expert_backward(config, grad_out, weight_rows, x, saved, params,
-                                                                  groups, row_index=row_token)
-    grad_x = layer_path.grad_input_combine(grad_xs, routing.row_pair, num_tokens, k)
+    grad_xs, grad_weight_rows, grads = layer_path.expert_backward(config.expert, config.activation,
+                                                                  config.output_activation, grad_out, weight_rows, x,
+                                                                  saved, params, groups, row_index=row_token)
+    grad_x = kcomb.grad_input_combine(grad_xs, routing.row_pair, num_tokens, k)
     grad_weight = grad_weight_rows.new_zeros(num_tokens * k)
     grad_weight[routing.row_pair] = grad_weight_rows
     grad_x_gate, grads["gate_weight"], _ = grad_gate_gemm(x, gate_weight, routing,
@@ -50,7 +53,7 @@ def fused_float64(x, gate_weight, params, config: MoEConfig, grad_out, grad_loss
     names = expert_param_names(config)
     leaves = {"x": x, "gate_weight": gate_weight, **{n: params[n] for n in names}}
     leaves = {n: None if t is None else t.detach().clone().requires_grad_(True) for n, t in leaves.items()}
-    out, loss = FusedMoE.apply(leaves["x"], config, {}, None, None, leaves["gate_weight"], None,
+    out, loss = FusedMoE.apply(leaves["x"], config, {}, None, None, None, leaves["gate_weight"], None,
                                *(leaves[n] for n in names))
     torch.autograd.backward([out, loss], [grad_out, grad_loss])
     grads = {n: None if t is None else t.grad for n, t in leaves.items()}

@@ -1,5 +1,6 @@
-"""The fused layer's kernel path (kernels/layer_path.py), wired into FusedMoE and expert
-parallelism's expert stages, run on CPU in Triton's interpreter by force_kernel_path().
+"""The fused layer's kernel path (the Triton backend of moe/backends.py with the fused entry points
+of kernels/layer_path.py), wired into FusedMoE and expert parallelism's expert stages, run on CPU
+in Triton's interpreter by force_kernel_path().
 
 Each case runs shardmoe.MoE in float32 through the kernel path and compares the output, the aux
 loss and every gradient with the independent float64 reference (moe/reference.py), 1e-5
@@ -10,6 +11,7 @@ import torch
 import shardmoe
 from shardmoe import kernels
 from shardmoe.mesh import Mesh
+from shardmoe.moe import backends
 from shardmoe.moe import experts as ex
 from shardmoe.moe.function import expert_param_names
 from shardmoe.moe.reference import reference_forward_backward
@@ -23,22 +25,22 @@ TOL = 1e-5
 
 @pytest.fixture
 def spy(monkeypatch):
-    """Counts calls of the kernel path's entry points and of the torch path's expert stages."""
-    from shardmoe.kernels import layer_path
+    """Counts calls of the Triton backend's fused entry points and of the torch backend's expert stages."""
+    triton, torch_backend = backends._triton(), backends.TORCH
     calls = {"forward_combine": 0, "backward": 0, "torch_forward": 0, "torch_backward": 0}
 
-    def counting(module, name, key):
-        original = getattr(module, name)
+    def counting(backend, name, key):
+        original = getattr(backend, name)
 
         def wrapped(*args, **kwargs):
             calls[key] += 1
             return original(*args, **kwargs)
-        monkeypatch.setattr(module, name, wrapped)
+        monkeypatch.setattr(backend, name, wrapped)
 
-    counting(layer_path, "expert_forward_combine", "forward_combine")
-    counting(layer_path, "expert_backward", "backward")
-    counting(ex, "expert_forward", "torch_forward")
-    counting(ex, "expert_backward", "torch_backward")
+    counting(triton, "expert_forward_combine", "forward_combine")
+    counting(triton, "expert_backward", "backward")
+    counting(torch_backend, "expert_forward", "torch_forward")
+    counting(torch_backend, "expert_backward", "torch_backward")
     return calls
 
 
@@ -124,6 +126,7 @@ def test_kernel_path_with_no_tokens(spy, expert):
 def test_kernel_path_not_taken_for_a_biased_glu(spy):
     """fused_path refuses what the kernels do not implement; the layer then runs torch, exactly."""
     layer, _ = _layers(dict(expert="glu", bias=True))
+    layer.workspace = None  # so the torch backend is the module's TORCH, which the spy watches
     x, grad_out = _inputs(9)
     with kernels.force_kernel_path():
         layer(x.float()).backward(grad_out.float())
@@ -132,8 +135,8 @@ def test_kernel_path_not_taken_for_a_biased_glu(spy):
 
 @pytest.mark.parametrize("expert", ["glu", "mlp"])
 def test_expert_parallel_backward_stage_equals_torch_stage(expert):
-    """parallel.expert_parallel._experts_backward on the kernel path (stages 1+2 or 2+3 fused) equals
-    the torch stages on the same dispatched rows (a one-rank mesh: no communication)."""
+    """parallel.expert_parallel._experts_backward on the Triton backend (stages 1+2 or 2+3 fused)
+    equals the torch stages on the same dispatched rows (a one-rank mesh: no communication)."""
     from shardmoe.parallel.expert_parallel import _experts_backward, _experts_forward
     layer, _ = _layers(dict(expert=expert, bias=expert == "mlp", output_activation="identity"))
     gen = torch.Generator().manual_seed(3)
@@ -145,10 +148,12 @@ def test_expert_parallel_backward_stage_equals_torch_stage(expert):
     params = {n: None if p is None else p.detach()
               for n, p in zip(expert_param_names(layer.config), layer.expert_parameters())}
     mesh = Mesh()
-    _, saved = _experts_forward(layer.config, mesh, xs, params, groups)
-    expected = _experts_backward(layer.config, mesh, grad_rows, weight_rows, xs, saved, params, groups)
+    _, saved = _experts_forward(backends.TORCH, layer.config, mesh, xs, params, groups)
+    expected = _experts_backward(backends.TORCH, layer.config, mesh, grad_rows, weight_rows, xs, saved, params, groups)
     with kernels.force_kernel_path():
-        got = _experts_backward(layer.config, mesh, grad_rows, weight_rows, xs, saved, params, groups)
+        triton = backends.select(layer.config, xs)
+    assert triton.name == "triton"
+    got = _experts_backward(triton, layer.config, mesh, grad_rows, weight_rows, xs, saved, params, groups)
     assert _rel(got[0], expected[0].double()) < TOL
     assert _rel(got[1], expected[1].double()) < TOL
     for pname, grad in expected[2].items():

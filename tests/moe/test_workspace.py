@@ -1,0 +1,163 @@
+"""The layer's workspace: blocks lent until nothing else refers to them, reused across steps, and
+forward/backward exact in float64 against the independent reference whatever runs between a
+forward and its backward (gradient accumulation, two layers, activation checkpointing), with
+garbage planted in every free block before each step."""
+import pytest
+import torch
+from torch.utils.checkpoint import checkpoint
+
+import shardmoe
+from shardmoe.moe.reference import reference_forward_backward
+from shardmoe.moe.workspace import Workspace
+
+
+def test_block_is_reused_only_after_its_tensors_are_gone():
+    ws = Workspace(min_bytes=0, row_tile=0)
+    a = ws.empty((64, 8), torch.float32, "cpu")
+    b = ws.empty((64, 8), torch.float32, "cpu")
+    assert a.data_ptr() != b.data_ptr()  # a is still alive: never lent twice
+    a_ptr, resident = a.data_ptr(), ws.resident_bytes
+    del a
+    c = ws.empty((32, 8), torch.float64, "cpu")  # fits a's block (same bytes)
+    assert c.data_ptr() == a_ptr and ws.resident_bytes == resident
+    assert resident == 2 * 64 * 8 * 4  # first blocks: the request's size
+
+
+def test_growth_replaces_smaller_free_blocks_and_release_forgets_them():
+    ws = Workspace(min_bytes=0, row_tile=0)
+    small = ws.empty((10, 10), torch.float32, "cpu")
+    del small
+    big = ws.empty((100, 10), torch.float32, "cpu")
+    assert ws.resident_bytes == 4000  # the free 400-byte block was dropped
+    del big
+    bigger = ws.empty((101, 10), torch.float32, "cpu")
+    assert ws.resident_bytes == 5000  # grown geometrically: 1.25x the block it replaced
+    big = bigger
+    ws.release()
+    assert ws.resident_bytes == 0
+    big.fill_(1.0)  # a lent tensor outlives release()
+    assert ws.empty((100, 10), torch.float32, "cpu").data_ptr() != big.data_ptr()
+
+
+def test_small_requests_bypass_the_pool():
+    ws = Workspace()  # default threshold: a few MiB
+    ws.empty((16, 16), torch.float32, "cpu")
+    assert ws.resident_bytes == 0
+    with pytest.raises(ValueError, match="min_bytes: expected >= 0, got -1"):
+        Workspace(min_bytes=-1)
+    with pytest.raises(ValueError, match="row_tile: expected None or >= 0, got -4"):
+        Workspace(row_tile=-4)
+
+
+def test_buffers_carry_slack_rows_for_tile_padded_gemms():
+    ws = Workspace(min_bytes=0, row_tile=16)
+    t = ws.empty((10, 3), torch.float32, "cpu")
+    assert t.shape == (10, 3) and t.untyped_storage().nbytes() >= (10 + 16) * 3 * 4
+
+
+def _layer(seed, row_tile=0, **kw):
+    torch.manual_seed(seed)
+    layer = shardmoe.MoE(8, 6, 4, 2, dtype=torch.float64, **kw)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.normal_()
+    # pool every row buffer of these tiny shapes; row_tile > 0 pads the expert groups
+    layer.workspace = Workspace(min_bytes=0, row_tile=row_tile)
+    return layer
+
+
+def _plant_garbage(*layers):
+    """NaN into every block no tensor refers to: a stale read shows up in every result."""
+    for layer in layers:
+        for block in layer.workspace._blocks:
+            if torch._C._storage_Use_Count(block._cdata) == 1:
+                torch.empty(0, dtype=torch.uint8).set_(block).fill_(0xFF)
+
+
+def _reference(layer, x, grad_out):
+    params = {n: p.detach() for n, p in layer.named_parameters()}
+    return reference_forward_backward(x, params, layer.config, grad_out)
+
+
+def _assert_close(got, want):
+    assert (got - want).abs().max() <= 1e-10 * max(want.abs().max(), 1e-3)
+
+
+@pytest.mark.parametrize("row_tile", [0, 4])
+@pytest.mark.parametrize("kw", [dict(expert="glu", activation="silu", bias=True, aux_loss_coef=0.1),
+                                dict(expert="glu", activation="gelu", capacity_factor=0.75),
+                                dict(expert="mlp", bias=True, activation="gelu", capacity_factor=0.75)])
+def test_gradient_accumulation_two_forwards_then_two_backwards(kw, row_tile):
+    """With row_tile=4 the GEMMs run on whole 4-row tiles over NaN planted past every group."""
+    layer = _layer(0, row_tile, **kw)
+    gen = torch.Generator().manual_seed(1)
+    xs = [torch.randn(13, 8, generator=gen, dtype=torch.float64, requires_grad=True) for _ in range(3)]
+    grads = [torch.randn(13, 8, generator=gen, dtype=torch.float64) for _ in range(3)]
+    refs = [_reference(layer, x, g) for x, g in zip(xs, grads)]  # (out, aux, grads) per micro-batch
+    want = {n: sum(ref[2][n] for ref in refs) for n, _ in layer.named_parameters()}
+    for step in range(2):  # the second step reuses the first one's blocks
+        _plant_garbage(layer)
+        layer.zero_grad(set_to_none=True)
+        outs = []
+        for x in xs:
+            outs.append((layer(x), layer.aux_loss))
+            _plant_garbage(layer)
+        for (out, aux), g in zip(reversed(outs), reversed(grads)):
+            torch.autograd.backward([out, aux], [g, torch.ones_like(aux)])
+            _plant_garbage(layer)
+        for name, p in layer.named_parameters():
+            _assert_close(p.grad, want[name])
+        for (out, _), x, (ref_out, _, ref) in zip(outs, xs, refs):
+            _assert_close(out, ref_out)
+            _assert_close(x.grad if step == 0 else x.grad / 2, ref["x"])
+    assert layer.workspace.resident_bytes > 0 and layer.stats["workspace_bytes"] == layer.workspace.resident_bytes
+
+
+def test_two_layers_under_activation_checkpointing():
+    first, second = _layer(0, row_tile=4), _layer(1)
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(11, 8, generator=gen, dtype=torch.float64, requires_grad=True)
+    grad_out = torch.randn(11, 8, generator=gen, dtype=torch.float64)
+
+    def block(t):
+        _plant_garbage(first, second)
+        return second(first(t))
+
+    out = checkpoint(block, x, use_reentrant=False)  # backward reruns both forwards
+    _plant_garbage(first, second)
+    out.backward(grad_out)
+
+    mid = first(x.detach()).detach()
+    _, _, ref2 = _reference(second, mid, grad_out)
+    _, _, ref1 = _reference(first, x, ref2["x"])
+    _assert_close(x.grad, ref1["x"])
+    for layer, ref in ((first, ref1), (second, ref2)):
+        for name, p in layer.named_parameters():
+            _assert_close(p.grad, ref[name])
+
+
+def test_to_releases_the_workspace():
+    layer = _layer(0)
+    layer(torch.randn(5, 8, dtype=torch.float64)).sum().backward()
+    assert layer.workspace.resident_bytes > 0
+    layer.to(torch.float32)
+    assert layer.workspace.resident_bytes == 0
+
+
+def test_negative_row_tile_is_refused():
+    from shardmoe.moe.experts import Groups
+
+    with pytest.raises(ValueError, match="row_tile: expected >= 0, got -1"):
+        Groups.from_counts(torch.tensor([3, 4]), row_tile=-1)
+
+
+def test_a_copy_gets_an_empty_pool_of_the_same_settings():
+    import copy
+
+    layer = _layer(0, row_tile=4)
+    layer(torch.randn(5, 8, dtype=torch.float64)).sum().backward()
+    twin = copy.deepcopy(layer)
+    assert twin.workspace is not layer.workspace and twin.workspace.resident_bytes == 0
+    assert (twin.workspace.min_bytes, twin.workspace.row_tile) == (0, 4)
+    layer.workspace = None
+    assert copy.deepcopy(layer).workspace is None
