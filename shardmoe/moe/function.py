@@ -100,7 +100,7 @@ class FusedMoE(torch.autograd.Function):
         params = dict(zip(expert_param_names(config), expert_weights))
         groups = ex.Groups.from_counts(routing.kept_per_expert)
         row_token, weight_rows = routing.rows(k)
-        y, saved = ex.expert_forward(config.expert, config.activation, config.output_activation,
+        y, saved = ex.expert_forward(config.expert, config.expert_activation, config.output_activation,
                                      x[row_token], params, groups)
         out = comb.combine(y, weight_rows, routing.row_pair, num_tokens, k).to(x.dtype)
         loss = balance_loss(routing, config)
@@ -135,7 +135,7 @@ class FusedMoE(torch.autograd.Function):
 
         # stages 1-4 (for "glu": 1 and 3 with w on both sides of the Wdown GEMM, 2 on (g Wdown, a))
         grad_xs, grad_weight_rows, grads = ex.expert_backward(
-            config.expert, config.activation, config.output_activation, grad_rows, weight_rows, xs, saved,
+            config.expert, config.expert_activation, config.output_activation, grad_rows, weight_rows, xs, saved,
             params, groups)
         grad_x = comb.grad_input_combine(grad_xs, routing.row_pair, num_tokens, k)
         grad_x_gate, grad_gate, grad_gate_bias = grad_gate_from_rows(x, gate_weight, routing, grad_weight_rows,

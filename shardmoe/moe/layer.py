@@ -33,6 +33,8 @@ from shardmoe.parallel.sync import EXPERT, REPLICATED, mark_grad_sync
 # MoEConfig's router fields, which MoE takes as keyword options
 ROUTER_OPTIONS = ("score_func", "router_bias", "correction_bias", "bias_update_rate", "n_group", "topk_group",
                   "renormalize_epsilon", "routed_scaling_factor", "seq_aux_loss_coef")
+# MoEConfig's expert-activation constants (activation="clamped_swiglu"), also keyword options
+ACTIVATION_OPTIONS = ("swiglu_limit", "swiglu_alpha")
 
 # the dtypes the layer computes in (float16 runs, but at ~1 GFLOP/s on CPU: design.md)
 DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -48,11 +50,12 @@ class MoE(nn.Module):
                  dtype: torch.dtype | None = None, device=None, **router_options):
         """router_options: MoEConfig's router fields (score_func, router_bias, correction_bias,
         bias_update_rate, n_group, topk_group, renormalize_epsilon, routed_scaling_factor,
-        seq_aux_loss_coef)."""
+        seq_aux_loss_coef), and swiglu_limit, swiglu_alpha for activation="clamped_swiglu"."""
         super().__init__()
-        unknown = sorted(set(router_options) - set(ROUTER_OPTIONS))
+        unknown = sorted(set(router_options) - set(ROUTER_OPTIONS) - set(ACTIVATION_OPTIONS))
         if unknown:
-            raise ValueError(f"router_options: expected names among {', '.join(ROUTER_OPTIONS)}, got {unknown}")
+            raise ValueError(f"router_options: expected names among {', '.join(ROUTER_OPTIONS + ACTIVATION_OPTIONS)}, "
+                             f"got {unknown}")
         self.config = MoEConfig(hidden_size, ffn_size, num_experts, top_k, expert=expert,
                                 activation=activation, output_activation=output_activation, bias=bias,
                                 renormalize=renormalize, capacity_factor=capacity_factor,
