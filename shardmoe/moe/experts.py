@@ -268,7 +268,9 @@ def expert_backward(expert: str, activation: str | ClampedSwiGLU, output_activat
         up = h[:, act_gate.shape[1]:]
         grad_dots = grad_gate_combine(g_down, a) if isinstance(activation, ClampedSwiGLU) \
             else grad_gate_combine(g_down, act_gate, up)
-        if has_bias:  # y = a Wdown_e^T + bdown_e, so g . y gains g . bdown_e
+        # y = a Wdown_e^T + bdown_e, so g . y gains g . bdown_e; expert TP passes down_proj_bias None
+        # (it adds the term once, after the psum of the partial dots over t) but still wants dbdown
+        if params.get("down_proj_bias") is not None:
             row_bias = params["down_proj_bias"][groups.row_expert(grad_rows.device)]
             grad_dots = grad_dots + grad_gate_combine(grad_rows, row_bias)
         grad_xs, grad_gate_up, grad_gate_up_bias = grad_pre_gemm_glu(grad_a, h, act_gate, xs, params["gate_up_proj"],
