@@ -40,7 +40,7 @@ CASES = {
                                     dict(peers=4, ranks_per_node=2, block_m=3, block_n=4)),
     # GPT-OSS's experts: both glu biases, the clamped SwiGLU (limit 1.5 against h ~ N(0, 8): both clamps
     # act), its router bias; two column tiles each way, so only column tile 0 may commit the bias gradients
-    "glu-k2-bias-clamped-mixed": (dict(expert="glu", bias=True, activation="clamped_swiglu", swiglu_limit=1.5,
+    "glu-k2-bias-clamped-remote": (dict(expert="glu", bias=True, activation="clamped_swiglu", swiglu_limit=1.5,
                                        router_bias=True, capacity_factor=0.8, aux_loss_coef=0.1), 2, 4, 10,
                                   dict(peers=2, ranks_per_node=1, block_m=3, block_n=4)),
 }
@@ -108,7 +108,7 @@ def test_configurations_cover_drops_fully_dropped_tokens_and_both_paths():
     assert remote_share["mlp-k1-single"] == remote_share["mlp-k2-bias-p2p"] == remote_share["glu-k1-no-renorm-z"] == 0
     assert remote_share["mlp-k4-no-renorm-remote"] >= 0.5 and remote_share["glu-k2-remote"] >= 0.25
     assert 0 < remote_share["mlp-k3-drops-aux-z-mixed"] < 1 and 0 < remote_share["glu-k3-three-peers"] < 1
-    layer, x, _, _ = _setup("glu-k2-bias-clamped-mixed")
+    layer, x, _, _ = _setup("glu-k2-bias-clamped-remote")
     h = torch.einsum("sh,efh->sef", x.detach(), layer.gate_up_proj.detach()) + layer.gate_up_proj_bias.detach()
     assert (h[..., :FFN] > 1.5).any() and (h[..., FFN:].abs() > 1.5).any() and (h.abs() < 1.5).any()
 
