@@ -215,7 +215,7 @@ def _experts_forward(config: MoEConfig, mesh, xs, params, groups):
             y = y + params["down_proj_bias"][groups.row_expert(y.device)]
         return y, saved
     # b2 and act_out need the whole z2: run the GEMMs without b2, psum, then add b2 once.
-    z2_partial, (z1, _) = ex.expert_forward("mlp", config.expert_activation, "identity", xs, {**params, "b2": None}, groups)
+    z2_partial, (z1, _) = ex.expert_forward("mlp", config.activation, "identity", xs, {**params, "b2": None}, groups)
     z2 = etp.reduce_expert_output(shardops.unreduced("N H", z2_partial, "t"), mesh)
     if params["b2"] is not None:
         z2 = z2 + params["b2"][groups.row_expert(z2.device)]
