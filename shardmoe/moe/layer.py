@@ -230,10 +230,10 @@ class MoE(nn.Module):
         With a sharded mesh the expert tensors are gathered whole: collective over ('e', 't')."""
         c = self.config
         routers.check_mixtral_router(c, "to_mixtral_state_dict")
-        if c.expert != "glu" or c.activation not in MIXTRAL_ACTIVATIONS or not c.renormalize:
-            raise ValueError("to_mixtral_state_dict: expected expert='glu', renormalize=True and activation in "
-                             f"{sorted(MIXTRAL_ACTIVATIONS)}, got expert={c.expert!r}, renormalize={c.renormalize}, "
-                             f"activation={c.activation!r}")
+        if c.expert != "glu" or c.activation not in MIXTRAL_ACTIVATIONS or not c.renormalize or c.bias:
+            raise ValueError("to_mixtral_state_dict: expected expert='glu', renormalize=True, bias=False and "
+                             f"activation in {sorted(MIXTRAL_ACTIVATIONS)}, got expert={c.expert!r}, "
+                             f"renormalize={c.renormalize}, bias={c.bias}, activation={c.activation!r}")
         return {"gate.weight": self.gate_weight.detach().t().contiguous(),
                 "experts.gate_up_proj": etp.gather_expert_param("gate_up_proj", self.gate_up_proj.detach(),
                                                                 self.mesh).clone(),
