@@ -265,9 +265,8 @@ def expert_backward(expert: str, activation: str | ClampedSwiGLU, output_activat
         grad_a, grad_down, g_down, grad_down_bias = grad_post_gemm_glu(grad_rows, weight_rows, a, params["down_proj"],
                                                                        groups, has_bias)
         # a = act(hg) * hu, or (clamped SwiGLU) a = f(gc) * (uc + 1): take the dot on a itself
-        up = h[:, act_gate.shape[1]:]
         grad_dots = grad_gate_combine(g_down, a) if isinstance(activation, ClampedSwiGLU) \
-            else grad_gate_combine(g_down, act_gate, up)
+            else grad_gate_combine(g_down, act_gate, h[:, act_gate.shape[1]:])
         # y = a Wdown_e^T + bdown_e, so g . y gains g . bdown_e; expert TP passes down_proj_bias None
         # (it adds the term once, after the psum of the partial dots over t) but still wants dbdown
         if params.get("down_proj_bias") is not None:
