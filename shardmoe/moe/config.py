@@ -42,7 +42,7 @@ class MoEConfig:
 
     activation="clamped_swiglu" (expert="glu" only) is GPT-OSS's: gc = min(hg, swiglu_limit),
     uc = clamp(hu, -swiglu_limit, swiglu_limit), a = (uc + 1) * gc * sigmoid(swiglu_alpha * gc)
-    (shardmoe/moe/activations.ClampedSwiGLU); the two constants are ignored by other activations.
+    (shardmoe/moe/activations.ClampedSwiGLU); another activation refuses a non-default constant.
 
     Router options (formulas in shardmoe/moe/routing.py and docs/moe.md): score_func "softmax"
     (Mixtral, Qwen, GPT-OSS) or "sigmoid" (DeepSeek-V3); router_bias, a learnable [E] bias added
@@ -87,10 +87,13 @@ class MoEConfig:
         if self.activation == "clamped_swiglu" and self.expert != "glu":
             raise ValueError(f"activation: 'clamped_swiglu' expects expert='glu', got expert={self.expert!r}")
         _check_choice("activation", self.activation, GLU_ACTIVATIONS if self.expert == "glu" else ACTIVATIONS)
-        for name in ("swiglu_limit", "swiglu_alpha"):
+        for name, default in (("swiglu_limit", 7.0), ("swiglu_alpha", 1.702)):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
                 raise ValueError(f"{name}: expected a finite number > 0, got {v!r}")
+            if v != default and self.activation != "clamped_swiglu":  # it would be silently ignored
+                raise ValueError(f"{name}: expected the default {default} with activation={self.activation!r} "
+                                 f"(only 'clamped_swiglu' uses it), got {v!r}")
         _check_choice("output_activation", self.output_activation, ACTIVATIONS)
         if self.expert == "glu" and self.output_activation != "identity":
             raise ValueError(f"output_activation: expected 'identity' for expert='glu', got {self.output_activation!r}")

@@ -161,6 +161,17 @@ def test_bad_combinations_raise_before_any_work(options, match):
         MoEConfig(8, 6, 4, 2, activation="clamped_swiglu", **options)
 
 
+@pytest.mark.parametrize("options, match", [
+    (dict(swiglu_limit=5.0), r"swiglu_limit: expected the default 7\.0 with activation='silu' \(only "
+                             r"'clamped_swiglu' uses it\), got 5\.0"),
+    (dict(swiglu_alpha=1.0, expert="mlp", activation="gelu"), r"swiglu_alpha: expected the default 1\.702 with "
+                                                              r"activation='gelu' .* got 1\.0"),
+])
+def test_a_clamp_constant_without_the_clamp_is_refused_not_ignored(options, match):
+    with pytest.raises(ValueError, match=match):
+        shardmoe.MoE(8, 6, 4, 2, **options)
+
+
 def test_kernels_fused_path_refuses_the_clamp():
     from shardmoe.kernels import force_kernel_path, fused_path
     with force_kernel_path():
