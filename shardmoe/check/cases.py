@@ -12,7 +12,9 @@ adds the edge cases: an expert that receives no tokens (dropless and with
 capacity), S = 1, S = 0, and tokens with more than one leading dim. The router
 matrix crosses the router families (ROUTERS: sigmoid, router and correction
 biases, groups, epsilon, scaling) with capacity x top_k x the losses (aux, z and
-sequence-wise, on 3 sequences of 5 tokens), and adds ties in the selection scores.
+sequence-wise, on 3 sequences of 5 tokens), and adds ties in the selection scores. The
+expert-option matrix crosses the glu's GPT-OSS options (biases, the clamped SwiGLU, both)
+with the plain softmax router and every router family, x capacity x top_k the same way.
 
 Shapes are tiny (H=8, F=6, E=4) so that the full matrix runs in seconds on a CPU.
 """
@@ -65,6 +67,8 @@ class CheckCase:
     def name(self) -> str:
         c = self.config
         parts = [c.expert, c.activation if c.expert == "glu" else f"{c.activation}>{c.output_activation}"]
+        if c.activation == "clamped_swiglu":
+            parts.append(f"L{c.swiglu_limit:g}a{c.swiglu_alpha:g}")
         if c.bias:
             parts.append("bias")
         if (c.hidden_size, c.ffn_size) != (HIDDEN, FFN):
@@ -126,6 +130,33 @@ def router_matrix() -> list[CheckCase]:
     return cases
 
 
+# The glu's expert options (GPT-OSS), crossed with the routers. h ~ N(0, 1) by inputs.py's draw, so
+# a limit of 1 clamps ~16% of the gate and ~32% of the up entries.
+CLAMP_LIMIT = 1.0
+EXPERT_OPTIONS = (
+    dict(bias=True),
+    dict(activation="clamped_swiglu", swiglu_limit=CLAMP_LIMIT),
+    dict(bias=True, activation="clamped_swiglu", swiglu_limit=CLAMP_LIMIT),
+)
+
+
+def _expert_option_config(options: dict, router: dict, *, top_k: int = 2, capacity: bool = False,
+                          aux: bool = False) -> MoEConfig:
+    return dataclasses.replace(_router_config(router, top_k=top_k, capacity=capacity, aux=aux), **options)
+
+
+def expert_option_matrix() -> list[CheckCase]:
+    """Every expert option x (the plain softmax router and every router family) x capacity x
+    top_k = 1, 2 (the losses on in half, alternating), on 3 sequences of 5 tokens."""
+    cases = []
+    for options, router in itertools.product(EXPERT_OPTIONS, ({}, *ROUTERS)):
+        for capacity, top_k in itertools.product((False, True), (1, 2)):
+            config = _expert_option_config(options, router, top_k=top_k, capacity=capacity,
+                                           aux=(top_k + capacity) % 2 == 1)
+            cases.append(CheckCase(config, tokens_shape=ROUTER_TOKENS))
+    return cases
+
+
 def _config(expert: str, activation: str, output_activation: str = "identity", *, bias: bool = False,
             top_k: int = 2, renormalize: bool = True, capacity: bool = False, aux: bool = False) -> MoEConfig:
     return MoEConfig(
@@ -175,14 +206,14 @@ def edge_cases() -> list[CheckCase]:
 
 
 def full_matrix() -> list[CheckCase]:
-    return core_matrix() + edge_cases() + router_matrix()
+    return core_matrix() + edge_cases() + router_matrix() + expert_option_matrix()
 
 
 def quick_matrix() -> list[CheckCase]:
     """A subset of full_matrix touching every option: each expert variant once, rotating
     through the routing settings (renormalize x capacity x top_k), plus one case of each
     edge-case kind, and each router family once (rotating through capacity x top_k x losses)
-    plus one tie."""
+    plus one tie, and each expert option once (rotating through the routers and those settings)."""
     core, variants = core_matrix(), len(_expert_variants())
     per_variant = len(core) // variants
     # A stride coprime with per_variant (16) visits every routing setting in turn.
@@ -196,7 +227,11 @@ def quick_matrix() -> list[CheckCase]:
     routers = router_matrix()
     per_router = 4
     cases += [routers[r * per_router + r % per_router] for r in range(len(ROUTERS))]
-    return cases + [routers[len(ROUTERS) * per_router + 1]]
+    cases.append(routers[len(ROUTERS) * per_router + 1])
+    options = expert_option_matrix()
+    per_option = len(options) // len(EXPERT_OPTIONS)
+    # stride 7 (coprime with 24) gives router 1, 3, 4 and all four (capacity, top_k) settings in turn
+    return cases + [options[o * per_option + (7 * o + 5) % per_option] for o in range(len(EXPERT_OPTIONS))]
 
 
 def unit_size_cases() -> list[CheckCase]:
@@ -226,7 +261,11 @@ def precision_cases() -> list[CheckCase]:
         CheckCase(_config("mlp", "relu", "identity", bias=True, top_k=3)),
         CheckCase(_config("mlp", "identity", "gelu", top_k=EXPERTS, aux=True)),
     ] + unit_size_cases() + [CheckCase(_router_config(router, aux=True), tokens_shape=ROUTER_TOKENS)
-                             for router in ROUTERS[1:4]]
+                             for router in ROUTERS[1:4]] + [
+        # GPT-OSS whole (biased clamped SwiGLU, router bias) and the biased glu with DeepSeek-V3's router
+        CheckCase(_expert_option_config(EXPERT_OPTIONS[2], ROUTERS[2], aux=True), tokens_shape=ROUTER_TOKENS),
+        CheckCase(_expert_option_config(EXPERT_OPTIONS[0], ROUTERS[1], capacity=True, aux=True),
+                  tokens_shape=ROUTER_TOKENS)]
 
 
 def gradcheck_cases() -> list[CheckCase]:
@@ -236,4 +275,5 @@ def gradcheck_cases() -> list[CheckCase]:
     mlp = dataclasses.replace(_config("mlp", "gelu", "gelu_tanh", bias=True, top_k=2, renormalize=False, aux=True),
                               **small)
     mlp_relu = dataclasses.replace(_config("mlp", "relu", "identity", bias=True, top_k=3, capacity=True), **small)
-    return [CheckCase(glu, tokens_shape=(5,)), CheckCase(mlp, tokens_shape=(5,)), CheckCase(mlp_relu, tokens_shape=(5,))]
+    clamped = dataclasses.replace(_expert_option_config(EXPERT_OPTIONS[2], ROUTERS[2], aux=True), **small)
+    return [CheckCase(config, tokens_shape=(5,)) for config in (glu, mlp, mlp_relu, clamped)]

@@ -21,7 +21,8 @@ import time
 DTYPE_CHOICES = ("all", "float64", "float32", "bfloat16")
 COLUMNS = (
     ("output", ("output",)), ("aux", ("aux_loss",)), ("x", ("x",)), ("gate", ("gate_weight",)),
-    ("W_in", ("gate_up_proj", "w1")), ("W_out", ("down_proj", "w2")), ("b_in", ("b1",)), ("b_out", ("b2",)),
+    ("W_in", ("gate_up_proj", "w1")), ("W_out", ("down_proj", "w2")), ("b_in", ("b1", "gate_up_proj_bias")),
+    ("b_out", ("b2", "down_proj_bias")),
 )
 
 

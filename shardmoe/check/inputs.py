@@ -10,7 +10,8 @@ more than the round-off, so inputs are redrawn until
 
   logits_t[k-th largest] - logits_t[(k+1)-th largest] >= ROUTING_MARGIN   for every token t
   |u| >= KINK_MARGIN for every relu input u of a kept pair
-      (glu: hg = x Wgate^T; mlp: z1 with activation relu, z2 with output activation relu)
+      (glu: hg = x Wgate^T + bgate; mlp: z1 with activation relu, z2 with output activation relu)
+  |hg - L|, ||hu| - L| >= KINK_MARGIN for the clamped SwiGLU's limit L (its clamps' kinks)
 
 with margins per compute dtype. A router other than the plain softmax one selects on
 scores (plus a correction bias, within groups), so its margin is measured there: the k-th and
@@ -59,7 +60,7 @@ class CaseInputs:
 
 
 def _draw(case: CheckCase, generator: torch.Generator) -> CaseInputs:
-    """x ~ N(0, 1), matrices ~ N(0, 1/fan_in), biases ~ N(0, 0.1^2), gate_bias ~ N(0, 1/E),
+    """x ~ N(0, 1), matrices ~ N(0, 1/fan_in), expert biases ~ N(0, 0.1^2), gate_bias ~ N(0, 1/E),
     correction_bias ~ N(0, 0.1^2) in float32, grad_out ~ N(0, 1)."""
     config = case.config
     H = config.hidden_size
@@ -69,7 +70,7 @@ def _draw(case: CheckCase, generator: torch.Generator) -> CaseInputs:
 
     params = {}
     for name, shape in parameter_shapes(config).items():
-        if name in ("b1", "b2"):
+        if name in ("b1", "b2", "gate_up_proj_bias", "down_proj_bias"):
             params[name] = 0.1 * normal(*shape)
         else:
             fan_in = H if name == "gate_weight" else shape[-1]
@@ -134,10 +135,16 @@ def _routing_gap(config: MoEConfig, x: torch.Tensor, gate_weight: torch.Tensor) 
     return (ordered[:, config.top_k - 1] - ordered[:, config.top_k]).min().item()
 
 
-def _relu_inputs(config: MoEConfig, x: torch.Tensor, params: dict[str, torch.Tensor], e: int) -> list[torch.Tensor]:
-    """The inputs of every relu that expert e applies to tokens x [n, H] (float64)."""
+def _kink_distances(config: MoEConfig, x: torch.Tensor, params: dict[str, torch.Tensor],
+                    e: int) -> list[torch.Tensor]:
+    """Distances of expert e's activation inputs on tokens x [n, H] to their kinks (float64): every
+    relu input u itself (its kink at 0), and for the clamped SwiGLU hg - L, |hu| - L."""
     if config.expert == "glu":
-        return [x @ params["gate_up_proj"][e, : config.ffn_size].T] if config.activation == "relu" else []
+        h = x @ params["gate_up_proj"][e].T + (params["gate_up_proj_bias"][e] if config.bias else 0)
+        gate, up = h[:, : config.ffn_size], h[:, config.ffn_size:]
+        if config.activation == "clamped_swiglu":
+            return [gate - config.swiglu_limit, up.abs() - config.swiglu_limit]
+        return [gate] if config.activation == "relu" else []
     z1 = x @ params["w1"][e].T + (params["b1"][e] if config.bias else 0)
     a1 = ACTIVATION_FUNCTIONS[config.activation](z1)
     z2 = a1 @ params["w2"][e].T + (params["b2"][e] if config.bias else 0)
@@ -145,13 +152,13 @@ def _relu_inputs(config: MoEConfig, x: torch.Tensor, params: dict[str, torch.Ten
 
 
 def _kink_gap(config: MoEConfig, inputs: CaseInputs, routing: Routing) -> float:
-    """Smallest |relu input| over the kept pairs of `routing` (the inputs'); inf when no relu applies."""
+    """Smallest distance to a kink (relu, clamp) over the kept pairs of `routing`; inf when none applies."""
     x = inputs.x.reshape(-1, config.hidden_size)
     tokens, slots = routing.kept.nonzero(as_tuple=True)
     experts = routing.selected[tokens, slots]
     gap = math.inf
     for e in range(config.num_experts):
-        for u in _relu_inputs(config, x[tokens[experts == e]], inputs.params, e):
+        for u in _kink_distances(config, x[tokens[experts == e]], inputs.params, e):
             if u.numel():
                 gap = min(gap, u.abs().min().item())
     return gap
@@ -181,5 +188,5 @@ def make_inputs(case: CheckCase, dtype: torch.dtype = torch.float64) -> CaseInpu
         if case.empty_expert is not None and (routing.selected == case.empty_expert).any():
             continue
         return inputs.to(dtype)
-    raise RuntimeError(f"{case.name}: none of {MAX_DRAWS} input draws kept clear of top-k ties and relu kinks "
+    raise RuntimeError(f"{case.name}: none of {MAX_DRAWS} input draws kept clear of top-k ties and kinks (relu, clamp) "
                        f"(margins {ROUTING_MARGIN[dtype]}, {KINK_MARGIN[dtype]} for {dtype})")

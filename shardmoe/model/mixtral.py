@@ -51,11 +51,21 @@ def config_from_mixtral(mixtral_config) -> TransformerConfig:
         rope_theta=float(rope.get("rope_theta", 10000.0)), norm_eps=c.rms_norm_eps)
 
 
+def check_mixtral_experts(config: TransformerConfig, what: str) -> None:
+    """Raise ValueError unless the experts are Mixtral's (silu glu without biases), for `what`, an
+    export that has nowhere to put the biases or the clamp."""
+    if config.expert_bias:
+        raise ValueError(f"{what}: expert_bias: expected False (Mixtral's experts have no biases), got True")
+    if config.activation != "silu":
+        raise ValueError(f"{what}: activation: expected 'silu' (Mixtral's experts), got {config.activation!r}")
+
+
 def mixtral_config(config: TransformerConfig, **overrides):
     """A transformers MixtralConfig of the same model (overrides: extra MixtralConfig fields)."""
     from transformers import MixtralConfig
 
     check_mixtral_router(config, "mixtral_config")
+    check_mixtral_experts(config, "mixtral_config")
     options = dict(
         vocab_size=config.vocab_size, hidden_size=config.d_model, intermediate_size=config.ffn_size,
         num_hidden_layers=config.n_layers, num_attention_heads=config.n_q_heads,
@@ -93,6 +103,7 @@ def from_mixtral_state_dict(state: dict[str, Tensor], config: TransformerConfig)
 def to_mixtral_state_dict(full: dict[str, Tensor], config: TransformerConfig) -> dict[str, Tensor]:
     """A MixtralForCausalLM state dict from our full state dict (the inverse of the above)."""
     check_mixtral_router(config, "to_mixtral_state_dict")
+    check_mixtral_experts(config, "to_mixtral_state_dict")
     M, K, D = config.d_model, config.n_kv_heads, config.head_dim
     Q = config.n_q_heads // K
     state = {"model.embed_tokens.weight": full["embedding.weight"], "model.norm.weight": full["final_norm.weight"],

@@ -14,7 +14,8 @@ has its own rows) and replicated over t. On every rank:
 
 Weights (local shard specs): embedding and unembedding 'V/t M/d', norm gains 'M/t/d', w_q and
 w_o 'M/d Q K/t D', w_kv '2 M/d K/t D' (docs/model.md); MoE gate 'H E' (replicated), gate_up_proj
-'E/e 2F/t H', down_proj 'E/e H F/t' (shardmoe/parallel/expert_tensor.py).
+'E/e 2F/t H', down_proj 'E/e H F/t', with expert_bias gate_up_proj_bias 'E/e 2F/t' and
+down_proj_bias 'E/e H' (shardmoe/parallel/expert_tensor.py).
 
 Gradient placement. The dense layers reduce-scatter their weight gradients over d (the duals of
 their FSDP gathers), but with tokens also split over e those sums miss the other e ranks' tokens:
@@ -56,7 +57,7 @@ from .sharding import keep_block, whole_to_partial_grad
 from .unembed import Unembedding
 
 DENSE_GRAD_SYNC = ("e",)  # the dense layers already summed over d themselves
-EXPERT_PARAMS = ("gate_up_proj", "down_proj")
+EXPERT_PARAMS = ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias")
 GATE_SPEC = "H E"
 GATE_BIAS_SPEC = "E"
 ROUTER_STATE = ("gate_weight", "gate_bias", "correction_bias")  # replicated on every rank
@@ -70,6 +71,8 @@ class TransformerConfig:
     aux_loss_coef and z_loss_coef weight each block's load-balancing and router z losses; the
     router options after them are MoEConfig's (docs/moe.md "Routers"); with seq_aux_loss_coef the
     sequences are the packed documents (a row's segments, is_seq_start), cut at row boundaries.
+    expert_bias, activation, swiglu_limit and swiglu_alpha are MoEConfig's bias, activation and
+    clamped-SwiGLU constants (GPT-OSS's experts: expert_bias=True, activation="clamped_swiglu").
     Residual-branch outputs (w_o, down_proj) start at init_std / sqrt(2 n_layers) (GPT-2).
     """
 
@@ -94,6 +97,10 @@ class TransformerConfig:
     renormalize_epsilon: float = 0.0
     routed_scaling_factor: float = 1.0
     seq_aux_loss_coef: float = 0.0
+    expert_bias: bool = False
+    activation: str = "silu"
+    swiglu_limit: float = 7.0
+    swiglu_alpha: float = 1.702
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     init_std: float = 0.02
@@ -109,7 +116,8 @@ class TransformerConfig:
 
     def moe(self) -> MoEConfig:
         return MoEConfig(self.d_model, self.ffn_size, self.num_experts, self.top_k, expert="glu",
-                         activation="silu", capacity_factor=self.capacity_factor,
+                         activation=self.activation, bias=self.expert_bias, swiglu_limit=self.swiglu_limit,
+                         swiglu_alpha=self.swiglu_alpha, capacity_factor=self.capacity_factor,
                          aux_loss_coef=self.aux_loss_coef, z_loss_coef=self.z_loss_coef,
                          **{name: getattr(self, name) for name in ROUTER_OPTIONS})
 
@@ -150,6 +158,8 @@ def full_shapes(config: TransformerConfig) -> dict[str, tuple[int, ...]]:
                        f"blocks.{i}.attention.w_kv": (2, M, K, D), f"blocks.{i}.attention.w_o": (M, Q, K, D),
                        f"blocks.{i}.ffn_norm.weight": (M,), f"blocks.{i}.moe.gate_weight": (M, E),
                        f"blocks.{i}.moe.gate_up_proj": (E, 2 * F, M), f"blocks.{i}.moe.down_proj": (E, M, F)})
+        if config.expert_bias:
+            shapes.update({f"blocks.{i}.moe.gate_up_proj_bias": (E, 2 * F), f"blocks.{i}.moe.down_proj_bias": (E, M)})
         if config.router_bias:
             shapes[f"blocks.{i}.moe.gate_bias"] = (E,)
     shapes.update({"final_norm.weight": (M,), "unembedding.weight": (V, M)})
@@ -159,7 +169,7 @@ def full_shapes(config: TransformerConfig) -> dict[str, tuple[int, ...]]:
 
 
 def init_full_weights(config: TransformerConfig, seed: int, dtype: torch.dtype = torch.float32) -> dict[str, Tensor]:
-    """Every full weight drawn from `seed`: norm gains 1, router and correction biases 0 (the
+    """Every full weight drawn from `seed`: norm gains 1, router, correction and expert biases 0 (the
     correction bias in float32), the rest N(0, std^2) with std = init_std, or
     init_std / sqrt(2 n_layers) for the residual-branch outputs w_o and down_proj."""
     generator = torch.Generator().manual_seed(seed)
@@ -169,7 +179,7 @@ def init_full_weights(config: TransformerConfig, seed: int, dtype: torch.dtype =
         if name.endswith("norm.weight"):
             weights[name] = torch.ones(shape, dtype=dtype)
             continue
-        if name.endswith(("gate_bias", "correction_bias")):
+        if name.endswith(("gate_bias", "correction_bias", "proj_bias")):
             weights[name] = torch.zeros(shape, dtype=torch.float32 if name.endswith("correction_bias") else dtype)
             continue
         std = residual_std if name.endswith(("w_o", "down_proj")) else config.init_std

@@ -12,8 +12,14 @@ gradient by act'(z) before any GEMM sees it (the seeds' fGETGrad order). It runs
 fused activation-backward kernels, which evaluate these closed forms (in float32 for bf16
 operands, rounding once): one pass instead of the five or six a hand-written formula takes,
 and no autograd graph. tests/moe/test_activations.py checks them against autograd in float64.
+
+One glu activation is not of the form act(hg) * hu, so it is not a name but a ClampedSwiGLU
+object (GPT-OSS's, MoEConfig activation="clamped_swiglu"): the stage functions of
+shardmoe/moe/experts.py take `activation` as either.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -49,3 +55,40 @@ def activate_backward(name: str, grad: torch.Tensor, z: torch.Tensor) -> torch.T
     if name == "identity":
         return grad
     raise ValueError(f"activation: expected relu, gelu, gelu_tanh, silu or identity, got {name!r}")
+
+
+@dataclass(frozen=True)
+class ClampedSwiGLU:
+    """GPT-OSS's clamped SwiGLU on the halves hg, hu [N, F] of h = [hg | hu], constants limit L, alpha:
+
+      gc = min(hg, L);  uc = clamp(hu, -L, L);  f(gc) = gc sigmoid(alpha gc)
+      a  = (uc + 1) f(gc)
+      da/dhg = (uc + 1) f'(gc) [hg <= L],   f'(g) = s (1 + alpha g (1 - s)),  s = sigmoid(alpha g)
+      da/dhu = f(gc) [-L <= hu <= L]
+
+    The clamp passes its gradient where the input is in the closed range, at hg == L and hu == +-L
+    included: torch.clamp's autograd, which GPT-OSS's reference calls. (torch.minimum would give half
+    the gradient at hg == L, its convention for ties between two inputs; L is a constant here.)"""
+
+    limit: float
+    alpha: float
+
+    def gate(self, hg: torch.Tensor) -> torch.Tensor:
+        """f(min(hg, L)), the factor that stands where act(hg) stands in the other glus."""
+        gc = hg.clamp(max=self.limit)
+        return gc * torch.sigmoid(self.alpha * gc)
+
+    def forward(self, hg: torch.Tensor, hu: torch.Tensor, out: torch.Tensor | None = None):
+        """(a [N, F], f(gc) [N, F]), a written into `out` when one is given."""
+        act_gate = self.gate(hg)
+        return torch.mul(hu.clamp(-self.limit, self.limit).add_(1), act_gate, out=out), act_gate
+
+    def backward(self, grad_a: torch.Tensor, hg: torch.Tensor, hu: torch.Tensor, act_gate: torch.Tensor,
+                 grad_gate: torch.Tensor, grad_up: torch.Tensor) -> None:
+        """grad_gate = dA * da/dhg and grad_up = dA * da/dhu, written in place ([N, F] each)."""
+        gc = hg.clamp(max=self.limit)
+        s = torch.sigmoid(self.alpha * gc)
+        slope = s * (1 + self.alpha * gc * (1 - s))
+        up_factor = hu.clamp(-self.limit, self.limit).add_(1)
+        torch.mul(grad_a * up_factor, slope.masked_fill_(hg > self.limit, 0), out=grad_gate)
+        torch.mul(grad_a, act_gate, out=grad_up).masked_fill_(hu.abs() > self.limit, 0)

@@ -8,8 +8,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from shardmoe.moe.activations import ClampedSwiGLU
+
 EXPERT_KINDS = ("glu", "mlp")
 ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "silu", "identity")
+GLU_ACTIVATIONS = ACTIVATIONS + ("clamped_swiglu",)  # expert="glu" only: (clamp(hu) + 1) f(min(hg, L))
 SCORE_FUNCS = ("softmax", "sigmoid")
 
 
@@ -35,9 +38,11 @@ class MoEConfig:
     EC = min(S, ceil(S / E * capacity_factor * k)) tokens in token order
     bias adds b1 [E, P], b2 [E, H] ("mlp") or gate_up_proj_bias [E, 2F], down_proj_bias [E, H]
     ("glu", GPT-OSS's names, in the layer's [gate | up] layout, not GPT-OSS's interleaved one).
-    A biased "glu" runs in the single-process fused layer only: expert parallelism / expert TP
-    (parallel/expert_tensor.check_layout) and the tile-task runtime (tasks/plan.py) refuse it. (an expert can
-    receive at most S tokens, so any factor >= E / k keeps every pair).
+    (An expert can receive at most S tokens, so any capacity factor >= E / k keeps every pair.)
+
+    activation="clamped_swiglu" (expert="glu" only) is GPT-OSS's: gc = min(hg, swiglu_limit),
+    uc = clamp(hu, -swiglu_limit, swiglu_limit), a = (uc + 1) * gc * sigmoid(swiglu_alpha * gc)
+    (shardmoe/moe/activations.ClampedSwiGLU); another activation refuses a non-default constant.
 
     Router options (formulas in shardmoe/moe/routing.py and docs/moe.md): score_func "softmax"
     (Mixtral, Qwen, GPT-OSS) or "sigmoid" (DeepSeek-V3); router_bias, a learnable [E] bias added
@@ -70,6 +75,8 @@ class MoEConfig:
     renormalize_epsilon: float = 0.0
     routed_scaling_factor: float = 1.0
     seq_aux_loss_coef: float = 0.0
+    swiglu_limit: float = 7.0
+    swiglu_alpha: float = 1.702
 
     def __post_init__(self) -> None:
         _check_int("hidden_size", self.hidden_size, 1)
@@ -77,7 +84,16 @@ class MoEConfig:
         _check_int("num_experts", self.num_experts, 1)
         _check_int("top_k", self.top_k, 1, self.num_experts)
         _check_choice("expert", self.expert, EXPERT_KINDS)
-        _check_choice("activation", self.activation, ACTIVATIONS)
+        if self.activation == "clamped_swiglu" and self.expert != "glu":
+            raise ValueError(f"activation: 'clamped_swiglu' expects expert='glu', got expert={self.expert!r}")
+        _check_choice("activation", self.activation, GLU_ACTIVATIONS if self.expert == "glu" else ACTIVATIONS)
+        for name, default in (("swiglu_limit", 7.0), ("swiglu_alpha", 1.702)):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+                raise ValueError(f"{name}: expected a finite number > 0, got {v!r}")
+            if v != default and self.activation != "clamped_swiglu":  # it would be silently ignored
+                raise ValueError(f"{name}: expected the default {default} with activation={self.activation!r} "
+                                 f"(only 'clamped_swiglu' uses it), got {v!r}")
         _check_choice("output_activation", self.output_activation, ACTIVATIONS)
         if self.expert == "glu" and self.output_activation != "identity":
             raise ValueError(f"output_activation: expected 'identity' for expert='glu', got {self.output_activation!r}")
@@ -107,6 +123,14 @@ class MoEConfig:
         if reachable < self.top_k:
             raise ValueError(f"topk_group: expected topk_group * experts per group >= top_k={self.top_k}, got "
                              f"{self.topk_group} * {self.num_experts // self.n_group} = {reachable}")
+
+    @property
+    def expert_activation(self) -> str | ClampedSwiGLU:
+        """The `activation` the expert stage functions (moe/experts.py) take: the name, or for
+        "clamped_swiglu" a ClampedSwiGLU holding the two constants."""
+        if self.activation == "clamped_swiglu":
+            return ClampedSwiGLU(float(self.swiglu_limit), float(self.swiglu_alpha))
+        return self.activation
 
     def capacity(self, num_tokens: int) -> int | None:
         """Expert capacity EC for S tokens, or None when dropless."""

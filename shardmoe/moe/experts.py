@@ -4,6 +4,7 @@ Rows [N, .] are grouped by expert (Groups). Parameters, per expert e:
   "glu":  gate_up_proj [E, 2F, H] (rows 0:F gate, F:2F up), down_proj [E, H, F],
           optional gate_up_proj_bias [E, 2F], down_proj_bias [E, H] (GPT-OSS names; None without bias)
           h = x Wgu_e^T + bgu_e = [hg | hu];  a = act(hg) * hu;  y = a Wdown_e^T + bdown_e
+          (activation a ClampedSwiGLU: a = (clamp(hu, -L, L) + 1) f(min(hg, L)), moe/activations.py)
   "mlp":  w1 [E, P, H], b1 [E, P], w2 [E, H, P], b2 [E, H]
           z1 = x W1_e^T + b1_e;  a1 = act(z1);  z2 = a1 W2_e^T + b2_e;  y = act_out(z2)
 
@@ -24,7 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from shardmoe.moe.activations import activate, activate_backward
+from shardmoe.moe.activations import ClampedSwiGLU, activate, activate_backward
 from shardmoe.moe.combine import grad_combine, row_chunks
 from shardmoe.moe.routing import accumulation_dtype
 from shardmoe.moe.workspace import Workspace, empty_rows
@@ -175,21 +176,27 @@ def grouped_bias_grad(grad_rows: torch.Tensor, groups: Groups) -> torch.Tensor:
     return out.to(grad_rows.dtype)
 
 
-def glu_activation(h: torch.Tensor, activation: str, *,
+def glu_activation(h: torch.Tensor, activation: str | ClampedSwiGLU, *,
                    workspace: Workspace | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """For h = [hg | hu] [N, 2F]: (a = act(hg) * hu, act(hg)), both [N, F] (backward needs both)."""
+    """For h = [hg | hu] [N, 2F]: (a = act(hg) * hu, act(hg)), both [N, F] (backward needs both);
+    for a ClampedSwiGLU act(hg) is its gate factor f(min(hg, L))."""
     ffn = h.shape[-1] // 2
     act_gate = empty_rows(workspace, (h.shape[0], ffn), h)
     return _glu(h, activation, act_gate, workspace=workspace), act_gate
 
 
-def _glu(h: torch.Tensor, activation: str, act_gate: torch.Tensor | None = None, *,
+def _glu(h: torch.Tensor, activation: str | ClampedSwiGLU, act_gate: torch.Tensor | None = None, *,
          workspace: Workspace | None = None) -> torch.Tensor:
     """a = act(hg) * hu [N, F], row chunk by row chunk so that act(hg) is still in cache when the
     product reads it; act(hg) is also written to act_gate when one is given."""
     ffn = h.shape[-1] // 2
     a = empty_rows(workspace, (h.shape[0], ffn), h)
     for c in row_chunks(h):
+        if isinstance(activation, ClampedSwiGLU):
+            act = activation.forward(h[c, :ffn], h[c, ffn:], out=a[c])[1]
+            if act_gate is not None:
+                act_gate[c] = act
+            continue
         act = activate(activation, h[c, :ffn])
         if act_gate is not None:
             act_gate[c] = act
@@ -197,8 +204,9 @@ def _glu(h: torch.Tensor, activation: str, act_gate: torch.Tensor | None = None,
     return a
 
 
-def pre_gemm(expert: str, activation: str, xs: torch.Tensor, params: dict[str, torch.Tensor | None],
-             groups: Groups, *, workspace: Workspace | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def pre_gemm(expert: str, activation: str | ClampedSwiGLU, xs: torch.Tensor,
+             params: dict[str, torch.Tensor | None], groups: Groups, *,
+             workspace: Workspace | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The expert's first GEMM and activation, (a, z) for dispatched rows xs [N, H]:
       "glu": z = h = xs Wgu_e^T + bgu_e [N, 2F], a = act(hg) * hu [N, F]
       "mlp": z = z1 = xs W1_e^T + b1_e [N, P], a = act(z1)      [N, P]
@@ -221,7 +229,7 @@ def post_gemm(expert: str, output_activation: str, a: torch.Tensor, params: dict
     return activate(output_activation, z2), z2
 
 
-def expert_forward(expert: str, activation: str, output_activation: str, xs: torch.Tensor,
+def expert_forward(expert: str, activation: str | ClampedSwiGLU, output_activation: str, xs: torch.Tensor,
                    params: dict[str, torch.Tensor | None], groups: Groups, *, workspace: Workspace | None = None):
     """y [N, H] for dispatched rows xs [N, H] (pre_gemm then post_gemm), and the tensors backward
     keeps: "glu": (h,) with h [N, 2F];  "mlp": (z1, z2) with z1 [N, P], z2 [N, H]."""
@@ -250,16 +258,20 @@ def grad_post_gemm_glu(grad_rows: torch.Tensor, weight_rows: torch.Tensor, a: to
 
 
 def grad_pre_gemm_glu(grad_a: torch.Tensor, h: torch.Tensor, act_gate: torch.Tensor, xs: torch.Tensor,
-                      gate_up_proj: torch.Tensor, groups: Groups, activation: str, has_bias: bool = False, *,
-                      workspace: Workspace | None = None):
+                      gate_up_proj: torch.Tensor, groups: Groups, activation: str | ClampedSwiGLU,
+                      has_bias: bool = False, *, workspace: Workspace | None = None):
     """Stage 4 for "glu", given act(hg) from the recomputed forward:
       dhg = (dA * hu) * act'(hg);  dhu = dA * act(hg);  dh = [dhg | dhu]   [N, 2F]
-      dWgu_e = sum dh^T x   [E, 2F, H];   dx = dh Wgu_e   [N, H];   dbgu_e = sum dh  [E, 2F] (has_bias)"""
+      dWgu_e = sum dh^T x   [E, 2F, H];   dx = dh Wgu_e   [N, H];   dbgu_e = sum dh  [E, 2F] (has_bias)
+    (a ClampedSwiGLU computes dh by its own derivative, ClampedSwiGLU.backward)"""
     ffn = act_gate.shape[-1]
     grad_h = empty_rows(workspace, h.shape, h)
     # one pass per row chunk: the [N, F] intermediate dA * hu never leaves the cache
     for c in row_chunks(h):
         gate, up = h[c, :ffn], h[c, ffn:]
+        if isinstance(activation, ClampedSwiGLU):
+            activation.backward(grad_a[c], gate, up, act_gate[c], grad_h[c, :ffn], grad_h[c, ffn:])
+            continue
         grad_h[c, :ffn] = activate_backward(activation, grad_a[c] * up, gate)
         torch.mul(grad_a[c], act_gate[c], out=grad_h[c, ffn:])
     grad_bias = grouped_bias_grad(grad_h, groups) if has_bias else None
@@ -284,7 +296,7 @@ def grad_pre_gemm_mlp(grad_a1: torch.Tensor, z1: torch.Tensor, xs: torch.Tensor,
     return grouped_linear_t(grad_z1, w1, groups), grouped_weight_grad(grad_z1, xs, groups), grad_b1
 
 
-def expert_backward(expert: str, activation: str, output_activation: str, grad_rows: torch.Tensor,
+def expert_backward(expert: str, activation: str | ClampedSwiGLU, output_activation: str, grad_rows: torch.Tensor,
                     weight_rows: torch.Tensor, xs: torch.Tensor, saved: tuple, params: dict, groups: Groups, *,
                     stages=None, workspace: Workspace | None = None):
     """Stages 1-4 on dispatched rows, given the unscaled output gradient g [N, H], the combine
@@ -304,8 +316,12 @@ def expert_backward(expert: str, activation: str, output_activation: str, grad_r
         a, act_gate = glu_activation(h, activation, workspace=workspace)
         grad_a, grad_down, g_down, grad_down_bias = stages.grad_post_gemm_glu(grad_rows, weight_rows, a,
                                                                               params["down_proj"], groups, has_bias)
-        grad_dots = stages.grad_gate_combine(g_down, act_gate, h[:, act_gate.shape[1]:])
-        if has_bias:  # y = a Wdown_e^T + bdown_e, so g . y gains g . bdown_e
+        # a = act(hg) * hu, or (clamped SwiGLU) a = f(gc) * (uc + 1): take the dot on a itself
+        grad_dots = stages.grad_gate_combine(g_down, a) if isinstance(activation, ClampedSwiGLU) \
+            else stages.grad_gate_combine(g_down, act_gate, h[:, act_gate.shape[1]:])
+        # y = a Wdown_e^T + bdown_e, so g . y gains g . bdown_e; expert TP passes down_proj_bias None
+        # (it adds the term once, after the psum of the partial dots over t) but still wants dbdown
+        if params.get("down_proj_bias") is not None:
             row_bias = params["down_proj_bias"][groups.row_expert(grad_rows.device)]
             grad_dots = grad_dots + stages.grad_gate_combine(grad_rows, row_bias)
         grad_xs, grad_gate_up, grad_gate_up_bias = stages.grad_pre_gemm_glu(grad_a, h, act_gate, xs,

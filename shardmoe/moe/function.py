@@ -125,11 +125,11 @@ class FusedMoE(torch.autograd.Function):
         groups = expert_groups(routing.kept_per_expert, x.dtype, backend.workspace)
         row_token, weight_rows = routing.rows(k)
         if backend.fused_gather:  # no x[row_token], no stored y: kernels/layer_path.py
-            out, saved = backend.expert_forward_combine(config.expert, config.activation, config.output_activation,
+            out, saved = backend.expert_forward_combine(config.expert, config.expert_activation, config.output_activation,
                                                         x, row_token, weight_rows, routing.row_pair, params, groups,
                                                         k)
         else:
-            y, saved = backend.expert_forward(config.expert, config.activation, config.output_activation,
+            y, saved = backend.expert_forward(config.expert, config.expert_activation, config.output_activation,
                                               gather_rows(x, row_token, backend.workspace), params, groups)
             out = backend.combine(y, weight_rows, routing.row_pair, num_tokens, k)
         out = out.to(x.dtype)
@@ -164,11 +164,11 @@ class FusedMoE(torch.autograd.Function):
         # stages 1-4 (for "glu": 1 and 3 with w on both sides of the Wdown GEMM, 2 on (g Wdown, a))
         if backend.fused_gather:  # the kernels read grad_out and x through row_token: no gathered copies
             grad_xs, grad_weight_rows, grads = backend.expert_backward(
-                config.expert, config.activation, config.output_activation, grad_out.contiguous(), weight_rows, x,
+                config.expert, config.expert_activation, config.output_activation, grad_out.contiguous(), weight_rows, x,
                 saved, params, groups, row_index=row_token)
         else:
             grad_xs, grad_weight_rows, grads = backend.expert_backward(
-                config.expert, config.activation, config.output_activation,
+                config.expert, config.expert_activation, config.output_activation,
                 gather_rows(grad_out.contiguous(), row_token, backend.workspace), weight_rows,
                 gather_rows(x, row_token, backend.workspace), saved, params, groups)
         grad_x = backend.grad_input_combine(grad_xs, routing.row_pair, num_tokens, k)

@@ -38,6 +38,8 @@ from shardmoe.parallel.sync import EXPERT, REPLICATED, mark_grad_sync
 # MoEConfig's router fields, which MoE takes as keyword options
 ROUTER_OPTIONS = ("score_func", "router_bias", "correction_bias", "bias_update_rate", "n_group", "topk_group",
                   "renormalize_epsilon", "routed_scaling_factor", "seq_aux_loss_coef")
+# MoEConfig's expert-activation constants (activation="clamped_swiglu"), also keyword options
+ACTIVATION_OPTIONS = ("swiglu_limit", "swiglu_alpha")
 
 # the dtypes the layer computes in (float16 runs, but at ~1 GFLOP/s on CPU: design.md)
 DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -53,11 +55,12 @@ class MoE(nn.Module):
                  dtype: torch.dtype | None = None, device=None, **router_options):
         """router_options: MoEConfig's router fields (score_func, router_bias, correction_bias,
         bias_update_rate, n_group, topk_group, renormalize_epsilon, routed_scaling_factor,
-        seq_aux_loss_coef)."""
+        seq_aux_loss_coef), and swiglu_limit, swiglu_alpha for activation="clamped_swiglu"."""
         super().__init__()
-        unknown = sorted(set(router_options) - set(ROUTER_OPTIONS))
+        unknown = sorted(set(router_options) - set(ROUTER_OPTIONS) - set(ACTIVATION_OPTIONS))
         if unknown:
-            raise ValueError(f"router_options: expected names among {', '.join(ROUTER_OPTIONS)}, got {unknown}")
+            raise ValueError(f"router_options: expected names among {', '.join(ROUTER_OPTIONS + ACTIVATION_OPTIONS)}, "
+                             f"got {unknown}")
         self.config = MoEConfig(hidden_size, ffn_size, num_experts, top_k, expert=expert,
                                 activation=activation, output_activation=output_activation, bias=bias,
                                 renormalize=renormalize, capacity_factor=capacity_factor,
@@ -243,10 +246,10 @@ class MoE(nn.Module):
         With a sharded mesh the expert tensors are gathered whole: collective over ('e', 't')."""
         c = self.config
         routers.check_mixtral_router(c, "to_mixtral_state_dict")
-        if c.expert != "glu" or c.activation not in MIXTRAL_ACTIVATIONS or not c.renormalize:
-            raise ValueError("to_mixtral_state_dict: expected expert='glu', renormalize=True and activation in "
-                             f"{sorted(MIXTRAL_ACTIVATIONS)}, got expert={c.expert!r}, renormalize={c.renormalize}, "
-                             f"activation={c.activation!r}")
+        if c.expert != "glu" or c.activation not in MIXTRAL_ACTIVATIONS or not c.renormalize or c.bias:
+            raise ValueError("to_mixtral_state_dict: expected expert='glu', renormalize=True, bias=False and "
+                             f"activation in {sorted(MIXTRAL_ACTIVATIONS)}, got expert={c.expert!r}, "
+                             f"renormalize={c.renormalize}, bias={c.bias}, activation={c.activation!r}")
         return {"gate.weight": self.gate_weight.detach().t().contiguous(),
                 "experts.gate_up_proj": etp.gather_expert_param("gate_up_proj", self.gate_up_proj.detach(),
                                                                 self.mesh).clone(),

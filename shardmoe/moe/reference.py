@@ -175,16 +175,25 @@ def expert_forward(x: torch.Tensor, params: dict[str, torch.Tensor], config: MoE
     glu: (act(x Wgate_e^T + bgate_e) * (x Wup_e^T + bup_e)) Wdown_e^T + bdown_e, Wgate_e/Wup_e = rows
          [0:F]/[F:2F] of gate_up_proj[e] (bgate_e/bup_e the same halves of gate_up_proj_bias[e]; biases
          only with config.bias).
+         clamped_swiglu (GPT-OSS): with g, u the two projections, L = swiglu_limit, alpha = swiglu_alpha,
+         (clamp(u, -L, L) + 1) * clamp(g, max=L) * sigmoid(alpha * clamp(g, max=L)) in place of act(g) * u.
     mlp: act_out(act(x W1_e^T + b1_e) W2_e^T + b2_e).
     """
-    act = ACTIVATION_FUNCTIONS[config.activation]
+    act = ACTIVATION_FUNCTIONS.get(config.activation)
     if config.expert == "glu":
         w_gate, w_up = params["gate_up_proj"][e].split(config.ffn_size, dim=0)
         b_gate, b_up, b_down = None, None, None
         if config.bias:
             b_gate, b_up = params["gate_up_proj_bias"][e].split(config.ffn_size, dim=0)
             b_down = params["down_proj_bias"][e]
-        return F.linear(act(F.linear(x, w_gate, b_gate)) * F.linear(x, w_up, b_up), params["down_proj"][e], b_down)
+        gate, up = F.linear(x, w_gate, b_gate), F.linear(x, w_up, b_up)
+        if config.activation == "clamped_swiglu":
+            gate = gate.clamp(max=config.swiglu_limit)
+            up = up.clamp(-config.swiglu_limit, config.swiglu_limit)
+            hidden = (up + 1) * (gate * torch.sigmoid(config.swiglu_alpha * gate))
+        else:
+            hidden = act(gate) * up
+        return F.linear(hidden, params["down_proj"][e], b_down)
     act_out = ACTIVATION_FUNCTIONS[config.output_activation]
     b1 = params["b1"][e] if config.bias else None
     b2 = params["b2"][e] if config.bias else None

@@ -31,11 +31,11 @@ import struct
 import torch
 
 from shardmoe import shardops
-from shardmoe.moe.config import ACTIVATIONS, EXPERT_KINDS, SCORE_FUNCS
+from shardmoe.moe.config import EXPERT_KINDS, GLU_ACTIVATIONS, SCORE_FUNCS
 from shardmoe.notation import MESH_AXES
 from shardmoe.parallel.exchange import ExchangeError
 
-_STRINGS = EXPERT_KINDS + ACTIVATIONS + SCORE_FUNCS
+_STRINGS = EXPERT_KINDS + GLU_ACTIVATIONS + SCORE_FUNCS  # GLU_ACTIVATIONS: every activation name
 _DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
 # (tag, payload) per setting, so that a rank can print the values the other ranks sent
 _NONE, _INT, _FLOAT, _STRING, _DTYPE = range(5)

@@ -6,6 +6,7 @@ rows, then its up rows):
 
     gate_up_proj  'E/e 2 F/t H'   this rank's gate rows, then the same slice of the up rows
     down_proj     'E/e H F/t'     the same slice of its last dim
+    gate_up_proj_bias 'E/e 2 F/t' (its columns with their rows)   down_proj_bias 'E/e H' (whole on every t rank)
     w1 'E/e P/t H'   b1 'E/e P/t'   w2 'E/e H P/t'   b2 'E/e H' (whole on every t rank)
     gate_weight   'H E'           replicated
 
@@ -18,7 +19,8 @@ and for the input: identity forward, psum_t of the input gradient backward, beca
 dx = dh_t Wgu_t only covers its slice of F. The "glu" gate dot product g . y is taken as
 (g Wdown_t) . a_t, which is also unreduced over t and summed the same way (seed 003's "+1 for
 routing weights gradient"). For "mlp" the psum comes before b2 and act_out, which need the whole
-z2; b2 is added once.
+z2; b2 is added once. The "glu" down_proj_bias is added once in the same way, after the psum of
+y_t, and its term g . bdown of the gate dot is added once, after the psum of the partial dots.
 
 The contractions over F/t run in the fused path's grouped GEMMs (shardmoe/moe/experts.py), not
 in einsums: expert_parallel marks their results with shardops.unreduced (a wrapper, no copy), and
@@ -33,11 +35,13 @@ import torch
 
 from shardmoe import shardops
 
-# parameter name -> (spec of the whole tensor, spec of this rank's shard); gate_up_proj in its
-# [E, 2, F, H] view so that 't' splits the gate and the up rows alike.
+# parameter name -> (spec of the whole tensor, spec of this rank's shard); gate_up_proj (and its
+# bias) in its [E, 2, F, H] ([E, 2, F]) view so that 't' splits the gate and the up rows alike.
 SHARD_SPECS = {
     "gate_up_proj": ("E 2 F H", "E/e 2 F/t H"),
     "down_proj": ("E H F", "E/e H F/t"),
+    "gate_up_proj_bias": ("E 2 F", "E/e 2 F/t"),
+    "down_proj_bias": ("E H", "E/e H"),
     "w1": ("E P H", "E/e P/t H"),
     "b1": ("E P", "E/e P/t"),
     "w2": ("E H P", "E/e H P/t"),
@@ -49,9 +53,6 @@ def check_layout(config, mesh) -> None:
     """Raise ValueError, before any communication, when the mesh cannot split this layer."""
     if mesh is None:
         return
-    if config.expert == "glu" and config.bias and mesh.size() > 1:
-        raise ValueError(f"bias: expected False for expert='glu' on a mesh of {mesh.size()} ranks (biased glu "
-                         "experts run in the single-process layer only, not yet sharded), got True")
     ep, tp = mesh.size("e"), mesh.size("t")
     if config.num_experts % ep:
         raise ValueError(f"num_experts: expected a multiple of the mesh's ep = {ep} (experts are split over 'e'), "
@@ -90,15 +91,23 @@ def gather_expert_param(name: str, local: torch.Tensor, mesh) -> torch.Tensor:
 
 
 def _packed(name: str, t: torch.Tensor) -> torch.Tensor:
-    if name != "gate_up_proj":
-        return t
-    E, two_f, H = t.shape
-    return t.view(E, 2, two_f // 2, H)
+    """gate_up_proj [E, 2F, H] -> [E, 2, F, H], gate_up_proj_bias [E, 2F] -> [E, 2, F]; others as they are."""
+    if name == "gate_up_proj":
+        E, two_f, H = t.shape
+        return t.view(E, 2, two_f // 2, H)
+    if name == "gate_up_proj_bias":
+        E, two_f = t.shape
+        return t.view(E, 2, two_f // 2)
+    return t
 
 
 def _unpacked(name: str, t: torch.Tensor) -> torch.Tensor:
-    """Inverse of _packed: gate_up_proj [E, 2, F, H] -> [E, 2F, H] (a copy if t is a strided shard)."""
-    return t.reshape(t.shape[0], -1, t.shape[-1]) if name == "gate_up_proj" else t
+    """Inverse of _packed (a copy if t is a strided shard)."""
+    if name == "gate_up_proj":
+        return t.reshape(t.shape[0], -1, t.shape[-1])
+    if name == "gate_up_proj_bias":
+        return t.reshape(t.shape[0], -1)
+    return t
 
 
 def reduce_expert_output(partial: shardops.Unreduced, mesh) -> torch.Tensor:

@@ -13,13 +13,14 @@ Commit that writes its outputs when the task ends. So a value that lands while a
 not seen by it, as on a GPU (the gate-dependency race depends on this).
 
   preGEMM   n over P:  z1[:, c] = x W1[e, c]^T + b1[e, c];  a1[:, c] = act(z1[:, c])
-            ("glu": h[:, c], h[:, F+c] from Wgu, a[:, c] = act(hg) * hu)
-  postGEMM  n over H:  z2[:, c] = a1 W2[e, c]^T + b2[e, c];  y[:, c] = act_out(z2[:, c])
+            ("glu": h[:, c], h[:, F+c] from Wgu and bgu, a[:, c] = act(hg) * hu or the clamped SwiGLU)
+  postGEMM  n over H:  z2[:, c] = a1 W2[e, c]^T + b2[e, c];  y[:, c] = act_out(z2[:, c])  ("glu": Wdown, bdown)
   combine   n over H:  out[t, c] += w * y[:, c]
   gradCombine      n over H:  ge[:, c] = w g[:, c]                           (stage 1)
   gradGateCombine  one per row tile:  dw = g . act_out(z2)  [m]             (stage 2)
-  gradPostGEMM     n over P:  da1[:, c], dW2[e][:, c], db2[e] (n = 0)        (stage 3)
-  gradPreGEMM      n over H:  dx[:, c], dW1[e][:, c], db1[e] (n = 0)         (stage 4)
+  gradPostGEMM     n over P:  da1[:, c], dW2[e][:, c], db2[e] (n = 0)        (stage 3; glu: dbdown[e])
+  gradPreGEMM      n over H:  dx[:, c], dW1[e][:, c], db1[e] (n = 0)         (stage 4; glu: dbgu[e])
+The glu's stage-2 dot g . y includes bdown by itself here: gradGateCombine reads y (stored as z2).
   gradInputCombine n over H:  grad_x[t, c] += dx[:, c]                       (stage 5)
   gradGateGEMM     n over H:  dlogits of the tile's tokens; grad_x[t, c] += dlogits Wg[c]^T,
                               dWg[c] += x[t, c]^T dlogits                    (stage 6)
@@ -61,7 +62,7 @@ def _one_expert(m: int) -> ex.Groups:
 def _bias(ctx: KernelContext, name: str, expert: int, cols: slice) -> torch.Tensor | None:
     """Columns `cols` of expert `expert`'s bias as the [1, c] one-expert slice grouped_linear adds
     inside its GEMM (one rounding, as the fused layer), or None for a bias-free layer."""
-    bias = ctx.params[name]
+    bias = ctx.params.get(name)  # a glu without bias has no entry at all
     return None if bias is None else bias[expert:expert + 1, cols]
 
 
@@ -84,12 +85,14 @@ def pre_gemm(task: Task, ctx: KernelContext) -> Commit:
     e, ffn = tile.expert, cfg.ffn_size
     if cfg.expert == "glu":  # the tile's columns of both halves, [hg | hu]
         both = torch.cat([torch.arange(ffn)[cols], ffn + torch.arange(ffn)[cols]])
-        params = {"gate_up_proj": ctx.params["gate_up_proj"][e:e + 1, both]}
+        bias = ctx.params.get("gate_up_proj_bias")
+        params = {"gate_up_proj": ctx.params["gate_up_proj"][e:e + 1, both],
+                  "gate_up_proj_bias": None if bias is None else bias[e:e + 1, both]}
         z_cols = [cols, slice(ffn + cols.start, ffn + cols.stop)]
     else:
         params = {"w1": ctx.params["w1"][e:e + 1, cols], "b1": _bias(ctx, "b1", e, cols)}
         z_cols = [cols]
-    a, z = ex.pre_gemm(cfg.expert, cfg.activation, mem[op["x"]], params, _one_expert(tile.size))
+    a, z = ex.pre_gemm(cfg.expert, cfg.expert_activation, mem[op["x"]], params, _one_expert(tile.size))
 
     def commit():
         for part, dest in zip(z.chunk(len(z_cols), dim=1), z_cols):
@@ -103,7 +106,8 @@ def post_gemm(task: Task, ctx: KernelContext) -> Commit:
     cols = ctx.plan.columns(task.tile_idx, cfg.hidden_size)
     e = tile.expert
     if cfg.expert == "glu":
-        params = {"down_proj": ctx.params["down_proj"][e:e + 1, cols]}
+        params = {"down_proj": ctx.params["down_proj"][e:e + 1, cols],
+                  "down_proj_bias": _bias(ctx, "down_proj_bias", e, cols)}
     else:
         params = {"w2": ctx.params["w2"][e:e + 1, cols], "b2": _bias(ctx, "b2", e, cols)}
     y, z2 = ex.post_gemm(cfg.expert, cfg.output_activation, mem[op["a"]], params, _one_expert(tile.size))
@@ -157,9 +161,12 @@ def grad_post_gemm(task: Task, ctx: KernelContext) -> Commit:
     ge, a = mem[op["ge"]], mem[op["a"]][:, cols]
     if cfg.expert == "glu":
         # ge already carries w, so the stage function gets unit weights: w (g Wdown) = (w g) Wdown.
-        grad_a, grad_down, _, _ = ex.grad_post_gemm_glu(ge, ge.new_ones(tile.size), a,
-                                                     ctx.params["down_proj"][e:e + 1, :, cols], groups)
+        has_bias = ctx.params.get("down_proj_bias") is not None and task.tile_idx == 0
+        grad_a, grad_down, _, grad_bias = ex.grad_post_gemm_glu(ge, ge.new_ones(tile.size), a,
+                                                                ctx.params["down_proj"][e:e + 1, :, cols], groups,
+                                                                has_bias)
         grads = [("down_proj", (slice(None), cols), grad_down[0])]
+        grads += [("down_proj_bias", slice(None), grad_bias[0])] if has_bias else []
     else:
         has_bias = ctx.params["b2"] is not None and task.tile_idx == 0
         grad_a, grad_w2, grad_b2 = ex.grad_post_gemm_mlp(ge, mem[op["z2"]], a, ctx.params["w2"][e:e + 1, :, cols],
@@ -175,10 +182,13 @@ def grad_pre_gemm(task: Task, ctx: KernelContext) -> Commit:
     e, le, groups = tile.expert, tile.local_expert, _one_expert(tile.size)
     grad_a, z, xs = mem[op["grad"]], mem[op["z"]], mem[op["x"]][:, cols]
     if cfg.expert == "glu":
-        _, act_gate = ex.glu_activation(z, cfg.activation)
-        grad_x, grad_gu, _ = ex.grad_pre_gemm_glu(grad_a, z, act_gate, xs, ctx.params["gate_up_proj"][e:e + 1, :, cols],
-                                               groups, cfg.activation)
+        has_bias = ctx.params.get("gate_up_proj_bias") is not None and task.tile_idx == 0
+        _, act_gate = ex.glu_activation(z, cfg.expert_activation)
+        grad_x, grad_gu, grad_bias = ex.grad_pre_gemm_glu(grad_a, z, act_gate, xs,
+                                                          ctx.params["gate_up_proj"][e:e + 1, :, cols], groups,
+                                                          cfg.expert_activation, has_bias)
         grads = [("gate_up_proj", (slice(None), cols), grad_gu[0])]
+        grads += [("gate_up_proj_bias", slice(None), grad_bias[0])] if has_bias else []
     else:
         has_bias = ctx.params["b1"] is not None and task.tile_idx == 0
         grad_x, grad_w1, grad_b1 = ex.grad_pre_gemm_mlp(grad_a, z, xs, ctx.params["w1"][e:e + 1, :, cols], has_bias,

@@ -146,9 +146,6 @@ class Plan:
             _positive(name, value)
         if ranks_per_node is not None:
             _positive("ranks_per_node", ranks_per_node)
-        if config.expert == "glu" and config.bias:
-            raise ValueError("config.bias: expected False for expert='glu' (the tile tasks do not yet carry the "
-                             "glu biases), got True")
         if config.num_experts % peers:
             raise ValueError(f"peers: expected a divisor of num_experts={config.num_experts} (experts split "
                              f"in equal contiguous blocks), got {peers}")

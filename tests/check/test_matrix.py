@@ -3,12 +3,13 @@ import pytest
 import torch
 
 import shardmoe
-from shardmoe.check.cases import (EXPERTS, GLU_ACTIVATIONS, MLP_ACTIVATIONS, ROUTERS, core_matrix, edge_cases,
-                                  full_matrix, gradcheck_cases, precision_cases, quick_matrix, router_matrix)
+from shardmoe.check.cases import (EXPERT_OPTIONS, EXPERTS, GLU_ACTIVATIONS, MLP_ACTIVATIONS, ROUTERS, core_matrix,
+                                  edge_cases, expert_option_matrix, full_matrix, gradcheck_cases, precision_cases,
+                                  quick_matrix, router_matrix)
 from shardmoe.check.command import single_threaded
 from shardmoe.check.compare import TOLERANCES, compare_with_reference, relative_error, run_fused
 from shardmoe.check.inputs import make_inputs
-from shardmoe.moe.config import ACTIVATIONS
+from shardmoe.moe.config import ACTIVATIONS, GLU_ACTIVATIONS as CONFIG_GLU_ACTIVATIONS
 from shardmoe.moe.reference import reference_routing
 
 MATRIX = full_matrix()
@@ -51,12 +52,13 @@ def test_core_matrix_in_bf16_within_tolerance_of_float64():
 
 def test_matrix_covers_every_option():
     configs = [c.config for c in MATRIX]
-    assert {(c.expert, c.activation) for c in configs} == {(e, a) for e in ("glu", "mlp") for a in ACTIVATIONS}
+    assert {(c.expert, c.activation) for c in configs} == {("glu", a) for a in CONFIG_GLU_ACTIVATIONS} | {
+        ("mlp", a) for a in ACTIVATIONS}
     assert {c.output_activation for c in configs if c.expert == "mlp"} == set(ACTIVATIONS)
     assert {c.top_k for c in configs} == set(range(1, EXPERTS + 1))
     assert {c.renormalize for c in configs} == {True, False}
     assert {c.capacity_factor is None for c in configs} == {True, False}
-    assert {c.bias for c in configs if c.expert == "mlp"} == {True, False}
+    assert {(c.expert, c.bias) for c in configs} == {(e, b) for e in ("glu", "mlp") for b in (True, False)}
     assert any(c.aux_loss_coef > 0 and c.z_loss_coef > 0 for c in configs)
     for expert in ("glu", "mlp"):
         of_kind = [c for c in MATRIX if c.config.expert == expert]
@@ -74,9 +76,12 @@ def test_case_counts_are_the_ones_docs_checking_md_gives():
     assert len(edge_cases()) == 2 * (4 * ((EXPERTS - 1) + 2 * 4) + 1) == 90
     # router families x capacity x k = 1, 2, plus a tie case per family
     assert len(router_matrix()) == len(ROUTERS) * (2 * 2 + 1) == 25
-    # + one case of each of the 6 edge kinds per kind, one per router family and one tie
-    assert len(quick_matrix()) == variants + 2 * 6 + len(ROUTERS) + 1 == 43
-    assert len(precision_cases()) == 15 and len(gradcheck_cases()) == 3
+    # expert options x (plain softmax and every router family) x capacity x k = 1, 2
+    assert len(expert_option_matrix()) == len(EXPERT_OPTIONS) * (1 + len(ROUTERS)) * 2 * 2 == 72
+    assert len(full_matrix()) == 400 + 90 + 25 + 72 == 587
+    # + one case of each of the 6 edge kinds per kind, one per router family, one tie, one per expert option
+    assert len(quick_matrix()) == variants + 2 * 6 + len(ROUTERS) + 1 + len(EXPERT_OPTIONS) == 46
+    assert len(precision_cases()) == 17 and len(gradcheck_cases()) == 4
 
 
 def test_router_matrix_covers_every_router_option_and_ties():
@@ -93,6 +98,33 @@ def test_router_matrix_covers_every_router_option_and_ties():
     assert {tuple(sorted(dict(score=c.config.score_func, groups=c.config.n_group).items())) for c in ties} \
         >= {(("groups", 1), ("score", "softmax")), (("groups", 2), ("score", "sigmoid"))}
     assert any(c.tie for c in quick_matrix())
+
+
+def test_expert_option_matrix_crosses_every_option_with_every_router_and_the_clamps_act():
+    """Each expert option meets every router (and the plain one) with and without capacity; in the
+    clamped cases' float64 inputs both clamps act on kept pairs (h above L, |hu| above L, and below)."""
+    cases = expert_option_matrix()
+    routers = {tuple(sorted((n, getattr(c.config, n)) for n in ("score_func", "router_bias", "correction_bias",
+                                                                 "n_group"))) for c in cases}
+    assert len(routers) == 1 + len(ROUTERS)
+    for options in EXPERT_OPTIONS:
+        of_option = [c for c in cases if (c.config.bias, c.config.activation)
+                     == (options.get("bias", False), options.get("activation", "silu"))]
+        assert len(of_option) == len(cases) // len(EXPERT_OPTIONS)
+        assert {c.config.capacity_factor is None for c in of_option} == {True, False}
+    for case in (c for c in cases if c.config.activation == "clamped_swiglu"):
+        inputs, config = make_inputs(case), case.config
+        routing = reference_routing(inputs.x.reshape(-1, config.hidden_size), inputs.params["gate_weight"], config,
+                                    inputs.params.get("gate_bias"), inputs.correction_bias)
+        tokens, slots = routing.kept.nonzero(as_tuple=True)
+        experts = routing.selected[tokens, slots]
+        x = inputs.x.reshape(-1, config.hidden_size)[tokens]
+        h = torch.einsum("nh,nfh->nf", x, inputs.params["gate_up_proj"][experts])
+        if config.bias:
+            h = h + inputs.params["gate_up_proj_bias"][experts]
+        gate, up, limit = h[:, :config.ffn_size], h[:, config.ffn_size:], config.swiglu_limit
+        assert (gate > limit).any() and (gate < limit).any(), case.name
+        assert (up.abs() > limit).any() and (up.abs() < limit).any(), case.name
 
 
 def test_tie_cases_route_both_twins_and_the_lower_wins():

@@ -154,12 +154,3 @@ def test_capacity_factor_keeping_every_pair_caps_capacity_at_the_token_count(fac
     assert torch.equal(layer(x), dropless(x))
     assert layer.stats["capacity"] == 7 and layer.stats["dropped_tokens"] == 0
     assert layer.config.capacity(0) == 0
-
-
-def test_biased_glu_refused_where_not_yet_carried():
-    """The tile-task runtime does not carry the glu biases: it refuses them before any work."""
-    from shardmoe.moe.config import MoEConfig
-    from shardmoe.tasks.plan import Plan
-    config = MoEConfig(8, 6, 4, 2, expert="glu", bias=True)
-    with pytest.raises(ValueError, match=r"config\.bias: expected False for expert='glu' .* got True"):
-        Plan(config, None, 5)

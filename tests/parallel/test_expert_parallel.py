@@ -1,10 +1,11 @@
 """Expert and expert-tensor parallelism against the single-process float64 reference.
 
 Two spawned gloo worlds carry every distributed check (spawning costs seconds):
-  4 ranks: ep=4, ep2 x tp2, dp2 x ep2, each on all-P2P, mixed and all-remote topologies, three
-           layer configurations each (glu dropless with aux + z loss and a rank without tokens;
+  4 ranks: ep=4, ep2 x tp2, dp2 x ep2, each on all-P2P, mixed and all-remote topologies, the
+           layer configurations of CONFIGS each (glu dropless with aux + z loss and a rank without tokens;
            mlp with biases, a nonlinear output activation and capacity drops; every token routed
-           to one rank's experts, with capacity), plus the raw row exchange with heap growth.
+           to one rank's experts, with capacity; every router option; GPT-OSS's biased clamped-SwiGLU
+           experts with its router), plus the raw row exchange with heap growth.
   2 ranks: ep=2 (P2P and remote), tp=2, dp=2, seed 003's worked example, bad configurations,
            and the distributed benchmark on tiny shapes.
 The parent computes every expected value with shardmoe.moe.reference (plain autograd, float64):
@@ -43,9 +44,12 @@ CONFIGS = {
                             correction_bias=True, n_group=4, topk_group=2, renormalize_epsilon=1e-20,
                             routed_scaling_factor=2.5, aux_loss_coef=0.05, z_loss_coef=0.01, seq_aux_loss_coef=0.3,
                             capacity_factor=1.0),
+    # GPT-OSS's experts: biased glu with the clamped SwiGLU (a limit h ~ N(0, 1.3) crosses), its router
+    "gpt_oss_experts": dict(ffn_size=FFN, num_experts=8, top_k=2, bias=True, activation="clamped_swiglu",
+                            swiglu_limit=1.0, swiglu_alpha=1.5, router_bias=True, aux_loss_coef=0.05),
 }
-ROUTER_OPTIONS = ("score_func", "router_bias", "correction_bias", "n_group", "topk_group", "renormalize_epsilon",
-                  "routed_scaling_factor", "seq_aux_loss_coef")
+LAYER_OPTIONS = ("score_func", "router_bias", "correction_bias", "n_group", "topk_group", "renormalize_epsilon",
+                  "routed_scaling_factor", "seq_aux_loss_coef", "swiglu_limit", "swiglu_alpha")
 TOKENS = {1: [10], 2: [0, 11], 4: [5, 0, 7, 4]}  # tokens per token-parallel rank (d, e); one holds none
 
 
@@ -90,7 +94,10 @@ def _reference_extras(case: dict) -> dict:
 def _whole_shapes(config: MoEConfig) -> dict:
     E, F_ = config.num_experts, config.ffn_size
     if config.expert == "glu":
-        return {"gate_up_proj": (E, 2 * F_, H), "down_proj": (E, H, F_)}
+        shapes = {"gate_up_proj": (E, 2 * F_, H), "down_proj": (E, H, F_)}
+        if config.bias:
+            shapes.update(gate_up_proj_bias=(E, 2 * F_), down_proj_bias=(E, H))
+        return shapes
     shapes = {"w1": (E, F_, H), "w2": (E, H, F_)}
     if config.bias:
         shapes.update(b1=(E, F_), b2=(E, H))
@@ -139,7 +146,7 @@ def _local_shard(name: str, whole: torch.Tensor, coords: dict, layout) -> torch.
         return whole
     El = whole.shape[0] // ep
     block = whole[coords["e"] * El : (coords["e"] + 1) * El]
-    if name == "gate_up_proj":
+    if name in ("gate_up_proj", "gate_up_proj_bias"):
         F_ = whole.shape[1] // 2
         Ft = F_ // tp
         t = coords["t"]
@@ -211,7 +218,7 @@ def _assert_same(a: dict, b: dict, what: str) -> None:
 def _run_case(case: dict, mesh: Mesh) -> dict:
     config = case["config"]
     kw = {f: getattr(config, f) for f in ("expert", "activation", "output_activation", "bias", "renormalize",
-                                          "capacity_factor", "aux_loss_coef", "z_loss_coef", *ROUTER_OPTIONS)}
+                                          "capacity_factor", "aux_loss_coef", "z_loss_coef", *LAYER_OPTIONS)}
     layer = shardmoe.MoE(H, config.ffn_size, config.num_experts, config.top_k, mesh=mesh, dtype=torch.float64, **kw)
     with torch.no_grad():
         for name, p in layer.named_parameters():

@@ -1,6 +1,6 @@
 """The tile-task runtime equals the fused layer (float64, 1e-12 relative) under every schedule:
-10 configurations x 52 schedules (FIFO, LIFO, 50 seeded random orders with 1 to 5 processors per
-device) = 520 backward schedules, plus 5 forward schedules per configuration."""
+11 configurations x 52 schedules (FIFO, LIFO, 50 seeded random orders with 1 to 5 processors per
+device) = 572 backward schedules, plus 5 forward schedules per configuration."""
 import pytest
 import torch
 
@@ -38,6 +38,11 @@ CASES = {
                                          routed_scaling_factor=2.5, capacity_factor=0.8, aux_loss_coef=0.2,
                                          z_loss_coef=0.1, seq_aux_loss_coef=0.3), 2, 8, (2, 8),
                                     dict(peers=4, ranks_per_node=2, block_m=3, block_n=4)),
+    # GPT-OSS's experts: both glu biases, the clamped SwiGLU (limit 1.5 against h ~ N(0, 8): both clamps
+    # act), its router bias; two column tiles each way, so only column tile 0 may commit the bias gradients
+    "glu-k2-bias-clamped-remote": (dict(expert="glu", bias=True, activation="clamped_swiglu", swiglu_limit=1.5,
+                                       router_bias=True, capacity_factor=0.8, aux_loss_coef=0.1), 2, 4, 10,
+                                  dict(peers=2, ranks_per_node=1, block_m=3, block_n=4)),
 }
 SCHEDULES = [("fifo", 0, 4), ("lifo", 0, 2)] + [("random", seed, 1 + seed % 5) for seed in range(50)]
 HIDDEN, FFN = 8, 6
@@ -91,7 +96,7 @@ def test_forward_and_backward_equal_the_fused_layer_under_every_schedule(name):
 
 def test_configurations_cover_drops_fully_dropped_tokens_and_both_paths():
     """The cases above exercise what they claim: capacity drops (including tokens that lose every
-    pair and so get only the aux/z-loss gate gradient), P2P-only and remote peers."""
+    pair and so get only the aux/z-loss gate gradient), P2P-only and remote peers, both clamps."""
     layer, x, _, schedule = _setup("mlp-k2-uneven-nodes")
     plan = run_forward(layer, x, **schedule).plan
     assert plan.routing.dropped_pairs > 0 and bool((plan.kept_pairs == 0).any())
@@ -103,6 +108,9 @@ def test_configurations_cover_drops_fully_dropped_tokens_and_both_paths():
     assert remote_share["mlp-k1-single"] == remote_share["mlp-k2-bias-p2p"] == remote_share["glu-k1-no-renorm-z"] == 0
     assert remote_share["mlp-k4-no-renorm-remote"] >= 0.5 and remote_share["glu-k2-remote"] >= 0.25
     assert 0 < remote_share["mlp-k3-drops-aux-z-mixed"] < 1 and 0 < remote_share["glu-k3-three-peers"] < 1
+    layer, x, _, _ = _setup("glu-k2-bias-clamped-remote")
+    h = torch.einsum("sh,efh->sef", x.detach(), layer.gate_up_proj.detach()) + layer.gate_up_proj_bias.detach()
+    assert (h[..., :FFN] > 1.5).any() and (h[..., FFN:].abs() > 1.5).any() and (h.abs() < 1.5).any()
 
 
 def test_run_backward_without_a_forward_result_and_without_the_aux_term():

@@ -6,16 +6,18 @@ world per world size runs every layout of that size in turn; each rank also chec
 that the model's synced gradients gather to the single-process gradients (the placement of the
 dense-weight sums over e and of the MoE seam over t) and that full weights round-trip through
 the shards; the same for a DeepSeek-like router (sigmoid, groups, both biases, scaling, sequence-wise
-loss over the packed documents), whose correction biases after one update must equal the
-single-process ones. A checkpoint written by the d = 2 run resumes on one process.
+loss over the packed documents) with GPT-OSS's experts (both glu biases, clamped SwiGLU), whose
+correction biases after one update must equal the single-process ones. A checkpoint written by
+the d = 2 run resumes on one process.
 """
 import dataclasses
+import math
 
 import pytest
 import torch
 
 from shardmoe.mesh import Mesh
-from shardmoe.model.transformer import Transformer
+from shardmoe.model.transformer import Transformer, full_shapes
 from shardmoe.testing import run_distributed
 from shardmoe.train.loop import build_streams, train
 
@@ -24,7 +26,10 @@ from .conftest import TINY_MODEL, tiny_train_config
 STEPS = 20
 ROUTER_MODEL = dataclasses.replace(TINY_MODEL, score_func="sigmoid", router_bias=True, correction_bias=True,
                                    bias_update_rate=0.01, n_group=2, topk_group=1, renormalize_epsilon=1e-20,
-                                   routed_scaling_factor=2.5, seq_aux_loss_coef=0.01)
+                                   routed_scaling_factor=2.5, seq_aux_loss_coef=0.01,
+                                   # GPT-OSS's experts too: both glu biases and the clamped SwiGLU, its limit
+                                   # within the spread of h (the biases' linspace below crosses it)
+                                   expert_bias=True, activation="clamped_swiglu", swiglu_limit=0.1)
 LAYOUTS = {2: [(2, 1, 1), (1, 1, 2), (1, 2, 1)], 4: [(2, 2, 1), (1, 2, 2)]}  # (d, e, t)
 
 
@@ -41,8 +46,10 @@ def float64_gradients(mesh, model_config=TINY_MODEL):
     model = Transformer(model_config, mesh=mesh, dtype=torch.float64, seed=3)
     with torch.no_grad():  # biases away from their zero init, so that they matter
         for name, p in model.named_parameters():
-            if name.endswith("gate_bias"):
-                p.copy_(torch.linspace(-0.5, 0.5, p.numel(), dtype=p.dtype))
+            if name.endswith(("gate_bias", "proj_bias")):  # the full tensor, then this rank's shard of it
+                shape = full_shapes(model_config)[name]
+                full = torch.linspace(-0.5, 0.5, math.prod(shape), dtype=p.dtype).view(shape)
+                p.copy_(model.shard_full(name, full))
     losses = model(batch.ids, batch.is_seq_start, batch.targets)
     losses.total.backward()
     model.sync_grads()
