@@ -8,6 +8,8 @@ rows, then its up rows):
     down_proj     'E/e H F/t'     the same slice of its last dim
     w1 'E/e P/t H'   b1 'E/e P/t'   w2 'E/e H P/t'   b2 'E/e H' (whole on every t rank)
     gate_weight   'H E'           replicated
+    shared_gate_up_proj '2 Fs/t H', shared_down_proj 'H Fs/t' (the shared expert, dense: replicated
+    over 'e', sliced over 't' like one expert), shared_gate_weight 'H' replicated
 
 On rows xs 'N H' that every rank of a t group holds alike (they come from the same tokens):
     h   = xs Wgu_t^T            'N 2F/t'   column-parallel: no communication
@@ -42,6 +44,10 @@ SHARD_SPECS = {
     "b1": ("E P", "E/e P/t"),
     "w2": ("E H P", "E/e H P/t"),
     "b2": ("E H", "E/e H"),
+    # the shared expert is dense: one expert's layout, replicated over 'e', sliced over 't'
+    "shared_gate_up_proj": ("2 F H", "2 F/t H"),
+    "shared_down_proj": ("H F", "H F/t"),
+    "shared_gate_weight": ("H", "H"),
 }
 
 
@@ -59,6 +65,9 @@ def check_layout(config, mesh) -> None:
     if config.ffn_size % tp:
         raise ValueError(f"ffn_size: expected a multiple of the mesh's tp = {tp} (the expert intermediate dim is "
                          f"split over 't'), got {config.ffn_size}")
+    if config.shared_ffn_size % tp:
+        raise ValueError(f"shared_ffn_size: expected a multiple of the mesh's tp = {tp} (the shared expert's "
+                         f"intermediate dim is split over 't'), got {config.shared_ffn_size}")
 
 
 def is_sharded(mesh) -> bool:
@@ -90,15 +99,18 @@ def gather_expert_param(name: str, local: torch.Tensor, mesh) -> torch.Tensor:
 
 
 def _packed(name: str, t: torch.Tensor) -> torch.Tensor:
-    if name != "gate_up_proj":
+    if name not in ("gate_up_proj", "shared_gate_up_proj"):
         return t
-    E, two_f, H = t.shape
-    return t.view(E, 2, two_f // 2, H)
+    *lead, two_f, H = t.shape
+    return t.view(*lead, 2, two_f // 2, H)
 
 
 def _unpacked(name: str, t: torch.Tensor) -> torch.Tensor:
-    """Inverse of _packed: gate_up_proj [E, 2, F, H] -> [E, 2F, H] (a copy if t is a strided shard)."""
-    return t.reshape(t.shape[0], -1, t.shape[-1]) if name == "gate_up_proj" else t
+    """Inverse of _packed: gate_up_proj [E, 2, F, H] -> [E, 2F, H], shared_gate_up_proj [2, Fs, H] ->
+    [2Fs, H] (a copy if t is a strided shard)."""
+    if name not in ("gate_up_proj", "shared_gate_up_proj"):
+        return t
+    return t.reshape(*t.shape[:-3], -1, t.shape[-1])
 
 
 def reduce_expert_output(partial: shardops.Unreduced, mesh) -> torch.Tensor:
