@@ -1,6 +1,6 @@
 """The tile-task runtime equals the fused layer (float64, 1e-12 relative) under every schedule:
-10 configurations x 52 schedules (FIFO, LIFO, 50 seeded random orders with 1 to 5 processors per
-device) = 520 backward schedules, plus 5 forward schedules per configuration."""
+11 configurations x 52 schedules (FIFO, LIFO, 50 seeded random orders with 1 to 5 processors per
+device) = 572 backward schedules, plus 5 forward schedules per configuration."""
 import pytest
 import torch
 
@@ -38,6 +38,11 @@ CASES = {
                                          routed_scaling_factor=2.5, capacity_factor=0.8, aux_loss_coef=0.2,
                                          z_loss_coef=0.1, seq_aux_loss_coef=0.3), 2, 8, (2, 8),
                                     dict(peers=4, ranks_per_node=2, block_m=3, block_n=4)),
+    # issue 10 item 4: sigmoid, group-limited, correction bias, a gated shared expert (beside the schedule)
+    "glu-k2-sigmoid-groups-shared": (dict(expert="glu", activation="silu", score_func="sigmoid", correction_bias=True,
+                                          n_group=4, topk_group=2, routed_scaling_factor=2.5, aux_loss_coef=0.2,
+                                          shared_ffn_size=10, shared_gate=True), 2, 8, 12,
+                                     dict(peers=2, ranks_per_node=1, block_m=3, block_n=4)),
 }
 SCHEDULES = [("fifo", 0, 4), ("lifo", 0, 2)] + [("random", seed, 1 + seed % 5) for seed in range(50)]
 HIDDEN, FFN = 8, 6
