@@ -14,7 +14,10 @@ has its own rows) and replicated over t. On every rank:
 
 Weights (local shard specs): embedding and unembedding 'V/t M/d', norm gains 'M/t/d', w_q and
 w_o 'M/d Q K/t D', w_kv '2 M/d K/t D' (docs/model.md); MoE gate 'H E' (replicated), gate_up_proj
-'E/e 2F/t H', down_proj 'E/e H F/t' (shardmoe/parallel/expert_tensor.py).
+'E/e 2F/t H', down_proj 'E/e H F/t' (shardmoe/parallel/expert_tensor.py); with shared_ffn_size the
+shared expert's shared_gate_up_proj '2 Fs/t H' and shared_down_proj 'H Fs/t' (sliced over t like one
+expert, replicated over d and e: the MoE layer computes it on each rank's own tokens) and
+shared_gate_weight 'H' (replicated, like the gate).
 
 Gradient placement. The dense layers reduce-scatter their weight gradients over d (the duals of
 their FSDP gathers), but with tokens also split over e those sums miss the other e ranks' tokens:
@@ -40,7 +43,7 @@ from torch import Tensor, nn
 
 from shardmoe import shardops
 from shardmoe.moe.config import MoEConfig
-from shardmoe.moe.layer import ROUTER_OPTIONS, MoE
+from shardmoe.moe.layer import ROUTER_OPTIONS, SHARED_OPTIONS, MoE
 from shardmoe.notation import MESH_AXES, parse_spec
 from shardmoe.parallel import expert_tensor as etp
 from shardmoe.parallel.sync import mark_grad_sync, sync_grads
@@ -57,9 +60,10 @@ from .unembed import Unembedding
 
 DENSE_GRAD_SYNC = ("e",)  # the dense layers already summed over d themselves
 EXPERT_PARAMS = ("gate_up_proj", "down_proj")
+SHARED_PARAMS = ("shared_gate_up_proj", "shared_down_proj")  # laid out and sharded as expert_tensor says
 GATE_SPEC = "H E"
 GATE_BIAS_SPEC = "E"
-ROUTER_STATE = ("gate_weight", "gate_bias", "correction_bias")  # replicated on every rank
+ROUTER_STATE = ("gate_weight", "gate_bias", "correction_bias", "shared_gate_weight")  # replicated on every rank
 
 
 @dataclass(frozen=True)
@@ -70,6 +74,7 @@ class TransformerConfig:
     aux_loss_coef and z_loss_coef weight each block's load-balancing and router z losses; the
     router options after them are MoEConfig's (docs/moe.md "Routers"); with seq_aux_loss_coef the
     sequences are the packed documents (a row's segments, is_seq_start), cut at row boundaries.
+    shared_ffn_size and shared_gate add each block's shared expert (docs/moe.md "Shared experts").
     Residual-branch outputs (w_o, down_proj) start at init_std / sqrt(2 n_layers) (GPT-2).
     """
 
@@ -94,6 +99,8 @@ class TransformerConfig:
     renormalize_epsilon: float = 0.0
     routed_scaling_factor: float = 1.0
     seq_aux_loss_coef: float = 0.0
+    shared_ffn_size: int = 0
+    shared_gate: bool = False
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     init_std: float = 0.02
@@ -111,7 +118,7 @@ class TransformerConfig:
         return MoEConfig(self.d_model, self.ffn_size, self.num_experts, self.top_k, expert="glu",
                          activation="silu", capacity_factor=self.capacity_factor,
                          aux_loss_coef=self.aux_loss_coef, z_loss_coef=self.z_loss_coef,
-                         **{name: getattr(self, name) for name in ROUTER_OPTIONS})
+                         **{name: getattr(self, name) for name in ROUTER_OPTIONS + SHARED_OPTIONS})
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -132,6 +139,7 @@ def check_layout(config: TransformerConfig, dp: int = 1, ep: int = 1, tp: int = 
              ("n_kv_heads", config.n_kv_heads, tp, "key/value heads are split over t"),
              ("d_model", config.d_model, tp * dp, "norm gains are split over t and d"),
              ("ffn_size", config.ffn_size, tp, "each expert's intermediate dim is split over t"),
+             ("shared_ffn_size", config.shared_ffn_size, tp, "the shared expert's intermediate dim is split over t"),
              ("num_experts", config.num_experts, ep, "experts are split over e")]
     for name, value, multiple, why in needs:
         if value % multiple:
@@ -152,6 +160,12 @@ def full_shapes(config: TransformerConfig) -> dict[str, tuple[int, ...]]:
                        f"blocks.{i}.moe.gate_up_proj": (E, 2 * F, M), f"blocks.{i}.moe.down_proj": (E, M, F)})
         if config.router_bias:
             shapes[f"blocks.{i}.moe.gate_bias"] = (E,)
+        if config.shared_ffn_size:
+            Fs = config.shared_ffn_size
+            shapes.update({f"blocks.{i}.moe.shared_gate_up_proj": (2 * Fs, M),
+                           f"blocks.{i}.moe.shared_down_proj": (M, Fs)})
+        if config.shared_gate:
+            shapes[f"blocks.{i}.moe.shared_gate_weight"] = (M,)
     shapes.update({"final_norm.weight": (M,), "unembedding.weight": (V, M)})
     if config.correction_bias:
         shapes.update({f"blocks.{i}.moe.correction_bias": (E,) for i in range(config.n_layers)})
@@ -161,7 +175,7 @@ def full_shapes(config: TransformerConfig) -> dict[str, tuple[int, ...]]:
 def init_full_weights(config: TransformerConfig, seed: int, dtype: torch.dtype = torch.float32) -> dict[str, Tensor]:
     """Every full weight drawn from `seed`: norm gains 1, router and correction biases 0 (the
     correction bias in float32), the rest N(0, std^2) with std = init_std, or
-    init_std / sqrt(2 n_layers) for the residual-branch outputs w_o and down_proj."""
+    init_std / sqrt(2 n_layers) for the residual-branch outputs w_o, down_proj and shared_down_proj."""
     generator = torch.Generator().manual_seed(seed)
     residual_std = config.init_std / math.sqrt(2 * config.n_layers)
     weights = {}
@@ -242,14 +256,14 @@ class Transformer(nn.Module):
         for i in range(self.config.n_layers):
             specs[f"blocks.{i}.moe.gate_weight"] = GATE_SPEC
             specs[f"blocks.{i}.moe.gate_bias"] = GATE_BIAS_SPEC
-            for short in EXPERT_PARAMS:
+            for short in EXPERT_PARAMS + SHARED_PARAMS + ("shared_gate_weight",):
                 specs[f"blocks.{i}.moe.{short}"] = etp.SHARD_SPECS[short][1]
         return {name: specs[name] for name, _ in self.named_parameters()}
 
     @staticmethod
     def _kind(name: str) -> str:
         short = name.rsplit(".", 1)[-1]
-        return "expert" if short in EXPERT_PARAMS else "gate" if short in ROUTER_STATE else "dense"
+        return "expert" if short in EXPERT_PARAMS + SHARED_PARAMS else "gate" if short in ROUTER_STATE else "dense"
 
     def replicas(self, name: str) -> int:
         """Number of ranks holding the same shard of parameter `name` (its gradient norm counts once)."""
