@@ -165,3 +165,15 @@ def test_kernel_path_is_refused_with_a_shared_expert():
     with force_kernel_path():
         assert fused_path(MoEConfig(H, F, E, K), torch.zeros(3, H)) is True
         assert fused_path(MoEConfig(H, F, E, K, shared_ffn_size=4), torch.zeros(3, H)) is False
+
+
+def test_mixtral_exports_refuse_a_shared_expert():
+    """Mixtral has no shared expert: the layer's and the model's exports refuse rather than drop it."""
+    from shardmoe.model.mixtral import mixtral_config
+    from shardmoe.model.transformer import TransformerConfig
+
+    match = r"expected no shared expert \(shared_ffn_size=0, as Mixtral\), got shared_ffn_size=4"
+    with pytest.raises(ValueError, match="to_mixtral_state_dict: " + match):
+        shardmoe.MoE(H, F, E, K, shared_ffn_size=4).to_mixtral_state_dict()
+    with pytest.raises(ValueError, match="mixtral_config: " + match):
+        mixtral_config(TransformerConfig(shared_ffn_size=4))
