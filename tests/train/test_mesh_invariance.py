@@ -6,8 +6,8 @@ world per world size runs every layout of that size in turn; each rank also chec
 that the model's synced gradients gather to the single-process gradients (the placement of the
 dense-weight sums over e and of the MoE seam over t) and that full weights round-trip through
 the shards; the same for a DeepSeek-like router (sigmoid, groups, both biases, scaling, sequence-wise
-loss over the packed documents) with a gated shared expert (sliced over t), whose correction biases after one update must equal the
-single-process ones. A checkpoint written by the d = 2 run resumes on one process.
+loss over the packed documents) with a gated shared expert (sliced over t), whose correction
+biases after one update must equal the single-process ones. A checkpoint written by the d = 2 run resumes on one process.
 """
 import dataclasses
 
