@@ -177,3 +177,16 @@ def test_mixtral_exports_refuse_a_shared_expert():
         shardmoe.MoE(H, F, E, K, shared_ffn_size=4).to_mixtral_state_dict()
     with pytest.raises(ValueError, match="mixtral_config: " + match):
         mixtral_config(TransformerConfig(shared_ffn_size=4))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=str)
+def test_zero_tokens_give_empty_output_and_zero_shared_gradients(dtype):
+    """S = 0 (a rank without tokens): the grouped GEMMs of one empty group, zero weight gradients."""
+    layer = shardmoe.MoE(16, 32, 4, 2, dtype=dtype, shared_ffn_size=16, shared_gate=True)
+    x = torch.randn(0, 16, dtype=dtype, requires_grad=True)
+    y = layer(x)
+    y.sum().backward()
+    assert y.shape == (0, 16) and x.grad.shape == (0, 16)
+    for name in ("shared_gate_up_proj", "shared_down_proj", "shared_gate_weight"):
+        grad = getattr(layer, name).grad
+        assert grad is not None and grad.dtype == dtype and not grad.any(), name
