@@ -14,7 +14,9 @@ matrix crosses the router families (ROUTERS: sigmoid, router and correction
 biases, groups, epsilon, scaling) with capacity x top_k x the losses (aux, z and
 sequence-wise, on 3 sequences of 5 tokens), and adds ties in the selection scores. The
 expert-option matrix crosses the glu's GPT-OSS options (biases, the clamped SwiGLU, both)
-with the plain softmax router and every router family, x capacity x top_k the same way.
+with the plain softmax router and every router family, x capacity x top_k the same way. The
+shared matrix crosses the shared expert (plain, and gated as Qwen2-MoE's) with the plain and the
+DeepSeek-V3 router x capacity x top_k, beside mlp experts and with tied scores.
 
 Shapes are tiny (H=8, F=6, E=4) so that the full matrix runs in seconds on a CPU.
 """
@@ -78,6 +80,8 @@ class CheckCase:
         if c.capacity_factor is not None:
             parts.append(f"cap{c.capacity_factor:g}")
         parts += _router_tags(c)
+        if c.shared_ffn_size:
+            parts.append(f"shared{c.shared_ffn_size}" + ("gate" if c.shared_gate else ""))
         if c.aux_loss_coef or c.z_loss_coef or c.seq_aux_loss_coef:
             parts.append("aux")
         if self.tie:
@@ -157,6 +161,26 @@ def expert_option_matrix() -> list[CheckCase]:
     return cases
 
 
+SHARED_FFN = 4  # another width than the routed F = 6
+SHARED = (dict(shared_ffn_size=SHARED_FFN), dict(shared_ffn_size=SHARED_FFN, shared_gate=True))
+
+
+def shared_matrix() -> list[CheckCase]:
+    """Each shared expert of SHARED x {the softmax router, DeepSeek-V3's (ROUTERS[1])} x capacity x
+    top_k = 1, 2 (the losses on in half, alternating), glu experts on 3 sequences of 5 tokens; plus
+    the gated one beside biased "mlp" experts, and with tied scores under the DeepSeek-V3 router."""
+    cases = []
+    for shared, router in itertools.product(SHARED, ({}, ROUTERS[1])):
+        for capacity, top_k in itertools.product((False, True), (1, 2)):
+            config = _router_config(router, top_k=top_k, capacity=capacity, aux=(top_k + capacity) % 2 == 1)
+            cases.append(CheckCase(dataclasses.replace(config, **shared), tokens_shape=ROUTER_TOKENS))
+    gated = SHARED[1]
+    cases.append(CheckCase(dataclasses.replace(_config("mlp", "gelu", bias=True, capacity=True, aux=True), **gated)))
+    tied = dataclasses.replace(_router_config(ROUTERS[1], aux=True), **gated)
+    cases.append(CheckCase(tied, tokens_shape=ROUTER_TOKENS, tie=True))
+    return cases
+
+
 def _config(expert: str, activation: str, output_activation: str = "identity", *, bias: bool = False,
             top_k: int = 2, renormalize: bool = True, capacity: bool = False, aux: bool = False) -> MoEConfig:
     return MoEConfig(
@@ -206,14 +230,15 @@ def edge_cases() -> list[CheckCase]:
 
 
 def full_matrix() -> list[CheckCase]:
-    return core_matrix() + edge_cases() + router_matrix() + expert_option_matrix()
+    return core_matrix() + edge_cases() + router_matrix() + expert_option_matrix() + shared_matrix()
 
 
 def quick_matrix() -> list[CheckCase]:
     """A subset of full_matrix touching every option: each expert variant once, rotating
     through the routing settings (renormalize x capacity x top_k), plus one case of each
     edge-case kind, and each router family once (rotating through capacity x top_k x losses)
-    plus one tie, and each expert option once (rotating through the routers and those settings)."""
+    plus one tie, each expert option once (rotating through the routers and those settings), and
+    three shared-expert cases (plain with DeepSeek-V3's router, gated with capacity, gated with ties)."""
     core, variants = core_matrix(), len(_expert_variants())
     per_variant = len(core) // variants
     # A stride coprime with per_variant (16) visits every routing setting in turn.
@@ -231,7 +256,9 @@ def quick_matrix() -> list[CheckCase]:
     options = expert_option_matrix()
     per_option = len(options) // len(EXPERT_OPTIONS)
     # stride 7 (coprime with 24) gives router 1, 3, 4 and all four (capacity, top_k) settings in turn
-    return cases + [options[o * per_option + (7 * o + 5) % per_option] for o in range(len(EXPERT_OPTIONS))]
+    cases += [options[o * per_option + (7 * o + 5) % per_option] for o in range(len(EXPERT_OPTIONS))]
+    shared = shared_matrix()
+    return cases + [shared[5], shared[10], shared[-1]]
 
 
 def unit_size_cases() -> list[CheckCase]:

@@ -85,14 +85,15 @@ def fused_layer(config: MoEConfig, dtype: torch.dtype, device="cpu"):
     """A shardmoe.MoE built from `config` (looked up at call time, so tests can substitute it)."""
     import shardmoe
 
-    from shardmoe.moe.layer import ACTIVATION_OPTIONS, ROUTER_OPTIONS
+    from shardmoe.moe.layer import ACTIVATION_OPTIONS, ROUTER_OPTIONS, SHARED_OPTIONS
 
     c = config
     return shardmoe.MoE(
         c.hidden_size, c.ffn_size, c.num_experts, c.top_k, expert=c.expert, activation=c.activation,
         output_activation=c.output_activation, bias=c.bias, renormalize=c.renormalize,
         capacity_factor=c.capacity_factor, aux_loss_coef=c.aux_loss_coef, z_loss_coef=c.z_loss_coef,
-        dtype=dtype, device=device, **{name: getattr(c, name) for name in ROUTER_OPTIONS + ACTIVATION_OPTIONS},
+        dtype=dtype, device=device,
+        **{name: getattr(c, name) for name in ROUTER_OPTIONS + ACTIVATION_OPTIONS + SHARED_OPTIONS},
     )
 
 

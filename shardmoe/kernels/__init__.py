@@ -72,7 +72,7 @@ def fused_path(config, x: torch.Tensor) -> bool:
 
     True when the layer's config uses only features the kernels implement (expert
     kind in KERNEL_EXPERTS, activation and output_activation in KERNEL_ACTIVATIONS;
-    mlp biases and capacity drops are implemented, glu biases are not; the router runs in torch
+    mlp biases and capacity drops are implemented, glu biases and shared experts are not; the router runs in torch
     on every path, so its options do not matter here) and x is a kernel dtype on CUDA (or on
     CPU inside force_kernel_path()), triton importable and SHARDMOE_KERNELS not 0.
     A config option the kernels do not implement falls back to torch by adding one
@@ -81,6 +81,7 @@ def fused_path(config, x: torch.Tensor) -> bool:
     return (
         config.expert in KERNEL_EXPERTS
         and not (config.expert == "glu" and config.bias)
+        and config.shared_ffn_size == 0  # shared experts run in torch (not wired to the kernels)
         and config.activation in KERNEL_ACTIVATIONS
         and config.output_activation in KERNEL_ACTIVATIONS
         and (available(x) or (_forced_on_cpu and available(x, cuda_only=False)))

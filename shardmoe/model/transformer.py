@@ -15,7 +15,10 @@ has its own rows) and replicated over t. On every rank:
 Weights (local shard specs): embedding and unembedding 'V/t M/d', norm gains 'M/t/d', w_q and
 w_o 'M/d Q K/t D', w_kv '2 M/d K/t D' (docs/model.md); MoE gate 'H E' (replicated), gate_up_proj
 'E/e 2F/t H', down_proj 'E/e H F/t', with expert_bias gate_up_proj_bias 'E/e 2F/t' and
-down_proj_bias 'E/e H' (shardmoe/parallel/expert_tensor.py).
+down_proj_bias 'E/e H' (shardmoe/parallel/expert_tensor.py); with shared_ffn_size the shared
+expert's shared_gate_up_proj '2 Fs/t H' and shared_down_proj 'H Fs/t' (sliced over t like one
+expert, replicated over d and e: the MoE layer computes it on each rank's own tokens) and
+shared_gate_weight 'H' (replicated, like the gate).
 
 Gradient placement. The dense layers reduce-scatter their weight gradients over d (the duals of
 their FSDP gathers), but with tokens also split over e those sums miss the other e ranks' tokens:
@@ -41,7 +44,7 @@ from torch import Tensor, nn
 
 from shardmoe import shardops
 from shardmoe.moe.config import MoEConfig
-from shardmoe.moe.layer import ROUTER_OPTIONS, MoE
+from shardmoe.moe.layer import ROUTER_OPTIONS, SHARED_OPTIONS, MoE
 from shardmoe.notation import MESH_AXES, parse_spec
 from shardmoe.parallel import expert_tensor as etp
 from shardmoe.parallel.sync import mark_grad_sync, sync_grads
@@ -58,9 +61,10 @@ from .unembed import Unembedding
 
 DENSE_GRAD_SYNC = ("e",)  # the dense layers already summed over d themselves
 EXPERT_PARAMS = ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias")
+SHARED_PARAMS = ("shared_gate_up_proj", "shared_down_proj")  # laid out and sharded as expert_tensor says
 GATE_SPEC = "H E"
 GATE_BIAS_SPEC = "E"
-ROUTER_STATE = ("gate_weight", "gate_bias", "correction_bias")  # replicated on every rank
+ROUTER_STATE = ("gate_weight", "gate_bias", "correction_bias", "shared_gate_weight")  # replicated on every rank
 
 
 @dataclass(frozen=True)
@@ -73,6 +77,7 @@ class TransformerConfig:
     sequences are the packed documents (a row's segments, is_seq_start), cut at row boundaries.
     expert_bias, activation, swiglu_limit and swiglu_alpha are MoEConfig's bias, activation and
     clamped-SwiGLU constants (GPT-OSS's experts: expert_bias=True, activation="clamped_swiglu").
+    shared_ffn_size and shared_gate add each block's shared expert (docs/moe.md "Shared experts").
     Residual-branch outputs (w_o, down_proj) start at init_std / sqrt(2 n_layers) (GPT-2).
     """
 
@@ -101,6 +106,8 @@ class TransformerConfig:
     activation: str = "silu"
     swiglu_limit: float = 7.0
     swiglu_alpha: float = 1.702
+    shared_ffn_size: int = 0
+    shared_gate: bool = False
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     init_std: float = 0.02
@@ -119,7 +126,7 @@ class TransformerConfig:
                          activation=self.activation, bias=self.expert_bias, swiglu_limit=self.swiglu_limit,
                          swiglu_alpha=self.swiglu_alpha, capacity_factor=self.capacity_factor,
                          aux_loss_coef=self.aux_loss_coef, z_loss_coef=self.z_loss_coef,
-                         **{name: getattr(self, name) for name in ROUTER_OPTIONS})
+                         **{name: getattr(self, name) for name in ROUTER_OPTIONS + SHARED_OPTIONS})
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -140,6 +147,7 @@ def check_layout(config: TransformerConfig, dp: int = 1, ep: int = 1, tp: int = 
              ("n_kv_heads", config.n_kv_heads, tp, "key/value heads are split over t"),
              ("d_model", config.d_model, tp * dp, "norm gains are split over t and d"),
              ("ffn_size", config.ffn_size, tp, "each expert's intermediate dim is split over t"),
+             ("shared_ffn_size", config.shared_ffn_size, tp, "the shared expert's intermediate dim is split over t"),
              ("num_experts", config.num_experts, ep, "experts are split over e")]
     for name, value, multiple, why in needs:
         if value % multiple:
@@ -162,6 +170,12 @@ def full_shapes(config: TransformerConfig) -> dict[str, tuple[int, ...]]:
             shapes.update({f"blocks.{i}.moe.gate_up_proj_bias": (E, 2 * F), f"blocks.{i}.moe.down_proj_bias": (E, M)})
         if config.router_bias:
             shapes[f"blocks.{i}.moe.gate_bias"] = (E,)
+        if config.shared_ffn_size:
+            Fs = config.shared_ffn_size
+            shapes.update({f"blocks.{i}.moe.shared_gate_up_proj": (2 * Fs, M),
+                           f"blocks.{i}.moe.shared_down_proj": (M, Fs)})
+        if config.shared_gate:
+            shapes[f"blocks.{i}.moe.shared_gate_weight"] = (M,)
     shapes.update({"final_norm.weight": (M,), "unembedding.weight": (V, M)})
     if config.correction_bias:
         shapes.update({f"blocks.{i}.moe.correction_bias": (E,) for i in range(config.n_layers)})
@@ -171,7 +185,7 @@ def full_shapes(config: TransformerConfig) -> dict[str, tuple[int, ...]]:
 def init_full_weights(config: TransformerConfig, seed: int, dtype: torch.dtype = torch.float32) -> dict[str, Tensor]:
     """Every full weight drawn from `seed`: norm gains 1, router, correction and expert biases 0 (the
     correction bias in float32), the rest N(0, std^2) with std = init_std, or
-    init_std / sqrt(2 n_layers) for the residual-branch outputs w_o and down_proj."""
+    init_std / sqrt(2 n_layers) for the residual-branch outputs w_o, down_proj and shared_down_proj."""
     generator = torch.Generator().manual_seed(seed)
     residual_std = config.init_std / math.sqrt(2 * config.n_layers)
     weights = {}
@@ -252,14 +266,14 @@ class Transformer(nn.Module):
         for i in range(self.config.n_layers):
             specs[f"blocks.{i}.moe.gate_weight"] = GATE_SPEC
             specs[f"blocks.{i}.moe.gate_bias"] = GATE_BIAS_SPEC
-            for short in EXPERT_PARAMS:
+            for short in EXPERT_PARAMS + SHARED_PARAMS + ("shared_gate_weight",):
                 specs[f"blocks.{i}.moe.{short}"] = etp.SHARD_SPECS[short][1]
         return {name: specs[name] for name, _ in self.named_parameters()}
 
     @staticmethod
     def _kind(name: str) -> str:
         short = name.rsplit(".", 1)[-1]
-        return "expert" if short in EXPERT_PARAMS else "gate" if short in ROUTER_STATE else "dense"
+        return "expert" if short in EXPERT_PARAMS + SHARED_PARAMS else "gate" if short in ROUTER_STATE else "dense"
 
     def replicas(self, name: str) -> int:
         """Number of ranks holding the same shard of parameter `name` (its gradient norm counts once)."""

@@ -52,6 +52,11 @@ class MoEConfig:
     groups with the largest sums of their two best scores; renormalize_epsilon added to the
     renormalisation's denominator (DeepSeek-V3: 1e-20); routed_scaling_factor multiplying the
     combine weights; seq_aux_loss_coef weighting the DeepSeek-V3 sequence-wise balance loss.
+
+    Shared experts (shardmoe/moe/shared_experts.py): shared_ffn_size Fs > 0 adds an always-on dense
+    GLU expert of width Fs in the layer's activation (DeepSeek's n_shared experts of width I are
+    Fs = n_shared * I); shared_gate scales its output per token by sigmoid(x . shared_gate_weight)
+    (Qwen2-MoE).
     """
 
     hidden_size: int
@@ -77,6 +82,8 @@ class MoEConfig:
     seq_aux_loss_coef: float = 0.0
     swiglu_limit: float = 7.0
     swiglu_alpha: float = 1.702
+    shared_ffn_size: int = 0
+    shared_gate: bool = False
 
     def __post_init__(self) -> None:
         _check_int("hidden_size", self.hidden_size, 1)
@@ -106,6 +113,18 @@ class MoEConfig:
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
                 raise ValueError(f"{name}: expected a finite number >= 0, got {v!r}")
         self._check_router()
+        self._check_shared()
+
+    def _check_shared(self) -> None:
+        _check_int("shared_ffn_size", self.shared_ffn_size, 0)
+        if not isinstance(self.shared_gate, bool):
+            raise ValueError(f"shared_gate: expected a bool, got {self.shared_gate!r}")
+        if self.shared_gate and not self.shared_ffn_size:
+            raise ValueError("shared_gate: expected False without a shared expert (shared_ffn_size=0), got True")
+        # no model family pairs GPT-OSS's clamped SwiGLU with shared experts: refuse rather than guess
+        if self.shared_ffn_size and self.activation == "clamped_swiglu":
+            raise ValueError(f"activation: expected an activation other than 'clamped_swiglu' with shared experts "
+                             f"(shared_ffn_size={self.shared_ffn_size}), got 'clamped_swiglu'")
 
     def _check_router(self) -> None:
         _check_choice("score_func", self.score_func, SCORE_FUNCS)

@@ -7,17 +7,19 @@ stages 1-3 fuse likewise: shardmoe/kernels/layer_path.py):
   xs = x[token of each row]                      [N, H]   (gathered, not saved)
   y  = expert_forward(xs)                        [N, H]
   out_t = sum_j w_tj y_j(x_t)                    [S, H]
+  out_t += s_t shared(x_t)                       [S, H]   (shared_ffn_size > 0: moe/shared_experts.py)
   loss  = aux_coef * aux + z_coef * z            scalar
 
 Backward, the six stages of design.md section 4, in order:
   1 grad_combine   2 grad_gate_combine   3 grad_post_gemm   4 grad_pre_gemm
   5 grad_input_combine   6 grad_gate_gemm
+The shared expert's own stages 3, 2, 4 and its gate's gradient run beside 3-5 and add into dx.
 
 Saved for backward (all through ctx.save_for_backward, so saved-tensor hooks see them):
   x [S, H]; routing: probs [S, E], logsumexp [S], top_idx [S, k] int64, top_prob [S, k],
   weight [S, k] (acc dtype), per-expert counts [E] x2, row_pair [N] int64, and the router
   options' extras (routing.Routing: empty unless a sigmoid z loss or the sequence-wise loss asks);
-  "glu": h [N, 2F];  "mlp": z1 [N, P], z2 [N, H].
+  "glu": h [N, 2F];  "mlp": z1 [N, P], z2 [N, H];  shared expert: h_shared [S, 2Fs], s [S].
   Per token that is H + k*2F (glu) elements of the input dtype plus 4E + 4 + 24k bytes of
   routing state (fp32 acc): see docs/moe.md. The expert output y is not saved:
   "glu" takes the gate dot product as (g Wdown) . a, "mlp" recomputes act_out(z2).
@@ -31,6 +33,7 @@ import torch
 
 from shardmoe.moe import backends
 from shardmoe.moe import experts as ex
+from shardmoe.moe import shared_experts as shared_ex
 from shardmoe.moe.config import MoEConfig
 from shardmoe.moe.routing import Routing, balance_loss, grad_gate_from_rows, route
 from shardmoe.moe.workspace import Workspace, empty_rows
@@ -106,8 +109,8 @@ def gather_rows(tokens: torch.Tensor, row_token: torch.Tensor, workspace: Worksp
 
 class FusedMoE(torch.autograd.Function):
     """apply(x [S, H], config, stats: dict, workspace or None, correction_bias [E] or None,
-    token_sequence [S] or None, gate_weight [H, E], gate_bias [E] or None, *expert params)
-    -> (out [S, H], loss [])
+    token_sequence [S] or None, gate_weight [H, E], gate_bias [E] or None, *expert params,
+    *shared params) -> (out [S, H], loss [])
 
     `stats` is filled in place with this forward's routing statistics. `workspace`
     (shardmoe/moe/workspace.py) supplies the large row buffers of forward and backward, None
@@ -117,10 +120,11 @@ class FusedMoE(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, config: MoEConfig, stats: dict, workspace: Workspace | None, correction_bias, token_sequence,
-                gate_weight, gate_bias, *expert_weights):
+                gate_weight, gate_bias, *weights):
         num_tokens, k = x.shape[0], config.top_k
         backend = backends.select(config, x, workspace)
         routing = route(x, gate_weight, config, gate_bias, correction_bias, token_sequence)
+        expert_weights, shared_weights = split_weights(config, weights)
         params = dict(zip(expert_param_names(config), expert_weights))
         groups = expert_groups(routing.kept_per_expert, x.dtype, backend.workspace)
         row_token, weight_rows = routing.rows(k)
@@ -132,6 +136,10 @@ class FusedMoE(torch.autograd.Function):
             y, saved = backend.expert_forward(config.expert, config.expert_activation, config.output_activation,
                                               gather_rows(x, row_token, backend.workspace), params, groups)
             out = backend.combine(y, weight_rows, routing.row_pair, num_tokens, k)
+        shared_saved = ()
+        if shared_weights:
+            shared_out, shared_saved = shared_ex.forward(x, _shared_params(config, shared_weights), config)
+            out = out + shared_out  # both in the acc dtype: one rounding below
         out = out.to(x.dtype)
         loss = balance_loss(routing, config)
         stats.update(
@@ -142,8 +150,8 @@ class FusedMoE(torch.autograd.Function):
         )
         ctx.config, ctx.backend = config, backend
         ctx.save_for_backward(
-            x, gate_weight, gate_bias, *expert_weights,
-            *routing.tensors(), *saved,
+            x, gate_weight, gate_bias, *weights,
+            *routing.tensors(), *shared_saved, *saved,
         )
         return out, loss
 
@@ -152,11 +160,12 @@ class FusedMoE(torch.autograd.Function):
     def backward(ctx, grad_out, grad_loss):
         config: MoEConfig = ctx.config
         backend = ctx.backend
-        n_expert = len(expert_param_names(config))
+        n_weights = len(expert_param_names(config)) + len(shared_ex.shared_param_names(config))
         x, gate_weight, gate_bias, *rest = ctx.saved_tensors
-        expert_weights, rest = rest[:n_expert], rest[n_expert:]
+        (expert_weights, shared_weights), rest = split_weights(config, rest[:n_weights]), rest[n_weights:]
         n_routing = len(fields(Routing))
-        routing, saved = Routing(*rest[:n_routing]), rest[n_routing:]
+        routing, rest = Routing(*rest[:n_routing]), rest[n_routing:]
+        shared_saved, saved = (rest[:2], rest[2:]) if shared_weights else ((), rest)
         params = dict(zip(expert_param_names(config), expert_weights))
         num_tokens, k = x.shape[0], config.top_k
         groups = expert_groups(routing.kept_per_expert, x.dtype, backend.workspace)
@@ -174,9 +183,26 @@ class FusedMoE(torch.autograd.Function):
         grad_x = backend.grad_input_combine(grad_xs, routing.row_pair, num_tokens, k)
         grad_x_gate, grad_gate, grad_gate_bias = grad_gate_from_rows(x, gate_weight, routing, grad_weight_rows,
                                                                      grad_loss, config)
-        grad_x = (grad_x + grad_x_gate).to(x.dtype)
+        grad_x = grad_x + grad_x_gate
+        shared_grads = []
+        if shared_weights:
+            shared_params = _shared_params(config, shared_weights)
+            grad_x_shared, named = shared_ex.backward(grad_out.contiguous(), x, shared_saved, shared_params, config)
+            grad_x = grad_x + grad_x_shared
+            shared_grads = [named[n] for n in shared_params]
+        grad_x = grad_x.to(x.dtype)
         expert_grads = [None if g is None else g.to(p.dtype)
                         for g, p in zip((grads[n] for n in expert_param_names(config)), expert_weights)]
         grad_gate_bias = None if gate_bias is None else grad_gate_bias.to(gate_bias.dtype)
         return (grad_x, None, None, None, None, None, grad_gate.to(gate_weight.dtype), grad_gate_bias,
-                *expert_grads)
+                *expert_grads, *shared_grads)
+
+
+def split_weights(config: MoEConfig, weights) -> tuple[tuple, tuple]:
+    """(routed expert weights, shared expert weights) of the weights FusedMoE.apply takes."""
+    n_expert = len(expert_param_names(config))
+    return tuple(weights[:n_expert]), tuple(weights[n_expert:])
+
+
+def _shared_params(config: MoEConfig, shared_weights) -> dict[str, torch.Tensor]:
+    return dict(zip(shared_ex.shared_param_names(config), shared_weights))

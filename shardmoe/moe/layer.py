@@ -13,7 +13,9 @@
 
 Parameters (design.md section 3): gate_weight [H, E], gate_bias [E] (router_bias, else None);
 buffer correction_bias [E] float32 (correction_bias, else None); "glu": gate_up_proj [E, 2F, H],
-down_proj [E, H, F]; "mlp": w1 [E, P, H], b1 [E, P], w2 [E, H, P], b2 [E, H].
+down_proj [E, H, F]; "mlp": w1 [E, P, H], b1 [E, P], w2 [E, H, P], b2 [E, H]; with shared_ffn_size
+Fs > 0: shared_gate_up_proj [2Fs, H], shared_down_proj [H, Fs], and with shared_gate
+shared_gate_weight [H] (shardmoe/moe/shared_experts.py).
 Single process (mesh None or of one rank), forward and backward are FusedMoE
 (shardmoe/moe/function.py). With a mesh, parameters hold this rank's shard (experts split over
 'e' in contiguous blocks, the intermediate dim over 't': shardmoe/parallel/expert_tensor.py), x
@@ -27,6 +29,7 @@ import torch
 from torch import nn
 
 from shardmoe.moe import routers
+from shardmoe.moe import shared_experts as shared_ex
 from shardmoe.moe.config import MoEConfig
 from shardmoe.moe.function import FusedMoE, expert_param_names
 from shardmoe.moe.workspace import Workspace
@@ -40,6 +43,8 @@ ROUTER_OPTIONS = ("score_func", "router_bias", "correction_bias", "bias_update_r
                   "renormalize_epsilon", "routed_scaling_factor", "seq_aux_loss_coef")
 # MoEConfig's expert-activation constants (activation="clamped_swiglu"), also keyword options
 ACTIVATION_OPTIONS = ("swiglu_limit", "swiglu_alpha")
+# MoEConfig's shared-expert fields, also keyword options
+SHARED_OPTIONS = ("shared_ffn_size", "shared_gate")
 
 # the dtypes the layer computes in (float16 runs, but at ~1 GFLOP/s on CPU: design.md)
 DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -55,11 +60,13 @@ class MoE(nn.Module):
                  dtype: torch.dtype | None = None, device=None, **router_options):
         """router_options: MoEConfig's router fields (score_func, router_bias, correction_bias,
         bias_update_rate, n_group, topk_group, renormalize_epsilon, routed_scaling_factor,
-        seq_aux_loss_coef), and swiglu_limit, swiglu_alpha for activation="clamped_swiglu"."""
+        seq_aux_loss_coef), swiglu_limit, swiglu_alpha for activation="clamped_swiglu", and the
+        shared-expert fields (shared_ffn_size, shared_gate)."""
         super().__init__()
-        unknown = sorted(set(router_options) - set(ROUTER_OPTIONS) - set(ACTIVATION_OPTIONS))
+        options = ROUTER_OPTIONS + ACTIVATION_OPTIONS + SHARED_OPTIONS
+        unknown = sorted(set(router_options) - set(options))
         if unknown:
-            raise ValueError(f"router_options: expected names among {', '.join(ROUTER_OPTIONS + ACTIVATION_OPTIONS)}, "
+            raise ValueError(f"router_options: expected names among {', '.join(options)}, "
                              f"got {unknown}")
         self.config = MoEConfig(hidden_size, ffn_size, num_experts, top_k, expert=expert,
                                 activation=activation, output_activation=output_activation, bias=bias,
@@ -91,6 +98,12 @@ class MoE(nn.Module):
                 param = nn.Parameter(torch.empty(etp.shard_shape(name, shape, mesh), **kw))
                 mark_grad_sync(param, EXPERT)
             setattr(self, name, param)
+        # shared expert: dense, so replicated over 'd' and 'e' (its gradient summed there like the gate's)
+        self._whole_shapes.update(shared_ex.shared_param_shapes(self.config))
+        for name, shape in shared_ex.shared_param_shapes(self.config).items():
+            param = nn.Parameter(torch.empty(etp.shard_shape(name, shape, mesh), **kw))
+            mark_grad_sync(param, REPLICATED)
+            setattr(self, name, param)
         self.reset_parameters()
         self.aux_loss: torch.Tensor | None = None
         self.stats: dict = {}
@@ -115,23 +128,25 @@ class MoE(nn.Module):
         with torch.no_grad():
             if self.gate_bias is not None:
                 nn.init.zeros_(self.gate_bias)  # as GPT-OSS: routing starts from the weights alone
-            for name in ("gate_weight", *expert_param_names(self.config)):
+            for name in ("gate_weight", *expert_param_names(self.config), *shared_ex.shared_param_names(self.config)):
                 p = getattr(self, name)
                 if p is None:
                     continue
                 shape = self._whole_shapes[name]
-                whole = torch.empty(shape, dtype=p.dtype, device=p.device) if sharded and name != "gate_weight" else p
+                whole = torch.empty(shape, dtype=p.dtype, device=p.device) if sharded and p.shape != shape else p
                 if name in BIAS_NAMES:
                     nn.init.zeros_(whole)
                 else:
-                    fan_in = shape[0] if name == "gate_weight" else shape[-1]
+                    fan_in = shape[0] if name in ("gate_weight", shared_ex.GATE_NAME) else shape[-1]
                     bound = 1.0 / math.sqrt(fan_in)
                     nn.init.uniform_(whole, -bound, bound)
                 if whole is not p:
                     p.copy_(etp.shard_expert_param(name, whole, self.mesh))
 
     def expert_parameters(self) -> list[torch.Tensor | None]:
-        return [getattr(self, n) for n in expert_param_names(self.config)]
+        """The routed experts' parameters, then the shared expert's, in FusedMoE.apply's order."""
+        names = (*expert_param_names(self.config), *shared_ex.shared_param_names(self.config))
+        return [getattr(self, n) for n in names]
 
     def _check_input(self, x: torch.Tensor) -> None:
         H = self.config.hidden_size

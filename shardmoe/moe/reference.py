@@ -19,6 +19,9 @@ Per token t (design.md section 4; the router options of docs/moe.md "Routers"):
                expert), chosen by a Python loop over sorted lists, not by the fused path's sort
     w_tj     = factor * p_tj / (sum_{i in sel_t} p_ti + eps)  if renormalize else factor * p_tj
     out_t    = sum_{j in sel_t, (t, j) kept} w_tj * expert_j(x_t)
+             + s_t * (act(x_t Wsg^T) * (x_t Wsu^T)) Wsd^T       (shared_ffn_size > 0; Wsg / Wsu the
+               halves of shared_gate_up_proj, s_t = sigmoid(x_t . shared_gate_weight) with
+               shared_gate, else 1)
 An expert keeps its first EC = ceil(S / E * capacity_factor * k) tokens in
 token order (all tokens when capacity_factor is None).
 
@@ -74,6 +77,11 @@ def parameter_shapes(config: MoEConfig) -> dict[str, tuple[int, ...]]:
         shapes["w2"] = (E, H, I)
         if config.bias:
             shapes["b2"] = (E, H)
+    if config.shared_ffn_size:
+        shapes["shared_gate_up_proj"] = (2 * config.shared_ffn_size, H)
+        shapes["shared_down_proj"] = (H, config.shared_ffn_size)
+        if config.shared_gate:
+            shapes["shared_gate_weight"] = (H,)
     return shapes
 
 
@@ -200,6 +208,20 @@ def expert_forward(x: torch.Tensor, params: dict[str, torch.Tensor], config: MoE
     return act_out(F.linear(act(F.linear(x, params["w1"][e], b1)), params["w2"][e], b2))
 
 
+def shared_expert_forward(x: torch.Tensor, params: dict[str, torch.Tensor], config: MoEConfig) -> torch.Tensor:
+    """The shared expert on tokens x [S, H] -> [S, H] in the routing dtype (zeros without one):
+    s * (act(x Wsg^T) * (x Wsu^T)) Wsd^T, s = sigmoid(x . ws) [S, 1] or 1."""
+    if not config.shared_ffn_size:
+        return torch.zeros(x.shape, dtype=routing_dtype(x.dtype), device=x.device)
+    w_gate, w_up = params["shared_gate_up_proj"].split(config.shared_ffn_size, dim=0)
+    act = ACTIVATION_FUNCTIONS[config.activation]
+    y = F.linear(act(F.linear(x, w_gate)) * F.linear(x, w_up), params["shared_down_proj"]).to(routing_dtype(x.dtype))
+    if not config.shared_gate:
+        return y
+    gate = torch.sigmoid(x.to(y.dtype) @ params["shared_gate_weight"].to(y.dtype))
+    return gate[:, None] * y
+
+
 def reference_sequences(x: torch.Tensor, sequence_starts=None) -> list[range]:
     """The token ranges of the sequences of x [..., H]: from sequence_starts (offsets into the
     flattened tokens), else one per [T] row of x [..., T, H] (3+ dims), else one."""
@@ -251,6 +273,7 @@ def reference_moe(x: torch.Tensor, params: dict[str, torch.Tensor], config: MoEC
             continue
         y = expert_forward(x2[tokens], params, config, e)
         out = out.index_add(0, tokens, routing.weights[tokens, slots, None] * y)
+    out = out + shared_expert_forward(x2, params, config)
     sequences = reference_sequences(x, sequence_starts)
     return out.to(x.dtype).reshape(x.shape), reference_aux_loss(routing, config, sequences)
 

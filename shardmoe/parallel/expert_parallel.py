@@ -10,6 +10,8 @@ intermediate dim (expert_tensor). Forward, on rank (d, e, t):
                  to the peers along 'e' -> 'N_recv H' (P2P or remote path)      (exchange)
   experts        the fused path's expert math on the local experts' rows, psum over 't'
   combine        rows y back along 'e' (reverse splits) -> out_t = sum_j w_tj y_j(x_t)
+  shared expert  on this rank's own tokens (dense: no exchange), its intermediate dim split over 't'
+                 like the routed experts': z psummed over 't', s z added to the combine (shared_experts)
   aux loss       this rank's share of the global aux + z + sequence-wise loss (global counts of
                  selections, tokens and sequences; a sequence lies on one rank)
 
@@ -19,6 +21,8 @@ Backward, the six stages of the fused path with the exchanges in between:
                  psum over 't' of the input gradient (and of the glu gate dots)
   token side     dx rows and gate dots dw come back                   (combine, reverse of dispatch)
                  stage 5 grad_input_combine, stage 6 grad_gate_gemm
+  shared expert  stages 3, 2, 4 on this rank's tokens; psum over 't' of its dx (and of its gate dot
+                 g . z, before the gate's sigmoid Jacobian); dx added to stage 5's
 
 Results: the outputs and input gradients are the single-process layer's on the concatenation of
 all token-parallel ranks' tokens; gate_weight.grad is the gradient of this rank's share of the
@@ -36,9 +40,10 @@ import torch
 from shardmoe import shardops
 from shardmoe.moe import backends
 from shardmoe.moe import experts as ex
+from shardmoe.moe import shared_experts as shared_ex
 from shardmoe.moe.activations import activate
 from shardmoe.moe.config import MoEConfig
-from shardmoe.moe.function import expert_param_names, not_twice_differentiable
+from shardmoe.moe.function import expert_param_names, not_twice_differentiable, split_weights
 from shardmoe.moe.routing import Routing, balance_loss, grad_gate_from_rows, route
 from shardmoe.notation import MESH_AXES
 from shardmoe.parallel import consistency
@@ -64,24 +69,28 @@ class ExpertParallel:
         Arguments as FusedMoE.apply's; token_sequence numbers this rank's sequences from 0."""
         with self.exchange.tell_peers_on_failure():
             if not self.agreed:
-                self.check_agreement(x.dtype, gate_weight, gate_bias, correction_bias)
+                shared_weights = split_weights(self.config, expert_weights)[1]
+                shared = dict(zip(shared_ex.shared_param_names(self.config), shared_weights))
+                self.check_agreement(x.dtype, gate_weight, gate_bias, correction_bias, shared)
             return ExpertParallelMoE.apply(x, self, stats, correction_bias, token_sequence, gate_weight, gate_bias,
                                            *expert_weights)
 
     def check_agreement(self, dtype: torch.dtype, gate_weight: torch.Tensor, gate_bias=None,
-                        correction_bias=None) -> None:
+                        correction_bias=None, shared: dict | None = None) -> None:
         """Before the first forward: one fixed-size all-gather of the settings and the checksums of
-        the replicated router tensors (gate_weight, gate_bias, correction_bias) over the mesh;
+        the replicated router tensors (gate_weight, gate_bias, correction_bias) over the mesh, and of
+        the shared expert's tensors (`shared`: name -> this rank's slice, the same along 'd', 'e');
         RankMismatchError on every rank when they differ. (Each forward's counts row carries the
         settings again, but has E + 2 words: ranks that disagree on E could not share it.)"""
         settings = consistency.layer_settings(self.config, self.mesh, dtype)
-        replicas = [(n, t) for n, t in (("gate_weight", gate_weight), ("gate_bias", gate_bias),
-                                        ("correction_bias", correction_bias)) if t is not None]
-        sums = torch.tensor([consistency.checksum(t) for _, t in replicas])
+        replicas = [(n, t, MESH_AXES) for n, t in (("gate_weight", gate_weight), ("gate_bias", gate_bias),
+                                                   ("correction_bias", correction_bias)) if t is not None]
+        replicas += [(n, t, ("d", "e")) for n, t in (shared or {}).items()]  # sliced over 't'
+        sums = torch.tensor([consistency.checksum(t) for _, t, _ in replicas])
         row = torch.cat([consistency.settings_words(settings), sums])
         table = consistency.gather_table(row.to(gate_weight.device), self.mesh, "MoE layer agreement check")
         consistency.check_settings(table[:, : -len(replicas)], list(settings), "MoE layer settings")
-        consistency.check_replicas([(n, MESH_AXES) for n, _ in replicas], table[:, -len(replicas):], self.mesh,
+        consistency.check_replicas([(n, axes) for n, _, axes in replicas], table[:, -len(replicas):], self.mesh,
                                    "MoE layer")
         self.agreed = True
 
@@ -109,13 +118,14 @@ def global_counts(routing: Routing, plan: DispatchPlan) -> Routing:
 
 class ExpertParallelMoE(torch.autograd.Function):
     """apply(x 'S H', parallel: ExpertParallel, stats: dict, correction_bias 'E' or None,
-    token_sequence 'S' or None, gate_weight 'H E', gate_bias 'E' or None, *expert shards)
-    -> (out 'S H', aux share [])."""
+    token_sequence 'S' or None, gate_weight 'H E', gate_bias 'E' or None, *expert shards, *shared expert
+    slices) -> (out 'S H', aux share [])."""
 
     @staticmethod
     def forward(ctx, x, parallel: ExpertParallel, stats: dict, correction_bias, token_sequence, gate_weight,
-                gate_bias, *expert_weights):
+                gate_bias, *weights):
         config, mesh, exchange = parallel.config, parallel.mesh, parallel.exchange
+        expert_weights, shared_weights = split_weights(config, weights)
         num_tokens, k = x.shape[0], config.top_k
         clock = _Clock(dict.fromkeys(PHASES, 0.0))
         routing, plan = _route(x, gate_weight, gate_bias, correction_bias, token_sequence, config, mesh)
@@ -133,7 +143,12 @@ class ExpertParallelMoE(torch.autograd.Function):
         clock.lap("experts")
 
         (y_send,) = _to_tokens(exchange, plan, order, y)
-        out = backend.combine(y_send, weight_rows, routing.row_pair, num_tokens, k).to(x.dtype)
+        out = backend.combine(y_send, weight_rows, routing.row_pair, num_tokens, k)
+        shared_saved = ()
+        if shared_weights:
+            shared_out, shared_saved = _shared_forward(config, mesh, x, shared_weights)
+            out = out + shared_out
+        out = out.to(x.dtype)
         share_routing = global_counts(routing, plan)
         loss = balance_loss(share_routing, config, num_tokens=plan.global_tokens, num_sequences=plan.global_sequences)
         clock.lap("combine")
@@ -142,8 +157,8 @@ class ExpertParallelMoE(torch.autograd.Function):
         stats.update(rows=_row_stats(routing, plan, exchange), seconds=clock.seconds)
         ctx.config, ctx.parallel, ctx.plan, ctx.seconds, ctx.backend = config, parallel, plan, clock.seconds, backend
         ctx.save_for_backward(
-            x, gate_weight, gate_bias, *expert_weights,
-            *share_routing.tensors(), order, xs, *saved,
+            x, gate_weight, gate_bias, *weights,
+            *share_routing.tensors(), *shared_saved, order, xs, *saved,
         )
         return out, loss
 
@@ -158,12 +173,13 @@ def _backward(ctx, grad_out, grad_loss):
     """The six-stage backward of ExpertParallelMoE (see the module docstring)."""
     config, plan, exchange, mesh = ctx.config, ctx.plan, ctx.parallel.exchange, ctx.parallel.mesh
     clock = _Clock(ctx.seconds)
-    n_expert = len(expert_param_names(config))
+    n_weights = len(expert_param_names(config)) + len(shared_ex.shared_param_names(config))
     x, gate_weight, gate_bias, *rest = ctx.saved_tensors
-    expert_weights, rest = rest[:n_expert], rest[n_expert:]
+    (expert_weights, shared_weights), rest = split_weights(config, rest[:n_weights]), rest[n_weights:]
     n_routing = len(dataclasses.fields(Routing))
-    routing = Routing(*rest[:n_routing])
-    order, xs, *saved = rest[n_routing:]
+    routing, rest = Routing(*rest[:n_routing]), rest[n_routing:]
+    shared_saved, rest = (rest[:2], rest[2:]) if shared_weights else ((), rest)
+    order, xs, *saved = rest
     params = dict(zip(expert_param_names(config), expert_weights))
     num_tokens, k = x.shape[0], config.top_k
 
@@ -185,12 +201,45 @@ def _backward(ctx, grad_out, grad_loss):
     grad_x_gate, grad_gate, grad_gate_bias = grad_gate_from_rows(
         x, gate_weight, routing, grad_dots, grad_loss, config, num_tokens=plan.global_tokens,
         num_sequences=plan.global_sequences)
-    grad_x = (grad_x + grad_x_gate).to(x.dtype)
+    grad_x = grad_x + grad_x_gate
     clock.lap("route")
+    shared_grads = ()
+    if shared_weights:
+        grad_x_shared, shared_grads = _shared_backward(config, mesh, grad_out.contiguous(), x, shared_saved,
+                                                       shared_weights)
+        grad_x = grad_x + grad_x_shared
+        clock.lap("experts")
     expert_grads = [None if g is None else g.to(p.dtype)
                     for g, p in zip((grads[n] for n in expert_param_names(config)), expert_weights)]
     grad_gate_bias = None if gate_bias is None else grad_gate_bias.to(gate_bias.dtype)
-    return (grad_x, None, None, None, None, grad_gate.to(gate_weight.dtype), grad_gate_bias, *expert_grads)
+    return (grad_x.to(x.dtype), None, None, None, None, grad_gate.to(gate_weight.dtype), grad_gate_bias,
+            *expert_grads, *shared_grads)
+
+
+def _shared_forward(config: MoEConfig, mesh, x, shared_weights):
+    """s z 'S H' (acc dtype) for this rank's tokens, and (h 'S 2Fs/t', s 'S') for backward. Wsd contracts
+    Fs/t, so z is psummed over 't' like the routed rows (a separate all-reduce of S H)."""
+    params = dict(zip(shared_ex.shared_param_names(config), shared_weights))
+    s = shared_ex.shared_gate(x, params.get(shared_ex.GATE_NAME))
+    z, h = shared_ex.shared_forward(x, params, config.activation)
+    z = etp.reduce_expert_output(shardops.unreduced("N H", z, "t"), mesh)
+    return shared_ex.shared_output(z, s), (h, s)
+
+
+def _shared_backward(config: MoEConfig, mesh, grad_out, x, shared_saved, shared_weights):
+    """(dx 'S H' acc dtype, gradients of this rank's shared slices) for this rank's tokens."""
+    names = shared_ex.shared_param_names(config)
+    params = dict(zip(names, shared_weights))
+    gate = params.get(shared_ex.GATE_NAME)
+    h, s = shared_saved
+    grad_x, grad_dot, grads = shared_ex.shared_backward(grad_out, x, h, s, params, config.activation,
+                                                        gate is not None)
+    grad_x = etp.reduce_input_grad(shardops.unreduced("N H", grad_x, "t"), mesh).to(s.dtype)
+    if gate is not None:  # g . z over Fs/t is a partial sum: whole before the sigmoid Jacobian
+        grad_dot = etp.reduce_gate_dot(shardops.unreduced("N", grad_dot, "t"), mesh)
+        grad_x_gate, grads[shared_ex.GATE_NAME] = shared_ex.shared_gate_backward(x, s, grad_dot, gate)
+        grad_x = grad_x + grad_x_gate
+    return grad_x, tuple(grads[n].to(params[n].dtype) for n in names)
 
 
 def _route(x, gate_weight, gate_bias, correction_bias, token_sequence, config: MoEConfig,

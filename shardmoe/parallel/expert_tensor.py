@@ -9,6 +9,8 @@ rows, then its up rows):
     gate_up_proj_bias 'E/e 2 F/t' (its columns with their rows)   down_proj_bias 'E/e H' (whole on every t rank)
     w1 'E/e P/t H'   b1 'E/e P/t'   w2 'E/e H P/t'   b2 'E/e H' (whole on every t rank)
     gate_weight   'H E'           replicated
+    shared_gate_up_proj '2 Fs/t H', shared_down_proj 'H Fs/t' (the shared expert, dense: replicated
+    over 'e', sliced over 't' like one expert), shared_gate_weight 'H' replicated
 
 On rows xs 'N H' that every rank of a t group holds alike (they come from the same tokens):
     h   = xs Wgu_t^T            'N 2F/t'   column-parallel: no communication
@@ -46,6 +48,10 @@ SHARD_SPECS = {
     "b1": ("E P", "E/e P/t"),
     "w2": ("E H P", "E/e H P/t"),
     "b2": ("E H", "E/e H"),
+    # the shared expert is dense: one expert's layout, replicated over 'e', sliced over 't'
+    "shared_gate_up_proj": ("2 F H", "2 F/t H"),
+    "shared_down_proj": ("H F", "H F/t"),
+    "shared_gate_weight": ("H", "H"),
 }
 
 
@@ -60,6 +66,9 @@ def check_layout(config, mesh) -> None:
     if config.ffn_size % tp:
         raise ValueError(f"ffn_size: expected a multiple of the mesh's tp = {tp} (the expert intermediate dim is "
                          f"split over 't'), got {config.ffn_size}")
+    if config.shared_ffn_size % tp:
+        raise ValueError(f"shared_ffn_size: expected a multiple of the mesh's tp = {tp} (the shared expert's "
+                         f"intermediate dim is split over 't'), got {config.shared_ffn_size}")
 
 
 def is_sharded(mesh) -> bool:
@@ -91,10 +100,11 @@ def gather_expert_param(name: str, local: torch.Tensor, mesh) -> torch.Tensor:
 
 
 def _packed(name: str, t: torch.Tensor) -> torch.Tensor:
-    """gate_up_proj [E, 2F, H] -> [E, 2, F, H], gate_up_proj_bias [E, 2F] -> [E, 2, F]; others as they are."""
-    if name == "gate_up_proj":
-        E, two_f, H = t.shape
-        return t.view(E, 2, two_f // 2, H)
+    """gate_up_proj [E, 2F, H] -> [E, 2, F, H], shared_gate_up_proj [2Fs, H] -> [2, Fs, H],
+    gate_up_proj_bias [E, 2F] -> [E, 2, F]; others as they are."""
+    if name in ("gate_up_proj", "shared_gate_up_proj"):
+        *lead, two_f, H = t.shape
+        return t.view(*lead, 2, two_f // 2, H)
     if name == "gate_up_proj_bias":
         E, two_f = t.shape
         return t.view(E, 2, two_f // 2)
@@ -103,8 +113,8 @@ def _packed(name: str, t: torch.Tensor) -> torch.Tensor:
 
 def _unpacked(name: str, t: torch.Tensor) -> torch.Tensor:
     """Inverse of _packed (a copy if t is a strided shard)."""
-    if name == "gate_up_proj":
-        return t.reshape(t.shape[0], -1, t.shape[-1])
+    if name in ("gate_up_proj", "shared_gate_up_proj"):
+        return t.reshape(*t.shape[:-3], -1, t.shape[-1])
     if name == "gate_up_proj_bias":
         return t.reshape(t.shape[0], -1)
     return t

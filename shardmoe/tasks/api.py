@@ -6,6 +6,9 @@
 
 Routing is the layer's own (shardmoe.moe.routing.route, capacity included), so the runtime
 reproduces the single-process layer; x [..., H] is flattened to S tokens as the layer does.
+A shared expert (shared_ffn_size > 0) is dense and routes nothing, so it runs beside the schedule,
+on the same stage functions as the fused layer (shardmoe/moe/shared_experts.py): its output is
+added to the tasks' combined output, its input gradient to theirs, both before the one rounding.
 """
 from __future__ import annotations
 
@@ -13,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from shardmoe.moe import shared_experts as shared_ex
 from shardmoe.moe.function import expert_param_names
 from shardmoe.moe.reference import parameter_shapes
 from shardmoe.moe.routing import Routing, balance_loss, route
@@ -29,7 +33,8 @@ from shardmoe.tasks.trace import Trace
 
 @dataclass
 class ForwardResult:
-    """output [x.shape]; aux_loss (weighted aux + z loss); counts: task type -> number run."""
+    """output [x.shape]; aux_loss (weighted aux + z loss); counts: task type -> number run;
+    shared_saved: what the shared expert's backward keeps (empty without one)."""
 
     output: torch.Tensor
     aux_loss: torch.Tensor
@@ -37,6 +42,7 @@ class ForwardResult:
     trace: Trace
     plan: Plan
     memory: Memory
+    shared_saved: tuple = ()
 
 
 @dataclass
@@ -50,13 +56,15 @@ class BackwardResult:
     forward: ForwardResult
 
 
-def _params(layer) -> dict[str, torch.Tensor | None]:
-    """The layer's parameters, detached; they must be whole (the runtime splits the experts over its
-    simulated devices itself, so a layer holding one rank's shard is refused)."""
+def _params(layer, shared: bool = False) -> dict[str, torch.Tensor | None]:
+    """The layer's parameters (the router's and routed experts', or with `shared` the shared
+    expert's), detached; they must be whole (the runtime splits the experts over its simulated
+    devices itself, so a layer holding one rank's shard is refused)."""
     c = layer.config
     whole = parameter_shapes(c)
     params = {}
-    for name in ("gate_weight", "gate_bias", *expert_param_names(c)):
+    names = shared_ex.shared_param_names(c) if shared else ("gate_weight", "gate_bias", *expert_param_names(c))
+    for name in names:
         p = getattr(layer, name)
         if p is not None and tuple(p.shape) != whole[name]:
             raise ValueError(f"layer.{name}: expected the whole parameter {list(whole[name])}, got {list(p.shape)} "
@@ -94,8 +102,13 @@ def run_forward(layer, x: torch.Tensor, *, peers: int = 1, ranks_per_node: int |
                          make_scheduler(scheduler, seed), processors, "forward", lambda: protocol.start(xf))
     counts = _counted(ledger)
     _check_counts(counts, forward_task_counts(plan), "forward")
-    output = torch.cat([memory[Ref(d, "out")] for d in range(plan.peers)]).to(x.dtype).view(x.shape)
-    return ForwardResult(output, balance_loss(routing, config), counts, trace, plan, memory)
+    output = torch.cat([memory[Ref(d, "out")] for d in range(plan.peers)])
+    shared_saved = ()
+    if config.shared_ffn_size:
+        shared_out, shared_saved = shared_ex.forward(xf, _params(layer, shared=True), config)
+        output = output + shared_out
+    output = output.to(x.dtype).view(x.shape)
+    return ForwardResult(output, balance_loss(routing, config), counts, trace, plan, memory, shared_saved)
 
 
 def run_backward(layer, x: torch.Tensor, grad_out: torch.Tensor, *, peers: int = 1, ranks_per_node: int | None = None,
@@ -143,10 +156,17 @@ def run_backward(layer, x: torch.Tensor, grad_out: torch.Tensor, *, peers: int =
     counts = _counted(ledger)
     _check_counts(counts, backward_task_counts(plan, gate_dependency, final_gate_combine), "backward")
     devices = range(plan.peers)
-    grad_input = torch.cat([memory[Ref(d, "grad_x")] for d in devices]).to(x.dtype).view(x.shape)
+    grad_input = torch.cat([memory[Ref(d, "grad_x")] for d in devices])
+    shared_grads = {}
+    if config.shared_ffn_size:
+        grad_x_shared, shared_grads = shared_ex.backward(gf, xf, forward.shared_saved, _params(layer, shared=True),
+                                                         config)
+        grad_input = grad_input + grad_x_shared
+    grad_input = grad_input.to(x.dtype).view(x.shape)
     grads = {"gate_weight": sum(memory[Ref(d, "gate_weight_grad")] for d in devices).to(params["gate_weight"].dtype)}
     if params["gate_bias"] is not None:
         grads["gate_bias"] = sum(memory[Ref(d, "gate_bias_grad")] for d in devices).to(params["gate_bias"].dtype)
     for name, shape in expert_shapes.items():
         grads[name] = torch.cat([memory[Ref(d, "expert_grad", name)] for d in devices]).to(params[name].dtype)
+    grads.update(shared_grads)
     return BackwardResult(grad_input, grads, counts, trace, forward)

@@ -6,6 +6,7 @@ Model FLOPs (matmul multiply-adds x 2) per token of one forward, with the implem
     scores and P.v          2 L (Q K D) + 2 L (Q K D)
     router                  2 M E
     experts (k per token)   k (2 M 2F + 2 F M)
+    shared expert           2 M 2Fs + 2 Fs M (+ 2 M for its gate)
     unembedding             2 M V
 A training step counts 3x the forward (the backward does two matmuls per forward matmul). The
 backward's recomputations (logits, attention probabilities) are hardware FLOPs, not model FLOPs,
@@ -31,7 +32,8 @@ def forward_flops_per_token(config: TransformerConfig, seq_len: int) -> float:
     heads = config.n_q_heads * D
     per_layer = (2 * M * heads + 2 * M * 2 * K * D + 2 * heads * M
                  + 4 * seq_len * heads
-                 + 2 * M * E + config.top_k * (2 * M * 2 * F + 2 * F * M))
+                 + 2 * M * E + config.top_k * (2 * M * 2 * F + 2 * F * M)
+                 + 6 * M * config.shared_ffn_size + (2 * M if config.shared_gate else 0))
     return config.n_layers * per_layer + 2 * M * config.vocab_size
 
 

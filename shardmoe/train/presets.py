@@ -8,9 +8,16 @@ TrainConfig settings and a `model` table of TransformerConfig fields. A run's se
 each layer replacing the settings it names; the `model` tables merge field by field, so a file
 that sets `model.d_model` keeps the preset's experts. The defaults of TrainConfig and
 TransformerConfig are the Mixtral-like model, so its row is empty. Another architecture is one
-more row, e.g. {"lr": 3e-3, "model": {"num_experts": 16, "top_k": 4, "aux_loss_coef": 0.0}}; a
-row naming an unknown setting fails like a config file would (tests/train/test_presets.py
+more row; a row naming an unknown setting fails like a config file would (tests/train/test_presets.py
 resolves every row).
+
+deepseek: DeepSeek-V3's MoE at the tiny default's scale. Fine-grained experts: 16 of width 64
+instead of 4 of 192, top-4 instead of top-2, plus one always-on shared expert of the routed width
+(V3's n_shared_experts=1), so a token uses 4 * 64 + 64 = 320 expert columns against Mixtral-like's
+2 * 192 = 384 (similar step cost) from 16 * 64 + 64 = 1088 (more, finer-grained specialists).
+Sigmoid scores, group-limited selection (4 groups of 4 experts, the best 2 groups; a group scores
+the sum of its two best), renormalised with V3's +1e-20; balance from the correction bias alone
+(V3's aux-loss-free update, rate 0.001 per step, V3's gamma), every auxiliary loss off.
 """
 from __future__ import annotations
 
@@ -18,6 +25,10 @@ DEFAULT_ARCH = "mixtral"
 
 ARCH_PRESETS: dict[str, dict] = {
     "mixtral": {},  # softmax top-2 of 4 SwiGLU experts, aux-loss balancing: the defaults
+    "deepseek": {"model": {"num_experts": 16, "top_k": 4, "ffn_size": 64, "shared_ffn_size": 64,
+                           "score_func": "sigmoid", "n_group": 4, "topk_group": 2, "renormalize_epsilon": 1e-20,
+                           "correction_bias": True, "bias_update_rate": 0.001, "aux_loss_coef": 0.0,
+                           "z_loss_coef": 0.0}},
 }
 
 

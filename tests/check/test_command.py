@@ -15,7 +15,7 @@ def test_quick_check_passes(capsys):
     assert "float64: fused vs float64 reference" in out and "gradcheck" in out
     assert "FAIL" not in out and "all passed" in out
     # the quick float64 matrix, the first 2 precision cases in fp32 and bf16, 1 gradcheck case
-    assert f"\n{len(quick_matrix()) + 2 * 2 + 1} checks, all passed" in out and len(quick_matrix()) + 5 == 51
+    assert f"\n{len(quick_matrix()) + 2 * 2 + 1} checks, all passed" in out and len(quick_matrix()) + 5 == 54
 
 
 class _OffByOne(shardmoe.MoE):
@@ -34,7 +34,7 @@ def test_a_defect_fails_the_run(monkeypatch, capsys):
 
 def test_full_run_count_is_the_one_docs_checking_md_gives():
     """`shardmoe check` with no options: the float64 matrix, the precision set twice, gradcheck."""
-    assert len(full_matrix()) + 2 * len(precision_cases()) + len(gradcheck_cases()) == 625
+    assert len(full_matrix()) + 2 * len(precision_cases()) + len(gradcheck_cases()) == 643
 
 
 def test_module_entry_point():

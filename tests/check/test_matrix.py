@@ -3,9 +3,9 @@ import pytest
 import torch
 
 import shardmoe
-from shardmoe.check.cases import (EXPERT_OPTIONS, EXPERTS, GLU_ACTIVATIONS, MLP_ACTIVATIONS, ROUTERS, core_matrix,
-                                  edge_cases, expert_option_matrix, full_matrix, gradcheck_cases, precision_cases,
-                                  quick_matrix, router_matrix)
+from shardmoe.check.cases import (EXPERT_OPTIONS, EXPERTS, GLU_ACTIVATIONS, MLP_ACTIVATIONS, ROUTERS, SHARED,
+                                  core_matrix, edge_cases, expert_option_matrix, full_matrix, gradcheck_cases,
+                                  precision_cases, quick_matrix, router_matrix, shared_matrix)
 from shardmoe.check.command import single_threaded
 from shardmoe.check.compare import TOLERANCES, compare_with_reference, relative_error, run_fused
 from shardmoe.check.inputs import make_inputs
@@ -78,9 +78,12 @@ def test_case_counts_are_the_ones_docs_checking_md_gives():
     assert len(router_matrix()) == len(ROUTERS) * (2 * 2 + 1) == 25
     # expert options x (plain softmax and every router family) x capacity x k = 1, 2
     assert len(expert_option_matrix()) == len(EXPERT_OPTIONS) * (1 + len(ROUTERS)) * 2 * 2 == 72
-    assert len(full_matrix()) == 400 + 90 + 25 + 72 == 587
-    # + one case of each of the 6 edge kinds per kind, one per router family, one tie, one per expert option
-    assert len(quick_matrix()) == variants + 2 * 6 + len(ROUTERS) + 1 + len(EXPERT_OPTIONS) == 46
+    # shared experts x 2 routers x capacity x k = 1, 2, plus one beside mlp experts and one tie
+    assert len(shared_matrix()) == len(SHARED) * 2 * 2 * 2 + 2 == 18
+    assert len(full_matrix()) == 400 + 90 + 25 + 72 + 18 == 605
+    # + one case of each of the 6 edge kinds per kind, one per router family, one tie, one per expert
+    # option, 3 shared
+    assert len(quick_matrix()) == variants + 2 * 6 + len(ROUTERS) + 1 + len(EXPERT_OPTIONS) + 3 == 49
     assert len(precision_cases()) == 17 and len(gradcheck_cases()) == 4
 
 
@@ -202,3 +205,11 @@ def test_harness_catches_small_defects(monkeypatch, defect, tensor):
     result = compare_with_reference(case, torch.float64)
     assert not result.passed
     assert result.worst[0] == tensor and result.errors[tensor] > TOLERANCES[torch.float64]
+
+
+def test_shared_matrix_covers_both_shared_experts_with_both_routers_capacity_and_ties():
+    shared = [c for c in MATRIX if c.config.shared_ffn_size]
+    assert {(c.config.shared_gate, c.config.score_func, c.config.capacity_factor is not None) for c in shared} \
+        == {(g, s, cap) for g in (False, True) for s in ("softmax", "sigmoid") for cap in (False, True)}
+    assert any(c.config.expert == "mlp" for c in shared) and any(c.tie and c.config.shared_gate for c in shared)
+    assert sum(c.config.shared_ffn_size > 0 for c in quick_matrix()) == 3

@@ -99,8 +99,9 @@ def _t_peers_gates_drift() -> str:
 
 
 def _router_biases_differ(name: str) -> str:
-    """ep=2: rank 1's router bias or correction bias differs; the first forward must refuse."""
-    layer = _moe(Mesh(ep=2), router_bias=True, correction_bias=True)
+    """ep=2: rank 1's router bias, correction bias or a shared-expert tensor differs; the first forward
+    must refuse."""
+    layer = _moe(Mesh(ep=2), router_bias=True, correction_bias=True, shared_ffn_size=4, shared_gate=True)
     if dist.get_rank() == 1:
         with torch.no_grad():
             getattr(layer, name).add_(0.5)
@@ -153,7 +154,8 @@ def _agreement_world() -> dict:
     out["t tokens"] = _t_peers_get_different_tokens()
     out["t gates"] = _t_peers_gates_drift()
     out["gate per rank"] = _gate_seeded_per_rank()
-    out["router biases"] = {name: _router_biases_differ(name) for name in ("gate_bias", "correction_bias")}
+    out["router biases"] = {name: _router_biases_differ(name) for name in ("gate_bias", "correction_bias",
+                                                                           "shared_down_proj", "shared_gate_weight")}
     out["dense per rank"] = _replicas_differ_at_sync("proj.weight", dp=1, ep=2)
     out["experts per d rank"] = _replicas_differ_at_sync("moe.gate_up_proj", dp=2, ep=1)
     out["modules differ"] = _modules_differ_at_sync()
@@ -201,6 +203,7 @@ def test_t_peers_with_different_tokens_are_told_the_rule(messages):
 
 def test_replicated_parameters_that_differ_are_named(messages):
     assert "MoE layer: parameter 'gate_weight' must hold the same value on ranks 0, 1" in messages[0]["gate per rank"]
+    assert len(messages[0]["router biases"]) == 4
     for name, text in messages[0]["router biases"].items():
         assert f"MoE layer: parameter '{name}' must hold the same value on ranks 0, 1" in text, text
         assert messages[1]["router biases"][name] == text

@@ -47,9 +47,15 @@ CONFIGS = {
     # GPT-OSS's experts: biased glu with the clamped SwiGLU (a limit h ~ N(0, 1.3) crosses), its router
     "gpt_oss_experts": dict(ffn_size=FFN, num_experts=8, top_k=2, bias=True, activation="clamped_swiglu",
                             swiglu_limit=1.0, swiglu_alpha=1.5, router_bias=True, aux_loss_coef=0.05),
+    # a gated shared expert (dense, on the tokens' own rank, sliced over 't') beside a sigmoid
+    # group-limited router with correction bias
+    "shared_expert": dict(ffn_size=FFN, num_experts=8, top_k=2, score_func="sigmoid", correction_bias=True, n_group=4,
+                          topk_group=2, routed_scaling_factor=2.5, aux_loss_coef=0.05, shared_ffn_size=6,
+                          shared_gate=True),
 }
 LAYER_OPTIONS = ("score_func", "router_bias", "correction_bias", "n_group", "topk_group", "renormalize_epsilon",
-                  "routed_scaling_factor", "seq_aux_loss_coef", "swiglu_limit", "swiglu_alpha")
+                 "routed_scaling_factor", "seq_aux_loss_coef", "swiglu_limit", "swiglu_alpha", "shared_ffn_size",
+                 "shared_gate")
 TOKENS = {1: [10], 2: [0, 11], 4: [5, 0, 7, 4]}  # tokens per token-parallel rank (d, e); one holds none
 
 
@@ -74,7 +80,7 @@ def _case(name: str, layout: tuple[int, int, int], seed: int) -> dict:
         x[:, 0] = 4.0 + torch.rand(S, generator=gen, dtype=torch.float64)
         params["gate_weight"] = randn(H, E, scale=0.1)
         params["gate_weight"][0, :2] = torch.tensor([2.0, 1.6], dtype=torch.float64)
-    for pname, shape in _whole_shapes(config).items():
+    for pname, shape in _all_shapes(config).items():
         params[pname] = randn(*shape, scale=0.4)
     if config.router_bias:
         params["gate_bias"] = randn(E)
@@ -101,6 +107,16 @@ def _whole_shapes(config: MoEConfig) -> dict:
     shapes = {"w1": (E, F_, H), "w2": (E, H, F_)}
     if config.bias:
         shapes.update(b1=(E, F_), b2=(E, H))
+    return shapes
+
+
+def _all_shapes(config: MoEConfig) -> dict:
+    """The routed experts' whole shapes, then the shared expert's."""
+    shapes = _whole_shapes(config)
+    if config.shared_ffn_size:
+        shapes.update(shared_gate_up_proj=(2 * config.shared_ffn_size, H), shared_down_proj=(H, config.shared_ffn_size))
+    if config.shared_gate:
+        shapes["shared_gate_weight"] = (H,)
     return shapes
 
 
@@ -142,8 +158,10 @@ def _assert_close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> No
 def _local_shard(name: str, whole: torch.Tensor, coords: dict, layout) -> torch.Tensor:
     """This rank's shard, cut here by hand (not with the code under test)."""
     dp, ep, tp = layout
-    if name in ("gate_weight", "gate_bias"):
+    if name in ("gate_weight", "gate_bias", "shared_gate_weight"):
         return whole
+    if name.startswith("shared_"):  # one dense expert, sliced over 't' only
+        return _local_shard(name.removeprefix("shared_"), whole[None], {**coords, "e": 0}, (dp, 1, tp))[0]
     El = whole.shape[0] // ep
     block = whole[coords["e"] * El : (coords["e"] + 1) * El]
     if name in ("gate_up_proj", "gate_up_proj_bias"):
@@ -186,8 +204,10 @@ def _check_case(case: dict, results: list[dict]) -> None:
             d_mask = torch.zeros(sum(counts), dtype=torch.bool)
             d_mask[offsets[d * ep] : offsets[d * ep] + sum(counts[d * ep : (d + 1) * ep])] = True
             slices[d] = _share_grads(case, d_mask)[1]
-        for name in _whole_shapes(case["config"]):
-            expected = _local_shard(name, slices[d][name], coords, layout)
+        for name in _all_shapes(case["config"]):
+            # a shared expert's gradient covers this rank's tokens, a routed shard's its d slice's
+            local = share_grads if name.startswith("shared_") else slices[d]
+            expected = _local_shard(name, local[name], coords, layout)
             _assert_close(res["local"][name], expected, f"{what} local {name} gradient")
             _assert_close(res["synced"][name], _local_shard(name, full[name], coords, layout), f"{what} synced {name}")
         _assert_close(res["synced"]["gate_weight"], full["gate_weight"], f"{what} synced gate gradient")
@@ -353,6 +373,7 @@ def _bad_configurations(ep_mesh: Mesh, tp_mesh: Mesh) -> list[str]:
     if dist.get_rank() == 0:
         for build in (lambda: shardmoe.MoE(H, FFN, 3, 1, mesh=ep_mesh),
                       lambda: shardmoe.MoE(H, 5, 4, 1, mesh=tp_mesh),
+                      lambda: shardmoe.MoE(H, 4, 4, 1, mesh=tp_mesh, shared_ffn_size=5),
                       lambda: Mesh(dp=3)):
             with pytest.raises(ValueError) as info:
                 build()
@@ -516,9 +537,10 @@ def test_seed003_worked_example(two_rank_results):
 
 def test_bad_configurations_raise_before_any_communication(two_rank_results):
     _, _, results = two_rank_results
-    first, second, third = results[0]["errors"]
+    first, second, shared, third = results[0]["errors"]
     assert first == "num_experts: expected a multiple of the mesh's ep = 2 (experts are split over 'e'), got 3"
     assert second.startswith("ffn_size: expected a multiple of the mesh's tp = 2") and second.endswith("got 5")
+    assert shared.startswith("shared_ffn_size: expected a multiple of the mesh's tp = 2") and shared.endswith("got 5")
     assert "dp*ep*tp = 3 but the world size is 2" in third
     assert results[1]["errors"] == []
 

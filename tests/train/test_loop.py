@@ -10,6 +10,7 @@ from shardmoe.model.transformer import Transformer
 from shardmoe.train import checkpoint as ckpt
 from shardmoe.train.loop import train
 from shardmoe.train.metrics import METRICS_FILE
+from shardmoe.train.presets import ARCH_PRESETS
 
 from .conftest import TINY_MODEL
 
@@ -147,14 +148,22 @@ def test_buffers_round_trip_through_the_checkpoint(tmp_path, tiny_config, one_th
     assert all(torch.equal(before[n], p) for n, p in plain.named_parameters())  # nothing was loaded
 
 
-def test_resume_with_correction_bias_in_the_checkpoint_is_bitwise(tmp_path, tiny_config, one_thread):
+ROUTER_MODELS = {
+    "router_options": dict(score_func="sigmoid", router_bias=True, correction_bias=True, bias_update_rate=0.01,
+                           n_group=2, topk_group=1, renormalize_epsilon=1e-20, routed_scaling_factor=2.5,
+                           aux_loss_coef=0.0, seq_aux_loss_coef=0.01),
+    "deepseek_preset": ARCH_PRESETS["deepseek"]["model"],  # its experts and shared expert on the tiny dims
+}
+
+
+@pytest.mark.parametrize("name", list(ROUTER_MODELS))
+def test_resume_with_correction_bias_in_the_checkpoint_is_bitwise(tmp_path, tiny_config, one_thread, name):
     """A DeepSeek-like router (sigmoid, group-limited, router and correction biases, scaling,
-    sequence-wise loss over the packed documents): the loop moves each block's correction bias after
+    sequence-wise loss over the packed documents), and the `deepseek` preset's model (a shared
+    expert, 16 fine-grained experts, no aux loss): the loop moves each block's correction bias after
     every optimizer step, the checkpoint carries it, and a resumed run reproduces the losses and the
     biases bitwise."""
-    model = dataclasses.replace(TINY_MODEL, score_func="sigmoid", router_bias=True, correction_bias=True,
-                                bias_update_rate=0.01, n_group=2, topk_group=1, renormalize_epsilon=1e-20,
-                                routed_scaling_factor=2.5, aux_loss_coef=0.0, seq_aux_loss_coef=0.01)
+    model = dataclasses.replace(TINY_MODEL, **ROUTER_MODELS[name])
     config = tiny_config(model=model, checkpoint_every=2)
     whole = train(config, tmp_path / "whole", progress=False)
     first = train(config, tmp_path / "split", stop_after=3, progress=False)
@@ -167,5 +176,8 @@ def test_resume_with_correction_bias_in_the_checkpoint_is_bitwise(tmp_path, tiny
     assert [r["loss"] for r in first.metrics + second.new_metrics] == losses
     for a, b in zip(whole.model.blocks, second.model.blocks):
         assert torch.equal(a.moe.correction_bias, b.moe.correction_bias)
-        assert torch.equal(a.moe.gate_bias, b.moe.gate_bias)
+        assert (a.moe.gate_bias is None) == (not model.router_bias)
+        assert a.moe.gate_bias is None or torch.equal(a.moe.gate_bias, b.moe.gate_bias)
+    for a, b in zip(whole.model.parameters(), second.model.parameters()):
+        assert torch.equal(a, b)
     assert losses[-1] < losses[0]

@@ -6,9 +6,10 @@ world per world size runs every layout of that size in turn; each rank also chec
 that the model's synced gradients gather to the single-process gradients (the placement of the
 dense-weight sums over e and of the MoE seam over t) and that full weights round-trip through
 the shards; the same for a DeepSeek-like router (sigmoid, groups, both biases, scaling, sequence-wise
-loss over the packed documents) with GPT-OSS's experts (both glu biases, clamped SwiGLU), whose
-correction biases after one update must equal the single-process ones. A checkpoint written by
-the d = 2 run resumes on one process.
+loss over the packed documents) with biased glu experts and a gated shared expert (sliced over t),
+whose correction biases after one update must equal the single-process ones (the clamped SwiGLU,
+which no family combines with shared experts, is covered by tests/parallel). A checkpoint written
+by the d = 2 run resumes on one process.
 """
 import dataclasses
 import math
@@ -27,9 +28,8 @@ STEPS = 20
 ROUTER_MODEL = dataclasses.replace(TINY_MODEL, score_func="sigmoid", router_bias=True, correction_bias=True,
                                    bias_update_rate=0.01, n_group=2, topk_group=1, renormalize_epsilon=1e-20,
                                    routed_scaling_factor=2.5, seq_aux_loss_coef=0.01,
-                                   # GPT-OSS's experts too: both glu biases and the clamped SwiGLU, its limit
-                                   # within the spread of h (the biases' linspace below crosses it)
-                                   expert_bias=True, activation="clamped_swiglu", swiglu_limit=0.1)
+                                   # biased glu experts (the biases' linspace below) and a gated shared expert
+                                   expert_bias=True, shared_ffn_size=4, shared_gate=True)
 LAYOUTS = {2: [(2, 1, 1), (1, 1, 2), (1, 2, 1)], 4: [(2, 2, 1), (1, 2, 2)]}  # (d, e, t)
 
 

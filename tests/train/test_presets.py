@@ -1,4 +1,5 @@
 """Architecture presets: `--arch NAME` and `arch` in a config file, layered under the file and the flags."""
+import dataclasses
 import json
 
 import pytest
@@ -66,7 +67,8 @@ def test_an_unknown_arch_is_one_line_listing_the_presets(tmp_path, capsys):
     assert main(["train", "--config", str(path), "--out", str(tmp_path / "run")]) == 2
     assert capsys.readouterr().err == (f"shardmoe train: --config {path}: arch: expected one of the presets "
                                        f"{', '.join(presets.ARCH_PRESETS)}, got 'gpt5'\n")
-    with pytest.raises(ValueError, match=r"arch: expected one of the presets mixtral, got \['mixtral'\]"):
+    listed = ", ".join(presets.ARCH_PRESETS)
+    with pytest.raises(ValueError, match=rf"arch: expected one of the presets {listed}, got \['mixtral'\]"):
         TrainConfig(arch=["mixtral"])
 
 
@@ -96,3 +98,17 @@ def test_a_checkpoint_from_before_presets_resumes_as_mixtral(tmp_path, wide_pres
     assert ckpt.check_resumable(ckpt.checkpoint_path(tmp_path), config.resume_identity()) == 1
     with pytest.raises(ValueError, match="arch: saved 'mixtral', now 'wide'"):
         ckpt.check_resumable(ckpt.checkpoint_path(tmp_path), config.replace(arch="wide").resume_identity())
+
+
+def test_the_mfu_flops_count_the_deepseek_presets_shared_expert():
+    """Per layer and token the shared expert adds its two GEMMs, [M] x [M, 2Fs] and [Fs] x [Fs, M]
+    (2 FLOPs per multiply-add), and a gated one its [M] . [M] gate."""
+    from shardmoe.train.flops import forward_flops_per_token
+
+    model = TrainConfig.from_dict({"arch": "deepseek"}).model
+    M, Fs = model.d_model, model.shared_ffn_size
+    without = dataclasses.replace(model, shared_ffn_size=0)
+    per_layer = 2 * M * (2 * Fs) + 2 * Fs * M
+    assert forward_flops_per_token(model, 64) - forward_flops_per_token(without, 64) == model.n_layers * per_layer
+    gated = dataclasses.replace(model, shared_gate=True)
+    assert forward_flops_per_token(gated, 64) - forward_flops_per_token(model, 64) == model.n_layers * 2 * M
