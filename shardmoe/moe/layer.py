@@ -207,10 +207,14 @@ class MoE(nn.Module):
 
     def _apply(self, fn, recurse=True):
         """As nn.Module._apply (.to(), .cuda(), .float(), ...), and the workspace's blocks are released:
-        they hold memory of the old device and dtype."""
+        they hold memory of the old device and dtype. The correction bias stays float32 whatever
+        the dtype moved to (bf16 would round its 1e-3 updates away near |b| ~ 1: docs/moe.md)."""
         if self.workspace is not None:
             self.workspace.release()
-        return super()._apply(fn, recurse)
+        module = super()._apply(fn, recurse)
+        if self.correction_bias is not None and self.correction_bias.dtype != torch.float32:
+            self.correction_bias = self.correction_bias.float()
+        return module
 
     def __getstate__(self) -> dict:
         """State for copy.deepcopy and pickle, without the last forward's results.

@@ -267,3 +267,17 @@ def test_mixtral_exports_refuse_another_router():
         mixtral_config(config)
     with pytest.raises(ValueError, match=r"to_mixtral_state_dict: expected Mixtral's router"):
         to_mixtral_state_dict(Transformer(config).full_state_dict(), config)
+
+
+def test_correction_bias_stays_float32_when_the_layer_moves_to_bf16():
+    """module.to(bf16) casts every floating buffer; the correction bias must not round (its updates
+    of 1e-3 vanish in bf16 near |b| ~ 1), and it stays a registered buffer."""
+    layer = shardmoe.MoE(8, 6, 4, 2, score_func="sigmoid", correction_bias=True, bias_update_rate=1e-3)
+    with torch.no_grad():
+        layer.correction_bias.fill_(1.0)
+    layer.to(torch.bfloat16)
+    assert layer.gate_weight.dtype == torch.bfloat16 and layer.correction_bias.dtype == torch.float32
+    assert "correction_bias" in dict(layer.named_buffers())
+    layer.update_correction_bias(torch.tensor([5.0, 1.0, 1.0, 1.0]))
+    assert abs(layer.correction_bias[0].item() - (1 - 1e-3)) < 1e-7  # in bf16 it would stay 1.0
+    layer(torch.randn(5, 8, dtype=torch.bfloat16))  # still runs in bf16 with a float32 bias
