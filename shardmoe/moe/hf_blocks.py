@@ -71,7 +71,7 @@ def family_name(block) -> str:
 
 
 def _refuse(block, feature: str) -> ValueError:
-    return ValueError(f"block: from_mixtral cannot express family {family_name(block)!r} "
+    return ValueError(f"block: MoE (from_mixtral, from_hf) cannot express family {family_name(block)!r} "
                       f"({type(block).__name__}): {feature}")
 
 
