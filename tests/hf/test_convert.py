@@ -46,6 +46,17 @@ def test_converted_model_matches_family(family, hf):
         assert hf.relative_error(c_grads[name], g) < 1e-5, name
 
 
+def test_converted_model_matches_family_float32(hf):
+    model = hf.small_model("qwen3_moe", dtype=torch.float32)
+    converted = convert(copy.deepcopy(model))
+    logits, loss, grads = hf.loss_and_grads(model, IDS)
+    c_logits, c_loss, c_grads = hf.loss_and_grads(converted, IDS)
+    assert hf.relative_error(c_logits, logits) < 1e-5
+    assert abs(c_loss.item() - loss.item()) < 1e-5 * loss.item()
+    for name, g in converted_grads(c_grads).items():
+        assert hf.relative_error(g, grads[name]) < 1e-5, name
+
+
 @pytest.mark.parametrize("family", ["mixtral", "deepseek_v3"])
 def test_converted_model_matches_float64_reference(family, hf, monkeypatch):
     converted = convert(hf.small_model(family, **CONVERTIBLE[family]))
