@@ -59,9 +59,8 @@ def _is_sparse_block(module: nn.Module) -> bool:
     return hasattr(getattr(module, "experts", None), "has_gate")
 
 
-def convert(model: nn.Module, mesh=None) -> nn.Module:
-    """Swap every sparse MoE block of `model` for a ConvertedBlock (this rank's expert shard with
-    a mesh), in place, and return the model. Raises ValueError, before swapping anything, for a
+def convert(model: nn.Module) -> nn.Module:
+    """Swap every sparse MoE block of `model` for a ConvertedBlock, in place, and return the model. Raises ValueError, before swapping anything, for a
     block MoE cannot express, for a model without sparse blocks, and for a model that has already
     run a forward (its output hooks are installed and would miss the new router-logits modules)."""
     hooked = [n for n, m in model.named_modules() if getattr(m, "_output_capturing_hooks_installed", False)]
@@ -79,5 +78,5 @@ def convert(model: nn.Module, mesh=None) -> nn.Module:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         router = getattr(block, "gate", None) or getattr(block, "router")
-        setattr(parent, child, ConvertedBlock(MoE.from_hf(block, mesh), router_logits_module(router)))
+        setattr(parent, child, ConvertedBlock(MoE.from_hf(block), router_logits_module(router)))
     return model
