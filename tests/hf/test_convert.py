@@ -138,3 +138,11 @@ def test_convert_refuses_a_model_that_ran_a_forward(hf):
     model(input_ids=IDS)
     with pytest.raises(ValueError, match="model: expected a model that has not run a forward yet"):
         convert(model)
+
+
+def test_to_hf_state_dict_refuses_what_no_block_holds():
+    for options, name in ((dict(router_bias=True), "router_bias=True"), (dict(capacity_factor=1.0), "capacity_factor"),
+                          (dict(expert="mlp"), "expert='mlp'"), (dict(score_func="sigmoid"), "score_func='sigmoid'")):
+        layer = MoE(8, 4, 4, 2, **options)
+        with pytest.raises(ValueError, match=rf"to_hf_state_dict: expected .*got .*{name}"):
+            layer.to_hf_state_dict()
