@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from shardmoe import MoE
-from shardmoe.hf.convert import ConvertedBlock, convert
+from shardmoe.hf import convert
+from shardmoe.hf.converted import ConvertedBlock
 from shardmoe.moe.function import expert_param_names
 from shardmoe.moe.reference import reference_moe
 
