@@ -133,7 +133,8 @@ def run(args) -> int:
         print(f"shardmoe bench: --hf: expected --device cpu, got {args.device!r}", file=sys.stderr)
         return 2
     preset = dict(DEFAULTS, **(QUICK if args.quick else {}))
-    sizes = {name: getattr(args, name, None) or preset[name] for name in ("tokens", "hidden", "ffn", "experts", "top_k")}
+    sizes = {name: getattr(args, name, None) or preset[name]
+             for name in ("tokens", "hidden", "ffn", "experts", "top_k")}
     warmup = args.warmup if args.warmup is not None else preset["warmup"]
     repeats = args.repeats if args.repeats is not None else preset["repeats"]
     if args.threads is not None:

@@ -60,9 +60,10 @@ def _is_sparse_block(module: nn.Module) -> bool:
 
 
 def convert(model: nn.Module) -> nn.Module:
-    """Swap every sparse MoE block of `model` for a ConvertedBlock, in place, and return the model. Raises ValueError, before swapping anything, for a
-    block MoE cannot express, for a model without sparse blocks, and for a model that has already
-    run a forward (its output hooks are installed and would miss the new router-logits modules)."""
+    """Swap every sparse MoE block of `model` for a ConvertedBlock, in place, and return the model.
+    Raises ValueError, before swapping anything, for a block MoE cannot express, for a model
+    without sparse blocks, and for a model that has already run a forward (its output hooks are
+    installed and would miss the new router-logits modules)."""
     hooked = [n for n, m in model.named_modules() if getattr(m, "_output_capturing_hooks_installed", False)]
     if hooked:
         raise ValueError(f"model: expected a model that has not run a forward yet (transformers installs its "

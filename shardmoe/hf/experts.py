@@ -92,7 +92,8 @@ def read_layout(experts) -> ExpertsLayout:
     if experts.has_gate:
         if type(experts)._apply_gate is not _default_apply_gate:
             raise _refuse(experts, f"its own gate {type(experts).__name__}._apply_gate is not supported (only "
-                                   "act(gate) * up is; GPT-OSS's is a clamped SwiGLU, which the fused stages do not have)")
+                                   "act(gate) * up is; GPT-OSS's is a clamped SwiGLU, which the fused stages "
+                                   "do not have)")
         names = ("gate_up_proj", "gate_up_proj_bias" if has_bias else None, "down_proj",
                  "down_proj_bias" if has_bias else None)
         expert = "glu"
