@@ -1,4 +1,8 @@
-"""Helpers for the transformers interop tests: small random models of each family, float64."""
+"""Helpers for the transformers interop tests: small random models of each family, float64.
+
+Nothing here or in the test modules imports shardmoe.hf at collection: it imports
+transformers.integrations, which imports triton, and triton.jit must first see the
+TRITON_INTERPRET that tests/kernels/conftest.py sets when it is collected."""
 from __future__ import annotations
 
 import pytest
@@ -52,4 +56,4 @@ def hf():
     import shardmoe.hf  # noqa: F401  (registers the "shardmoe" experts implementation)
 
     return types.SimpleNamespace(small_model=small_model, loss_and_grads=loss_and_grads,
-                                 relative_error=relative_error, randomize=randomize)
+                                 relative_error=relative_error, randomize=randomize, convert=shardmoe.hf.convert)

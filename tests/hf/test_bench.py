@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 from shardmoe.bench import main
-from shardmoe.hf import bench as hf_bench
 
 TINY = ["--tokens", "24", "--hidden", "16", "--ffn", "8", "--experts", "4", "--warmup", "0", "--repeats", "1",
         "--dtype", "fp32"]
@@ -18,6 +17,8 @@ def test_bench_family_row(capsys, hf):
 
 
 def test_bench_checks_shardmoe_and_grouped_mm_against_eager(hf):
+    from shardmoe.hf import bench as hf_bench
+
     result = hf_bench.run_family("qwen2_moe", "fp32", tokens=24, hidden=16, ffn=8, experts=4, top_k=2, warmup=0,
                                  repeats=1)
     assert result["rel_err_vs_eager"]["shardmoe"] < 1e-5 and result["rel_err_vs_eager"]["grouped_mm"] < 1e-5

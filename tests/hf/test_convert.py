@@ -4,6 +4,8 @@ A converted model routes in float64 where the families' routers cast logits to f
 equals the family's own model to that precision (~1e-7 relative); against shardmoe's float64
 autograd reference (moe/reference.py) swapped into the same converted model it is exact (1e-10).
 The model's loss keeps the family's router aux loss with its own coefficient.
+shardmoe.hf is imported by the tests, not at collection: it imports transformers.integrations,
+which imports triton before tests/kernels/conftest.py can choose the interpreter.
 """
 from __future__ import annotations
 
@@ -13,8 +15,6 @@ import pytest
 import torch
 
 from shardmoe import MoE
-from shardmoe.hf import convert
-from shardmoe.hf.converted import ConvertedBlock
 from shardmoe.moe.function import expert_param_names
 from shardmoe.moe.reference import reference_moe
 
@@ -33,8 +33,10 @@ def converted_grads(grads: dict) -> dict:
 
 @pytest.mark.parametrize("family", CONVERTIBLE)
 def test_converted_model_matches_family(family, hf):
+    from shardmoe.hf.converted import ConvertedBlock
+
     model = hf.small_model(family, **CONVERTIBLE[family])
-    converted = convert(copy.deepcopy(model))
+    converted = hf.convert(copy.deepcopy(model))
     assert any(isinstance(m, ConvertedBlock) for m in converted.modules())
     logits, loss, grads = hf.loss_and_grads(model, IDS)
     c_logits, c_loss, c_grads = hf.loss_and_grads(converted, IDS)
@@ -49,7 +51,7 @@ def test_converted_model_matches_family(family, hf):
 
 def test_converted_model_matches_family_float32(hf):
     model = hf.small_model("qwen3_moe", dtype=torch.float32)
-    converted = convert(copy.deepcopy(model))
+    converted = hf.convert(copy.deepcopy(model))
     logits, loss, grads = hf.loss_and_grads(model, IDS)
     c_logits, c_loss, c_grads = hf.loss_and_grads(converted, IDS)
     assert hf.relative_error(c_logits, logits) < 1e-5
@@ -60,7 +62,7 @@ def test_converted_model_matches_family_float32(hf):
 
 @pytest.mark.parametrize("family", ["mixtral", "deepseek_v3"])
 def test_converted_model_matches_float64_reference(family, hf, monkeypatch):
-    converted = convert(hf.small_model(family, **CONVERTIBLE[family]))
+    converted = hf.convert(hf.small_model(family, **CONVERTIBLE[family]))
     result = hf.loss_and_grads(converted, IDS)
 
     def reference_forward(self, x):
@@ -77,7 +79,7 @@ def test_converted_model_matches_float64_reference(family, hf, monkeypatch):
 
 def test_training_steps_give_the_family_losses(hf):
     model = hf.small_model("mixtral")
-    converted = convert(copy.deepcopy(model))
+    converted = hf.convert(copy.deepcopy(model))
     losses = []
     for m in (model, converted):
         optimizer = torch.optim.SGD(m.parameters(), lr=0.1)
@@ -94,9 +96,9 @@ def test_training_steps_give_the_family_losses(hf):
 
 
 def test_aux_loss_keeps_the_family_coefficient(hf):
-    converted = convert(hf.small_model("olmoe", aux_loss_coef=0.5))
+    converted = hf.convert(hf.small_model("olmoe", aux_loss_coef=0.5))
     out = converted(input_ids=IDS, labels=IDS)
-    without = convert(hf.small_model("olmoe", aux_loss_coef=0.0))(input_ids=IDS, labels=IDS)
+    without = hf.convert(hf.small_model("olmoe", aux_loss_coef=0.0))(input_ids=IDS, labels=IDS)
     assert out.aux_loss is not None and out.aux_loss > 0
     assert out.loss.item() == pytest.approx(without.loss.item() + 0.5 * out.aux_loss.item(), rel=1e-6)
 
@@ -127,7 +129,7 @@ def test_unsupported_blocks_are_refused_before_any_swap(family, options, match, 
     model = hf.small_model(family, **options)
     before = [type(m) for m in model.modules()]
     with pytest.raises(ValueError, match=match):
-        convert(model)
+        hf.convert(model)
     assert [type(m) for m in model.modules()] == before
     block = next(m for m in model.modules() if hasattr(getattr(m, "experts", None), "has_gate"))
     with pytest.raises(ValueError, match=match):
@@ -138,7 +140,7 @@ def test_convert_refuses_a_model_that_ran_a_forward(hf):
     model = hf.small_model("qwen3_moe")
     model(input_ids=IDS)
     with pytest.raises(ValueError, match="model: expected a model that has not run a forward yet"):
-        convert(model)
+        hf.convert(model)
 
 
 def test_to_hf_state_dict_refuses_what_no_block_holds():
