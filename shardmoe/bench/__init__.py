@@ -62,6 +62,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--json", metavar="PATH", default=None, help="write every number to this JSON file")
     parser.add_argument("--strict", action="store_true", help="exit 1 when a target is missed")
+    parser.add_argument("--hf", metavar="FAMILY", default=None,
+                        help="time one sparse MoE block of a transformers family (mixtral, qwen2_moe, qwen3_moe, "
+                             "olmoe, deepseek_v3, or all) with experts 'shardmoe' vs 'grouped_mm' vs 'eager' "
+                             "(shardmoe/hf/bench.py)")
     # the distributed benchmark (`torchrun ... -m shardmoe bench --mesh e=4`) adds the options this
     # parser lacks (--mesh, --hidden, ...); run() hands a --mesh run (or a torchrun job) over to it
     from shardmoe.parallel import bench as distributed
@@ -81,6 +85,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"shardmoe bench: --threads: expected an int in 1..{cores} (os.cpu_count()), got {args.threads}",
               file=sys.stderr)
         return 2
+    if args.hf is not None:
+        from shardmoe.hf import bench as hf_bench
+
+        return hf_bench.run(args)
     if _distributed_requested(args):
         from shardmoe.parallel.bench import run_distributed
 

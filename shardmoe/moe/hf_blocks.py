@@ -64,14 +64,14 @@ class MixtralSemantics:
     down_proj: torch.Tensor
 
 
-def _family(block) -> str:
+def family_name(block) -> str:
     """'qwen3_moe' for transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeSparseMoeBlock."""
     parts = type(block).__module__.split(".")
     return parts[-2] if len(parts) >= 2 and parts[-3:-2] == ["models"] else type(block).__module__
 
 
 def _refuse(block, feature: str) -> ValueError:
-    return ValueError(f"block: from_mixtral cannot express family {_family(block)!r} "
+    return ValueError(f"block: MoE (from_mixtral, from_hf) cannot express family {family_name(block)!r} "
                       f"({type(block).__name__}): {feature}")
 
 

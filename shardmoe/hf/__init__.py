@@ -1,0 +1,23 @@
+"""transformers interop: importing shardmoe.hf registers the "shardmoe" experts implementation.
+
+  import shardmoe.hf
+  model = AutoModelForCausalLM.from_config(cfg, experts_implementation="shardmoe")
+
+runs every experts module decorated with transformers' use_experts_implementation through
+shardmoe's fused expert stages (shardmoe/hf/experts.py); the family's router, shared experts and
+the rest of the model stay the family's own. shardmoe.hf.convert(model) (shardmoe/hf/converted.py)
+swaps whole sparse blocks for shardmoe.MoE layers. docs/hf.md lists the families and their status.
+transformers is imported here, so nothing else in shardmoe imports this package at import time.
+"""
+from __future__ import annotations
+
+from transformers.integrations.moe import ExpertsInterface
+
+from shardmoe.hf.converted import convert
+from shardmoe.hf.experts import experts_forward, read_layout
+
+IMPLEMENTATION = "shardmoe"
+
+ExpertsInterface.register(IMPLEMENTATION, experts_forward)
+
+__all__ = ["IMPLEMENTATION", "convert", "experts_forward", "read_layout"]

@@ -1,0 +1,83 @@
+"""convert(model): every sparse MoE block of a transformers model computed by shardmoe.MoE.
+
+  shardmoe.hf.convert(model)   in place; returns model
+
+Each block (a module with an `experts` child decorated by use_experts_implementation) becomes a
+ConvertedBlock holding MoE.from_hf(block): routing and experts run in the fused layer, forward and
+backward. The model's own loss is kept, router aux loss included with the family's coefficient:
+transformers computes that loss from the router logits it records with a hook on modules of the
+family's router class (OutputRecorder), summed over all layers before the balance product
+(load_balancing_loss_func), so it does not split into per-layer terms a layer could own. A
+ConvertedBlock therefore keeps a RouterLogits child, an instance of a subclass of the family's
+router class with no parameters, returning (x Wg,) with the layer's own gate weight: the hook
+records it and the model's aux loss differentiates through it into the layer's gate_weight. The
+layer's own aux_loss_coef stays 0, so nothing is counted twice. Costs one [S, H] x [H, E] GEMM
+per block beyond the fused layer.
+
+Every block is read (MoE.from_hf's refusals: shared experts, GPT-OSS, ...) before any is swapped.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from shardmoe.hf.blocks import read_block
+from shardmoe.moe.layer import MoE
+
+
+class RouterLogits(nn.Module):
+    """router_logits = x Wg [S, E] for x [..., H] (flattened to [S, H]) and gate_weight [H, E],
+    returned as the first item of a tuple, as the family's router returns them."""
+
+    def __init__(self):
+        nn.Module.__init__(self)  # not the family router's __init__: no parameters of its own
+
+    def forward(self, hidden_states: torch.Tensor, gate_weight: torch.Tensor) -> tuple[torch.Tensor]:
+        return (hidden_states.reshape(-1, gate_weight.shape[0]) @ gate_weight,)
+
+
+def router_logits_module(router: nn.Module) -> RouterLogits:
+    """A RouterLogits that is also an instance of the router's class (which the hook looks for)."""
+    cls = type(f"RouterLogits{type(router).__name__}", (RouterLogits, type(router)), {})
+    return cls()
+
+
+class ConvertedBlock(nn.Module):
+    """A sparse MoE block computed by `moe`: hidden_states [B, T, H] -> [B, T, H], as the block."""
+
+    def __init__(self, moe: MoE, router_logits: RouterLogits):
+        super().__init__()
+        self.moe = moe
+        self.router_logits = router_logits
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        self.router_logits(hidden_states, self.moe.gate_weight)
+        return self.moe(hidden_states)
+
+
+def _is_sparse_block(module: nn.Module) -> bool:
+    return hasattr(getattr(module, "experts", None), "has_gate")
+
+
+def convert(model: nn.Module) -> nn.Module:
+    """Swap every sparse MoE block of `model` for a ConvertedBlock, in place, and return the model.
+    Raises ValueError, before swapping anything, for a block MoE cannot express, for a model
+    without sparse blocks, and for a model that has already run a forward (its output hooks are
+    installed and would miss the new router-logits modules)."""
+    hooked = [n for n, m in model.named_modules() if getattr(m, "_output_capturing_hooks_installed", False)]
+    if hooked:
+        raise ValueError(f"model: expected a model that has not run a forward yet (transformers installs its "
+                         f"output hooks at the first one and would not record the router logits of converted "
+                         f"blocks), got hooks installed on {hooked[0] or 'the model'!r}")
+    blocks = [(name, m) for name, m in model.named_modules() if _is_sparse_block(m)]
+    if not blocks:
+        raise ValueError(f"model: expected sparse MoE blocks (modules with a decorated `experts` child), found none "
+                         f"in {type(model).__name__}")
+    for _, block in blocks:
+        read_block(block)
+    for name, block in blocks:
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        router = getattr(block, "gate", None) or getattr(block, "router")
+        setattr(parent, child, ConvertedBlock(MoE.from_hf(block), router_logits_module(router)))
+    return model

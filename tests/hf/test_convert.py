@@ -1,0 +1,151 @@
+"""MoE.from_hf / to_hf_state_dict and shardmoe.hf.convert against the families themselves.
+
+A converted model routes in float64 where the families' routers cast logits to float32, so it
+equals the family's own model to that precision (~1e-7 relative); against shardmoe's float64
+autograd reference (moe/reference.py) swapped into the same converted model it is exact (1e-10).
+The model's loss keeps the family's router aux loss with its own coefficient.
+shardmoe.hf is imported by the tests, not at collection: it imports transformers.integrations,
+which imports triton before tests/kernels/conftest.py can choose the interpreter.
+"""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from shardmoe import MoE
+from shardmoe.moe.function import expert_param_names
+from shardmoe.moe.reference import reference_moe
+
+CONVERTIBLE = {"mixtral": {}, "qwen3_moe": {}, "olmoe": {}, "deepseek_v3": {"n_shared_experts": 0}}
+IDS = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(3))
+
+
+def hf_name(name: str) -> str:
+    """The family's name of a converted parameter (the gate weight is transposed)."""
+    return name.replace("mlp.moe.gate_weight", "mlp.gate.weight").replace("mlp.moe.", "mlp.experts.")
+
+
+def converted_grads(grads: dict) -> dict:
+    return {hf_name(n): (g.t() if n.endswith("gate_weight") else g) for n, g in grads.items()}
+
+
+@pytest.mark.parametrize("family", CONVERTIBLE)
+def test_converted_model_matches_family(family, hf):
+    from shardmoe.hf.converted import ConvertedBlock
+
+    model = hf.small_model(family, **CONVERTIBLE[family])
+    converted = hf.convert(copy.deepcopy(model))
+    assert any(isinstance(m, ConvertedBlock) for m in converted.modules())
+    logits, loss, grads = hf.loss_and_grads(model, IDS)
+    c_logits, c_loss, c_grads = hf.loss_and_grads(converted, IDS)
+    assert hf.relative_error(c_logits, logits) < 1e-6
+    assert abs(c_loss.item() - loss.item()) < 1e-6 * loss.item()
+    c_grads = converted_grads(c_grads)
+    grads = {n: g for n, g in grads.items() if g.numel()}  # DeepSeek-V3's zero-width shared experts
+    assert c_grads.keys() == grads.keys()
+    for name, g in grads.items():
+        assert hf.relative_error(c_grads[name], g) < 1e-5, name
+
+
+def test_converted_model_matches_family_float32(hf):
+    model = hf.small_model("qwen3_moe", dtype=torch.float32)
+    converted = hf.convert(copy.deepcopy(model))
+    logits, loss, grads = hf.loss_and_grads(model, IDS)
+    c_logits, c_loss, c_grads = hf.loss_and_grads(converted, IDS)
+    assert hf.relative_error(c_logits, logits) < 1e-5
+    assert abs(c_loss.item() - loss.item()) < 1e-5 * loss.item()
+    for name, g in converted_grads(c_grads).items():
+        assert hf.relative_error(g, grads[name]) < 1e-5, name
+
+
+@pytest.mark.parametrize("family", ["mixtral", "deepseek_v3"])
+def test_converted_model_matches_float64_reference(family, hf, monkeypatch):
+    converted = hf.convert(hf.small_model(family, **CONVERTIBLE[family]))
+    result = hf.loss_and_grads(converted, IDS)
+
+    def reference_forward(self, x):
+        params = {n: getattr(self, n) for n in ("gate_weight", *expert_param_names(self.config))}
+        return reference_moe(x, params, self.config, self.correction_bias)[0]
+
+    monkeypatch.setattr(MoE, "forward", reference_forward)
+    expected = hf.loss_and_grads(converted, IDS)
+    assert hf.relative_error(result[0], expected[0]) < 1e-10
+    assert abs(result[1].item() - expected[1].item()) <= 1e-10 * expected[1].item()
+    for name, g in expected[2].items():
+        assert hf.relative_error(result[2][name], g) < 1e-10, name
+
+
+def test_training_steps_give_the_family_losses(hf):
+    model = hf.small_model("mixtral")
+    converted = hf.convert(copy.deepcopy(model))
+    losses = []
+    for m in (model, converted):
+        optimizer = torch.optim.SGD(m.parameters(), lr=0.1)
+        run = []
+        for _ in range(3):
+            optimizer.zero_grad()
+            loss = m(input_ids=IDS, labels=IDS).loss
+            loss.backward()
+            optimizer.step()
+            run.append(loss.item())
+        losses.append(run)
+    assert losses[0][0] > losses[0][-1]
+    assert losses[1] == pytest.approx(losses[0], rel=1e-6)
+
+
+def test_aux_loss_keeps_the_family_coefficient(hf):
+    converted = hf.convert(hf.small_model("olmoe", aux_loss_coef=0.5))
+    out = converted(input_ids=IDS, labels=IDS)
+    without = hf.convert(hf.small_model("olmoe", aux_loss_coef=0.0))(input_ids=IDS, labels=IDS)
+    assert out.aux_loss is not None and out.aux_loss > 0
+    assert out.loss.item() == pytest.approx(without.loss.item() + 0.5 * out.aux_loss.item(), rel=1e-6)
+
+
+@pytest.mark.parametrize("family", CONVERTIBLE)
+def test_from_hf_and_state_dict_round_trip(family, hf):
+    model = hf.small_model(family, **CONVERTIBLE[family])
+    block = next(m for m in model.modules() if hasattr(getattr(m, "experts", None), "has_gate"))
+    layer = MoE.from_hf(block)
+    x = torch.randn(2, 5, block.experts.gate_up_proj.shape[-1], dtype=torch.float64)
+    assert hf.relative_error(layer(x), block(x)) < 1e-6
+    state = layer.to_hf_state_dict()
+    other = copy.deepcopy(block)
+    hf.randomize(other, seed=7)
+    missing, unexpected = other.load_state_dict(state, strict=False)
+    assert not unexpected and all(n.startswith("shared_experts.") for n in missing)
+    assert torch.equal(other(x), block(x))
+    for name, t in state.items():
+        assert torch.equal(t, block.state_dict()[name].to(t.dtype)), name
+
+
+@pytest.mark.parametrize("family,options,match", [
+    ("qwen2_moe", {}, r"'qwen2_moe'.*shared experts are not supported \(found shared_expert, shared_expert_gate\)"),
+    ("deepseek_v3", {}, r"'deepseek_v3'.*shared experts \(shared_experts of width 12\).*shared_ffn_size"),
+    ("gpt_oss", {}, r"'gpt_oss'.*clamped SwiGLU"),
+])
+def test_unsupported_blocks_are_refused_before_any_swap(family, options, match, hf):
+    model = hf.small_model(family, **options)
+    before = [type(m) for m in model.modules()]
+    with pytest.raises(ValueError, match=match):
+        hf.convert(model)
+    assert [type(m) for m in model.modules()] == before
+    block = next(m for m in model.modules() if hasattr(getattr(m, "experts", None), "has_gate"))
+    with pytest.raises(ValueError, match=match):
+        MoE.from_hf(block)
+
+
+def test_convert_refuses_a_model_that_ran_a_forward(hf):
+    model = hf.small_model("qwen3_moe")
+    model(input_ids=IDS)
+    with pytest.raises(ValueError, match="model: expected a model that has not run a forward yet"):
+        hf.convert(model)
+
+
+def test_to_hf_state_dict_refuses_what_no_block_holds():
+    for options, name in ((dict(router_bias=True), "router_bias=True"), (dict(capacity_factor=1.0), "capacity_factor"),
+                          (dict(expert="mlp"), "expert='mlp'"), (dict(score_func="sigmoid"), "score_func='sigmoid'")):
+        layer = MoE(8, 4, 4, 2, **options)
+        with pytest.raises(ValueError, match=rf"to_hf_state_dict: expected .*got .*{name}"):
+            layer.to_hf_state_dict()
