@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from shardmoe import kernels
+from shardmoe.moe import elementwise
 from shardmoe.moe.activations import activate, activate_backward
 from shardmoe.moe.combine import grad_combine, grad_gate_combine, row_chunks
 from shardmoe.moe.routing import accumulation_dtype
@@ -112,6 +113,8 @@ def grouped_weight_grad(grad_rows: torch.Tensor, in_rows: torch.Tensor, groups: 
 
 def grouped_bias_grad(grad_rows: torch.Tensor, groups: Groups) -> torch.Tensor:
     """db_e = sum over rows r of e of grad_r: [N, O] -> [E, O], summed in the acc dtype."""
+    if elementwise.available(grad_rows):  # the same row-order sum, one pass
+        return elementwise.combine_rows(grad_rows, groups.row_expert(), len(groups.sizes)).to(grad_rows.dtype)
     acc = accumulation_dtype(grad_rows.dtype)
     out = grad_rows.new_zeros((len(groups.sizes), grad_rows.shape[1]), dtype=acc)
     out.index_add_(0, groups.row_expert(grad_rows.device), grad_rows.to(acc))
@@ -128,6 +131,8 @@ def glu_activation(h: torch.Tensor, activation: str) -> tuple[torch.Tensor, torc
 def _glu(h: torch.Tensor, activation: str, act_gate: torch.Tensor | None = None) -> torch.Tensor:
     """a = act(hg) * hu [N, F], row chunk by row chunk so that act(hg) is still in cache when the
     product reads it; act(hg) is also written to act_gate when one is given."""
+    if elementwise.available(h, *([] if act_gate is None else [act_gate]), activation=activation):
+        return elementwise.glu_forward(h, activation, act_gate)
     ffn = h.shape[-1] // 2
     a = h.new_empty((h.shape[0], ffn))
     for c in row_chunks(h):
@@ -205,12 +210,15 @@ def grad_pre_gemm_glu(grad_a: torch.Tensor, h: torch.Tensor, act_gate: torch.Ten
         from shardmoe.kernels import experts as triton_experts
         return (*triton_experts.grad_pre_gemm_glu(grad_a, h, act_gate, xs, gate_up_proj, groups, activation), None)
     ffn = act_gate.shape[-1]
-    grad_h = torch.empty_like(h)
-    # one pass per row chunk: the [N, F] intermediate dA * hu never leaves the cache
-    for c in row_chunks(h):
-        gate, up = h[c, :ffn], h[c, ffn:]
-        grad_h[c, :ffn] = activate_backward(activation, grad_a[c] * up, gate)
-        torch.mul(grad_a[c], act_gate[c], out=grad_h[c, ffn:])
+    if elementwise.available(grad_a, h, act_gate, activation=activation):
+        grad_h = elementwise.glu_backward(grad_a, h, act_gate, activation)
+    else:
+        grad_h = torch.empty_like(h)
+        # one pass per row chunk: the [N, F] intermediate dA * hu never leaves the cache
+        for c in row_chunks(h):
+            gate, up = h[c, :ffn], h[c, ffn:]
+            grad_h[c, :ffn] = activate_backward(activation, grad_a[c] * up, gate)
+            torch.mul(grad_a[c], act_gate[c], out=grad_h[c, ffn:])
     grad_bias = grouped_bias_grad(grad_h, groups) if has_bias else None
     return grouped_linear_t(grad_h, gate_up_proj, groups), grouped_weight_grad(grad_h, xs, groups), grad_bias
 
