@@ -10,6 +10,7 @@ samples per candidate, median and min ratios (> 1: faster than today), repeated 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 
@@ -18,6 +19,17 @@ import torch.nn.functional as F
 
 from shardmoe.moe import combine, elementwise, experts
 from shardmoe.moe.activations import activate_backward
+
+
+def torch_path(fn):
+    """fn with SHARDMOE_FUSED_ELEMENTWISE=0 around each call: the stage functions' torch code."""
+    def call(*args):
+        os.environ["SHARDMOE_FUSED_ELEMENTWISE"] = "0"
+        try:
+            return fn(*args)
+        finally:
+            del os.environ["SHARDMOE_FUSED_ELEMENTWISE"]
+    return call
 
 
 def today_glu_bwd(da, h, ag):
@@ -75,16 +87,16 @@ def passes(dtype, rows, ffn, hidden, tokens, top_k, runs):
     reused = {"a": torch.empty(rows, ffn, dtype=dtype), "g": torch.empty(rows, ffn, dtype=dtype),
               "gh": torch.empty_like(h), "s": torch.empty_like(da)}
     cases = {  # name: (today, C++ fresh, C++ reused, pure function, args)
-        "glu forward": (lambda h: experts.glu_activation(h, "silu"),
+        "glu forward": (torch_path(lambda h: experts.glu_activation(h, "silu")),
                         lambda h: elementwise.glu_forward(h, "silu", torch.empty(rows, ffn, dtype=dtype)),
                         lambda h: ops.glu_forward(h, 3, reused["a"], reused["g"]), pure_glu_fwd, (h,)),
         "glu backward": (today_glu_bwd, lambda *a: elementwise.glu_backward(*a, "silu"),
                          lambda *a: ops.glu_backward(*a, 3, reused["gh"]), pure_glu_bwd, (da, h, ag)),
-        "scale [N,F]": (combine.scale_rows, elementwise.scale_rows, lambda x, w: ops.scale_rows(x, w, reused["s"]),
+        "scale [N,F]": (torch_path(combine.scale_rows), elementwise.scale_rows, lambda x, w: ops.scale_rows(x, w, reused["s"]),
                         pure_scale, (da, w)),
-        "dot3 [N,F]": (combine.rowwise_dot, elementwise.rowwise_dot, elementwise.rowwise_dot, pure_dot,
+        "dot3 [N,F]": (torch_path(combine.rowwise_dot), elementwise.rowwise_dot, None, pure_dot,
                        (da, ag, h[:, ffn:])),
-        "combine [N,H]": (combine.combine_rows,
+        "combine [N,H]": (torch_path(combine.combine_rows),
                           lambda y, rp, s, k, w: elementwise.combine_rows(y, torch.div(rp, k, rounding_mode="floor"), s, w),
                           None, lambda y, rp, s, k, w: pure_combine(y, w, rp, s, k), (y, row_pair, tokens, top_k, w)),
     }
