@@ -64,7 +64,9 @@ def _compile_command(source: Path, output: Path) -> list[str]:
     flags = _CAPABILITY_FLAGS.get(capability, ["-DCPU_CAPABILITY=DEFAULT"])
     torch_lib = os.path.join(os.path.dirname(torch.__file__), "lib")
     includes = [f"-I{path}" for path in cpp_extension.include_paths()]
-    return [os.environ.get("CXX", "c++"), "-O3", "-std=c++20", "-shared", "-fPIC", "-w",
+    # -fopenmp: without it ATen's headers compile at::parallel_for as a serial loop; the library
+    # then shares the libgomp.so.1 that libtorch_cpu already loaded (same soname, torch/lib rpath)
+    return [os.environ.get("CXX", "c++"), "-O3", "-fopenmp", "-std=c++20", "-shared", "-fPIC", "-w",
             f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}", *flags, *includes,
             str(source), "-o", str(output), f"-L{torch_lib}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{torch_lib}"]
 
