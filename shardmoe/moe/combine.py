@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from shardmoe.moe import elementwise
 from shardmoe.moe.routing import accumulation_dtype
 
 
@@ -34,6 +35,8 @@ def row_chunks(rows: torch.Tensor) -> list[slice]:
 
 def scale_rows(rows: torch.Tensor, weight_rows: torch.Tensor) -> torch.Tensor:
     """rows_r * w_r, formed in the acc dtype and rounded once to rows' dtype. [N, D], [N] -> [N, D]."""
+    if elementwise.available(rows, extra=(weight_rows,)):
+        return elementwise.scale_rows(rows, weight_rows)
     acc = accumulation_dtype(rows.dtype)
     weight = weight_rows.to(acc)[:, None]
     if rows.dtype == acc:
@@ -47,6 +50,8 @@ def scale_rows(rows: torch.Tensor, weight_rows: torch.Tensor) -> torch.Tensor:
 def rowwise_dot(rows: torch.Tensor, *factors: torch.Tensor) -> torch.Tensor:
     """sum_d rows[r, d] * prod_i factors_i[r, d], every product and the sum in the acc dtype.
     [N, D], ... -> [N]. Chunked for every dtype: the product never exists at full size."""
+    if len(factors) in (1, 2) and elementwise.available(rows, *factors):
+        return elementwise.rowwise_dot(rows, *factors)
     acc = accumulation_dtype(rows.dtype)
     out = rows.new_empty(rows.shape[0], dtype=acc)
     for c in row_chunks(rows):
@@ -63,9 +68,11 @@ def combine_rows(rows: torch.Tensor, row_pair: torch.Tensor, num_tokens: int, to
     out_t = sum of the rows whose pair belongs to t. Accumulates and returns [S, D] in the acc dtype.
 
     index_add_ on CPU adds a token's rows in row order, so the sum is deterministic."""
+    row_token = torch.div(row_pair, top_k, rounding_mode="floor")
+    if elementwise.available(rows, extra=(row_pair, weight_rows)):  # the same sums in one pass
+        return elementwise.combine_rows(rows, row_token, num_tokens, weight_rows)
     acc = accumulation_dtype(rows.dtype)
     out = rows.new_zeros((num_tokens, rows.shape[-1]), dtype=acc)
-    row_token = torch.div(row_pair, top_k, rounding_mode="floor")
     for c in row_chunks(rows):
         part = rows[c].to(acc)  # may alias rows (same dtype): never modify it in place
         out.index_add_(0, row_token[c], part if weight_rows is None else part * weight_rows[c, None].to(acc))

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from shardmoe.moe import elementwise
 from shardmoe.moe.activations import ClampedSwiGLU, activate, activate_backward
 from shardmoe.moe.combine import grad_combine, row_chunks
 from shardmoe.moe.routing import accumulation_dtype
@@ -170,6 +171,8 @@ def grouped_weight_grad(grad_rows: torch.Tensor, in_rows: torch.Tensor, groups: 
 
 def grouped_bias_grad(grad_rows: torch.Tensor, groups: Groups) -> torch.Tensor:
     """db_e = sum over rows r of e of grad_r: [N, O] -> [E, O], summed in the acc dtype."""
+    if elementwise.available(grad_rows):  # the same row-order sum, one pass
+        return elementwise.combine_rows(grad_rows, groups.row_expert(), len(groups.sizes)).to(grad_rows.dtype)
     acc = accumulation_dtype(grad_rows.dtype)
     out = grad_rows.new_zeros((len(groups.sizes), grad_rows.shape[1]), dtype=acc)
     out.index_add_(0, groups.row_expert(grad_rows.device), grad_rows.to(acc))
@@ -191,6 +194,8 @@ def _glu(h: torch.Tensor, activation: str | ClampedSwiGLU, act_gate: torch.Tenso
     product reads it; act(hg) is also written to act_gate when one is given."""
     ffn = h.shape[-1] // 2
     a = empty_rows(workspace, (h.shape[0], ffn), h)
+    if elementwise.available(h, *([] if act_gate is None else [act_gate]), activation=activation):
+        return elementwise.glu_forward(h, activation, act_gate, out=a)
     for c in row_chunks(h):
         if isinstance(activation, ClampedSwiGLU):
             act = activation.forward(h[c, :ffn], h[c, ffn:], out=a[c])[1]
@@ -266,14 +271,17 @@ def grad_pre_gemm_glu(grad_a: torch.Tensor, h: torch.Tensor, act_gate: torch.Ten
     (a ClampedSwiGLU computes dh by its own derivative, ClampedSwiGLU.backward)"""
     ffn = act_gate.shape[-1]
     grad_h = empty_rows(workspace, h.shape, h)
-    # one pass per row chunk: the [N, F] intermediate dA * hu never leaves the cache
-    for c in row_chunks(h):
-        gate, up = h[c, :ffn], h[c, ffn:]
-        if isinstance(activation, ClampedSwiGLU):
-            activation.backward(grad_a[c], gate, up, act_gate[c], grad_h[c, :ffn], grad_h[c, ffn:])
-            continue
-        grad_h[c, :ffn] = activate_backward(activation, grad_a[c] * up, gate)
-        torch.mul(grad_a[c], act_gate[c], out=grad_h[c, ffn:])
+    if elementwise.available(grad_a, h, act_gate, activation=activation):
+        elementwise.glu_backward(grad_a, h, act_gate, activation, out=grad_h)
+    else:
+        # one pass per row chunk: the [N, F] intermediate dA * hu never leaves the cache
+        for c in row_chunks(h):
+            gate, up = h[c, :ffn], h[c, ffn:]
+            if isinstance(activation, ClampedSwiGLU):
+                activation.backward(grad_a[c], gate, up, act_gate[c], grad_h[c, :ffn], grad_h[c, ffn:])
+                continue
+            grad_h[c, :ffn] = activate_backward(activation, grad_a[c] * up, gate)
+            torch.mul(grad_a[c], act_gate[c], out=grad_h[c, ffn:])
     grad_bias = grouped_bias_grad(grad_h, groups) if has_bias else None
     return (grouped_linear_t(grad_h, gate_up_proj, groups, workspace=workspace), grouped_weight_grad(grad_h, xs, groups),
             grad_bias)

@@ -1,0 +1,205 @@
+"""Fused elementwise passes of the fused layer on CPU: one vectorised pass per stage, in C++.
+
+The stage functions in moe/experts.py and moe/combine.py call these for float32 and bfloat16
+CPU tensors when `available(...)` says so, and keep today's torch code for everything else
+(float64, other devices, activations not listed in ACTIVATION_CODES, tensors under autograd):
+
+  glu_forward    a = act(hg) * hu, and act(hg) when asked           h [N, 2F] -> [N, F]
+  glu_backward   dh = [dA * hu * act'(hg) | dA * act(hg)]           dA, act(hg) [N, F], h -> [N, 2F]
+  scale_rows     out_r = w_r * rows_r                               [N, D], [N] -> [N, D]
+  rowwise_dot    out_r = sum_d rows[r, d] * f1[r, d] (* f2[r, d])   [N, D] -> [N] float32
+  combine_rows   out_t = sum over rows r of t of (w_r *) rows_r     [N, D] -> [S, D] float32
+
+Each reads every input element once, forms the math in float32 registers (bf16 is widened on load,
+as aten's own bf16 kernels do) and rounds into the output. Where today's torch path rounds a bf16
+intermediate (act(hg) before the GLU product, dA * hu before act'), the kernels round it too: a
+single rounding measured more accurate on average (relative error 1.6e-3 against 2.3e-3 for the
+GLU product), but it moved individual results enough to push one bf16 check case past its bar
+(output error 0.011 -> 0.024 against 2e-2), and the bars were set on today's rounding. So the
+results are today's bits in bf16 and float32 (tests/moe/test_elementwise.py), except the row dots,
+which add their float32 products in a different order (round-off only), and the activation
+closed forms, which follow aten's kernels but may differ in the last bit.
+docs/benchmarks.md ("Fused elementwise passes") has the measurements that chose C++ with ATen's
+vectorised types over torch.compile (Inductor) and oneDNN post-ops.
+
+Building: csrc/elementwise.cpp is compiled once per machine, on first use, with the C++ compiler
+($CXX, else c++) against the installed torch, for the CPU capability torch runs at (AVX512, AVX2
+or the portable default), into $SHARDMOE_CACHE_DIR (default ~/.cache/shardmoe); the file name
+carries a hash of the source, flags and torch version, so a changed source rebuilds and a finished
+build is reused by every later process (about 15-20 s once; loading takes milliseconds). If the
+build or load fails (no compiler, no headers), one RuntimeWarning line says why and where the
+compiler's output went, and every stage keeps the torch path for the rest of the process.
+SHARDMOE_FUSED_ELEMENTWISE=0 keeps the torch path without building (to compare the two).
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import subprocess
+import tempfile
+import warnings
+from pathlib import Path
+
+import torch
+
+FUSED_DTYPES = (torch.float32, torch.bfloat16)
+# the activations the kernels evaluate, with the codes csrc/elementwise.cpp's Activation enum uses
+ACTIVATION_CODES = {"relu": 0, "gelu": 1, "gelu_tanh": 2, "silu": 3, "identity": 4}
+SOURCE = Path(__file__).with_name("csrc") / "elementwise.cpp"
+_LIBRARY = "shardmoe_elementwise"
+
+# compiler flags per CPU capability, as ATen builds its own vectorised kernels (cmake/Codegen.cmake)
+_CAPABILITY_FLAGS = {
+    "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma",
+               "-DCPU_CAPABILITY_AVX512", "-DCPU_CAPABILITY=AVX512"],
+    "AVX2": ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY_AVX2", "-DCPU_CAPABILITY=AVX2"],
+}
+
+
+def _compile_command(source: Path, output: Path) -> list[str]:
+    from torch.utils import cpp_extension
+
+    capability = torch.backends.cpu.get_cpu_capability()
+    flags = _CAPABILITY_FLAGS.get(capability, ["-DCPU_CAPABILITY=DEFAULT"])
+    torch_lib = os.path.join(os.path.dirname(torch.__file__), "lib")
+    includes = [f"-I{path}" for path in cpp_extension.include_paths()]
+    # -fopenmp: without it ATen's headers compile at::parallel_for as a serial loop; the library
+    # then shares the libgomp.so.1 that libtorch_cpu already loaded (same soname, torch/lib rpath)
+    return [os.environ.get("CXX", "c++"), "-O3", "-fopenmp", "-std=c++20", "-shared", "-fPIC", "-w",
+            f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}", *flags, *includes,
+            str(source), "-o", str(output), f"-L{torch_lib}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{torch_lib}"]
+
+
+def _cache_dir() -> Path:
+    default = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "shardmoe"
+    return Path(os.environ.get("SHARDMOE_CACHE_DIR", default))
+
+
+def build_library() -> Path:
+    """Compile csrc/elementwise.cpp unless a build of this exact source, torch and flag set is
+    cached; returns the shared library's path. Concurrent processes each compile into a private
+    temporary file and rename it into place, so none ever loads a half-written library.
+    Raises RuntimeError (with the compiler's last line) or OSError (no compiler) on failure."""
+    probe = _compile_command(SOURCE, Path("out.so"))
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), torch.__version__, *probe]).encode()).hexdigest()[:16]
+    cache = _cache_dir()
+    library = cache / f"{_LIBRARY}_{key}.so"
+    if library.exists():
+        return library
+    cache.mkdir(parents=True, exist_ok=True)
+    log = cache / f"{_LIBRARY}_{key}.log"
+    with tempfile.TemporaryDirectory(dir=cache) as scratch:
+        partial = Path(scratch) / library.name
+        result = subprocess.run(_compile_command(SOURCE, partial), capture_output=True, text=True)
+        if result.returncode != 0:
+            log.write_text(result.stdout + result.stderr)
+            last = (result.stderr.strip().splitlines() or ["no output"])[-1]
+            raise RuntimeError(f"{probe[0]} exited {result.returncode} ({last[:200]}); full output in {log}")
+        os.replace(partial, library)
+    return library
+
+
+@functools.cache
+def _ops():
+    """torch.ops.shardmoe_elementwise after building/loading the library once per process, or None
+    (with one warning) when that fails."""
+    try:
+        torch.ops.load_library(str(build_library()))
+        return torch.ops.shardmoe_elementwise
+    except Exception as error:  # no compiler, no headers, a broken cache: all mean "use torch"
+        message = " ".join(str(error).split())
+        warnings.warn(f"shardmoe: fused CPU elementwise passes unavailable, using the torch path: "
+                      f"{type(error).__name__}: {message}", RuntimeWarning, stacklevel=3)
+        return None
+
+
+def available(*tensors: torch.Tensor, activation: str = "identity", extra: tuple = ()) -> bool:
+    """Whether the fused kernels take these operands: SHARDMOE_FUSED_ELEMENTWISE is not 0, `tensors`
+    are CPU tensors of one fused dtype (float32 or bfloat16) with unit last-dim stride, they and the
+    `extra` operands of other dtypes (combine weights, token indices; None is skipped) are CPU tensors
+    not tracked by autograd (the kernels have no autograd formula: the layer's stages run without
+    one), `activation` is one the kernels evaluate, and the library builds/loads (checked last: the
+    first call that gets this far compiles it)."""
+    if os.environ.get("SHARDMOE_FUSED_ELEMENTWISE", "1") == "0" or activation not in ACTIVATION_CODES:
+        return False
+    dtype = tensors[0].dtype
+    if dtype not in FUSED_DTYPES or any(t.dtype != dtype or t.stride(-1) != 1 for t in tensors):
+        return False
+    grad = torch.is_grad_enabled()
+    for t in (*tensors, *(t for t in extra if t is not None)):
+        if t.device.type != "cpu" or (grad and t.requires_grad):
+            return False
+    return _ops() is not None
+
+
+def _check_shape(name: str, tensor: torch.Tensor, shape: tuple[int, ...]) -> None:
+    # the kernels index raw pointers: a wrong shape must stop here, not read out of bounds
+    if tuple(tensor.shape) != shape:
+        raise ValueError(f"{name}: expected shape {shape}, got {tuple(tensor.shape)}")
+
+
+def _check_rows_float32(name: str, tensor: torch.Tensor, rows: int) -> torch.Tensor:
+    _check_shape(name, tensor, (rows,))
+    return tensor.to(torch.float32)
+
+
+def glu_forward(h: torch.Tensor, activation: str, act_gate: torch.Tensor | None = None, *,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+    """a = act(hg) * hu [N, F] for h = [hg | hu] [N, 2F] (into `out` when given, e.g. a workspace
+    buffer); act(hg) is also written to act_gate [N, F] when given. Each value is formed in
+    float32 and rounded once to h's dtype."""
+    rows, width = h.shape
+    if width % 2:
+        raise ValueError(f"h: expected an even width [hg | hu], got {width}")
+    if act_gate is not None:
+        _check_shape("act_gate", act_gate, (rows, width // 2))
+    if out is not None:
+        _check_shape("out", out, (rows, width // 2))
+    a = h.new_empty((rows, width // 2)) if out is None else out
+    _ops().glu_forward(h, ACTIVATION_CODES[activation], a, act_gate)
+    return a
+
+
+def glu_backward(grad_a: torch.Tensor, h: torch.Tensor, act_gate: torch.Tensor, activation: str, *,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+    """dh = [dA * hu * act'(hg) | dA * act(hg)] [N, 2F] for dA, act(hg) [N, F] and h [N, 2F]
+    (into `out` when given), each value formed in float32 and rounded once."""
+    rows, width = h.shape
+    _check_shape("grad_a", grad_a, (rows, width // 2))
+    _check_shape("act_gate", act_gate, (rows, width // 2))
+    if out is not None:
+        _check_shape("out", out, (rows, width))
+    grad_h = torch.empty_like(h, memory_format=torch.contiguous_format) if out is None else out
+    _ops().glu_backward(grad_a, h, act_gate, ACTIVATION_CODES[activation], grad_h)
+    return grad_h
+
+
+def scale_rows(rows: torch.Tensor, weight_rows: torch.Tensor) -> torch.Tensor:
+    """out_r = w_r * rows_r [N, D], formed in float32 and rounded once to rows' dtype."""
+    weight = _check_rows_float32("weight_rows", weight_rows, rows.shape[0])
+    out = torch.empty_like(rows, memory_format=torch.contiguous_format)
+    _ops().scale_rows(rows, weight, out)
+    return out
+
+
+def rowwise_dot(rows: torch.Tensor, factor: torch.Tensor, second_factor: torch.Tensor | None = None) -> torch.Tensor:
+    """out_r = sum_d rows[r, d] * factor[r, d] (* second_factor[r, d]) [N] float32; products and
+    sum in float32."""
+    _check_shape("factor", factor, tuple(rows.shape))
+    if second_factor is not None:
+        _check_shape("second_factor", second_factor, tuple(rows.shape))
+    out = rows.new_empty(rows.shape[0], dtype=torch.float32)
+    _ops().rowwise_dot(rows, factor, second_factor, out)
+    return out
+
+
+def combine_rows(rows: torch.Tensor, row_token: torch.Tensor, num_tokens: int,
+                 weight_rows: torch.Tensor | None = None) -> torch.Tensor:
+    """out_t = sum of (w_r *) rows_r over the rows r with row_token[r] == t, [S, D] float32, each
+    token's rows added in row order (as index_add_ does). Token indices outside [0, S) raise."""
+    _check_shape("row_token", row_token, (rows.shape[0],))
+    weight = None if weight_rows is None else _check_rows_float32("weight_rows", weight_rows, rows.shape[0])
+    out = torch.zeros((num_tokens, rows.shape[1]), dtype=torch.float32)
+    _ops().combine_rows(rows, row_token.to(torch.int64), weight, out)
+    return out

@@ -1,0 +1,215 @@
+"""The fused CPU elementwise passes (shardmoe/moe/elementwise.py): today's bits, float64 closed forms,
+bad input, the layer wiring, and the fallback when the library cannot be built."""
+import shutil
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import shardmoe
+from shardmoe.moe import combine, elementwise, experts
+
+DTYPES = [torch.float32, torch.bfloat16]
+ACTIVATIONS = list(elementwise.ACTIVATION_CODES)
+
+
+@pytest.fixture(scope="module")
+def fused():
+    """The built library; skipped only where there is no C++ compiler at all (a failing build here
+    fails the test instead)."""
+    if shutil.which(elementwise._compile_command(elementwise.SOURCE, "x.so")[0]) is None:
+        pytest.skip("no C++ compiler: the torch path is covered by the rest of the suite")
+    torch.ops.load_library(str(elementwise.build_library()))
+    return torch.ops.shardmoe_elementwise
+
+
+def torch_path(monkeypatch, fn, *args):
+    """fn(*args) with the fused passes switched off (today's torch code)."""
+    with monkeypatch.context() as m:
+        m.setenv("SHARDMOE_FUSED_ELEMENTWISE", "0")
+        return fn(*args)
+
+
+def operands(dtype, rows=37, width=45, seed=0):
+    """Row-strided views (every op must honour the row stride) of odd widths (a ragged vector end)."""
+    g = torch.Generator().manual_seed(seed)
+    wide = (2 * torch.randn(rows, 3 * width + 5, generator=g)).to(dtype)
+    h = wide[:, 3:3 + 2 * width]
+    other = wide[:, 1:1 + width]
+    weight = torch.rand(rows, generator=g)
+    return h, other, weight
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+def test_glu_passes_give_todays_bits(fused, monkeypatch, dtype, activation):
+    """glu forward (a and act(hg)) and the stage-4 elementwise backward equal the torch path bit for
+    bit: the kernels round bf16 intermediates where the torch path does. The width is a whole
+    number of vectors because aten evaluates a row's ragged end with scalar code (in double for
+    gelu), whose bits differ from its own vector code's; ragged ends are checked against float64.
+    One exception: the float32 gelu_tanh backward, where the compiler fuses a different set of
+    multiply-adds than aten's build did (same formula, same float64 error: 1.16e-6 both in a probe),
+    is held to 4 float32 eps of the largest value."""
+    h, grad_a, _ = operands(dtype, width=64)
+    assert elementwise.available(h, activation=activation)
+    a, act_gate = experts.glu_activation(h, activation)
+    a_ref, act_ref = torch_path(monkeypatch, experts.glu_activation, h, activation)
+    torch.testing.assert_close(act_gate, act_ref, rtol=0, atol=0)
+    torch.testing.assert_close(a, a_ref, rtol=0, atol=0)
+    grad_h = elementwise.glu_backward(grad_a, h, act_gate, activation)
+    width = act_gate.shape[1]
+    with monkeypatch.context() as m:
+        m.setenv("SHARDMOE_FUSED_ELEMENTWISE", "0")
+        x = torch.randn(h.shape[0], 3).to(dtype)
+        gate_up = torch.randn(1, 2 * width, 3).to(dtype)
+        groups = experts.Groups.from_counts(torch.tensor([h.shape[0]]))
+        spy = {}
+        m.setattr(experts, "grouped_weight_grad", lambda g, *_: spy.setdefault("grad_h", g))
+        experts.grad_pre_gemm_glu(grad_a, h, act_gate, x, gate_up, groups, activation)
+    fma = activation == "gelu_tanh" and dtype == torch.float32
+    atol = 4 * torch.finfo(dtype).eps * float(spy["grad_h"].abs().max()) if fma else 0.0
+    torch.testing.assert_close(grad_h, spy["grad_h"], rtol=0, atol=atol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_combine_side_passes(fused, monkeypatch, dtype):
+    """scale_rows, combine_rows (with and without weights), grouped_bias_grad: today's bits;
+    rowwise_dot: float32 round-off of a float64 dot of the same (rounded) operands."""
+    rows, other, weight = operands(dtype)
+    rows = rows[:, :other.shape[1]]
+    row_pair = torch.randperm(2 * rows.shape[0], generator=torch.Generator().manual_seed(1))[:rows.shape[0]]
+    groups = experts.Groups.from_counts(torch.tensor([10, 0, 27]))
+    same = [
+        (combine.scale_rows, (rows, weight)),
+        (combine.combine_rows, (rows, row_pair, rows.shape[0], 2, weight)),
+        (combine.combine_rows, (rows, row_pair, rows.shape[0], 2)),
+        (experts.grouped_bias_grad, (rows, groups)),
+    ]
+    for fn, args in same:
+        torch.testing.assert_close(fn(*args), torch_path(monkeypatch, fn, *args), rtol=0, atol=0)
+    for factors in [(other,), (other, rows)]:
+        dot = combine.rowwise_dot(rows, *factors)
+        exact = rows.double()
+        for f in factors:
+            exact = exact * f.double()
+        exact = exact.sum(-1)
+        scale = rows.double().abs()
+        for f in factors:
+            scale = scale * f.double().abs()
+        # float32 products and sum: |error| <= (width + len(factors)) eps32 sum |terms|
+        bound = (rows.shape[1] + len(factors)) * torch.finfo(torch.float32).eps * scale.sum(-1)
+        assert dot.dtype == torch.float32 and bool(((dot.double() - exact).abs() <= bound).all())
+
+
+def test_glu_against_float64_closed_forms(fused):
+    """Independent of the torch path: float32 kernels against float64 autograd of act(hg) * hu."""
+    h, grad_a, _ = operands(torch.float32, rows=64, width=33)
+    for activation in ACTIVATIONS:
+        act_fn = {"relu": F.relu, "gelu": F.gelu, "gelu_tanh": lambda z: F.gelu(z, approximate="tanh"),
+                  "silu": F.silu, "identity": lambda z: z}[activation]
+        h64 = h.double().requires_grad_()
+        width = h.shape[1] // 2
+        act64 = act_fn(h64[:, :width])
+        a64 = act64 * h64[:, width:]
+        (grad_h64,) = torch.autograd.grad(a64, h64, grad_a.double())
+        act_gate = torch.empty_like(grad_a)
+        a = elementwise.glu_forward(h, activation, act_gate)
+        grad_h = elementwise.glu_backward(grad_a, h, act_gate, activation)
+        for got, want in [(act_gate, act64), (a, a64), (grad_h, grad_h64)]:
+            # float32 exp/erf/tanh err by a few eps relative to the operands' scale, which
+            # cancellation (1 + erf(z) for z << 0) can make large relative to a tiny result
+            error = (got.double() - want.detach()).abs().max()
+            assert error <= 32 * torch.finfo(torch.float32).eps * want.abs().max(), (activation, float(error))
+
+
+def test_results_do_not_depend_on_thread_count(fused):
+    rows, other, weight = operands(torch.bfloat16, rows=300, width=200)
+    token = torch.randint(0, 50, (300,), generator=torch.Generator().manual_seed(2))
+    previous = torch.get_num_threads()
+    results = []
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            results.append((elementwise.combine_rows(other, token, 50, weight), elementwise.rowwise_dot(other, rows[:, :200])))
+    finally:
+        torch.set_num_threads(previous)
+    for one, two in zip(*results):
+        torch.testing.assert_close(one, two, rtol=0, atol=0)
+
+
+def test_bad_input_named_before_any_work(fused):
+    h = torch.randn(4, 6)
+    with pytest.raises(ValueError, match=r"act_gate: expected shape \(4, 3\), got \(4, 2\)"):
+        elementwise.glu_forward(h, "silu", torch.empty(4, 2))
+    with pytest.raises(ValueError, match=r"h: expected an even width \[hg \| hu\], got 5"):
+        elementwise.glu_forward(torch.randn(4, 5), "silu")
+    with pytest.raises(ValueError, match=r"grad_a: expected shape \(4, 3\), got \(3, 3\)"):
+        elementwise.glu_backward(torch.randn(3, 3), h, torch.randn(4, 3), "silu")
+    with pytest.raises(ValueError, match=r"weight_rows: expected shape \(4,\), got \(5,\)"):
+        elementwise.scale_rows(h, torch.rand(5))
+    with pytest.raises(ValueError, match=r"second_factor: expected shape \(4, 6\), got \(4, 5\)"):
+        elementwise.rowwise_dot(h, h, torch.randn(4, 5))
+    out_of_range = torch.tensor([0, 1, 3, 2])
+    with pytest.raises(IndexError, match=r"row_token: expected indices in \[0, 3\), got 3 at row 2"):
+        elementwise.combine_rows(h, out_of_range, 3)
+    # what the kernels do not take goes to the torch path, not to them
+    assert not elementwise.available(h.double())
+    assert not elementwise.available(h, activation="clamped_swiglu")
+    assert not elementwise.available(h.t())
+    with torch.enable_grad():
+        assert not elementwise.available(h.requires_grad_())
+
+
+def test_layer_runs_the_fused_passes_with_todays_results(fused, monkeypatch):
+    """A bf16 glu layer, forward and backward: every pass is called, the output and every gradient
+    but the router's equal the torch path's bits (the router's gradient gets the row dots, which
+    sum in another order)."""
+    torch.manual_seed(0)
+    layer = shardmoe.MoE(32, 24, 4, 2, dtype=torch.bfloat16)
+    x = torch.randn(50, 32, dtype=torch.bfloat16)
+
+    def step():
+        layer.zero_grad(set_to_none=True)
+        xg = x.clone().requires_grad_()
+        out = layer(xg)
+        out.float().square().sum().backward()
+        return out, xg.grad, {n: p.grad for n, p in layer.named_parameters()}
+
+    called = set()
+    for name in ("glu_forward", "glu_backward", "scale_rows", "rowwise_dot", "combine_rows"):
+        def spy(*args, _name=name, _fn=getattr(elementwise, name)):
+            called.add(_name)
+            return _fn(*args)
+        monkeypatch.setattr(elementwise, name, spy)
+    fused_out, fused_dx, fused_grads = step()
+    assert called == {"glu_forward", "glu_backward", "scale_rows", "rowwise_dot", "combine_rows"}
+    ref_out, ref_dx, ref_grads = torch_path(monkeypatch, step)
+    torch.testing.assert_close(fused_out, ref_out, rtol=0, atol=0)
+    for name, grad in fused_grads.items():
+        exact = name != "gate_weight"
+        torch.testing.assert_close(grad, ref_grads[name], rtol=0 if exact else 2e-2, atol=0 if exact else 1e-3)
+    torch.testing.assert_close(fused_dx, ref_dx, rtol=2e-2, atol=1e-3)  # dx also flows through the router
+
+
+@pytest.mark.parametrize("compiler", ["/nonexistent/c++", "false"])
+def test_unbuildable_library_falls_back_with_one_warning(monkeypatch, tmp_path, compiler):
+    """No compiler (or one that fails): one RuntimeWarning line, then the torch path, results intact."""
+    monkeypatch.setenv("CXX", compiler)
+    monkeypatch.setenv("SHARDMOE_CACHE_DIR", str(tmp_path))
+    elementwise._ops.cache_clear()
+    try:
+        torch.manual_seed(0)
+        layer = shardmoe.MoE(16, 8, 4, 2)
+        x = torch.randn(20, 16, requires_grad=True)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            layer(x).sum().backward()
+            layer(x).sum().backward()
+        lines = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+        assert len(lines) == 1 and "\n" not in lines[0], lines
+        assert lines[0].startswith("shardmoe: fused CPU elementwise passes unavailable, using the torch path")
+        assert x.grad is not None and bool(torch.isfinite(x.grad).all())
+        assert not elementwise.available(x.detach())
+    finally:
+        elementwise._ops.cache_clear()
