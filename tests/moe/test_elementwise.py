@@ -178,9 +178,9 @@ def test_layer_runs_the_fused_passes_with_todays_results(fused, monkeypatch):
 
     called = set()
     for name in ("glu_forward", "glu_backward", "scale_rows", "rowwise_dot", "combine_rows"):
-        def spy(*args, _name=name, _fn=getattr(elementwise, name)):
+        def spy(*args, _name=name, _fn=getattr(elementwise, name), **kwargs):
             called.add(_name)
-            return _fn(*args)
+            return _fn(*args, **kwargs)
         monkeypatch.setattr(elementwise, name, spy)
     fused_out, fused_dx, fused_grads = step()
     assert called == {"glu_forward", "glu_backward", "scale_rows", "rowwise_dot", "combine_rows"}
