@@ -123,12 +123,15 @@ def test_expert_parallel_double_backward_raises_the_same_error():
             assert re.match(NOT_TWICE.replace("FusedMoE", "ExpertParallelMoE"), message), message
 
 
+@pytest.mark.parametrize("options", [dict(bias=True), dict(shared_ffn_size=24, shared_gate=True)],
+                         ids=["biased-glu", "gated-shared-expert"])
 @pytest.mark.parametrize("dtype,bar", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-def test_biased_glu_low_precision_within_the_documented_bars(dtype, bar):
-    """fp32 and bf16 biased glu (both biases non-zero) against the float64 reference, bars of docs/moe.md."""
+def test_expert_options_in_low_precision_within_the_documented_bars(options, dtype, bar):
+    """fp32 and bf16 biased glu (both biases non-zero) and gated shared expert against the float64
+    reference, bars of docs/moe.md."""
     from shardmoe.moe.reference import reference_forward_backward
     torch.manual_seed(0)
-    layer = shardmoe.MoE(16, 32, 4, 2, bias=True, dtype=dtype)
+    layer = shardmoe.MoE(16, 32, 4, 2, dtype=dtype, **options)
     with torch.no_grad():
         for p in layer.parameters():
             p.normal_(0, 0.2)
