@@ -17,8 +17,11 @@ import torch
 from shardmoe import MoE
 from shardmoe.moe.function import expert_param_names
 from shardmoe.moe.reference import reference_moe
+from shardmoe.moe.shared_experts import shared_param_names
 
-CONVERTIBLE = {"mixtral": {}, "qwen3_moe": {}, "olmoe": {}, "deepseek_v3": {"n_shared_experts": 0}}
+# case -> (family, config sizes): DeepSeek-V3 with its shared experts, and with none
+CONVERTIBLE = {"mixtral": ("mixtral", {}), "qwen3_moe": ("qwen3_moe", {}), "olmoe": ("olmoe", {}),
+               "deepseek_v3": ("deepseek_v3", {}), "deepseek_v3_no_shared": ("deepseek_v3", {"n_shared_experts": 0})}
 IDS = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(3))
 
 
@@ -28,14 +31,26 @@ def hf_name(name: str) -> str:
 
 
 def converted_grads(grads: dict) -> dict:
-    return {hf_name(n): (g.t() if n.endswith("gate_weight") else g) for n, g in grads.items()}
+    """The converted model's gradients under the family's names (the shared expert's [gate; up]
+    split back into gate_proj and up_proj)."""
+    out = {}
+    for name, g in grads.items():
+        if name.endswith("moe.shared_gate_up_proj"):
+            prefix, half = name.replace("moe.shared_gate_up_proj", "shared_experts."), g.shape[0] // 2
+            out.update({prefix + "gate_proj.weight": g[:half], prefix + "up_proj.weight": g[half:]})
+        elif name.endswith("moe.shared_down_proj"):
+            out[name.replace("moe.shared_down_proj", "shared_experts.down_proj.weight")] = g
+        else:
+            out[hf_name(name)] = g.t() if name.endswith("gate_weight") else g
+    return out
 
 
-@pytest.mark.parametrize("family", CONVERTIBLE)
-def test_converted_model_matches_family(family, hf):
+@pytest.mark.parametrize("case", CONVERTIBLE)
+def test_converted_model_matches_family(case, hf):
     from shardmoe.hf.converted import ConvertedBlock
 
-    model = hf.small_model(family, **CONVERTIBLE[family])
+    family, sizes = CONVERTIBLE[case]
+    model = hf.small_model(family, **sizes)
     converted = hf.convert(copy.deepcopy(model))
     assert any(isinstance(m, ConvertedBlock) for m in converted.modules())
     logits, loss, grads = hf.loss_and_grads(model, IDS)
@@ -60,13 +75,15 @@ def test_converted_model_matches_family_float32(hf):
         assert hf.relative_error(g, grads[name]) < 1e-5, name
 
 
-@pytest.mark.parametrize("family", ["mixtral", "deepseek_v3"])
-def test_converted_model_matches_float64_reference(family, hf, monkeypatch):
-    converted = hf.convert(hf.small_model(family, **CONVERTIBLE[family]))
+@pytest.mark.parametrize("case", ["mixtral", "deepseek_v3"])
+def test_converted_model_matches_float64_reference(case, hf, monkeypatch):
+    family, sizes = CONVERTIBLE[case]
+    converted = hf.convert(hf.small_model(family, **sizes))
     result = hf.loss_and_grads(converted, IDS)
 
     def reference_forward(self, x):
-        params = {n: getattr(self, n) for n in ("gate_weight", *expert_param_names(self.config))}
+        names = ("gate_weight", *expert_param_names(self.config), *shared_param_names(self.config))
+        params = {n: getattr(self, n) for n in names}
         return reference_moe(x, params, self.config, self.correction_bias)[0]
 
     monkeypatch.setattr(MoE, "forward", reference_forward)
@@ -103,9 +120,10 @@ def test_aux_loss_keeps_the_family_coefficient(hf):
     assert out.loss.item() == pytest.approx(without.loss.item() + 0.5 * out.aux_loss.item(), rel=1e-6)
 
 
-@pytest.mark.parametrize("family", CONVERTIBLE)
-def test_from_hf_and_state_dict_round_trip(family, hf):
-    model = hf.small_model(family, **CONVERTIBLE[family])
+@pytest.mark.parametrize("case", CONVERTIBLE)
+def test_from_hf_and_state_dict_round_trip(case, hf):
+    family, sizes = CONVERTIBLE[case]
+    model = hf.small_model(family, **sizes)
     block = next(m for m in model.modules() if hasattr(getattr(m, "experts", None), "has_gate"))
     layer = MoE.from_hf(block)
     x = torch.randn(2, 5, block.experts.gate_up_proj.shape[-1], dtype=torch.float64)
@@ -122,7 +140,6 @@ def test_from_hf_and_state_dict_round_trip(family, hf):
 
 @pytest.mark.parametrize("family,options,match", [
     ("qwen2_moe", {}, r"'qwen2_moe'.*shared experts are not supported \(found shared_expert, shared_expert_gate\)"),
-    ("deepseek_v3", {}, r"'deepseek_v3'.*shared experts \(shared_experts of width 12\).*shared_ffn_size"),
     ("gpt_oss", {}, r"'gpt_oss'.*clamped SwiGLU"),
 ])
 def test_unsupported_blocks_are_refused_before_any_swap(family, options, match, hf):
