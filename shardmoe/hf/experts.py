@@ -20,10 +20,14 @@ by autograd views, so the parameter gradients land in the family's layout:
 How gate and up are laid out is decided by _apply_gate, not by is_concatenated: every
 transformers implementation (eager, grouped_mm, batched_mm) calls _apply_gate, and the default
 one, act_fn(gate) * up with (gate, up) = chunk(2), reads [gate | up] whatever the flag says
-(is_concatenated only steers sonicmoe). An interleaved family (GPT-OSS) has its own _apply_gate.
-The activation is identified by the class of act_fn (one of shardmoe's). Anything else (a
-family's own _apply_gate, a post-expert norm, transformers' expert-parallel sentinels) raises
-ValueError naming the family and the feature before any work.
+(is_concatenated only steers sonicmoe). An interleaved family has its own _apply_gate: GPT-OSS's
+(GptOssExperts: gate, up = h[..., ::2], h[..., 1::2]; (clamp(up, -L, L) + 1) * g sigmoid(alpha g)
+with g = min(gate, L)) is shardmoe's ClampedSwiGLU(limit, alpha) on rows reordered from
+[g0, u0, g1, u1, ...] to [gate | up] (an autograd copy of gate_up_proj and its bias, so their
+gradients land back interleaved). The activation is otherwise identified by the class of act_fn
+(one of shardmoe's). Anything else (another family's own _apply_gate, a post-expert norm,
+transformers' expert-parallel sentinels) raises ValueError naming the family and the feature
+before any work.
 """
 from __future__ import annotations
 
@@ -33,6 +37,7 @@ import torch
 
 from shardmoe.moe import combine as comb
 from shardmoe.moe import experts as ex
+from shardmoe.moe.activations import ClampedSwiGLU
 from shardmoe.moe.hf_blocks import MIXTRAL_ACTIVATIONS, family_name
 from shardmoe.moe.routing import accumulation_dtype, dispatch_order
 
@@ -47,9 +52,10 @@ class ExpertsLayout:
 
     family: str
     expert: str
-    activation: str
+    activation: str | ClampedSwiGLU
     names: tuple[str | None, ...]
     transposed: bool
+    interleaved: bool = False  # gate_up rows [g0, u0, g1, u1, ...] (GPT-OSS), else [gate | up]
 
     @property
     def stage_names(self) -> tuple[str, ...]:
@@ -89,11 +95,13 @@ def read_layout(experts) -> ExpertsLayout:
         raise _refuse(experts, "transformers' expert parallelism (sentinel expert ids) is not supported; "
                                "shardmoe shards experts itself (MoE.from_hf with a mesh)")
     has_bias = bool(experts.has_bias)
+    activation, interleaved = None, False
     if experts.has_gate:
         if type(experts)._apply_gate is not _default_apply_gate:
-            raise _refuse(experts, f"its own gate {type(experts).__name__}._apply_gate is not supported (only "
-                                   "act(gate) * up is; GPT-OSS's is a clamped SwiGLU, which the fused stages "
-                                   "do not have)")
+            if type(experts).__name__ != "GptOssExperts":
+                raise _refuse(experts, f"its own gate {type(experts).__name__}._apply_gate is not supported (only "
+                                       "act(gate) * up and GPT-OSS's clamped SwiGLU are)")
+            activation, interleaved = ClampedSwiGLU(float(experts.limit), float(experts.alpha)), True
         names = ("gate_up_proj", "gate_up_proj_bias" if has_bias else None, "down_proj",
                  "down_proj_bias" if has_bias else None)
         expert = "glu"
@@ -103,13 +111,23 @@ def read_layout(experts) -> ExpertsLayout:
     missing = [n for n in names if n is not None and not isinstance(getattr(experts, n, None), torch.Tensor)]
     if missing:
         raise _refuse(experts, f"expert layout: expected the tensors {[n for n in names if n]}, missing {missing}")
-    return ExpertsLayout(family_name(experts), expert, experts_activation(experts), names, bool(experts.is_transposed))
+    return ExpertsLayout(family_name(experts), expert, activation or experts_activation(experts), names,
+                         bool(experts.is_transposed), interleaved)
+
+
+def _halves(t: torch.Tensor) -> torch.Tensor:
+    """Interleaved rows [g0, u0, g1, u1, ...] of gate_up [E, 2F, ...] -> [gate | up] (an autograd copy)."""
+    E, two_f, *rest = t.shape
+    return t.unflatten(1, (two_f // 2, 2)).transpose(1, 2).reshape(E, two_f, *rest)
 
 
 def stage_parameters(layout: ExpertsLayout, tensors: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
     """The module's tensors (in layout.names order) as the stage parameters [E, O, K], by
-    differentiable views (the stages take any strides)."""
-    return [t.transpose(-2, -1) if layout.transposed and t is not None and t.dim() == 3 else t for t in tensors]
+    differentiable views (the stages take any strides); interleaved gate/up rows are reordered."""
+    out = [t.transpose(-2, -1) if layout.transposed and t is not None and t.dim() == 3 else t for t in tensors]
+    if layout.interleaved:  # gate_up_proj and its bias are the first two
+        out[:2] = [None if t is None else _halves(t) for t in out[:2]]
+    return out
 
 
 class RoutedExperts(torch.autograd.Function):

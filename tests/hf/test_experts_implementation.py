@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-SUPPORTED = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3"]
+SUPPORTED = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3", "gpt_oss"]
 
 
 @pytest.mark.parametrize("family", SUPPORTED)
@@ -31,7 +31,7 @@ def test_family_matches_eager_float64(family, hf):
     assert hf.relative_error(logits, expected[0]) < 1e-10
     assert abs(loss.item() - expected[1].item()) < 1e-10 * abs(expected[1].item())
     assert grads.keys() == expected[2].keys() == {n for n, _ in model.named_parameters()}
-    router = [n for n in grads if n.endswith("gate.weight") and "mlp" in n]
+    router = [n for n in grads if n.endswith(("gate.weight", "router.weight")) and "mlp" in n]
     assert router and all(grads[n].abs().max() > 0 for n in router)
     for name, g in grads.items():
         assert hf.relative_error(g, expected[2][name]) < 1e-10, name
@@ -48,7 +48,15 @@ def test_family_matches_eager_float32(hf):
         assert hf.relative_error(g, expected[2][name]) < 1e-5, name
 
 
-def test_gpt_oss_is_refused_with_family_and_feature(hf):
-    model = hf.small_model("gpt_oss", implementation="shardmoe")
-    with pytest.raises(ValueError, match=r"'gpt_oss'.*GptOssExperts\._apply_gate.*clamped SwiGLU"):
-        model(input_ids=torch.zeros(1, 3, dtype=torch.long))
+def test_gpt_oss_clamps_act_and_the_interleaved_layout_is_read(hf):
+    """GPT-OSS's experts through "shardmoe": its _apply_gate is the clamped SwiGLU on interleaved
+    gate/up rows; with a small limit both clamps act, and the biases' gradients come back in the
+    family's interleaved layout (equal to eager's)."""
+    model = hf.small_model("gpt_oss", swiglu_limit=0.05)
+    ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(4))
+    expected = hf.loss_and_grads(model, ids)
+    model.set_experts_implementation("shardmoe")
+    logits, loss, grads = hf.loss_and_grads(model, ids)
+    assert hf.relative_error(logits, expected[0]) < 1e-10
+    for name in [n for n in grads if "experts" in n]:
+        assert hf.relative_error(grads[name], expected[2][name]) < 1e-10, name
