@@ -16,10 +16,9 @@ from shardmoe.bench.saved_bytes import SavedBytes, measure_saved_bytes
 from shardmoe.bench.timing import time_interleaved
 
 DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
-# the issue's bars
-TARGET_SPEEDUP_VS_TRANSFORMERS = 1.1
-TARGET_FRACTION_OF_DENSE = 0.85
-TARGET_SAVED_VS_TRANSFORMERS = 0.5
+# the bars of the CPU-speed issue (issue 9), by dtype: (speed-up vs transformers >=, fraction of
+# dense >=, saved bytes vs transformers <=); bf16's dense ceiling is the harder one on this CPU
+TARGETS = {"fp32": (1.25, 0.85, 0.5), "bf16": (1.5, 0.5, 0.5)}
 
 
 @dataclass
@@ -59,11 +58,12 @@ class CaseResult:
     def targets(self) -> dict[str, tuple[float | None, float, bool | None]]:
         """bar name -> (measured, target, met)."""
         moe = self.row("shardmoe")
+        speedup, dense, saved = TARGETS[self.dtype]
         out = {}
         for key, attr, target, higher in (
-            ("speedup vs transformers", "speedup_vs_transformers", TARGET_SPEEDUP_VS_TRANSFORMERS, True),
-            ("fraction of dense", "fraction_of_dense", TARGET_FRACTION_OF_DENSE, True),
-            ("saved bytes vs transformers", "saved_vs_transformers", TARGET_SAVED_VS_TRANSFORMERS, False),
+            ("speedup vs transformers", "speedup_vs_transformers", speedup, True),
+            ("fraction of dense", "fraction_of_dense", dense, True),
+            ("saved bytes vs transformers", "saved_vs_transformers", saved, False),
         ):
             v = getattr(moe, attr) if moe else None
             met = None if v is None else (v >= target if higher else v <= target)

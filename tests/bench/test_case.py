@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from shardmoe.bench.candidates import CANDIDATES, build_candidates
-from shardmoe.bench.case import TARGET_SPEEDUP_VS_TRANSFORMERS, run_case
+from shardmoe.bench.case import TARGETS, run_case
 from shardmoe.bench.flops import Shape, total_flops
 from shardmoe.bench.report import format_case
 
@@ -38,7 +38,7 @@ def test_run_case_without_the_transformers_anchor_has_no_speedup_against_it():
     r = run_case("tiny", s, "fp32", "cpu", warmup=1, repeats=1, names=("loop", "dense", "shardmoe"))
     assert [row.candidate for row in r.rows] == ["loop", "dense", "shardmoe"]
     assert all(row.speedup_vs_transformers is None for row in r.rows)
-    assert r.targets()["speedup vs transformers"] == (None, TARGET_SPEEDUP_VS_TRANSFORMERS, None)
+    assert r.targets()["speedup vs transformers"] == (None, TARGETS["fp32"][0], None)
 
 
 def test_fresh_routing_feeds_a_new_input_each_step():
