@@ -15,9 +15,16 @@ What each family's block computes, read from transformers 5.23 and mapped to MoE
       shared_experts (DeepseekV3MLP: gate_proj, up_proj [Fs, H], down_proj [H, Fs], the experts'
       activation, no bias) -> shared_ffn_size=Fs, shared_gate_up_proj = [gate_proj; up_proj]
       [2Fs, H], shared_down_proj [H, Fs]; width 0 (n_shared_experts=0) adds nothing
-Refused, with the family and the feature: Qwen2-MoE's gated shared expert (its block is not read
-yet; the layer has the option, shared_gate) and GPT-OSS's clamped SwiGLU (the layer has it; the
-interleaved gate/up import is not written yet).
+  Qwen2-MoE (Qwen2MoeSparseMoeBlock):
+      softmax, top-k, renormalised when norm_topk_prob (as Qwen3-MoE), plus shared_expert
+      (Qwen2MoeMLP, the experts' activation) scaled per token by sigmoid(x . shared_expert_gate)
+      -> shared_ffn_size, shared_gate=True, shared_gate_weight = shared_expert_gate.weight[0] [H]
+  GPT-OSS (GptOssMLP):
+      logits = x W^T + b, top-k of the logits, softmax over the k (= softmax then renormalise);
+      experts gate_up_proj [E, H, 2F] with interleaved gate/up columns, its bias [E, 2F] likewise,
+      down_proj [E, F, H], down_proj_bias [E, H], GPT-OSS's clamped SwiGLU (limit, alpha)
+      -> router_bias=True (gate_bias = b), bias=True, activation="clamped_swiglu", swiglu_limit,
+         swiglu_alpha; gate/up reordered to [gate | up] on import and interleaved back on export
 """
 from __future__ import annotations
 
@@ -25,7 +32,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from shardmoe.hf.experts import experts_activation
+from shardmoe.hf.experts import _halves, experts_activation
 from shardmoe.moe.hf_blocks import family_name, mixtral_semantics
 from shardmoe.parallel import expert_tensor as etp
 
@@ -41,7 +48,7 @@ class BlockImport:
     gate_up_proj: torch.Tensor
     down_proj: torch.Tensor
     correction_bias: torch.Tensor | None = None
-    shared: dict = field(default_factory=dict)  # shared-expert parameter name -> whole tensor
+    extra: dict = field(default_factory=dict)  # other MoE parameter name (shared expert, biases) -> whole tensor
 
 
 def _refuse(block, feature: str) -> ValueError:
@@ -62,18 +69,61 @@ def _deepseek_v3(block) -> BlockImport:
                    renormalize_epsilon=1e-20 if normalize else 0.0,
                    routed_scaling_factor=float(router.routed_scaling_factor))
     shared_params = {}
-    shared_width = shared.gate_proj.out_features
-    if shared_width:
-        if experts_activation(shared) != activation:
-            raise _refuse(block, f"shared experts with activation {experts_activation(shared)!r}, the routed "
-                                 f"experts' is {activation!r} (MoE's shared expert uses the layer's)")
-        if any(getattr(shared, p).bias is not None for p in ("gate_proj", "up_proj", "down_proj")):
-            raise _refuse(block, "shared experts with biases")
-        options["shared_ffn_size"] = shared_width
-        shared_params = {"shared_gate_up_proj": torch.cat([shared.gate_proj.weight, shared.up_proj.weight]),
-                         "shared_down_proj": shared.down_proj.weight}
+    if shared.gate_proj.out_features:
+        options["shared_ffn_size"] = shared.gate_proj.out_features
+        shared_params = _shared_mlp(block, shared, activation)
     return BlockImport(int(router.top_k), options, router.weight.t(), experts.gate_up_proj, experts.down_proj,
-                       router.e_score_correction_bias, shared_params)
+                       router.e_score_correction_bias, extra=shared_params)
+
+
+def _shared_mlp(block, mlp, activation: str) -> dict[str, torch.Tensor]:
+    """shared_gate_up_proj [2Fs, H] = [gate_proj; up_proj] and shared_down_proj [H, Fs] of a
+    family's dense GLU MLP (gate_proj, up_proj, down_proj, act_fn), refused unless it computes
+    act(x Wg^T) * (x Wu^T) Wd^T with the routed experts' activation and no biases."""
+    if experts_activation(mlp) != activation:
+        raise _refuse(block, f"shared experts with activation {experts_activation(mlp)!r}, the routed "
+                             f"experts' is {activation!r} (MoE's shared expert uses the layer's)")
+    if any(getattr(mlp, p).bias is not None for p in ("gate_proj", "up_proj", "down_proj")):
+        raise _refuse(block, "shared experts with biases")
+    return {"shared_gate_up_proj": torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]),
+            "shared_down_proj": mlp.down_proj.weight}
+
+
+def _qwen2_moe(block) -> BlockImport:
+    router, experts, shared, gate = block.gate, block.experts, block.shared_expert, block.shared_expert_gate
+    expected = ("Qwen2MoeTopKRouter", "Qwen2MoeExperts", "Qwen2MoeMLP")
+    got = (type(router).__name__, type(experts).__name__, type(shared).__name__)
+    if got != expected:
+        raise _refuse(block, f"expected router, experts and shared expert {expected}, got {got}")
+    if gate.bias is not None or gate.out_features != 1:
+        raise _refuse(block, f"shared_expert_gate: expected Linear(H, 1) without bias, got {gate}")
+    activation = experts_activation(experts)
+    options = dict(expert="glu", activation=activation, renormalize=bool(router.norm_topk_prob),
+                   shared_ffn_size=shared.gate_proj.out_features, shared_gate=True)
+    params = dict(_shared_mlp(block, shared, activation), shared_gate_weight=gate.weight[0])
+    return BlockImport(int(router.top_k), options, router.weight.t(), experts.gate_up_proj, experts.down_proj,
+                       extra=params)
+
+
+def _interleaved(t: torch.Tensor) -> torch.Tensor:
+    """[gate | up] rows of [E, 2F, ...] -> GPT-OSS's interleaved [g0, u0, g1, u1, ...] (inverse of
+    experts._halves)."""
+    E, two_f, *rest = t.shape
+    return t.unflatten(1, (2, two_f // 2)).transpose(1, 2).reshape(E, two_f, *rest)
+
+
+def _gpt_oss(block) -> BlockImport:
+    router, experts = block.router, block.experts
+    expected = ("GptOssTopKRouter", "GptOssExperts")
+    got = (type(router).__name__, type(experts).__name__)
+    if got != expected:
+        raise _refuse(block, f"expected router and experts {expected}, got {got}")
+    options = dict(expert="glu", activation="clamped_swiglu", swiglu_limit=float(experts.limit),
+                   swiglu_alpha=float(experts.alpha), bias=True, router_bias=True, renormalize=True)
+    extra = {"gate_bias": router.bias, "gate_up_proj_bias": _halves(experts.gate_up_proj_bias),
+             "down_proj_bias": experts.down_proj_bias}
+    return BlockImport(int(router.top_k), options, router.weight.t(), _halves(experts.gate_up_proj.transpose(1, 2)),
+                       experts.down_proj.transpose(1, 2), extra=extra)
 
 
 def read_block(block) -> BlockImport:
@@ -81,9 +131,10 @@ def read_block(block) -> BlockImport:
     name = type(block).__name__
     if name == "DeepseekV3MoE":
         return _deepseek_v3(block)
+    if name == "Qwen2MoeSparseMoeBlock":
+        return _qwen2_moe(block)
     if name == "GptOssMLP":
-        raise _refuse(block, "the experts' clamped SwiGLU (GptOssExperts._apply_gate, swiglu_limit="
-                             f"{block.experts.limit}, swiglu_alpha={block.experts.alpha}) is not an activation of MoE")
+        return _gpt_oss(block)
     semantics = mixtral_semantics(block)  # the whitelist; refuses shared experts, other routers, ...
     options = dict(expert="glu", activation=semantics.activation, renormalize=semantics.renormalize)
     return BlockImport(semantics.top_k, options, semantics.router_weight.t(), semantics.gate_up_proj,
@@ -104,36 +155,66 @@ def from_hf(cls, block, mesh=None, **overrides):
         layer.down_proj.copy_(etp.shard_expert_param("down_proj", read.down_proj, mesh))
         if read.correction_bias is not None and layer.correction_bias is not None:
             layer.correction_bias.copy_(read.correction_bias)
-        for name, whole in read.shared.items():
-            getattr(layer, name).copy_(etp.shard_expert_param(name, whole, mesh))
+        for name, whole in read.extra.items():  # the router bias is replicated, the rest sharded as experts
+            getattr(layer, name).copy_(whole if name == "gate_bias" else etp.shard_expert_param(name, whole, mesh))
     return layer
 
 
 def to_hf_state_dict(layer) -> dict[str, torch.Tensor]:
     """The router and experts entries of the equivalent block's state dict: 'gate.weight' [E, H],
     'experts.gate_up_proj' [E, 2F, H], 'experts.down_proj' [E, H, F], with a correction bias
-    'gate.e_score_correction_bias' [E] and with a shared expert 'shared_experts.{gate,up}_proj.weight'
-    [Fs, H], 'shared_experts.down_proj.weight' [H, Fs] (DeepSeek-V3). The block's own config must say what the
+    'gate.e_score_correction_bias' [E], with a shared expert 'shared_experts.{gate,up}_proj.weight'
+    [Fs, H], 'shared_experts.down_proj.weight' [H, Fs] (DeepSeek-V3), or with a gated one the same
+    under 'shared_expert.' and 'shared_expert_gate.weight' [1, H] (Qwen2-MoE). The block's own config must say what the
     layer's does (norm_topk_prob, n_group, ...): a state dict carries no options. With a sharded
     mesh the experts are gathered whole: collective over ('e', 't')."""
     c = layer.config
+    if c.activation == "clamped_swiglu":
+        return _gpt_oss_state_dict(layer)
     unsupported = [f"{name}={getattr(c, name)!r}" for name, ok in (
         ("expert", c.expert == "glu"), ("bias", not c.bias), ("router_bias", not c.router_bias),
-        ("capacity_factor", c.capacity_factor is None), ("shared_gate", not c.shared_gate),
+        ("capacity_factor", c.capacity_factor is None),
         ("score_func", c.score_func == "softmax" or c.correction_bias)) if not ok]
     if unsupported:
-        raise ValueError("to_hf_state_dict: expected a dropless glu layer without expert or router biases or a "
-                         "gated shared expert, softmax or DeepSeek-V3's corrected sigmoid routing; got "
-                         f"{', '.join(unsupported)}")
+        raise ValueError("to_hf_state_dict: expected a dropless glu layer without expert or router biases, softmax "
+                         f"or DeepSeek-V3's corrected sigmoid routing, or GPT-OSS's; got {', '.join(unsupported)}")
     state = {"gate.weight": layer.gate_weight.detach().t().contiguous()}
     if layer.correction_bias is not None:
         state["gate.e_score_correction_bias"] = layer.correction_bias.detach().clone()
     for name in ("gate_up_proj", "down_proj"):
         state[f"experts.{name}"] = etp.gather_expert_param(name, getattr(layer, name).detach(), layer.mesh).clone()
-    if c.shared_ffn_size:
+    if c.shared_ffn_size:  # gated: Qwen2-MoE's shared_expert (+ shared_expert_gate); else DeepSeek-V3's
+        prefix = "shared_expert." if c.shared_gate else "shared_experts."
         gate_up = etp.gather_expert_param("shared_gate_up_proj", layer.shared_gate_up_proj.detach(), layer.mesh)
-        state["shared_experts.gate_proj.weight"] = gate_up[:c.shared_ffn_size].clone()
-        state["shared_experts.up_proj.weight"] = gate_up[c.shared_ffn_size:].clone()
-        state["shared_experts.down_proj.weight"] = etp.gather_expert_param(
+        state[prefix + "gate_proj.weight"] = gate_up[:c.shared_ffn_size].clone()
+        state[prefix + "up_proj.weight"] = gate_up[c.shared_ffn_size:].clone()
+        state[prefix + "down_proj.weight"] = etp.gather_expert_param(
             "shared_down_proj", layer.shared_down_proj.detach(), layer.mesh).clone()
+        if c.shared_gate:
+            state["shared_expert_gate.weight"] = layer.shared_gate_weight.detach()[None].clone()
     return state
+
+
+def _gpt_oss_state_dict(layer) -> dict[str, torch.Tensor]:
+    """GptOssMLP's 'router.weight' [E, H], 'router.bias' [E], 'experts.gate_up_proj' [E, H, 2F] and
+    its bias [E, 2F] (gate/up interleaved back), 'experts.down_proj' [E, F, H], its bias [E, H]."""
+    c = layer.config
+    unsupported = [f"{name}={getattr(c, name)!r}" for name, ok in (
+        ("bias", c.bias), ("router_bias", c.router_bias), ("score_func", c.score_func == "softmax"),
+        ("renormalize", c.renormalize), ("capacity_factor", c.capacity_factor is None),
+        ("correction_bias", not c.correction_bias), ("shared_ffn_size", not c.shared_ffn_size),
+        ("n_group", c.n_group == 1), ("routed_scaling_factor", c.routed_scaling_factor == 1),
+        ("renormalize_epsilon", c.renormalize_epsilon == 0)) if not ok]
+    if unsupported:
+        raise ValueError("to_hf_state_dict: a clamped-SwiGLU layer exports as GPT-OSS's block, which expects "
+                         f"expert and router biases, softmax top-k renormalised, dropless; got {', '.join(unsupported)}")
+
+    def whole(name):
+        return etp.gather_expert_param(name, getattr(layer, name).detach(), layer.mesh)
+
+    return {"router.weight": layer.gate_weight.detach().t().contiguous(),
+            "router.bias": layer.gate_bias.detach().clone(),
+            "experts.gate_up_proj": _interleaved(whole("gate_up_proj")).transpose(1, 2).contiguous(),
+            "experts.gate_up_proj_bias": _interleaved(whole("gate_up_proj_bias")).contiguous(),
+            "experts.down_proj": whole("down_proj").transpose(1, 2).contiguous(),
+            "experts.down_proj_bias": whole("down_proj_bias").clone()}

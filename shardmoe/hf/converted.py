@@ -26,14 +26,17 @@ from shardmoe.moe.layer import MoE
 
 
 class RouterLogits(nn.Module):
-    """router_logits = x Wg [S, E] for x [..., H] (flattened to [S, H]) and gate_weight [H, E],
-    returned as the first item of a tuple, as the family's router returns them."""
+    """router_logits = x Wg (+ b) [S, E] for x [..., H] (flattened to [S, H]), gate_weight [H, E] and
+    the router bias [E] if the layer has one (GPT-OSS), returned as the first item of a tuple, as
+    the family's router returns them."""
 
     def __init__(self):
         nn.Module.__init__(self)  # not the family router's __init__: no parameters of its own
 
-    def forward(self, hidden_states: torch.Tensor, gate_weight: torch.Tensor) -> tuple[torch.Tensor]:
-        return (hidden_states.reshape(-1, gate_weight.shape[0]) @ gate_weight,)
+    def forward(self, hidden_states: torch.Tensor, gate_weight: torch.Tensor,
+                gate_bias: torch.Tensor | None = None) -> tuple[torch.Tensor]:
+        logits = hidden_states.reshape(-1, gate_weight.shape[0]) @ gate_weight
+        return (logits if gate_bias is None else logits + gate_bias,)
 
 
 def router_logits_module(router: nn.Module) -> RouterLogits:
@@ -45,14 +48,18 @@ def router_logits_module(router: nn.Module) -> RouterLogits:
 class ConvertedBlock(nn.Module):
     """A sparse MoE block computed by `moe`: hidden_states [B, T, H] -> [B, T, H], as the block."""
 
-    def __init__(self, moe: MoE, router_logits: RouterLogits):
+    def __init__(self, moe: MoE, router_logits: RouterLogits, returns_pair: bool = False):
         super().__init__()
         self.moe = moe
         self.router_logits = router_logits
+        self.returns_pair = returns_pair
 
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        self.router_logits(hidden_states, self.moe.gate_weight)
-        return self.moe(hidden_states)
+    def forward(self, hidden_states: torch.Tensor):
+        self.router_logits(hidden_states, self.moe.gate_weight, self.moe.gate_bias)
+        out = self.moe(hidden_states)
+        # GPT-OSS's block returns (hidden_states, router_scores) and its decoder layer discards the
+        # scores: the pair keeps that call site working (the scores are not computed again here)
+        return (out, None) if self.returns_pair else out
 
 
 def _is_sparse_block(module: nn.Module) -> bool:
@@ -79,5 +86,6 @@ def convert(model: nn.Module) -> nn.Module:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         router = getattr(block, "gate", None) or getattr(block, "router")
-        setattr(parent, child, ConvertedBlock(MoE.from_hf(block), router_logits_module(router)))
+        setattr(parent, child, ConvertedBlock(MoE.from_hf(block), router_logits_module(router),
+                                              returns_pair=type(block).__name__ == "GptOssMLP"))
     return model

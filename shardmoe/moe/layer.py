@@ -262,8 +262,9 @@ class MoE(nn.Module):
     @classmethod
     def from_hf(cls, block, mesh=None, **overrides) -> "MoE":
         """A MoE computing what a transformers sparse MoE block computes: the Mixtral-like
-        families (as from_mixtral) and DeepSeek-V3's sigmoid, group-limited, corrected, scaled
-        router (shardmoe/hf/blocks.py, docs/hf.md). A feature the layer cannot express raises
+        families (as from_mixtral), Qwen2-MoE (gated shared expert), DeepSeek-V3 (sigmoid,
+        group-limited, corrected, scaled router; shared experts) and GPT-OSS (router bias, biased
+        clamped-SwiGLU experts) (shardmoe/hf/blocks.py, docs/hf.md). A feature the layer cannot express raises
         ValueError naming the family and the feature before anything is built. With a mesh, the
         layer holds this rank's expert shard; `overrides` replace constructor options."""
         from shardmoe.hf import blocks  # imports transformers: only when asked
@@ -271,9 +272,9 @@ class MoE(nn.Module):
         return blocks.from_hf(cls, block, mesh, **overrides)
 
     def to_hf_state_dict(self) -> dict[str, torch.Tensor]:
-        """The router and experts entries of the equivalent block's state dict ('gate.weight',
-        'gate.e_score_correction_bias' with a correction bias, 'experts.*'); gathered whole with a
-        sharded mesh (collective over ('e', 't'))."""
+        """The router, experts and shared-expert entries of the equivalent block's state dict
+        ('gate.*' or GPT-OSS's 'router.*', 'experts.*', 'shared_expert(s).*'; hf/blocks.py);
+        gathered whole with a sharded mesh (collective over ('e', 't'))."""
         from shardmoe.hf import blocks
 
         return blocks.to_hf_state_dict(self)

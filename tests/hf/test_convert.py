@@ -20,8 +20,10 @@ from shardmoe.moe.reference import reference_moe
 from shardmoe.moe.shared_experts import shared_param_names
 
 # case -> (family, config sizes): DeepSeek-V3 with its shared experts, and with none
-CONVERTIBLE = {"mixtral": ("mixtral", {}), "qwen3_moe": ("qwen3_moe", {}), "olmoe": ("olmoe", {}),
-               "deepseek_v3": ("deepseek_v3", {}), "deepseek_v3_no_shared": ("deepseek_v3", {"n_shared_experts": 0})}
+CONVERTIBLE = {"mixtral": ("mixtral", {}), "qwen2_moe": ("qwen2_moe", {}), "qwen3_moe": ("qwen3_moe", {}),
+               "olmoe": ("olmoe", {}),
+               "deepseek_v3": ("deepseek_v3", {}), "deepseek_v3_no_shared": ("deepseek_v3", {"n_shared_experts": 0}),
+               "gpt_oss": ("gpt_oss", {}), "gpt_oss_clamping": ("gpt_oss", {"swiglu_limit": 0.05})}
 IDS = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(3))
 
 
@@ -32,16 +34,47 @@ def hf_name(name: str) -> str:
 
 def converted_grads(grads: dict) -> dict:
     """The converted model's gradients under the family's names (the shared expert's [gate; up]
-    split back into gate_proj and up_proj)."""
+    split back into gate_proj and up_proj; a gated one is Qwen2-MoE's shared_expert)."""
+    gated = any(n.endswith("moe.shared_gate_weight") for n in grads)
+    shared = "shared_expert." if gated else "shared_experts."
+    if any(n.endswith("moe.gate_bias") for n in grads):  # GPT-OSS
+        return gpt_oss_grads(grads)
     out = {}
     for name, g in grads.items():
         if name.endswith("moe.shared_gate_up_proj"):
-            prefix, half = name.replace("moe.shared_gate_up_proj", "shared_experts."), g.shape[0] // 2
+            prefix, half = name.replace("moe.shared_gate_up_proj", shared), g.shape[0] // 2
             out.update({prefix + "gate_proj.weight": g[:half], prefix + "up_proj.weight": g[half:]})
         elif name.endswith("moe.shared_down_proj"):
-            out[name.replace("moe.shared_down_proj", "shared_experts.down_proj.weight")] = g
+            out[name.replace("moe.shared_down_proj", shared + "down_proj.weight")] = g
+        elif name.endswith("moe.shared_gate_weight"):
+            out[name.replace("moe.shared_gate_weight", "shared_expert_gate.weight")] = g[None]
         else:
             out[hf_name(name)] = g.t() if name.endswith("gate_weight") else g
+    return out
+
+
+def gpt_oss_grads(grads: dict) -> dict:
+    """GPT-OSS's names and layouts: router.weight [E, H], router.bias; experts transposed, with
+    gate/up columns interleaved (column 2f is gate f, 2f + 1 is up f)."""
+    def interleave(t):  # [E, 2F, ...] halves -> rows g0, u0, g1, u1, ...
+        half = t.shape[1] // 2
+        return torch.stack([t[:, :half], t[:, half:]], dim=2).reshape(t.shape)
+
+    out = {}
+    for name, g in grads.items():
+        base = name.replace("mlp.moe.", "mlp.experts.")
+        if name.endswith("moe.gate_weight"):
+            out[name.replace("moe.gate_weight", "router.weight")] = g.t()
+        elif name.endswith("moe.gate_bias"):
+            out[name.replace("moe.gate_bias", "router.bias")] = g
+        elif name.endswith("moe.gate_up_proj"):
+            out[base] = interleave(g).transpose(1, 2)
+        elif name.endswith("moe.gate_up_proj_bias"):
+            out[base] = interleave(g)
+        elif name.endswith("moe.down_proj"):
+            out[base] = g.transpose(1, 2)
+        else:
+            out[base] = g
     return out
 
 
@@ -75,7 +108,7 @@ def test_converted_model_matches_family_float32(hf):
         assert hf.relative_error(g, grads[name]) < 1e-5, name
 
 
-@pytest.mark.parametrize("case", ["mixtral", "deepseek_v3"])
+@pytest.mark.parametrize("case", ["mixtral", "qwen2_moe", "deepseek_v3"])
 def test_converted_model_matches_float64_reference(case, hf, monkeypatch):
     family, sizes = CONVERTIBLE[case]
     converted = hf.convert(hf.small_model(family, **sizes))
@@ -126,21 +159,25 @@ def test_from_hf_and_state_dict_round_trip(case, hf):
     model = hf.small_model(family, **sizes)
     block = next(m for m in model.modules() if hasattr(getattr(m, "experts", None), "has_gate"))
     layer = MoE.from_hf(block)
-    x = torch.randn(2, 5, block.experts.gate_up_proj.shape[-1], dtype=torch.float64)
-    assert hf.relative_error(layer(x), block(x)) < 1e-6
+    x = torch.randn(2, 5, layer.config.hidden_size, dtype=torch.float64)
+
+    def block_out(b):  # GPT-OSS's block returns (hidden_states, router_scores)
+        out = b(x)
+        return out[0] if isinstance(out, tuple) else out
+
+    assert hf.relative_error(layer(x), block_out(block)) < 1e-6
     state = layer.to_hf_state_dict()
     other = copy.deepcopy(block)
     hf.randomize(other, seed=7)
     missing, unexpected = other.load_state_dict(state, strict=False)
     assert not unexpected and all(n.startswith("shared_experts.") for n in missing)
-    assert torch.equal(other(x), block(x))
+    assert torch.equal(block_out(other), block_out(block))
     for name, t in state.items():
         assert torch.equal(t, block.state_dict()[name].to(t.dtype)), name
 
 
 @pytest.mark.parametrize("family,options,match", [
-    ("qwen2_moe", {}, r"'qwen2_moe'.*shared experts are not supported \(found shared_expert, shared_expert_gate\)"),
-    ("gpt_oss", {}, r"'gpt_oss'.*clamped SwiGLU"),
+    ("mixtral", {"router_jitter_noise": 0.1}, r"'mixtral'.*router jitter is not supported"),
 ])
 def test_unsupported_blocks_are_refused_before_any_swap(family, options, match, hf):
     model = hf.small_model(family, **options)
