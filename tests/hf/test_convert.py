@@ -108,14 +108,15 @@ def test_converted_model_matches_family_float32(hf):
         assert hf.relative_error(g, grads[name]) < 1e-5, name
 
 
-@pytest.mark.parametrize("case", ["mixtral", "qwen2_moe", "deepseek_v3"])
+@pytest.mark.parametrize("case", ["mixtral", "qwen2_moe", "deepseek_v3", "gpt_oss_clamping"])
 def test_converted_model_matches_float64_reference(case, hf, monkeypatch):
     family, sizes = CONVERTIBLE[case]
     converted = hf.convert(hf.small_model(family, **sizes))
     result = hf.loss_and_grads(converted, IDS)
 
     def reference_forward(self, x):
-        names = ("gate_weight", *expert_param_names(self.config), *shared_param_names(self.config))
+        names = ("gate_weight", *(("gate_bias",) if self.config.router_bias else ()),
+                 *expert_param_names(self.config), *shared_param_names(self.config))
         params = {n: getattr(self, n) for n in names}
         return reference_moe(x, params, self.config, self.correction_bias)[0]
 
