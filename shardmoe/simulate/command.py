@@ -30,6 +30,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="override one hardware or model field (repeatable)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="runs/simulate", help="directory for simulate.json and simulate.png")
+    parser.add_argument("--calibrate", action="store_true",
+                        help="measure this machine's GEMM, copy and exchange rates and compare the model's "
+                             "predicted 1- and 2-rank expert-parallel step with the measured one (calibrate.py)")
 
 
 def parse_gpus(text: str) -> list[int]:
@@ -89,7 +92,27 @@ def plot(rows: list[dict], title: str, path: Path) -> None:
     plt.close(fig)
 
 
+def run_calibration() -> int:
+    from .calibrate import SHAPE, calibrate
+    rates, *rows = calibrate()
+    print(f"calibration: shardmoe.MoE H={SHAPE.hidden_size} F={SHAPE.ffn_size} E={SHAPE.num_experts} "
+          f"k={SHAPE.top_k}, {SHAPE.tokens_per_gpu} tokens per rank, fp32, 1 thread per rank, forward + backward")
+    r = rates["rates"]
+    print(f"  measured rates: GEMM {r['peak_flops'] / 1e9:.1f} GFLOP/s, copy {r['hbm_bandwidth'] / 1e9:.2f} GB/s, "
+          f"exchange {r['link_bytes_per_s'] / 1e9:.3f} GB/s, one-row exchange {r['link_latency_s'] * 1e6:.0f} us")
+    for row in rows:
+        print(f"  {row['ranks']} rank(s): predicted {row['predicted_s'] * 1e3:.1f} ms, measured "
+              f"{row['measured_s'] * 1e3:.1f} ms, predicted / measured {row['ratio']:.2f}")
+        predicted = {k: round(v * 1e3, 2) for k, v in row["predicted_phases"].items()}
+        print(f"    predicted phases (ms): {predicted}")
+        if row["phases"]:
+            print(f"    measured phases, rank 0 (ms): { {k: round(v * 1e3, 2) for k, v in row['phases'].items()} }")
+    return 0
+
+
 def run(args) -> int:
+    if args.calibrate:
+        return run_calibration()
     hardware, shape = resolve(args.hardware, args.preset, args.config, args.set)
     counts = parse_gpus(args.gpus)
     rows = sweep(counts, shape, hardware, args.routing, args.seed)

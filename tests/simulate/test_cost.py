@@ -155,3 +155,16 @@ def test_simulated_point_keeps_the_runtime_task_counts():
     expected = 3 * 2 * rows * (256 * 1024 + 512 * 256) + 3 * 2 * (rows / 2) * 256 * 4
     assert point["tile_fraction_of_peak"] * point["tile_seconds"] * 2 * HW.peak_flops == pytest.approx(expected)
     assert math.isfinite(point["speedup"]) and point["tasks"] > 0
+
+
+def test_calibration_prediction_is_the_baseline_at_measured_rates():
+    """With memory traffic free (huge copy rate) and one rank, the predicted step is the GEMM FLOPs
+    of experts and gate (forward, and twice that backward) over the measured GEMM rate."""
+    from shardmoe.simulate.calibrate import predict
+    shape = ModelShape(hidden_size=64, ffn_size=96, num_experts=4, top_k=2, tokens_per_gpu=128)
+    hw = Hardware(peak_flops=1e9, gemm_efficiency=1.0, hbm_bandwidth=1e30, tile_rows=1, kernel_launch=0.0,
+                  host_sync=0.0)
+    rows, tokens = 128 * 2, 128
+    flops = 3 * 2 * rows * (64 * 2 * 96 + 96 * 64) + 3 * 2 * tokens * 64 * 4
+    assert predict(shape, hw, 1) == pytest.approx(flops / 1e9, rel=1e-9)
+    assert predict(shape, hw, 2) > predict(shape, hw, 1)  # the same work per rank plus the exchanges
