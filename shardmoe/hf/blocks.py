@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from shardmoe.hf.experts import _halves, experts_activation
+from shardmoe.hf.experts import experts_activation, gate_up_halves, gate_up_interleaved
 from shardmoe.moe.hf_blocks import family_name, mixtral_semantics
 from shardmoe.parallel import expert_tensor as etp
 
@@ -105,13 +105,6 @@ def _qwen2_moe(block) -> BlockImport:
                        extra=params)
 
 
-def _interleaved(t: torch.Tensor) -> torch.Tensor:
-    """[gate | up] rows of [E, 2F, ...] -> GPT-OSS's interleaved [g0, u0, g1, u1, ...] (inverse of
-    experts._halves)."""
-    E, two_f, *rest = t.shape
-    return t.unflatten(1, (2, two_f // 2)).transpose(1, 2).reshape(E, two_f, *rest)
-
-
 def _gpt_oss(block) -> BlockImport:
     router, experts = block.router, block.experts
     expected = ("GptOssTopKRouter", "GptOssExperts")
@@ -120,10 +113,11 @@ def _gpt_oss(block) -> BlockImport:
         raise _refuse(block, f"expected router and experts {expected}, got {got}")
     options = dict(expert="glu", activation="clamped_swiglu", swiglu_limit=float(experts.limit),
                    swiglu_alpha=float(experts.alpha), bias=True, router_bias=True, renormalize=True)
-    extra = {"gate_bias": router.bias, "gate_up_proj_bias": _halves(experts.gate_up_proj_bias),
+    extra = {"gate_bias": router.bias, "gate_up_proj_bias": gate_up_halves(experts.gate_up_proj_bias),
              "down_proj_bias": experts.down_proj_bias}
-    return BlockImport(int(router.top_k), options, router.weight.t(), _halves(experts.gate_up_proj.transpose(1, 2)),
-                       experts.down_proj.transpose(1, 2), extra=extra)
+    return BlockImport(int(router.top_k), options, router.weight.t(),
+                       gate_up_halves(experts.gate_up_proj.transpose(1, 2)), experts.down_proj.transpose(1, 2),
+                       extra=extra)
 
 
 def read_block(block) -> BlockImport:
@@ -214,7 +208,7 @@ def _gpt_oss_state_dict(layer) -> dict[str, torch.Tensor]:
 
     return {"router.weight": layer.gate_weight.detach().t().contiguous(),
             "router.bias": layer.gate_bias.detach().clone(),
-            "experts.gate_up_proj": _interleaved(whole("gate_up_proj")).transpose(1, 2).contiguous(),
-            "experts.gate_up_proj_bias": _interleaved(whole("gate_up_proj_bias")).contiguous(),
+            "experts.gate_up_proj": gate_up_interleaved(whole("gate_up_proj")).transpose(1, 2).contiguous(),
+            "experts.gate_up_proj_bias": gate_up_interleaved(whole("gate_up_proj_bias")).contiguous(),
             "experts.down_proj": whole("down_proj").transpose(1, 2).contiguous(),
             "experts.down_proj_bias": whole("down_proj_bias").clone()}

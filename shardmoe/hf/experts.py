@@ -115,10 +115,16 @@ def read_layout(experts) -> ExpertsLayout:
                          bool(experts.is_transposed), interleaved)
 
 
-def _halves(t: torch.Tensor) -> torch.Tensor:
+def gate_up_halves(t: torch.Tensor) -> torch.Tensor:
     """Interleaved rows [g0, u0, g1, u1, ...] of gate_up [E, 2F, ...] -> [gate | up] (an autograd copy)."""
     E, two_f, *rest = t.shape
     return t.unflatten(1, (two_f // 2, 2)).transpose(1, 2).reshape(E, two_f, *rest)
+
+
+def gate_up_interleaved(t: torch.Tensor) -> torch.Tensor:
+    """[gate | up] rows of [E, 2F, ...] -> interleaved [g0, u0, g1, u1, ...] (inverse of gate_up_halves)."""
+    E, two_f, *rest = t.shape
+    return t.unflatten(1, (2, two_f // 2)).transpose(1, 2).reshape(E, two_f, *rest)
 
 
 def stage_parameters(layout: ExpertsLayout, tensors: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
@@ -126,7 +132,7 @@ def stage_parameters(layout: ExpertsLayout, tensors: list[torch.Tensor | None]) 
     differentiable views (the stages take any strides); interleaved gate/up rows are reordered."""
     out = [t.transpose(-2, -1) if layout.transposed and t is not None and t.dim() == 3 else t for t in tensors]
     if layout.interleaved:  # gate_up_proj and its bias are the first two
-        out[:2] = [None if t is None else _halves(t) for t in out[:2]]
+        out[:2] = [None if t is None else gate_up_halves(t) for t in out[:2]]
     return out
 
 

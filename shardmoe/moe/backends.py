@@ -38,11 +38,14 @@ COMBINE_STAGES = ("combine", "grad_combine", "grad_gate_combine", "grad_input_co
 STAGES = (*EXPERT_STAGES, "expert_backward", *COMBINE_STAGES)
 
 
-def _namespace(name: str, **stages) -> SimpleNamespace:
-    """A backend: `name` plus every stage, expert_backward composed from this backend's own stages.
-    fused_gather False: the layer gathers x[row_token] and combines y itself."""
-    backend = SimpleNamespace(name=name, workspace=None, fused_gather=False, **stages)
-    backend.expert_backward = functools.partial(ex.expert_backward, stages=backend)
+def _namespace(name: str, workspace: Workspace | None = None, expert_backward=None, **stages) -> SimpleNamespace:
+    """A backend: `name` plus every stage; expert_backward, unless given, is composed from this
+    backend's own stages. fused_gather (False unless given): whether the layer hands the stages x and
+    grad_out in token order (expert_forward_combine, expert_backward(row_index=)) instead of
+    gathering x[row_token] and combining y itself."""
+    backend = SimpleNamespace(name=name, workspace=workspace, **{"fused_gather": False, **stages})
+    backend.expert_backward = expert_backward or functools.partial(ex.expert_backward, stages=backend,
+                                                                   workspace=workspace)
     return backend
 
 
@@ -55,10 +58,7 @@ def _torch(workspace: Workspace | None) -> SimpleNamespace:
     stages = {s: getattr(ex, s) for s in EXPERT_STAGES} | {s: getattr(comb, s) for s in COMBINE_STAGES}
     if workspace is not None:
         stages.update({s: functools.partial(stages[s], workspace=workspace) for s in WORKSPACE_STAGES})
-    backend = _namespace("torch", **stages)
-    backend.expert_backward = functools.partial(ex.expert_backward, stages=backend, workspace=workspace)
-    backend.workspace = workspace
-    return backend
+    return _namespace("torch", workspace, **stages)
 
 
 TORCH = _torch(None)
@@ -83,18 +83,16 @@ def _triton() -> SimpleNamespace:
 
     from shardmoe.kernels import layer_path
 
-    backend = _namespace("triton", expert_forward=triton_experts.expert_forward,
-                         grad_post_gemm_glu=grad_post_gemm_glu, grad_pre_gemm_glu=grad_pre_gemm_glu,
-                         grad_post_gemm_mlp=triton_experts.grad_post_gemm_mlp,
-                         grad_pre_gemm_mlp=triton_experts.grad_pre_gemm_mlp,
-                         combine=triton_combine.combine, grad_combine=triton_combine.grad_combine,
-                         grad_gate_combine=grad_gate_combine, grad_input_combine=triton_combine.grad_input_combine)
     # the fused entry points (kernels/layer_path.py): the layer passes x and grad_out in token order
     # with row_token and the kernels gather inside; stages 1+2 (mlp) or 2+3 (glu) run as one kernel
-    backend.fused_gather = True
-    backend.expert_forward_combine = triton_experts.expert_forward_combine
-    backend.expert_backward = layer_path.expert_backward
-    return backend
+    return _namespace("triton", expert_backward=layer_path.expert_backward, fused_gather=True,
+                      expert_forward_combine=triton_experts.expert_forward_combine,
+                      expert_forward=triton_experts.expert_forward,
+                      grad_post_gemm_glu=grad_post_gemm_glu, grad_pre_gemm_glu=grad_pre_gemm_glu,
+                      grad_post_gemm_mlp=triton_experts.grad_post_gemm_mlp,
+                      grad_pre_gemm_mlp=triton_experts.grad_pre_gemm_mlp,
+                      combine=triton_combine.combine, grad_combine=triton_combine.grad_combine,
+                      grad_gate_combine=grad_gate_combine, grad_input_combine=triton_combine.grad_input_combine)
 
 
 def select(config: MoEConfig, x: torch.Tensor, workspace: Workspace | None = None) -> SimpleNamespace:

@@ -129,16 +129,17 @@ class FusedMoE(torch.autograd.Function):
         groups = expert_groups(routing.kept_per_expert, x.dtype, backend.workspace)
         row_token, weight_rows = routing.rows(k)
         if backend.fused_gather:  # no x[row_token], no stored y: kernels/layer_path.py
-            out, saved = backend.expert_forward_combine(config.expert, config.expert_activation, config.output_activation,
-                                                        x, row_token, weight_rows, routing.row_pair, params, groups,
-                                                        k)
+            out, saved = backend.expert_forward_combine(config.expert, config.expert_activation,
+                                                        config.output_activation, x, row_token, weight_rows,
+                                                        routing.row_pair, params, groups, k)
         else:
             y, saved = backend.expert_forward(config.expert, config.expert_activation, config.output_activation,
                                               gather_rows(x, row_token, backend.workspace), params, groups)
             out = backend.combine(y, weight_rows, routing.row_pair, num_tokens, k)
         shared_saved = ()
         if shared_weights:
-            shared_out, shared_saved = shared_ex.forward(x, _shared_params(config, shared_weights), config)
+            shared = shared_ex.named_shared_params(config, shared_weights)
+            shared_out, shared_saved = shared_ex.forward(x, shared, config)
             out = out + shared_out  # both in the acc dtype: one rounding below
         out = out.to(x.dtype)
         loss = balance_loss(routing, config)
@@ -173,8 +174,8 @@ class FusedMoE(torch.autograd.Function):
         # stages 1-4 (for "glu": 1 and 3 with w on both sides of the Wdown GEMM, 2 on (g Wdown, a))
         if backend.fused_gather:  # the kernels read grad_out and x through row_token: no gathered copies
             grad_xs, grad_weight_rows, grads = backend.expert_backward(
-                config.expert, config.expert_activation, config.output_activation, grad_out.contiguous(), weight_rows, x,
-                saved, params, groups, row_index=row_token)
+                config.expert, config.expert_activation, config.output_activation, grad_out.contiguous(),
+                weight_rows, x, saved, params, groups, row_index=row_token)
         else:
             grad_xs, grad_weight_rows, grads = backend.expert_backward(
                 config.expert, config.expert_activation, config.output_activation,
@@ -186,7 +187,7 @@ class FusedMoE(torch.autograd.Function):
         grad_x = grad_x + grad_x_gate
         shared_grads = []
         if shared_weights:
-            shared_params = _shared_params(config, shared_weights)
+            shared_params = shared_ex.named_shared_params(config, shared_weights)
             grad_x_shared, named = shared_ex.backward(grad_out.contiguous(), x, shared_saved, shared_params, config)
             grad_x = grad_x + grad_x_shared
             shared_grads = [named[n] for n in shared_params]
@@ -202,7 +203,3 @@ def split_weights(config: MoEConfig, weights) -> tuple[tuple, tuple]:
     """(routed expert weights, shared expert weights) of the weights FusedMoE.apply takes."""
     n_expert = len(expert_param_names(config))
     return tuple(weights[:n_expert]), tuple(weights[n_expert:])
-
-
-def _shared_params(config: MoEConfig, shared_weights) -> dict[str, torch.Tensor]:
-    return dict(zip(shared_ex.shared_param_names(config), shared_weights))

@@ -45,6 +45,11 @@ def shared_param_names(config: MoEConfig) -> tuple[str, ...]:
     return ("shared_gate_up_proj", "shared_down_proj") + ((GATE_NAME,) if config.shared_gate else ())
 
 
+def named_shared_params(config: MoEConfig, weights) -> dict[str, torch.Tensor]:
+    """{name: tensor} of the shared parameters, given in shared_param_names order."""
+    return dict(zip(shared_param_names(config), weights))
+
+
 def shared_param_shapes(config: MoEConfig) -> dict[str, tuple[int, ...]]:
     """Whole (unsharded) shape of each shared parameter."""
     H, Fs = config.hidden_size, config.shared_ffn_size
@@ -101,21 +106,29 @@ def shared_gate_backward(x: torch.Tensor, s: torch.Tensor, grad_dot: torch.Tenso
     return grad_logit[:, None] * gate_weight.to(acc), x.to(acc).t() @ grad_logit
 
 
-def forward(x: torch.Tensor, params: dict, config: MoEConfig) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
-    """Single process: (s z [S, H] acc dtype, saved (h, s))."""
+def _whole(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+def forward(x: torch.Tensor, params: dict, config: MoEConfig,
+            reduce_output=_whole) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+    """(s z [S, H] acc dtype, saved (h, s)). reduce_output sums z over 't' under expert TP (the
+    intermediate dim is sharded there); one process needs none."""
     s = shared_gate(x, params.get(GATE_NAME))
     z, h = shared_forward(x, params, config.activation)
-    return shared_output(z, s), (h, s)
+    return shared_output(reduce_output(z), s), (h, s)
 
 
-def backward(grad_out: torch.Tensor, x: torch.Tensor, saved: tuple, params: dict,
-             config: MoEConfig) -> tuple[torch.Tensor, dict]:
-    """Single process: (dx [S, H] acc dtype, {name: gradient in the parameter's dtype})."""
+def backward(grad_out: torch.Tensor, x: torch.Tensor, saved: tuple, params: dict, config: MoEConfig,
+             reduce_input=_whole, reduce_dot=_whole) -> tuple[torch.Tensor, dict]:
+    """(dx [S, H] acc dtype, {name: gradient in the parameter's dtype}, this rank's slices under
+    expert TP). reduce_input and reduce_dot sum the partial dx [S, H] and ds [S] over 't' there:
+    ds must be whole before the sigmoid Jacobian."""
     h, s = saved
     gate = params.get(GATE_NAME)
     grad_x, grad_dot, grads = shared_backward(grad_out, x, h, s, params, config.activation, gate is not None)
-    grad_x = grad_x.to(s.dtype)
+    grad_x = reduce_input(grad_x).to(s.dtype)
     if gate is not None:
-        grad_x_gate, grads[GATE_NAME] = shared_gate_backward(x, s, grad_dot, gate)
+        grad_x_gate, grads[GATE_NAME] = shared_gate_backward(x, s, reduce_dot(grad_dot), gate)
         grad_x = grad_x + grad_x_gate
     return grad_x, {n: grads[n].to(params[n].dtype) for n in shared_param_names(config)}

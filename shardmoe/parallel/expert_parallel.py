@@ -70,7 +70,7 @@ class ExpertParallel:
         with self.exchange.tell_peers_on_failure():
             if not self.agreed:
                 shared_weights = split_weights(self.config, expert_weights)[1]
-                shared = dict(zip(shared_ex.shared_param_names(self.config), shared_weights))
+                shared = shared_ex.named_shared_params(self.config, shared_weights)
                 self.check_agreement(x.dtype, gate_weight, gate_bias, correction_bias, shared)
             return ExpertParallelMoE.apply(x, self, stats, correction_bias, token_sequence, gate_weight, gate_bias,
                                            *expert_weights)
@@ -146,7 +146,10 @@ class ExpertParallelMoE(torch.autograd.Function):
         out = backend.combine(y_send, weight_rows, routing.row_pair, num_tokens, k)
         shared_saved = ()
         if shared_weights:
-            shared_out, shared_saved = _shared_forward(config, mesh, x, shared_weights)
+            # Wsd contracts Fs/t: z is psummed over 't' like the routed rows (a separate all-reduce of S H)
+            shared = shared_ex.named_shared_params(config, shared_weights)
+            shared_out, shared_saved = shared_ex.forward(x, shared, config,
+                                                         _psum_t("N H", etp.reduce_expert_output, mesh))
             out = out + shared_out
         out = out.to(x.dtype)
         share_routing = global_counts(routing, plan)
@@ -205,8 +208,11 @@ def _backward(ctx, grad_out, grad_loss):
     clock.lap("route")
     shared_grads = ()
     if shared_weights:
-        grad_x_shared, shared_grads = _shared_backward(config, mesh, grad_out.contiguous(), x, shared_saved,
-                                                       shared_weights)
+        params = shared_ex.named_shared_params(config, shared_weights)
+        grad_x_shared, named = shared_ex.backward(grad_out.contiguous(), x, shared_saved, params, config,
+                                                  _psum_t("N H", etp.reduce_input_grad, mesh),
+                                                  _psum_t("N", etp.reduce_gate_dot, mesh))
+        shared_grads = tuple(named[n] for n in params)
         grad_x = grad_x + grad_x_shared
         clock.lap("experts")
     expert_grads = [None if g is None else g.to(p.dtype)
@@ -216,30 +222,10 @@ def _backward(ctx, grad_out, grad_loss):
             *expert_grads, *shared_grads)
 
 
-def _shared_forward(config: MoEConfig, mesh, x, shared_weights):
-    """s z 'S H' (acc dtype) for this rank's tokens, and (h 'S 2Fs/t', s 'S') for backward. Wsd contracts
-    Fs/t, so z is psummed over 't' like the routed rows (a separate all-reduce of S H)."""
-    params = dict(zip(shared_ex.shared_param_names(config), shared_weights))
-    s = shared_ex.shared_gate(x, params.get(shared_ex.GATE_NAME))
-    z, h = shared_ex.shared_forward(x, params, config.activation)
-    z = etp.reduce_expert_output(shardops.unreduced("N H", z, "t"), mesh)
-    return shared_ex.shared_output(z, s), (h, s)
-
-
-def _shared_backward(config: MoEConfig, mesh, grad_out, x, shared_saved, shared_weights):
-    """(dx 'S H' acc dtype, gradients of this rank's shared slices) for this rank's tokens."""
-    names = shared_ex.shared_param_names(config)
-    params = dict(zip(names, shared_weights))
-    gate = params.get(shared_ex.GATE_NAME)
-    h, s = shared_saved
-    grad_x, grad_dot, grads = shared_ex.shared_backward(grad_out, x, h, s, params, config.activation,
-                                                        gate is not None)
-    grad_x = etp.reduce_input_grad(shardops.unreduced("N H", grad_x, "t"), mesh).to(s.dtype)
-    if gate is not None:  # g . z over Fs/t is a partial sum: whole before the sigmoid Jacobian
-        grad_dot = etp.reduce_gate_dot(shardops.unreduced("N", grad_dot, "t"), mesh)
-        grad_x_gate, grads[shared_ex.GATE_NAME] = shared_ex.shared_gate_backward(x, s, grad_dot, gate)
-        grad_x = grad_x + grad_x_gate
-    return grad_x, tuple(grads[n].to(params[n].dtype) for n in names)
+def _psum_t(spec: str, reduce, mesh):
+    """The sum over 't' of a partial tensor 'spec' (the shared expert contracts Fs/t), by `reduce`
+    (one of expert_tensor's reductions)."""
+    return lambda t: reduce(shardops.unreduced(spec, t, "t"), mesh)
 
 
 def _route(x, gate_weight, gate_bias, correction_bias, token_sequence, config: MoEConfig,

@@ -49,11 +49,16 @@ def measure_rates(shape: ModelShape) -> dict[str, float]:
             "hbm_bandwidth": 2 * a.numel() * a.element_size() / copy}
 
 
-def predict(shape: ModelShape, hardware: Hardware, ranks: int) -> float:
-    """The baseline's step seconds for `ranks` ranks on one node, uniform routing in expectation."""
+def predicted_phases(shape: ModelShape, hardware: Hardware, ranks: int) -> dict[str, float]:
+    """The baseline's phase seconds for `ranks` ranks on one node, uniform routing in expectation."""
     rows = torch.full((ranks, shape.num_experts), shape.tokens_per_gpu * shape.top_k / shape.num_experts,
                       dtype=torch.float64)
-    return step_seconds(bulk_synchronous(rows, shape, hardware, 1, lambda rank: 0))
+    return bulk_synchronous(rows, shape, hardware, 1, lambda rank: 0)
+
+
+def predict(shape: ModelShape, hardware: Hardware, ranks: int) -> float:
+    """The baseline's step seconds (predicted_phases summed)."""
+    return step_seconds(predicted_phases(shape, hardware, ranks))
 
 
 def _measured_step(shape: ModelShape, repeats: int) -> dict:
@@ -90,8 +95,9 @@ def _measured_step(shape: ModelShape, repeats: int) -> dict:
     return result
 
 
-def calibrate(repeats: int = 7) -> list[dict]:
-    """Predicted vs measured step at 1 and 2 ranks (rows: ranks, predicted, measured, ratio)."""
+def calibrate(repeats: int = 7) -> tuple[dict, list[dict]]:
+    """(the measured rates, one row per rank count: ranks, predicted and measured seconds, ratio,
+    the predicted phases and the measured ones of the 2-rank layer)."""
     from shardmoe.testing.distributed import run_distributed
 
     torch.set_num_threads(1)
@@ -105,11 +111,8 @@ def calibrate(repeats: int = 7) -> list[dict]:
         tile_rows=1, bytes_per_element=4, kernel_launch=0.0, host_sync=0.0, gpus_per_node=2)
     rows = []
     for ranks, measured in ((1, one["step"]), (2, max(r["step"] for r in two))):
-        predicted = predict(SHAPE, hardware, ranks)
-        rows.append({"ranks": ranks, "predicted_s": predicted, "measured_s": measured,
-                     "ratio": predicted / measured, "phases": two[0]["phases"] if ranks == 2 else {},
-                     "predicted_phases": bulk_synchronous(
-                         torch.full((ranks, SHAPE.num_experts), SHAPE.tokens_per_gpu * SHAPE.top_k / SHAPE.num_experts,
-                                    dtype=torch.float64), SHAPE, hardware, 1, lambda rank: 0)})
-    return [{"rates": {**rates, "link_bytes_per_s": hardware.nvlink_bandwidth,
-                       "link_latency_s": hardware.nvlink_latency}}, *rows]
+        phases = predicted_phases(SHAPE, hardware, ranks)
+        predicted = step_seconds(phases)
+        rows.append({"ranks": ranks, "predicted_s": predicted, "measured_s": measured, "ratio": predicted / measured,
+                     "phases": two[0]["phases"] if ranks == 2 else {}, "predicted_phases": phases})
+    return {**rates, "link_bytes_per_s": hardware.nvlink_bandwidth, "link_latency_s": hardware.nvlink_latency}, rows

@@ -94,10 +94,9 @@ def plot(rows: list[dict], title: str, path: Path) -> None:
 
 def run_calibration() -> int:
     from .calibrate import SHAPE, calibrate
-    rates, *rows = calibrate()
+    r, rows = calibrate()
     print(f"calibration: shardmoe.MoE H={SHAPE.hidden_size} F={SHAPE.ffn_size} E={SHAPE.num_experts} "
           f"k={SHAPE.top_k}, {SHAPE.tokens_per_gpu} tokens per rank, fp32, 1 thread per rank, forward + backward")
-    r = rates["rates"]
     print(f"  measured rates: GEMM {r['peak_flops'] / 1e9:.1f} GFLOP/s, copy {r['hbm_bandwidth'] / 1e9:.2f} GB/s, "
           f"exchange {r['link_bytes_per_s'] / 1e9:.3f} GB/s, one-row exchange {r['link_latency_s'] * 1e6:.0f} us")
     for row in rows:
