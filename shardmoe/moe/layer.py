@@ -184,7 +184,7 @@ class MoE(nn.Module):
             out, loss = FusedMoE.apply(tokens, self.config, stats, self.workspace, self.correction_bias,
                                        token_sequence, self.gate_weight, self.gate_bias, *self.expert_parameters())
         else:
-            out, loss = self._parallel(tokens, stats, self.correction_bias, token_sequence,
+            out, loss = self._parallel(tokens, stats, self.workspace, self.correction_bias, token_sequence,
                                        self.gate_weight, self.gate_bias, *self.expert_parameters())
         stats["workspace_bytes"] = 0 if self.workspace is None else self.workspace.resident_bytes
         self.aux_loss, self.stats = loss, stats

@@ -104,8 +104,11 @@ def _bench(args, mesh_sizes: dict, dtype_name: str) -> dict:
     # One rank has no peers: it runs the single-process fused layer, the weak-scaling baseline.
     meshes = ({"p2p": Mesh(*sizes, ranks_per_node=local), "remote": Mesh(*sizes, ranks_per_node=1)}
               if world > 1 else {"local": Mesh(*sizes)})
+    # With peers, every rank also runs the single-process layer on its own tokens, interleaved with
+    # the paths: the anchor each path's step is divided by (what expert parallelism costs per rank).
+    layer_meshes = {**meshes, "local": None} if world > 1 else meshes
     layers = {}
-    for path, mesh in meshes.items():
+    for path, mesh in layer_meshes.items():
         torch.manual_seed(0)  # the same whole weights on every rank and for every path
         layers[path] = shardmoe.MoE(H, F, E, k, mesh=mesh, dtype=dtype, device=device)
     # Tokens differ per token-parallel rank and are alike along 't'.
@@ -113,7 +116,7 @@ def _bench(args, mesh_sizes: dict, dtype_name: str) -> dict:
     x = torch.randn(S, H, generator=gen).to(dtype=dtype, device=device)
     grad_out = torch.randn(S, H, generator=gen).to(dtype=dtype, device=device)
 
-    steps = {path: [] for path in meshes}
+    steps = {path: [] for path in layers}
     outputs = {}
     for step in range(_option(args, "warmup") + _option(args, "repeats")):
         for path, layer in layers.items():  # interleaved: both paths see the same machine state
@@ -127,7 +130,7 @@ def _bench(args, mesh_sizes: dict, dtype_name: str) -> dict:
             if step >= _option(args, "warmup"):
                 steps[path].append(dict(seconds=elapsed, phases=dict(layer.stats.get("seconds", {})),
                                         rows=dict(layer.stats.get("rows", {}))))
-    identical = all(torch.equal(out, outputs[next(iter(outputs))]) for out in outputs.values())
+    identical = all(torch.equal(outputs[path], outputs[next(iter(meshes))]) for path in meshes)
     transport = {path: _time_exchange(mesh, S * k, H * x.element_size(), _option(args, "repeats"))
                  for path, mesh in meshes.items() if mesh.size("e") > 1}
     mine = dict(rank=rank, steps=steps, identical=identical, transport=transport)
@@ -214,7 +217,12 @@ def format_report(report: dict) -> str:
             lines.append(f"transport {path:<6}: one exchange of {t['bytes_per_rank'] / 2**20:.2f} MiB per rank to its "
                          f"peers in {1e3 * t['seconds']:.1f} ms ({t['bytes_per_rank'] / 2**20 / t['seconds']:.0f} MiB/s "
                          "per rank, slowest rank)")
-    if len(report["paths"]) > 1:
+    paths = report["paths"]
+    if "local" in paths and len(paths) > 1:
+        ratios = ", ".join(f"{path} {p['step_s'] / paths['local']['step_s']:.2f}" for path, p in paths.items()
+                           if path != "local")
+        lines.append(f"step / local (the single-process layer on each rank's tokens, all ranks at once, "
+                     f"interleaved): {ratios}")
         lines.append(f"p2p and remote outputs bit-identical: {report['bit_identical']}")
     return "\n".join(lines)
 

@@ -69,6 +69,15 @@ def unpack_rows(data: torch.Tensor, layout) -> list[torch.Tensor]:
     return out
 
 
+def select_rows(data: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """data[index] for packed rows [N, B] uint8 -> [len(index), B], moved as the widest machine word
+    that divides B: a byte-wise gather costs 5-25x more on CPU (docs/parallel.md)."""
+    width = data.shape[1]
+    word = next(w for w in (torch.int64, torch.int32, torch.int16, torch.uint8)
+                if width % torch.empty((), dtype=w).element_size() == 0)
+    return data.contiguous().view(word).index_select(0, index).view(torch.uint8)
+
+
 def shared_exchange(mesh, axis: str = "e") -> "RowExchange":
     """The RowExchange of a mesh axis, shared by every layer on that mesh: exchanges run one at a
     time in the same order on every rank, so one heap (sized for the largest) serves them all."""

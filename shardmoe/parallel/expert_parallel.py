@@ -49,7 +49,7 @@ from shardmoe.notation import MESH_AXES
 from shardmoe.parallel import consistency
 from shardmoe.parallel import expert_tensor as etp
 from shardmoe.parallel.dispatch import DispatchPlan, peer_tokens, plan_dispatch
-from shardmoe.parallel.exchange import RowExchange, pack_rows, shared_exchange, unpack_rows
+from shardmoe.parallel.exchange import RowExchange, pack_rows, select_rows, shared_exchange, unpack_rows
 
 PHASES = ("route", "dispatch", "experts", "combine")
 
@@ -63,8 +63,8 @@ class ExpertParallel:
         self.exchange = shared_exchange(mesh, "e")
         self.agreed = False  # whether the ranks' settings and gates were compared (first forward)
 
-    def __call__(self, x: torch.Tensor, stats: dict, correction_bias, token_sequence, gate_weight: torch.Tensor,
-                 gate_bias, *expert_weights):
+    def __call__(self, x: torch.Tensor, stats: dict, workspace, correction_bias, token_sequence,
+                 gate_weight: torch.Tensor, gate_bias, *expert_weights):
         """x 'S H' (this rank's tokens) -> (out 'S H', this rank's share of the aux loss []).
         Arguments as FusedMoE.apply's; token_sequence numbers this rank's sequences from 0."""
         with self.exchange.tell_peers_on_failure():
@@ -72,8 +72,8 @@ class ExpertParallel:
                 shared_weights = split_weights(self.config, expert_weights)[1]
                 shared = shared_ex.named_shared_params(self.config, shared_weights)
                 self.check_agreement(x.dtype, gate_weight, gate_bias, correction_bias, shared)
-            return ExpertParallelMoE.apply(x, self, stats, correction_bias, token_sequence, gate_weight, gate_bias,
-                                           *expert_weights)
+            return ExpertParallelMoE.apply(x, self, stats, workspace, correction_bias, token_sequence, gate_weight,
+                                           gate_bias, *expert_weights)
 
     def check_agreement(self, dtype: torch.dtype, gate_weight: torch.Tensor, gate_bias=None,
                         correction_bias=None, shared: dict | None = None) -> None:
@@ -117,13 +117,14 @@ def global_counts(routing: Routing, plan: DispatchPlan) -> Routing:
 
 
 class ExpertParallelMoE(torch.autograd.Function):
-    """apply(x 'S H', parallel: ExpertParallel, stats: dict, correction_bias 'E' or None,
+    """apply(x 'S H', parallel: ExpertParallel, stats: dict, workspace or None (the layer's row buffers,
+    as FusedMoE's), correction_bias 'E' or None,
     token_sequence 'S' or None, gate_weight 'H E', gate_bias 'E' or None, *expert shards, *shared expert
     slices) -> (out 'S H', aux share [])."""
 
     @staticmethod
-    def forward(ctx, x, parallel: ExpertParallel, stats: dict, correction_bias, token_sequence, gate_weight,
-                gate_bias, *weights):
+    def forward(ctx, x, parallel: ExpertParallel, stats: dict, workspace, correction_bias, token_sequence,
+                gate_weight, gate_bias, *weights):
         config, mesh, exchange = parallel.config, parallel.mesh, parallel.exchange
         expert_weights, shared_weights = split_weights(config, weights)
         num_tokens, k = x.shape[0], config.top_k
@@ -133,12 +134,12 @@ class ExpertParallelMoE(torch.autograd.Function):
 
         row_token, weight_rows = routing.rows(k)
         order = plan.expert_major_order()
-        (xs,) = _to_experts(exchange, plan, order, x[row_token])
+        (xs,) = _to_experts(exchange, plan, order, x.index_select(0, row_token))
         clock.lap("dispatch")
 
         params = dict(zip(expert_param_names(config), expert_weights))
         groups = ex.Groups.from_counts(plan.rows_per_local_expert)
-        backend = backends.select(config, x)
+        backend = backends.select(config, x, workspace)
         y, saved = _experts_forward(backend, config, mesh, xs, params, groups)
         clock.lap("experts")
 
@@ -189,7 +190,7 @@ def _backward(ctx, grad_out, grad_loss):
     # Token side -> experts: the unscaled output gradient rows and their combine weights
     # (the glu expert applies w after its Wdown GEMM so that stage 2 can reuse that GEMM).
     row_token, weight_rows = routing.rows(k)
-    grad_rows, weight_recv = _to_experts(exchange, plan, order, grad_out.contiguous()[row_token], weight_rows)
+    grad_rows, weight_recv = _to_experts(exchange, plan, order, grad_out.index_select(0, row_token), weight_rows)
     clock.lap("dispatch")
 
     groups = ex.Groups.from_counts(plan.rows_per_local_expert)
@@ -218,7 +219,7 @@ def _backward(ctx, grad_out, grad_loss):
     expert_grads = [None if g is None else g.to(p.dtype)
                     for g, p in zip((grads[n] for n in expert_param_names(config)), expert_weights)]
     grad_gate_bias = None if gate_bias is None else grad_gate_bias.to(gate_bias.dtype)
-    return (grad_x.to(x.dtype), None, None, None, None, grad_gate.to(gate_weight.dtype), grad_gate_bias,
+    return (grad_x.to(x.dtype), None, None, None, None, None, grad_gate.to(gate_weight.dtype), grad_gate_bias,
             *expert_grads, *shared_grads)
 
 
@@ -285,16 +286,22 @@ def _to_experts(exchange: RowExchange, plan: DispatchPlan, order: torch.Tensor, 
     """Token side -> experts: per-row tensors grouped by destination peer -> the local experts'
     rows, expert-major (one exchange of the packed rows, one gather of the received bytes)."""
     data, layout = pack_rows(*rows)
-    return unpack_rows(exchange.exchange(data, plan.counts)[order], layout)
+    return unpack_rows(select_rows(exchange.exchange(data, plan.counts), order), layout)
 
 
 def _to_tokens(exchange: RowExchange, plan: DispatchPlan, order: torch.Tensor, *rows: torch.Tensor):
     """Experts -> token side, the reverse of _to_experts: expert-major rows back to source-major
     order, then along the transposed splits to the ranks that sent them."""
     data, layout = pack_rows(*rows)
-    source_major = torch.empty_like(data)
-    source_major[order] = data
+    source_major = select_rows(data, _inverse(order))
     return unpack_rows(exchange.exchange(source_major, _transposed(plan.counts)), layout)
+
+
+def _inverse(order: torch.Tensor) -> torch.Tensor:
+    """The permutation p with p[order] = arange: rows[order][p] == rows."""
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(order.numel(), device=order.device)
+    return inverse
 
 
 def _transposed(counts: list[list[int]]) -> list[list[int]]:

@@ -97,11 +97,14 @@ def run_calibration() -> int:
     r, rows = calibrate()
     print(f"calibration: shardmoe.MoE H={SHAPE.hidden_size} F={SHAPE.ffn_size} E={SHAPE.num_experts} "
           f"k={SHAPE.top_k}, {SHAPE.tokens_per_gpu} tokens per rank, fp32, 1 thread per rank, forward + backward")
-    print(f"  measured rates: GEMM {r['peak_flops'] / 1e9:.1f} GFLOP/s, copy {r['hbm_bandwidth'] / 1e9:.2f} GB/s, "
-          f"exchange {r['link_bytes_per_s'] / 1e9:.3f} GB/s, one-row exchange {r['link_latency_s'] * 1e6:.0f} us")
+    print(f"  measured link: exchange {r['link_bytes_per_s'] / 1e9:.3f} GB/s, "
+          f"one-row exchange {r['link_latency_s'] * 1e6:.0f} us")
     for row in rows:
-        print(f"  {row['ranks']} rank(s): predicted {row['predicted_s'] * 1e3:.1f} ms, measured "
-              f"{row['measured_s'] * 1e3:.1f} ms, predicted / measured {row['ratio']:.2f}")
+        device = row["rates"]
+        print(f"  {row['ranks']} rank(s): GEMM {device['peak_flops'] / 1e9:.1f} GFLOP/s, copy "
+              f"{device['copy_bandwidth'] / 1e9:.2f} GB/s, elementwise (SiLU GLU) {device['hbm_bandwidth'] / 1e9:.2f} GB/s, fixed cost {device['host_overhead'] * 1e3:.1f} ms per rank{' (both ranks at once)' if row['ranks'] > 1 else ''}; "
+              f"predicted {row['predicted_s'] * 1e3:.1f} ms, measured {row['measured_s'] * 1e3:.1f} ms, "
+              f"predicted / measured {row['ratio']:.2f}")
         predicted = {k: round(v * 1e3, 2) for k, v in row["predicted_phases"].items()}
         print(f"    predicted phases (ms): {predicted}")
         if row["phases"]:

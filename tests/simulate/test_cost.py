@@ -1,5 +1,6 @@
 """The simulator's cost model, baseline, routing, presets and command, on cases small enough to
 compute by hand (no timing: every figure here is a formula of the inputs)."""
+import dataclasses
 import json
 import math
 from types import SimpleNamespace
@@ -9,7 +10,7 @@ import torch
 
 from shardmoe.moe.config import MoEConfig
 from shardmoe.simulate import command
-from shardmoe.simulate.baseline import bulk_synchronous
+from shardmoe.simulate.baseline import bulk_synchronous, step_seconds
 from shardmoe.simulate.cost import CostScheduler
 from shardmoe.simulate.presets import Hardware, ModelShape, resolve
 from shardmoe.simulate.routing import popularity, routed_batch
@@ -168,3 +169,20 @@ def test_calibration_prediction_is_the_baseline_at_measured_rates():
     flops = 3 * 2 * rows * (64 * 2 * 96 + 96 * 64) + 3 * 2 * tokens * 64 * 4
     assert predict(shape, hw, 1) == pytest.approx(flops / 1e9, rel=1e-9)
     assert predict(shape, hw, 2) > predict(shape, hw, 1)  # the same work per rank plus the exchanges
+
+
+def test_calibration_host_overhead_is_the_unpriced_part_of_a_small_step():
+    """The fixed cost per step is what a measured near-empty step takes beyond the model's price
+    for it, never negative; with it as host_sync (paid in forward and backward), the model
+    reproduces that small step exactly."""
+    from shardmoe.simulate.calibrate import SHAPE, SMALL_TOKENS, _host_overhead, predicted_phases
+    hw = Hardware(peak_flops=1e9, gemm_efficiency=1.0, hbm_bandwidth=1e10, tile_rows=1, kernel_launch=0.0,
+                  host_sync=0.0, gpus_per_node=2)
+    loads = [SMALL_TOKENS * SHAPE.top_k // SHAPE.num_experts] * SHAPE.num_experts
+    small = dataclasses.replace(SHAPE, tokens_per_gpu=SMALL_TOKENS)
+    priced = step_seconds(predicted_phases(small, hw, 1, torch.tensor(loads)))
+    overhead = _host_overhead(hw, 1, {"small_step": priced + 0.005, "small_per_expert": loads})
+    assert overhead == pytest.approx(0.005)
+    with_host = dataclasses.replace(hw, host_sync=overhead / 2)
+    assert step_seconds(predicted_phases(small, with_host, 1, torch.tensor(loads))) == pytest.approx(priced + 0.005)
+    assert _host_overhead(hw, 1, {"small_step": priced / 2, "small_per_expert": loads}) == 0.0
