@@ -50,7 +50,7 @@ def _namespace(name: str, workspace: Workspace | None = None, expert_backward=No
 
 
 # the stages that take a `workspace` keyword (the ones whose outputs are large row buffers)
-WORKSPACE_STAGES = ("expert_forward", "grad_post_gemm_glu", "grad_pre_gemm_glu")
+WORKSPACE_STAGES = ("expert_forward", "grad_post_gemm_glu", "grad_pre_gemm_glu", "grad_combine")
 
 
 def _torch(workspace: Workspace | None) -> SimpleNamespace:

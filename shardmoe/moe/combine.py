@@ -19,6 +19,7 @@ import torch
 
 from shardmoe.moe import elementwise
 from shardmoe.moe.routing import accumulation_dtype
+from shardmoe.moe.workspace import Workspace, empty_rows
 
 
 # Row chunks whose float32 temporaries stay in cache (about 1 MiB each). Forming a bf16
@@ -33,15 +34,16 @@ def row_chunks(rows: torch.Tensor) -> list[slice]:
     return [slice(i, i + step) for i in range(0, rows.shape[0], step)]
 
 
-def scale_rows(rows: torch.Tensor, weight_rows: torch.Tensor) -> torch.Tensor:
-    """rows_r * w_r, formed in the acc dtype and rounded once to rows' dtype. [N, D], [N] -> [N, D]."""
+def scale_rows(rows: torch.Tensor, weight_rows: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
+    """rows_r * w_r, formed in the acc dtype and rounded once to rows' dtype (into `out` when given,
+    e.g. a workspace buffer). [N, D], [N] -> [N, D]."""
     if elementwise.available(rows, extra=(weight_rows,)):
-        return elementwise.scale_rows(rows, weight_rows)
+        return elementwise.scale_rows(rows, weight_rows, out=out)
     acc = accumulation_dtype(rows.dtype)
     weight = weight_rows.to(acc)[:, None]
     if rows.dtype == acc:
-        return rows * weight
-    out = torch.empty_like(rows)
+        return torch.mul(rows, weight, out=out) if out is not None else rows * weight
+    out = torch.empty_like(rows) if out is None else out
     for c in row_chunks(rows):
         out[c] = rows[c].to(acc, copy=True).mul_(weight[c])
     return out
@@ -68,15 +70,23 @@ def combine_rows(rows: torch.Tensor, row_pair: torch.Tensor, num_tokens: int, to
     out_t = sum of the rows whose pair belongs to t. Accumulates and returns [S, D] in the acc dtype.
 
     index_add_ on CPU adds a token's rows in row order, so the sum is deterministic."""
+    if elementwise.available(rows, extra=(row_pair, weight_rows)):  # the same sums, gathered per token
+        return elementwise.combine_pairs(rows, token_rows(row_pair, num_tokens, top_k), weight_rows)
     row_token = torch.div(row_pair, top_k, rounding_mode="floor")
-    if elementwise.available(rows, extra=(row_pair, weight_rows)):  # the same sums in one pass
-        return elementwise.combine_rows(rows, row_token, num_tokens, weight_rows)
     acc = accumulation_dtype(rows.dtype)
     out = rows.new_zeros((num_tokens, rows.shape[-1]), dtype=acc)
     for c in row_chunks(rows):
         part = rows[c].to(acc)  # may alias rows (same dtype): never modify it in place
         out.index_add_(0, row_token[c], part if weight_rows is None else part * weight_rows[c, None].to(acc))
     return out
+
+
+def token_rows(row_pair: torch.Tensor, num_tokens: int, top_k: int) -> torch.Tensor:
+    """The inverse of row_pair [N]: [S, k] int64, the rows of token t's kept pairs in ascending
+    order, -1 (first) for its dropped pairs."""
+    pair_row = torch.full((num_tokens * top_k,), -1, dtype=torch.int64, device=row_pair.device)
+    pair_row[row_pair] = torch.arange(row_pair.numel(), device=row_pair.device)
+    return pair_row.view(num_tokens, top_k).sort(dim=1).values
 
 
 def combine(expert_out: torch.Tensor, weight_rows: torch.Tensor, row_pair: torch.Tensor,
@@ -86,10 +96,13 @@ def combine(expert_out: torch.Tensor, weight_rows: torch.Tensor, row_pair: torch
     return combine_rows(expert_out, row_pair, num_tokens, top_k, weight_rows)
 
 
-def grad_combine(grad_rows: torch.Tensor, weight_rows: torch.Tensor) -> torch.Tensor:
+def grad_combine(grad_rows: torch.Tensor, weight_rows: torch.Tensor, *,
+                 workspace: Workspace | None = None) -> torch.Tensor:
     """Stage 1: ge_r = w_r g_r, the gradient each kept pair's expert receives. [N, D] -> [N, D],
-    formed in the acc dtype and rounded once to grad_rows' dtype."""
-    return scale_rows(grad_rows, weight_rows)
+    formed in the acc dtype and rounded once to grad_rows' dtype (into a `workspace` buffer when
+    one is given: a fresh [N, H] page-faults, and scaling into one took 5x as long)."""
+    out = None if workspace is None else empty_rows(workspace, tuple(grad_rows.shape), grad_rows)
+    return scale_rows(grad_rows, weight_rows, out=out)
 
 
 def grad_gate_combine(grad_rows: torch.Tensor, out_rows: torch.Tensor,

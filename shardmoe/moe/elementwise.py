@@ -9,6 +9,7 @@ CPU tensors when `available(...)` says so, and keep today's torch code for every
   scale_rows     out_r = w_r * rows_r                               [N, D], [N] -> [N, D]
   rowwise_dot    out_r = sum_d rows[r, d] * f1[r, d] (* f2[r, d])   [N, D] -> [N] float32
   combine_rows   out_t = sum over rows r of t of (w_r *) rows_r     [N, D] -> [S, D] float32
+  combine_pairs  the same sum as a gather over each token's rows    [N, D], [S, k] -> [S, D] float32
 
 Each reads every input element once, forms the math in float32 registers (bf16 is widened on load,
 as aten's own bf16 kernels do) and rounds into the output. Where today's torch path rounds a bf16
@@ -175,10 +176,13 @@ def glu_backward(grad_a: torch.Tensor, h: torch.Tensor, act_gate: torch.Tensor, 
     return grad_h
 
 
-def scale_rows(rows: torch.Tensor, weight_rows: torch.Tensor) -> torch.Tensor:
-    """out_r = w_r * rows_r [N, D], formed in float32 and rounded once to rows' dtype."""
+def scale_rows(rows: torch.Tensor, weight_rows: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
+    """out_r = w_r * rows_r [N, D] (into `out` when given), formed in float32 and rounded once to
+    rows' dtype."""
     weight = _check_rows_float32("weight_rows", weight_rows, rows.shape[0])
-    out = torch.empty_like(rows, memory_format=torch.contiguous_format)
+    if out is not None:
+        _check_shape("out", out, tuple(rows.shape))
+    out = torch.empty_like(rows, memory_format=torch.contiguous_format) if out is None else out
     _ops().scale_rows(rows, weight, out)
     return out
 
@@ -202,4 +206,18 @@ def combine_rows(rows: torch.Tensor, row_token: torch.Tensor, num_tokens: int,
     weight = None if weight_rows is None else _check_rows_float32("weight_rows", weight_rows, rows.shape[0])
     out = torch.zeros((num_tokens, rows.shape[1]), dtype=torch.float32)
     _ops().combine_rows(rows, row_token.to(torch.int64), weight, out)
+    return out
+
+
+def combine_pairs(rows: torch.Tensor, token_rows: torch.Tensor, weight_rows: torch.Tensor | None = None) -> torch.Tensor:
+    """out_t = sum over j of (w_r *) rows_r for r = token_rows[t, j], skipping r = -1 (a dropped
+    pair): [N, D], [S, k] int64 -> [S, D] float32, each token's rows added in the order given
+    (ascending: the order combine_rows and index_add_ add them; combine.token_rows builds it).
+    One thread forms each output row from its k rows, so nothing is read-modified-written. Row
+    indices outside [-1, N) raise."""
+    if token_rows.dim() != 2:
+        raise ValueError(f"token_rows: expected [S, k], got shape {tuple(token_rows.shape)}")
+    weight = None if weight_rows is None else _check_rows_float32("weight_rows", weight_rows, rows.shape[0])
+    out = torch.empty((token_rows.shape[0], rows.shape[1]), dtype=torch.float32)
+    _ops().combine_pairs(rows, token_rows.to(torch.int64), weight, out)
     return out

@@ -255,8 +255,8 @@ def grad_post_gemm_glu(grad_rows: torch.Tensor, weight_rows: torch.Tensor, a: to
     The bias adds w_tj bdown_e to the output, so stage 2's gate dot gains g . bdown_e: the
     caller adds it (expert_backward), since this function only sees the gradient side."""
     g_down = grouped_linear_t(grad_rows, down_proj, groups, workspace=workspace)
-    grad_a = grad_combine(g_down, weight_rows)
-    grad_expert = grad_combine(grad_rows, weight_rows)
+    grad_a = grad_combine(g_down, weight_rows, workspace=workspace)
+    grad_expert = grad_combine(grad_rows, weight_rows, workspace=workspace)
     grad_down = grouped_weight_grad(grad_expert, a, groups)
     grad_down_bias = grouped_bias_grad(grad_expert, groups) if has_bias else None
     return grad_a, grad_down, g_down, grad_down_bias

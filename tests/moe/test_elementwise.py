@@ -126,12 +126,14 @@ def test_glu_against_float64_closed_forms(fused):
 def test_results_do_not_depend_on_thread_count(fused):
     rows, other, weight = operands(torch.bfloat16, rows=300, width=200)
     token = torch.randint(0, 50, (300,), generator=torch.Generator().manual_seed(2))
+    pairs = combine.token_rows(torch.randperm(600, generator=torch.Generator().manual_seed(3))[:300], 100, 6)
     previous = torch.get_num_threads()
     results = []
     try:
         for threads in (1, 2):
             torch.set_num_threads(threads)
-            results.append((elementwise.combine_rows(other, token, 50, weight), elementwise.rowwise_dot(other, rows[:, :200])))
+            results.append((elementwise.combine_rows(other, token, 50, weight), elementwise.rowwise_dot(other, rows[:, :200]),
+                            elementwise.combine_pairs(other, pairs, weight)))
     finally:
         torch.set_num_threads(previous)
     for one, two in zip(*results):
@@ -153,6 +155,10 @@ def test_bad_input_named_before_any_work(fused):
     out_of_range = torch.tensor([0, 1, 3, 2])
     with pytest.raises(IndexError, match=r"row_token: expected indices in \[0, 3\), got 3 at row 2"):
         elementwise.combine_rows(h, out_of_range, 3)
+    with pytest.raises(IndexError, match=r"token_rows: expected row indices in \[-1, 4\), got 4 for token 1"):
+        elementwise.combine_pairs(h, torch.tensor([[0, 1], [-1, 4]]))
+    with pytest.raises(ValueError, match=r"token_rows: expected \[S, k\], got shape \(4,\)"):
+        elementwise.combine_pairs(h, torch.tensor([0, 1, 2, 3]))
     # what the kernels do not take goes to the torch path, not to them
     assert not elementwise.available(h.double())
     assert not elementwise.available(h, activation="clamped_swiglu")
@@ -177,13 +183,13 @@ def test_layer_runs_the_fused_passes_with_todays_results(fused, monkeypatch):
         return out, xg.grad, {n: p.grad for n, p in layer.named_parameters()}
 
     called = set()
-    for name in ("glu_forward", "glu_backward", "scale_rows", "rowwise_dot", "combine_rows"):
+    for name in ("glu_forward", "glu_backward", "scale_rows", "rowwise_dot", "combine_pairs"):
         def spy(*args, _name=name, _fn=getattr(elementwise, name), **kwargs):
             called.add(_name)
             return _fn(*args, **kwargs)
         monkeypatch.setattr(elementwise, name, spy)
     fused_out, fused_dx, fused_grads = step()
-    assert called == {"glu_forward", "glu_backward", "scale_rows", "rowwise_dot", "combine_rows"}
+    assert called == {"glu_forward", "glu_backward", "scale_rows", "rowwise_dot", "combine_pairs"}
     ref_out, ref_dx, ref_grads = torch_path(monkeypatch, step)
     torch.testing.assert_close(fused_out, ref_out, rtol=0, atol=0)
     for name, grad in fused_grads.items():

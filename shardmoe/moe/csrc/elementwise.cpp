@@ -4,7 +4,8 @@
 // Each op makes one pass over its rows: kStep values of each input are loaded once, widened to
 // float32 in registers (bf16) or loaded as they are (fp32), combined with ATen's vectorised float
 // math (the closed forms and Sleef calls of aten's own activation kernels), and rounded once into
-// the output. at::parallel_for splits the rows between threads (combine_rows: the columns); every
+// the output. at::parallel_for splits the rows between threads (combine_rows: the columns; combine_pairs:
+// the tokens); every
 // output element is written by one thread, so results do not depend on the thread count.
 //
 // Tensors: fp32 or bf16, 2-D with unit inner stride and any row stride (h[:, :F] views are fine);
@@ -241,6 +242,45 @@ void combine_rows_impl(const at::Tensor& rows, const at::Tensor& token, const at
   });
 }
 
+// out_t = sum over j of (w_r *) rows_r for the rows r = token_rows[t, j] >= 0, in the order given
+// (ascending: a token's rows are added in row order, as index_add_ adds them) -> [S, D] float32.
+// A gather: each token's k rows are read once and its output row written once, by one thread,
+// where combine_rows scatters every row into its token's output (a read-modify-write per row).
+template <typename T>
+void combine_pairs_impl(const at::Tensor& rows, const at::Tensor& token_rows, const at::Tensor* weight,
+                        at::Tensor& out) {
+  const int64_t n_tokens = token_rows.size(0), k = token_rows.size(1), cols = rows.size(1);
+  const T* rp = rows.data_ptr<T>();
+  const int64_t* ip = token_rows.data_ptr<int64_t>();
+  const float* wp = weight ? weight->data_ptr<float>() : nullptr;
+  float* op = out.data_ptr<float>();
+  const int64_t rs = rows.stride(0), is = token_rows.stride(0), os = out.stride(0), ws = weight ? weight->stride(0) : 0;
+  for (int64_t p = 0; p < n_tokens * k; ++p) {
+    const int64_t r = ip[(p / k) * is + p % k];
+    TORCH_CHECK_INDEX(r >= -1 && r < rows.size(0), "token_rows: expected row indices in [-1, ", rows.size(0),
+                      "), got ", r, " for token ", p / k);
+  }
+  at::parallel_for(0, n_tokens, grain_rows(cols * k), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t* idx = ip + t * is;
+      for (int64_t i = 0; i < cols; i += kStep) {
+        const int64_t n = cols - i;
+        Pair sum{Vec(0.f), Vec(0.f)};
+        for (int64_t j = 0; j < k; ++j) {
+          const int64_t r = idx[j];
+          if (r < 0) continue;  // a dropped pair
+          const Pair x = load(rp + r * rs + i, n);
+          const Vec w(wp ? wp[r * ws] : 1.f);
+          // the same operations as combine_rows: the sum starts at zero, x is added as it is
+          // without weights, else x * w rounded to float32 first
+          sum = map(std::plus<Vec>(), sum, wp ? map([&](const Vec& v) { return v * w; }, x) : x);
+        }
+        store(sum, op + t * os + i, n);
+      }
+    }
+  });
+}
+
 #define DISPATCH_FLOAT_BF16(dtype, ...)                      \
   if ((dtype) == at::kFloat) {                               \
     using scalar = float;                                    \
@@ -289,6 +329,12 @@ void combine_rows(const at::Tensor& rows, const at::Tensor& token, const std::op
                       combine_rows_impl<scalar>(rows, token, weight.has_value() ? &*weight : nullptr, out));
 }
 
+void combine_pairs(const at::Tensor& rows, const at::Tensor& token_rows, const std::optional<at::Tensor>& weight,
+                   at::Tensor out) {
+  DISPATCH_FLOAT_BF16(rows.scalar_type(),
+                      combine_pairs_impl<scalar>(rows, token_rows, weight.has_value() ? &*weight : nullptr, out));
+}
+
 }  // namespace
 
 TORCH_LIBRARY(shardmoe_elementwise, m) {
@@ -297,6 +343,7 @@ TORCH_LIBRARY(shardmoe_elementwise, m) {
   m.def("scale_rows(Tensor rows, Tensor weight, Tensor(a!) out) -> ()");
   m.def("rowwise_dot(Tensor rows, Tensor f1, Tensor? f2, Tensor(a!) out) -> ()");
   m.def("combine_rows(Tensor rows, Tensor token, Tensor? weight, Tensor(a!) out) -> ()");
+  m.def("combine_pairs(Tensor rows, Tensor token_rows, Tensor? weight, Tensor(a!) out) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(shardmoe_elementwise, CPU, m) {
@@ -305,4 +352,5 @@ TORCH_LIBRARY_IMPL(shardmoe_elementwise, CPU, m) {
   m.impl("scale_rows", scale_rows);
   m.impl("rowwise_dot", rowwise_dot);
   m.impl("combine_rows", combine_rows);
+  m.impl("combine_pairs", combine_pairs);
 }
