@@ -4,7 +4,7 @@ The report divides them by S (bytes per token) and by transformers' figure (save
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass
@@ -14,12 +14,14 @@ class SavedBytes:
     total:   bytes of the distinct storages saved (parameters excluded; the input counted)
     input:   the part of `total` that is the input's own storage
     tensors: how many saved-tensor slots were packed (before deduplication)
-    storages: how many distinct storages they held"""
+    storages: how many distinct storages they held
+    storage_bytes: {data_ptr: bytes} of those storages"""
 
     total: int
     input: int
     tensors: int
     storages: int
+    storage_bytes: dict = field(default_factory=dict)
 
     @property
     def without_input(self) -> int:
@@ -56,4 +58,4 @@ def measure_saved_bytes(forward, params=(), inputs=()) -> tuple[SavedBytes, obje
         out = forward()
     total = sum(seen.values())
     inp = sum(n for p, n in seen.items() if p in input_ptrs)
-    return SavedBytes(total, inp, packed[0], len(seen)), out
+    return SavedBytes(total, inp, packed[0], len(seen), dict(seen)), out
