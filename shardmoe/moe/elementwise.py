@@ -23,7 +23,8 @@ closed forms, which follow aten's kernels but may differ in the last bit.
 docs/benchmarks.md ("Fused elementwise passes") has the measurements that chose C++ with ATen's
 vectorised types over torch.compile (Inductor) and oneDNN post-ops.
 
-Building: csrc/elementwise.cpp is compiled once per machine, on first use, with the C++ compiler
+Building: csrc/elementwise.cpp, with csrc/experts_mm.cpp (cpu_gemm.py's per-expert GEMMs) in the same
+library, is compiled once per machine, on first use, with the C++ compiler
 ($CXX, else c++) against the installed torch, for the CPU capability torch runs at (AVX512, AVX2
 or the portable default), into $SHARDMOE_CACHE_DIR (default ~/.cache/shardmoe); the file name
 carries a hash of the source, flags and torch version, so a changed source rebuilds and a finished
@@ -47,7 +48,8 @@ import torch
 FUSED_DTYPES = (torch.float32, torch.bfloat16)
 # the activations the kernels evaluate, with the codes csrc/elementwise.cpp's Activation enum uses
 ACTIVATION_CODES = {"relu": 0, "gelu": 1, "gelu_tanh": 2, "silu": 3, "identity": 4}
-SOURCE = Path(__file__).with_name("csrc") / "elementwise.cpp"
+# one library: these passes and the per-expert GEMMs of cpu_gemm.py (csrc/experts_mm.cpp)
+SOURCES = (Path(__file__).with_name("csrc") / "elementwise.cpp", Path(__file__).with_name("csrc") / "experts_mm.cpp")
 _LIBRARY = "shardmoe_elementwise"
 
 # compiler flags per CPU capability, as ATen builds its own vectorised kernels (cmake/Codegen.cmake)
@@ -58,7 +60,7 @@ _CAPABILITY_FLAGS = {
 }
 
 
-def _compile_command(source: Path, output: Path) -> list[str]:
+def _compile_command(sources: tuple[Path, ...], output: Path) -> list[str]:
     from torch.utils import cpp_extension
 
     capability = torch.backends.cpu.get_cpu_capability()
@@ -69,7 +71,7 @@ def _compile_command(source: Path, output: Path) -> list[str]:
     # then shares the libgomp.so.1 that libtorch_cpu already loaded (same soname, torch/lib rpath)
     return [os.environ.get("CXX", "c++"), "-O3", "-fopenmp", "-std=c++20", "-shared", "-fPIC", "-w",
             f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}", *flags, *includes,
-            str(source), "-o", str(output), f"-L{torch_lib}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{torch_lib}"]
+            *map(str, sources), "-o", str(output), f"-L{torch_lib}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{torch_lib}"]
 
 
 def _cache_dir() -> Path:
@@ -78,12 +80,12 @@ def _cache_dir() -> Path:
 
 
 def build_library() -> Path:
-    """Compile csrc/elementwise.cpp unless a build of this exact source, torch and flag set is
+    """Compile csrc/elementwise.cpp and csrc/experts_mm.cpp unless a build of this exact source, torch and flag set is
     cached; returns the shared library's path. Concurrent processes each compile into a private
     temporary file and rename it into place, so none ever loads a half-written library.
     Raises RuntimeError (with the compiler's last line) or OSError (no compiler) on failure."""
-    probe = _compile_command(SOURCE, Path("out.so"))
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), torch.__version__, *probe]).encode()).hexdigest()[:16]
+    probe = _compile_command(SOURCES, Path("out.so"))
+    key = hashlib.sha256("\0".join([*(s.read_text() for s in SOURCES), torch.__version__, *probe]).encode()).hexdigest()[:16]
     cache = _cache_dir()
     library = cache / f"{_LIBRARY}_{key}.so"
     if library.exists():
@@ -92,7 +94,7 @@ def build_library() -> Path:
     log = cache / f"{_LIBRARY}_{key}.log"
     with tempfile.TemporaryDirectory(dir=cache) as scratch:
         partial = Path(scratch) / library.name
-        result = subprocess.run(_compile_command(SOURCE, partial), capture_output=True, text=True)
+        result = subprocess.run(_compile_command(SOURCES, partial), capture_output=True, text=True)
         if result.returncode != 0:
             log.write_text(result.stdout + result.stderr)
             last = (result.stderr.strip().splitlines() or ["no output"])[-1]

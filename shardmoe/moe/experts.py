@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from shardmoe.moe import elementwise
+from shardmoe.moe import cpu_gemm, elementwise
 from shardmoe.moe.activations import ClampedSwiGLU, activate, activate_backward
 from shardmoe.moe.combine import grad_combine, row_chunks
 from shardmoe.moe.routing import accumulation_dtype
@@ -125,6 +125,12 @@ def _use_grouped_mm(*operands: torch.Tensor) -> bool:
     return all(t.dtype in (torch.float32, torch.bfloat16) and _aligned(t) for t in operands)
 
 
+def _side_by_side(groups: Groups, *operands: torch.Tensor) -> bool:
+    """Whether the experts' GEMMs run side by side, one per thread (cpu_gemm.py): not with row
+    tiles, whose padded GEMMs must run in expert order (each overwrites the next one's first rows)."""
+    return groups.row_tile == 0 and len(groups.sizes) > 1 and cpu_gemm.available(*operands)
+
+
 def grouped_linear(rows: torch.Tensor, weight: torch.Tensor, groups: Groups,
                    bias: torch.Tensor | None = None, *, workspace: Workspace | None = None) -> torch.Tensor:
     """out_r = rows_r W_e^T (+ b_e) for the expert e of row r: rows [N, K], weight [E, O, K],
@@ -136,6 +142,8 @@ def grouped_linear(rows: torch.Tensor, weight: torch.Tensor, groups: Groups,
     if bias is None and workspace is None and _use_grouped_mm(rows, weight_t):
         return F.grouped_mm(rows, weight_t, offs=groups.offsets)
     out = empty_rows(workspace, (rows.shape[0], weight.shape[1]), rows)
+    if bias is None and _side_by_side(groups, rows, weight_t, out):
+        return cpu_gemm.experts_mm(rows, weight_t, groups.sizes, out)
     for e, part, dest in groups.expert_rows(rows, out):
         if bias is None:
             torch.mm(part, weight_t[e], out=dest)
@@ -150,6 +158,8 @@ def grouped_linear_t(rows: torch.Tensor, weight: torch.Tensor, groups: Groups, *
     if workspace is None and _use_grouped_mm(rows, weight):
         return F.grouped_mm(rows, weight, offs=groups.offsets)
     out = empty_rows(workspace, (rows.shape[0], weight.shape[2]), rows)
+    if _side_by_side(groups, rows, weight, out):
+        return cpu_gemm.experts_mm(rows, weight, groups.sizes, out)
     for e, part, dest in groups.expert_rows(rows, out):
         torch.mm(part, weight[e], out=dest)
     return out
@@ -160,6 +170,8 @@ def grouped_weight_grad(grad_rows: torch.Tensor, in_rows: torch.Tensor, groups: 
 
     The sum over an expert's rows happens inside one GEMM (fp32 accumulation for bf16)."""
     grad_t = grad_rows.t()
+    if _side_by_side(groups, grad_rows, in_rows):
+        return cpu_gemm.experts_weight_grad(grad_rows, in_rows, groups.sizes)
     if _use_grouped_mm(grad_t, in_rows) and grad_rows.shape[0] > 0:
         return F.grouped_mm(grad_t, in_rows, offs=groups.offsets)
     out = grad_rows.new_zeros((len(groups.sizes), grad_rows.shape[1], in_rows.shape[1]))

@@ -18,7 +18,7 @@ ACTIVATIONS = list(elementwise.ACTIVATION_CODES)
 def fused():
     """The built library; skipped only where there is no C++ compiler at all (a failing build here
     fails the test instead)."""
-    if shutil.which(elementwise._compile_command(elementwise.SOURCE, "x.so")[0]) is None:
+    if shutil.which(elementwise._compile_command(elementwise.SOURCES, "x.so")[0]) is None:
         pytest.skip("no C++ compiler: the torch path is covered by the rest of the suite")
     torch.ops.load_library(str(elementwise.build_library()))
     return torch.ops.shardmoe_elementwise

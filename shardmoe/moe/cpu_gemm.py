@@ -1,0 +1,53 @@
+"""The per-expert GEMMs on CPU side by side: one expert per intra-op thread (csrc/experts_mm.cpp).
+
+  experts_mm           out[rows of e] = rows[rows of e] @ W_e    rows [N, K], W [E, K, O] -> [N, O]
+  experts_weight_grad  dW_e = grad[rows of e]^T @ in[rows of e]  [N, O], [N, K] -> [E, O, K]
+
+Run one after another, each small GEMM splits its rows over every thread and pays their start and
+join; side by side, each on one thread, the experts' GEMMs ran 1.04-1.32x faster on 2 threads
+(docs/benchmarks.md). Experts holding a thread's share of the rows or more still run one at a time
+on all threads, so a skewed routing does not leave the work to one thread. Each GEMM is ATen's
+single-thread one; each output is written by one GEMM.
+
+The library is elementwise.py's (one build, one fallback): where it cannot be built, and for what
+it does not take (one thread, float64, other devices, tensors under autograd), experts.py keeps its
+per-expert loop. SHARDMOE_EXPERTS_MM=0 keeps the loop too (to compare the two).
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from shardmoe.moe import elementwise
+
+
+def available(*tensors: torch.Tensor) -> bool:
+    """Whether the side-by-side GEMMs take these operands: SHARDMOE_EXPERTS_MM is not 0, more than one
+    intra-op thread, CPU tensors of one dtype (float32 or bfloat16; any strides) not tracked by
+    autograd, and the library builds/loads (checked last)."""
+    if os.environ.get("SHARDMOE_EXPERTS_MM", "1") == "0" or torch.get_num_threads() < 2:
+        return False
+    dtype, grad = tensors[0].dtype, torch.is_grad_enabled()
+    if dtype not in elementwise.FUSED_DTYPES or any(
+            t.dtype != dtype or t.device.type != "cpu" or (grad and t.requires_grad) for t in tensors):
+        return False
+    return _ops() is not None
+
+
+def _ops():
+    return None if elementwise._ops() is None else torch.ops.shardmoe_gemm
+
+
+def experts_mm(rows: torch.Tensor, weight: torch.Tensor, sizes: tuple[int, ...], out: torch.Tensor) -> torch.Tensor:
+    """out[start_e : start_e + sizes[e]] = rows[same] @ weight[e] for every expert e (rows [N, K],
+    weight [E, K, O] in any strides, out [N, O]); returns out."""
+    _ops().experts_mm(rows, weight, list(sizes), out)
+    return out
+
+
+def experts_weight_grad(grad_rows: torch.Tensor, in_rows: torch.Tensor, sizes: tuple[int, ...]) -> torch.Tensor:
+    """[E, O, K]: grad_rows[rows of e]^T @ in_rows[rows of e], zeros for an expert without rows."""
+    out = grad_rows.new_empty((len(sizes), grad_rows.shape[1], in_rows.shape[1]))
+    _ops().experts_weight_grad(grad_rows, in_rows, list(sizes), out)
+    return out

@@ -1,0 +1,93 @@
+// The per-expert GEMMs of the fused MoE layer on CPU, the experts spread over the intra-op threads
+// (shardmoe/moe/cpu_gemm.py builds the call and documents it; elementwise.py builds the library).
+//
+// A layer with many experts runs many small GEMMs (fine: 64 experts x 6 GEMMs of ~512 rows). Run
+// one after another, each splits its rows over all threads, and every GEMM pays the threads'
+// start and join; run side by side, one thread per expert, they don't: measured 1.04-1.32x
+// (docs/benchmarks.md). Experts too large for one thread's share (rows >= total / threads) still
+// run one at a time on every thread, first, so a skewed routing is never left to one thread.
+// The rest are taken largest first from a shared counter by whichever thread is free.
+//
+// Inside at::parallel_for ATen runs each at::mm on the calling thread (nested parallelism off), so
+// a GEMM's result is the single-thread GEMM's. Every output row (or weight-gradient slice) is
+// written by one GEMM, so the result does not depend on which thread ran it.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <atomic>
+#include <numeric>
+#include <vector>
+
+namespace {
+
+// Runs gemm(e) for every expert with rows: large ones on all threads in turn, then the rest one
+// per thread, largest first.
+template <typename Gemm>
+void for_each_expert(const std::vector<int64_t>& sizes, Gemm&& gemm) {
+  const int64_t total = std::accumulate(sizes.begin(), sizes.end(), int64_t{0});
+  const int64_t threads = at::get_num_threads();
+  std::vector<int64_t> small;
+  for (int64_t e = 0; e < static_cast<int64_t>(sizes.size()); ++e) {
+    if (sizes[e] == 0) continue;
+    if (threads > 1 && sizes[e] * threads < total) {
+      small.push_back(e);
+    } else {
+      gemm(e);  // outside a parallel region: the GEMM itself uses every thread
+    }
+  }
+  std::stable_sort(small.begin(), small.end(), [&](int64_t a, int64_t b) { return sizes[a] > sizes[b]; });
+  std::atomic<int64_t> next{0};
+  const int64_t n = static_cast<int64_t>(small.size());
+  at::parallel_for(0, std::min(threads, n), 1, [&](int64_t, int64_t) {
+    // grad mode and the dispatch exclusions are thread-local: a worker starts with autograd on,
+    // and at::mm_out would refuse the caller's weights (they require grad) as out= arguments
+    at::NoGradGuard no_grad;
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    for (int64_t i = next++; i < n; i = next++) gemm(small[i]);
+  });
+}
+
+std::vector<int64_t> starts_of(const std::vector<int64_t>& sizes) {
+  std::vector<int64_t> starts(sizes.size(), 0);
+  for (size_t e = 1; e < sizes.size(); ++e) starts[e] = starts[e - 1] + sizes[e - 1];
+  return starts;
+}
+
+// out[rows of e] = rows[rows of e] @ weight[e]: rows [N, K], weight [E, K, O] (any strides), out [N, O]
+void experts_mm(const at::Tensor& rows, const at::Tensor& weight, at::IntArrayRef sizes_ref, at::Tensor out) {
+  const std::vector<int64_t> sizes(sizes_ref.begin(), sizes_ref.end());
+  const auto starts = starts_of(sizes);
+  for_each_expert(sizes, [&](int64_t e) {
+    auto dest = out.narrow(0, starts[e], sizes[e]);
+    at::mm_out(dest, rows.narrow(0, starts[e], sizes[e]), weight[e]);
+  });
+}
+
+// out[e] = grad_rows[rows of e]^T @ in_rows[rows of e]: [N, O], [N, K] -> out [E, O, K]; experts
+// without rows get zeros
+void experts_weight_grad(const at::Tensor& grad_rows, const at::Tensor& in_rows, at::IntArrayRef sizes_ref,
+                         at::Tensor out) {
+  const std::vector<int64_t> sizes(sizes_ref.begin(), sizes_ref.end());
+  const auto starts = starts_of(sizes);
+  for (int64_t e = 0; e < static_cast<int64_t>(sizes.size()); ++e) {
+    if (sizes[e] == 0) out[e].zero_();
+  }
+  for_each_expert(sizes, [&](int64_t e) {
+    auto dest = out[e];
+    at::mm_out(dest, grad_rows.narrow(0, starts[e], sizes[e]).t(), in_rows.narrow(0, starts[e], sizes[e]));
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY(shardmoe_gemm, m) {
+  m.def("experts_mm(Tensor rows, Tensor weight, int[] sizes, Tensor(a!) out) -> ()");
+  m.def("experts_weight_grad(Tensor grad_rows, Tensor in_rows, int[] sizes, Tensor(a!) out) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(shardmoe_gemm, CPU, m) {
+  m.impl("experts_mm", experts_mm);
+  m.impl("experts_weight_grad", experts_weight_grad);
+}
