@@ -72,10 +72,11 @@ def unpack_rows(data: torch.Tensor, layout) -> list[torch.Tensor]:
 def select_rows(data: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """data[index] for packed rows [N, B] uint8 -> [len(index), B], moved as the widest machine word
     that divides B: a byte-wise gather costs 5-25x more on CPU (docs/parallel.md)."""
-    width = data.shape[1]
+    data = data.contiguous()
+    width, address = data.shape[1], data.data_ptr()
     word = next(w for w in (torch.int64, torch.int32, torch.int16, torch.uint8)
-                if width % torch.empty((), dtype=w).element_size() == 0)
-    return data.contiguous().view(word).index_select(0, index).view(torch.uint8)
+                if width % w.itemsize == 0 and data.stride(0) % w.itemsize == 0 and address % w.itemsize == 0)
+    return data.view(word).index_select(0, index).view(torch.uint8)
 
 
 def shared_exchange(mesh, axis: str = "e") -> "RowExchange":

@@ -46,3 +46,17 @@ def test_benchmark_options_compose_with_the_single_process_bench_parser():
     bench.add_arguments(parser)  # adds only what the parser lacks
     args = parser.parse_args(["--mesh", "e=4", "--quick", "--threads", "1", "--hidden", "32"])
     assert (args.mesh, args.quick, args.threads, args.hidden, args.top_k) == ("e=4", True, 1, 32, None)
+
+
+def test_select_rows_moves_whole_words_and_equals_byte_indexing():
+    """Row widths that 8, 4, 2 and only 1 divide, and a buffer that starts off a word boundary
+    (which falls back to bytes): always data[index]."""
+    from shardmoe.parallel.exchange import select_rows
+    gen = torch.Generator().manual_seed(0)
+    index = torch.randperm(7, generator=gen)
+    for width in (1024, 1028, 1026, 1027, 0):
+        data = torch.randint(0, 256, (7, width), dtype=torch.uint8, generator=gen)
+        assert torch.equal(select_rows(data, index), data[index]), width
+    flat = torch.randint(0, 256, (7 * 16 + 1,), dtype=torch.uint8, generator=gen)
+    unaligned = flat[1:].view(7, 16)  # 16-byte rows one byte past an 8-byte boundary
+    assert torch.equal(select_rows(unaligned, index), unaligned[index])
