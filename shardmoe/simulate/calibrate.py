@@ -5,7 +5,7 @@ Measures, on one thread per rank (as gloo ranks on this CPU run), the rates the 
                     its own weights at the mean row count (measure_rates); gemm_efficiency 1
   hbm_bandwidth     the bytes the layer's SiLU GLU pass moves per second (it reads [n, 2F] and
                     writes two [n, F]): the model prices elementwise work by bytes, and on this CPU
-                    that pass is bound by its arithmetic at about a third of a plain copy's rate
+                    that pass is bound by its arithmetic at a quarter to two thirds of a plain copy's rate
                     (the copy rate is printed beside it)
   host_sync         half the step's fixed cost: the measured step at SMALL_TOKENS tokens minus
                     what the model predicts for it (Python, autograd, op dispatch, routing's
@@ -52,7 +52,8 @@ def _median_seconds(fn, repeats: int = 7) -> float:
 
 
 def measure_rates(shape: ModelShape, ranks: int = 1) -> dict[str, float]:
-    """GEMM FLOP/s and copy bytes/s at the layer's shapes, one thread. The GEMM rate is that of the
+    """GEMM FLOP/s, copy bytes/s and elementwise (SiLU GLU pass) bytes/s at the layer's shapes, one
+    thread. The GEMM rate is that of the
     six GEMMs of a glu forward + backward, run as the layer runs them: per expert, for the E / ranks
     experts of one rank, each with its own weights and the mean rows an expert gets (ranks S k / E),
     so operands stream through the caches as in a step rather than staying hot:
