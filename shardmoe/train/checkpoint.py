@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from shardmoe.model.transformer import Transformer, full_shapes
 from shardmoe.train.presets import DEFAULT_ARCH
@@ -89,21 +89,28 @@ def tensor_checksum(tensor: torch.Tensor) -> str:
 
 def read_metadata(path: str | Path) -> dict:
     """The checkpoint's metadata (reads only the file header); raises ValueError if unreadable."""
+    return _read(path, tensors=False)[1]
+
+
+def _read(path: str | Path, tensors: bool) -> tuple[dict[str, torch.Tensor], dict]:
+    """(tensors if asked, metadata) through one open file: a run writing this directory replaces
+    the file atomically (os.replace), and a second open could pair one checkpoint's checksums with
+    the next one's tensors. Raises ValueError if unreadable or of another format."""
     try:
         with safe_open(str(path), framework="pt") as f:
             metadata = f.metadata() or {}
+            read = {name: f.get_tensor(name) for name in f.keys()} if tensors else {}
     except Exception as err:  # safetensors raises its own error types for corrupt headers
         raise ValueError(f"checkpoint {path}: not a readable safetensors file ({err})") from None
     if metadata.get("format") != FORMAT:
         raise ValueError(f"checkpoint {path}: format {metadata.get('format')!r}, expected {FORMAT!r}")
-    return metadata
+    return read, metadata
 
 
 def read_verified(path: str | Path) -> tuple[dict[str, torch.Tensor], dict]:
     """(tensors, metadata) of the checkpoint at `path` once every tensor matches its stored checksum;
     otherwise ValueError naming the file and the first tensor that does not."""
-    metadata = read_metadata(path)
-    tensors = load_file(str(path))
+    tensors, metadata = _read(path, tensors=True)
     stored = json.loads(metadata["checksums"])
     if set(stored) != set(tensors):
         raise ValueError(f"checkpoint {path}: corrupt: tensors {sorted(set(stored) ^ set(tensors))} "

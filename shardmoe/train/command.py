@@ -74,6 +74,7 @@ def validate_setup(config: TrainConfig, sizes: dict[str, int], world_size: int, 
     """Every check that needs no process group; raises ValueError with one clear message."""
     from shardmoe.train.checkpoint import check_resumable, checkpoint_path
     from shardmoe.train.loop import build_streams
+    from shardmoe.train.rundir import check_unclaimed
 
     if resume and overwrite:
         raise ValueError("--resume and --overwrite: expected at most one (continue the run in --out, or replace it)")
@@ -85,6 +86,7 @@ def validate_setup(config: TrainConfig, sizes: dict[str, int], world_size: int, 
                          f"got {config.batch_size}")
     build_streams(config)  # a missing or too small corpus
     if resume:
+        check_unclaimed(out_dir)  # a run writing out_dir may be replacing its checkpoint right now
         check_resumable(checkpoint_path(out_dir), config.resume_identity())
     ranks = sizes["d"] * sizes["e"] * sizes["t"]
     if ranks != world_size:

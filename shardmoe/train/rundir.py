@@ -52,10 +52,7 @@ def claim_run_dir(out_dir: str | Path, *, resume: bool, overwrite: bool) -> RunD
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        holder = os.read(fd, 64).decode(errors="replace").strip() or "unknown"
-        os.close(fd)
-        raise ValueError(f"--out {out}: another run (pid {holder}) is writing this directory; wait for it "
-                         "or choose another --out") from None
+        raise _claimed_by_another(out, fd) from None
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)  # for the message a second run prints
     lock = RunDirLock(out, fd)
@@ -65,6 +62,30 @@ def claim_run_dir(out_dir: str | Path, *, resume: bool, overwrite: bool) -> RunD
         lock.release()
         raise
     return lock
+
+
+def check_unclaimed(out_dir: str | Path) -> None:
+    """ValueError if another live run holds DIR's lock (nothing is created or kept): checked before
+    a --resume reads the checkpoint, which that run may be replacing, so the refusal names the
+    run rather than whatever its files look like mid-write. claim_run_dir checks again."""
+    lock_path = Path(out_dir) / LOCK_FILE
+    try:
+        fd = os.open(lock_path, os.O_RDONLY)
+    except OSError:
+        return  # no lock file: no run has claimed DIR (or DIR is unusable, which the claim reports)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raise _claimed_by_another(Path(out_dir), fd) from None
+    os.close(fd)
+
+
+def _claimed_by_another(out: Path, fd: int) -> ValueError:
+    """The refusal for a DIR whose lock another process holds (closes fd, read for the holder's pid)."""
+    holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
+    os.close(fd)
+    return ValueError(f"--out {out}: another run (pid {holder}) is writing this directory; wait for it "
+                      "or choose another --out")
 
 
 def _check_contents(out: Path, resume: bool, overwrite: bool) -> None:
