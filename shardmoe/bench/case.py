@@ -36,6 +36,9 @@ class Row:
     saved_input_bytes: int | None = None
     saved_vs_transformers: float | None = None
     workspace_bytes_per_token: float | None = None  # the layer's workspace after the timed steps
+    # (workspace + saved bytes outside it) / transformers' saved: what the layer holds for its
+    # backward and its scratch together, the saved figure with the pool counted
+    footprint_vs_transformers: float | None = None
     rel_err_vs_transformers: float | None = None   # max over y and every gradient of |a-b|_2 / |b|_2
 
 
@@ -64,6 +67,7 @@ class CaseResult:
             ("speedup vs transformers", "speedup_vs_transformers", speedup, True),
             ("fraction of dense", "fraction_of_dense", dense, True),
             ("saved bytes vs transformers", "saved_vs_transformers", saved, False),
+            ("saved + workspace vs transformers (one layer)", "footprint_vs_transformers", saved, False),
         ):
             v = getattr(moe, attr) if moe else None
             met = None if v is None else (v >= target if higher else v <= target)
@@ -100,6 +104,7 @@ def run_case(shape_name: str, s: Shape, dtype_name: str, device: str, warmup: in
     result.routing = routing
 
     saved: dict[str, SavedBytes] = {}
+    in_pool: dict[str, int] = {}
     outputs: dict[str, dict] = {}
     gen = torch.Generator().manual_seed(11)
     grad_check = torch.randn(1, s.tokens, s.hidden, generator=gen).to(device=device, dtype=dtype)
@@ -110,6 +115,10 @@ def run_case(shape_name: str, s: Shape, dtype_name: str, device: str, warmup: in
             continue
         sb, out = measure_saved_bytes(c.forward, c.params, (inputs[n],))
         saved[n] = sb
+        if c.workspace is not None:  # the saved tensors that live in pool blocks (counted with the pool)
+            blocks = [(b.data_ptr(), b.data_ptr() + b.nbytes()) for b in c.workspace._blocks]
+            in_pool[n] = sum(size for ptr, size in sb.storage_bytes.items()
+                             if any(lo <= ptr < hi for lo, hi in blocks))
         out = out.reshape(1, s.tokens, s.hidden)
         out.backward(grad_check)
         outputs[n] = {"y": out.detach(), **c.grads()}
@@ -121,6 +130,7 @@ def run_case(shape_name: str, s: Shape, dtype_name: str, device: str, warmup: in
     for n in cands:
         result.rows.append(Row(n, med[n], min(times[n]), result.flops / med[n] / 1e9, len(times[n])))
     for row in result.rows:
+        workspace = cands[row.candidate].workspace
         if cands[row.candidate].workspace_bytes is not None:
             row.workspace_bytes_per_token = cands[row.candidate].workspace_bytes() / s.tokens
         if "dense" in med:
@@ -136,6 +146,9 @@ def run_case(shape_name: str, s: Shape, dtype_name: str, device: str, warmup: in
             row.saved_bytes_per_token = sb.total / s.tokens
             if "transformers" in saved:
                 row.saved_vs_transformers = sb.total / saved["transformers"].total
+                if workspace is not None:
+                    held = workspace.resident_bytes + sb.total - in_pool.get(row.candidate, 0)
+                    row.footprint_vs_transformers = held / saved["transformers"].total
         if "transformers" in outputs and row.candidate in outputs:
             row.rel_err_vs_transformers = relative_error(outputs[row.candidate], outputs["transformers"])
     return result

@@ -30,7 +30,11 @@ def test_run_case_has_every_anchor(dtype):
     tol = 1e-5 if dtype == "fp32" else 0.3
     assert rows["loop"].rel_err_vs_transformers < (1e-5 if dtype == "fp32" else 5e-2)
     assert rows["shardmoe"].rel_err_vs_transformers < tol
-    assert set(r.targets()) == {"speedup vs transformers", "fraction of dense", "saved bytes vs transformers"}
+    assert set(r.targets()) == {"speedup vs transformers", "fraction of dense", "saved bytes vs transformers",
+                                "saved + workspace vs transformers (one layer)"}
+    # the pool counted: what the workspace holds plus the saved bytes outside it (these tiny buffers
+    # stay under the pool's threshold, so nothing is pooled and the two figures agree)
+    assert rows["shardmoe"].footprint_vs_transformers == pytest.approx(rows["shardmoe"].saved_vs_transformers)
 
 
 def test_run_case_without_the_transformers_anchor_has_no_speedup_against_it():
@@ -54,3 +58,16 @@ def test_fresh_routing_feeds_a_new_input_each_step():
     assert torch.equal(outs[0], outs[2]) and torch.equal(outs[1], outs[3])  # and cycle
     r = run_case("tiny", s, "fp32", "cpu", warmup=1, repeats=2, names=("loop", "dense"), routing="fresh")
     assert r.routing == "fresh" and "fresh routing" in format_case(r)
+
+
+def test_the_pool_counts_against_the_saved_bytes_once():
+    """Row buffers of this shape are pooled (>= 4 MiB): the footprint holds the workspace and the saved
+    bytes outside it; the saved h lives in a pool block and is not counted twice."""
+    s = Shape(tokens=2048, hidden=64, ffn=256, experts=4, top_k=2)
+    r = run_case("pooled", s, "fp32", "cpu", warmup=1, repeats=1, names=("transformers", "shardmoe"))
+    rows = {row.candidate: row for row in r.rows}
+    tf_saved, moe = rows["transformers"].saved_bytes, rows["shardmoe"]
+    held = moe.footprint_vs_transformers * tf_saved
+    workspace = moe.workspace_bytes_per_token * s.tokens
+    assert workspace > 0 and workspace < held < workspace + moe.saved_bytes
+    assert r.targets()["saved + workspace vs transformers (one layer)"][0] == moe.footprint_vs_transformers
