@@ -91,8 +91,7 @@ class Candidate:
     forward: object = None       # () -> output with graph (for saved bytes / checks)
     grads: object = None         # () -> dict of gradients after a step (for checks)
     flops: int | None = None     # GEMM FLOPs of one step, where the candidate knows them exactly
-    workspace_bytes: object = None  # () -> bytes its workspace holds between steps (shardmoe)
-    workspace: object = None     # that Workspace itself (None: the layer has none)
+    layer: object = None         # the shardmoe.MoE behind a shardmoe candidate (its workspace, if any)
 
 
 def build_candidates(s: Shape, dtype, device, names, seed: int = 0, fresh_inputs: int = 0):
@@ -161,8 +160,7 @@ def build_candidates(s: Shape, dtype, device, names, seed: int = 0, fresh_inputs
         params = (layer.gate_weight, layer.gate_up_proj, layer.down_proj)
         cands[name], inputs[name] = module_candidate(name, layer, params, (1, s.tokens, s.hidden),
                                                      gate_transposed=True)
-        cands[name].workspace_bytes = lambda ws=layer.workspace: 0 if ws is None else ws.resident_bytes
-        cands[name].workspace = layer.workspace
+        cands[name].layer = layer
     if "loop" in names:
         wg, wgu, wd = (w.to(device=device, dtype=dtype).requires_grad_()
                        for w in (weights[0].t().contiguous(), weights[1], weights[2]))

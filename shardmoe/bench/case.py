@@ -115,10 +115,8 @@ def run_case(shape_name: str, s: Shape, dtype_name: str, device: str, warmup: in
             continue
         sb, out = measure_saved_bytes(c.forward, c.params, (inputs[n],))
         saved[n] = sb
-        if c.workspace is not None:  # the saved tensors that live in pool blocks (counted with the pool)
-            blocks = [(b.data_ptr(), b.data_ptr() + b.nbytes()) for b in c.workspace._blocks]
-            in_pool[n] = sum(size for ptr, size in sb.storage_bytes.items()
-                             if any(lo <= ptr < hi for lo, hi in blocks))
+        if c.layer is not None and c.layer.workspace is not None:  # saved tensors in pool blocks
+            in_pool[n] = sb.in_pools([c.layer.workspace])
         out = out.reshape(1, s.tokens, s.hidden)
         out.backward(grad_check)
         outputs[n] = {"y": out.detach(), **c.grads()}
@@ -130,9 +128,10 @@ def run_case(shape_name: str, s: Shape, dtype_name: str, device: str, warmup: in
     for n in cands:
         result.rows.append(Row(n, med[n], min(times[n]), result.flops / med[n] / 1e9, len(times[n])))
     for row in result.rows:
-        workspace = cands[row.candidate].workspace
-        if cands[row.candidate].workspace_bytes is not None:
-            row.workspace_bytes_per_token = cands[row.candidate].workspace_bytes() / s.tokens
+        layer = cands[row.candidate].layer
+        workspace = None if layer is None else layer.workspace
+        if layer is not None:
+            row.workspace_bytes_per_token = (0 if workspace is None else workspace.resident_bytes) / s.tokens
         if "dense" in med:
             row.fraction_of_dense = med["dense"] / row.median_s
         if "transformers" in med:

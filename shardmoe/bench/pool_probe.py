@@ -25,14 +25,12 @@ def probe(shape, dtype, layers: int, shared: bool) -> dict[str, float]:
 
     import shardmoe
     from shardmoe.bench.saved_bytes import measure_saved_bytes
-    from shardmoe.moe.workspace import Workspace
+    from shardmoe.moe.workspace import share
 
     torch.manual_seed(0)
     stack = [shardmoe.MoE(shape.hidden, shape.ffn, shape.experts, shape.top_k, dtype=dtype) for _ in range(layers)]
     if shared:
-        pool = Workspace()
-        for layer in stack:
-            layer.workspace = pool
+        share(stack)
     x = torch.randn(shape.tokens, shape.hidden, dtype=dtype, requires_grad=True)
     params = [p for layer in stack for p in layer.parameters()]
 
@@ -44,9 +42,8 @@ def probe(shape, dtype, layers: int, shared: bool) -> dict[str, float]:
 
     pools = list({id(layer.workspace): layer.workspace for layer in stack}.values())
     forward().sum().backward()  # the first step sizes the pools
-    blocks = [(b.data_ptr(), b.data_ptr() + b.nbytes()) for pool in pools for b in pool._blocks]
     saved, out = measure_saved_bytes(forward, params, [x])
-    in_pool = sum(n for ptr, n in saved.storage_bytes.items() if any(lo <= ptr < hi for lo, hi in blocks))
+    in_pool = saved.in_pools(pools)
     out.sum().backward()
     per = shape.tokens * layers
     resident = sum(pool.resident_bytes for pool in pools)

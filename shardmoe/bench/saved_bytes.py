@@ -23,6 +23,10 @@ class SavedBytes:
     storages: int
     storage_bytes: dict = field(default_factory=dict)
 
+    def in_pools(self, pools) -> int:
+        """The part of `total` whose storages are blocks of these workspaces (lent to saved tensors)."""
+        return sum(n for ptr, n in self.storage_bytes.items() if any(pool.owns(ptr) for pool in pools))
+
     @property
     def without_input(self) -> int:
         return self.total - self.input

@@ -23,7 +23,7 @@ from torch import nn
 
 from shardmoe.hf.blocks import read_block
 from shardmoe.moe.layer import MoE
-from shardmoe.moe.workspace import Workspace
+from shardmoe.moe.workspace import share as share_workspace
 
 
 class RouterLogits(nn.Module):
@@ -83,13 +83,13 @@ def convert(model: nn.Module) -> nn.Module:
                          f"in {type(model).__name__}")
     for _, block in blocks:
         read_block(block)
-    shared_workspace = Workspace()  # one pool for all converted layers, as shardmoe.Transformer's
+    layers = []
     for name, block in blocks:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         router = getattr(block, "gate", None) or getattr(block, "router")
-        layer = MoE.from_hf(block)
-        layer.workspace = shared_workspace
-        setattr(parent, child, ConvertedBlock(layer, router_logits_module(router),
+        layers.append(MoE.from_hf(block))
+        setattr(parent, child, ConvertedBlock(layers[-1], router_logits_module(router),
                                               returns_pair=type(block).__name__ == "GptOssMLP"))
+    share_workspace(layers)  # one pool for all converted layers, as shardmoe.Transformer's
     return model

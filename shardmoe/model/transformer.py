@@ -45,7 +45,7 @@ from torch import Tensor, nn
 from shardmoe import shardops
 from shardmoe.moe.config import MoEConfig
 from shardmoe.moe.layer import ROUTER_OPTIONS, SHARED_OPTIONS, MoE
-from shardmoe.moe.workspace import Workspace
+from shardmoe.moe.workspace import share as share_workspace
 from shardmoe.notation import MESH_AXES, parse_spec
 from shardmoe.parallel import expert_tensor as etp
 from shardmoe.parallel.sync import mark_grad_sync, sync_grads
@@ -252,9 +252,7 @@ class Transformer(nn.Module):
         # One pool of row buffers for every MoE layer: each layer's saved blocks stay lent until its
         # backward, and one layer's scratch buffers serve the next, so the pool holds the layers'
         # saved blocks plus one layer's scratch rather than n_layers working sets (workspace.py).
-        shared_workspace = Workspace()
-        for block in self.blocks:
-            block.moe.workspace = shared_workspace
+        share_workspace(block.moe for block in self.blocks)
         self.final_norm = RMSNorm(config.d_model, config.norm_eps, **kw)
         self.unembedding = Unembedding(config.vocab_size, config.d_model, **kw)
         self.specs = self._local_specs()

@@ -49,7 +49,7 @@ FUSED_DTYPES = (torch.float32, torch.bfloat16)
 # the activations the kernels evaluate, with the codes csrc/elementwise.cpp's Activation enum uses
 ACTIVATION_CODES = {"relu": 0, "gelu": 1, "gelu_tanh": 2, "silu": 3, "identity": 4}
 # one library: these passes and the per-expert GEMMs of cpu_gemm.py (csrc/experts_mm.cpp)
-SOURCES = (Path(__file__).with_name("csrc") / "elementwise.cpp", Path(__file__).with_name("csrc") / "experts_mm.cpp")
+SOURCES = tuple(Path(__file__).with_name("csrc") / name for name in ("elementwise.cpp", "experts_mm.cpp"))
 _LIBRARY = "shardmoe_elementwise"
 
 # compiler flags per CPU capability, as ATen builds its own vectorised kernels (cmake/Codegen.cmake)
@@ -80,12 +80,13 @@ def _cache_dir() -> Path:
 
 
 def build_library() -> Path:
-    """Compile csrc/elementwise.cpp and csrc/experts_mm.cpp unless a build of this exact source, torch and flag set is
-    cached; returns the shared library's path. Concurrent processes each compile into a private
-    temporary file and rename it into place, so none ever loads a half-written library.
+    """Compile SOURCES unless a build of these exact sources, torch and flag set is cached; returns
+    the shared library's path. Concurrent processes each compile into a private temporary file and
+    rename it into place, so none ever loads a half-written library.
     Raises RuntimeError (with the compiler's last line) or OSError (no compiler) on failure."""
     probe = _compile_command(SOURCES, Path("out.so"))
-    key = hashlib.sha256("\0".join([*(s.read_text() for s in SOURCES), torch.__version__, *probe]).encode()).hexdigest()[:16]
+    texts = [source.read_text() for source in SOURCES]
+    key = hashlib.sha256("\0".join([*texts, torch.__version__, *probe]).encode()).hexdigest()[:16]
     cache = _cache_dir()
     library = cache / f"{_LIBRARY}_{key}.so"
     if library.exists():

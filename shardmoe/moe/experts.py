@@ -169,9 +169,9 @@ def grouped_weight_grad(grad_rows: torch.Tensor, in_rows: torch.Tensor, groups: 
     """dW_e = sum over rows r of e of grad_r^T in_r: [N, O], [N, K] -> [E, O, K].
 
     The sum over an expert's rows happens inside one GEMM (fp32 accumulation for bf16)."""
-    grad_t = grad_rows.t()
     if _side_by_side(groups, grad_rows, in_rows):
         return cpu_gemm.experts_weight_grad(grad_rows, in_rows, groups.sizes)
+    grad_t = grad_rows.t()
     if _use_grouped_mm(grad_t, in_rows) and grad_rows.shape[0] > 0:
         return F.grouped_mm(grad_t, in_rows, offs=groups.offsets)
     out = grad_rows.new_zeros((len(groups.sizes), grad_rows.shape[1], in_rows.shape[1]))

@@ -12,8 +12,8 @@ forwards before their backwards (gradient accumulation, several layers, activati
 checkpointing) each get their own block. So the pool holds as many blocks of a size as were ever
 alive at once; nothing is ever handed out twice.
 
-Sharing. One pool may serve several layers (shardmoe.Transformer and hf.convert give all their
-MoE layers one; `layer.workspace = pool` does it by hand). Each layer's saved tensors keep their
+Sharing. One pool may serve several layers (share(layers); shardmoe.Transformer and hf.convert
+give all their MoE layers one). Each layer's saved tensors keep their
 blocks lent until its backward, and one layer's scratch buffers are free again before the next layer
 runs, so the pool holds every layer's saved blocks plus one layer's scratch, not one working set
 per layer. stats['workspace_bytes'] then reports the shared pool.
@@ -91,6 +91,10 @@ class Workspace:
             self._blocks.append(block)
         return torch.empty(0, dtype=dtype, device=device).set_(block, 0, shape)
 
+    def owns(self, data_ptr: int) -> bool:
+        """Whether data_ptr lies in one of the pool's blocks (a saved tensor the pool lent)."""
+        return any(b.data_ptr() <= data_ptr < b.data_ptr() + b.nbytes() for b in self._blocks)
+
     def empty_copy(self) -> "Workspace":
         """A workspace of the same settings holding no blocks (for copies of a layer)."""
         return Workspace(self.min_bytes, self.row_tile)
@@ -98,6 +102,14 @@ class Workspace:
     def release(self) -> None:
         """Forget every block: free ones are freed now, lent ones with their last tensor."""
         self._blocks = []
+
+
+def share(layers) -> Workspace:
+    """One new pool for every layer in `layers` (MoE modules): see "Sharing" above."""
+    pool = Workspace()
+    for layer in layers:
+        layer.workspace = pool
+    return pool
 
 
 def empty_rows(workspace: Workspace | None, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:

@@ -101,9 +101,11 @@ def run_calibration() -> int:
           f"one-row exchange {r['link_latency_s'] * 1e6:.0f} us")
     for row in rows:
         device = row["rates"]
+        together = " (both ranks at once)" if row["ranks"] > 1 else ""
         print(f"  {row['ranks']} rank(s): GEMM {device['peak_flops'] / 1e9:.1f} GFLOP/s, copy "
-              f"{device['copy_bandwidth'] / 1e9:.2f} GB/s, elementwise (SiLU GLU) {device['hbm_bandwidth'] / 1e9:.2f} GB/s, fixed cost {device['host_overhead'] * 1e3:.1f} ms per rank{' (both ranks at once)' if row['ranks'] > 1 else ''}; "
-              f"predicted {row['predicted_s'] * 1e3:.1f} ms, measured {row['measured_s'] * 1e3:.1f} ms, "
+              f"{device['copy_bandwidth'] / 1e9:.2f} GB/s, elementwise (SiLU GLU) {device['hbm_bandwidth'] / 1e9:.2f} "
+              f"GB/s, fixed cost {device['host_overhead'] * 1e3:.1f} ms per rank{together}; predicted "
+              f"{row['predicted_s'] * 1e3:.1f} ms, measured {row['measured_s'] * 1e3:.1f} ms, "
               f"predicted / measured {row['ratio']:.2f}")
         predicted = {k: round(v * 1e3, 2) for k, v in row["predicted_phases"].items()}
         print(f"    predicted phases (ms): {predicted}")

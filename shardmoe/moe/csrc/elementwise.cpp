@@ -4,9 +4,9 @@
 // Each op makes one pass over its rows: kStep values of each input are loaded once, widened to
 // float32 in registers (bf16) or loaded as they are (fp32), combined with ATen's vectorised float
 // math (the closed forms and Sleef calls of aten's own activation kernels), and rounded once into
-// the output. at::parallel_for splits the rows between threads (combine_rows: the columns; combine_pairs:
-// the tokens); every
-// output element is written by one thread, so results do not depend on the thread count.
+// the output. at::parallel_for splits the rows between threads (combine_rows: the columns;
+// combine_pairs: the tokens); every output element is written by one thread, so results do not
+// depend on the thread count.
 //
 // Tensors: fp32 or bf16, 2-D with unit inner stride and any row stride (h[:, :F] views are fine);
 // the Python side checks shapes and dtypes before calling.
