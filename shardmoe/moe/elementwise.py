@@ -6,6 +6,7 @@ CPU tensors when `available(...)` says so, and keep today's torch code for every
 
   glu_forward    a = act(hg) * hu, and act(hg) when asked           h [N, 2F] -> [N, F]
   glu_backward   dh = [dA * hu * act'(hg) | dA * act(hg)]           dA, act(hg) [N, F], h -> [N, 2F]
+  glu_grad       the glu expert's backward passes in one: a, dh and the gate dots from h, g Wdown, w
   scale_rows     out_r = w_r * rows_r                               [N, D], [N] -> [N, D]
   rowwise_dot    out_r = sum_d rows[r, d] * f1[r, d] (* f2[r, d])   [N, D] -> [N] float32
   combine_rows   out_t = sum over rows r of t of (w_r *) rows_r     [N, D] -> [S, D] float32
@@ -177,6 +178,34 @@ def glu_backward(grad_a: torch.Tensor, h: torch.Tensor, act_gate: torch.Tensor, 
     grad_h = torch.empty_like(h, memory_format=torch.contiguous_format) if out is None else out
     _ops().glu_backward(grad_a, h, act_gate, ACTIVATION_CODES[activation], grad_h)
     return grad_h
+
+
+def glu_grad(h: torch.Tensor, g_down: torch.Tensor, weight_rows: torch.Tensor, activation: str, *,
+             a_out: torch.Tensor | None = None, grad_h_out: torch.Tensor | None = None):
+    """The glu expert's backward elementwise work in one pass over h = [hg | hu] [N, 2F], the
+    unscaled g_down = g Wdown [N, F] and the combine weights w [N]:
+      a    = act(hg) * hu                               [N, F]       (the operand of dWdown)
+      dots = sum_f g_down * act(hg) * hu                [N] float32  (stage 2: g . y = g_down . a)
+      dA   = w g_down;  dh = [dA * hu * act'(hg) | dA * act(hg)]   [N, 2F]
+    Returns (a, dh, dots), a and dh into a_out and grad_h_out when given. a and dh are the bits
+    of glu_forward, scale_rows and glu_backward in turn (each intermediate rounded where they
+    round it), the dots rowwise_dot(g_down, act(hg), hu)'s sums in the same order (in float32 the
+    compiler may fuse a different multiply-add: round-off only); h and g_down are read once,
+    act(hg) and dA never stored, and SiLU's exponential is evaluated once for act and act'."""
+    rows, width = h.shape
+    if width % 2:
+        raise ValueError(f"h: expected an even width [hg | hu], got {width}")
+    _check_shape("g_down", g_down, (rows, width // 2))
+    weight = _check_rows_float32("weight_rows", weight_rows, rows)
+    if a_out is not None:
+        _check_shape("a_out", a_out, (rows, width // 2))
+    if grad_h_out is not None:
+        _check_shape("grad_h_out", grad_h_out, (rows, width))
+    a = h.new_empty((rows, width // 2)) if a_out is None else a_out
+    grad_h = torch.empty_like(h, memory_format=torch.contiguous_format) if grad_h_out is None else grad_h_out
+    dots = h.new_empty(rows, dtype=torch.float32)
+    _ops().glu_grad(h, g_down, weight, ACTIVATION_CODES[activation], a, grad_h, dots)
+    return a, grad_h, dots
 
 
 def scale_rows(rows: torch.Tensor, weight_rows: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -323,7 +323,9 @@ def expert_backward(expert: str, activation: str | ClampedSwiGLU, output_activat
     weights w [N], the rows xs [N, H] and what expert_forward saved.
 
     `stages` is the backend whose stage functions run (shardmoe/moe/backends.py; None: this
-    module's, the torch backend); `workspace` supplies the recomputed act(hg) and a.
+    module's, the torch backend); `workspace` supplies the row buffers. For "glu" the torch backend
+    runs the elementwise work of stages 2-4 as one pass where the CPU kernels take the rows
+    (_glu_backward_one_pass), any other backend its own stage functions (_glu_backward_by_stage).
 
     Returns (dx rows [N, H], gate dots dw [N] in the acc dtype, {parameter name: gradient}).
     "glu" takes the gate dot over F, as (g Wdown) . a: with F sharded that is a partial sum.
@@ -333,22 +335,19 @@ def expert_backward(expert: str, activation: str | ClampedSwiGLU, output_activat
     if expert == "glu":
         (h,) = saved
         has_bias = params.get("gate_up_proj_bias") is not None
-        a, act_gate = glu_activation(h, activation, workspace=workspace)
-        grad_a, grad_down, g_down, grad_down_bias = stages.grad_post_gemm_glu(grad_rows, weight_rows, a,
-                                                                              params["down_proj"], groups, has_bias)
-        # a = act(hg) * hu, or (clamped SwiGLU) a = f(gc) * (uc + 1): take the dot on a itself
-        grad_dots = stages.grad_gate_combine(g_down, a) if isinstance(activation, ClampedSwiGLU) \
-            else stages.grad_gate_combine(g_down, act_gate, h[:, act_gate.shape[1]:])
+        if getattr(stages, "name", None) == "torch" and isinstance(activation, str) and elementwise.available(
+                grad_rows, h, activation=activation, extra=(weight_rows,)):
+            grad_xs, grad_dots, grads = _glu_backward_one_pass(activation, grad_rows, weight_rows, xs, h, params,
+                                                               groups, has_bias, workspace)
+        else:
+            grad_xs, grad_dots, grads = _glu_backward_by_stage(stages, activation, grad_rows, weight_rows, xs, h,
+                                                               params, groups, has_bias, workspace)
         # y = a Wdown_e^T + bdown_e, so g . y gains g . bdown_e; expert TP passes down_proj_bias None
         # (it adds the term once, after the psum of the partial dots over t) but still wants dbdown
         if params.get("down_proj_bias") is not None:
             row_bias = params["down_proj_bias"][groups.row_expert(grad_rows.device)]
             grad_dots = grad_dots + stages.grad_gate_combine(grad_rows, row_bias)
-        grad_xs, grad_gate_up, grad_gate_up_bias = stages.grad_pre_gemm_glu(grad_a, h, act_gate, xs,
-                                                                            params["gate_up_proj"], groups, activation,
-                                                                            has_bias)
-        return grad_xs, grad_dots, {"gate_up_proj": grad_gate_up, "gate_up_proj_bias": grad_gate_up_bias,
-                                    "down_proj": grad_down, "down_proj_bias": grad_down_bias}
+        return grad_xs, grad_dots, grads
     z1, z2 = saved
     has_bias = params["b1"] is not None
     grad_dots = stages.grad_gate_combine(grad_rows, activate(output_activation, z2))
@@ -357,3 +356,47 @@ def expert_backward(expert: str, activation: str | ClampedSwiGLU, output_activat
                                                           output_activation)
     grad_xs, grad_w1, grad_b1 = stages.grad_pre_gemm_mlp(grad_a1, z1, xs, params["w1"], has_bias, groups, activation)
     return grad_xs, grad_dots, {"w1": grad_w1, "b1": grad_b1, "w2": grad_w2, "b2": grad_b2}
+
+
+def _glu_backward_by_stage(stages, activation: str | ClampedSwiGLU, grad_rows: torch.Tensor,
+                           weight_rows: torch.Tensor, xs: torch.Tensor, h: torch.Tensor, params: dict,
+                           groups: Groups, has_bias: bool, workspace: Workspace | None):
+    """Stages 2-4 for "glu" from the backend's stage functions (their elementwise work in separate
+    passes): recompute (a, act(hg)) from h, stage 3, stage 2's dots, stage 4.
+    Returns (dx rows, dots without the down bias term, {parameter name: gradient})."""
+    a, act_gate = glu_activation(h, activation, workspace=workspace)
+    grad_a, grad_down, g_down, grad_down_bias = stages.grad_post_gemm_glu(grad_rows, weight_rows, a,
+                                                                          params["down_proj"], groups, has_bias)
+    # a = act(hg) * hu, or (clamped SwiGLU) a = f(gc) * (uc + 1): take the dot on a itself
+    grad_dots = stages.grad_gate_combine(g_down, a) if isinstance(activation, ClampedSwiGLU) \
+        else stages.grad_gate_combine(g_down, act_gate, h[:, act_gate.shape[1]:])
+    grad_xs, grad_gate_up, grad_gate_up_bias = stages.grad_pre_gemm_glu(grad_a, h, act_gate, xs,
+                                                                        params["gate_up_proj"], groups, activation,
+                                                                        has_bias)
+    return grad_xs, grad_dots, {"gate_up_proj": grad_gate_up, "gate_up_proj_bias": grad_gate_up_bias,
+                                "down_proj": grad_down, "down_proj_bias": grad_down_bias}
+
+
+def _glu_backward_one_pass(activation: str, grad_rows: torch.Tensor, weight_rows: torch.Tensor, xs: torch.Tensor,
+                           h: torch.Tensor, params: dict, groups: Groups, has_bias: bool,
+                           workspace: Workspace | None):
+    """Stages 2-4 for "glu" as the torch backend runs them where the CPU kernels take the rows: the
+    GEMMs of grad_post_gemm_glu and grad_pre_gemm_glu, and all their elementwise work, with stage
+    2's dots and the recomputed a, in one pass after the first GEMM (elementwise.glu_grad; FlashMoE
+    puts the same work in that GEMM's epilogue):
+      g_down = g Wdown_e [N, F];   (a, dh, dw) = glu_grad(h, g_down, w)
+      dWdown_e = sum (w g)^T a;    dWgu_e = sum dh^T x;    dx = dh Wgu_e
+    The same values and bits as _glu_backward_by_stage, in 2 passes over [N, F]-sized rows instead
+    of 5, and without its act(hg) and dA buffers. Returns what _glu_backward_by_stage returns."""
+    g_down = grouped_linear_t(grad_rows, params["down_proj"], groups, workspace=workspace)
+    a, grad_h, grad_dots = elementwise.glu_grad(h, g_down, weight_rows, activation,
+                                                a_out=empty_rows(workspace, g_down.shape, h),
+                                                grad_h_out=empty_rows(workspace, h.shape, h))
+    del g_down  # its workspace block is free again for the buffers below
+    grad_expert = grad_combine(grad_rows, weight_rows, workspace=workspace)
+    grads = {"down_proj": grouped_weight_grad(grad_expert, a, groups),
+             "down_proj_bias": grouped_bias_grad(grad_expert, groups) if has_bias else None}
+    del a, grad_expert
+    grads["gate_up_proj_bias"] = grouped_bias_grad(grad_h, groups) if has_bias else None
+    grads["gate_up_proj"] = grouped_weight_grad(grad_h, xs, groups)
+    return grouped_linear_t(grad_h, params["gate_up_proj"], groups, workspace=workspace), grad_dots, grads

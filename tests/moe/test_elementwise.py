@@ -102,6 +102,32 @@ def test_combine_side_passes(fused, monkeypatch, dtype):
         assert dot.dtype == torch.float32 and bool(((dot.double() - exact).abs() <= bound).all())
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+def test_glu_grad_is_the_separate_passes_in_one(fused, dtype, activation):
+    """glu_grad (a, dh and the gate dots in one pass) against glu_forward, scale_rows, rowwise_dot
+    and glu_backward run in turn on the same row-strided operands of a ragged width: a and dh bit
+    for bit, the dots too in bf16; in float32 the compiler may fuse another multiply-add into the
+    dot, so it is held to float32 round-off of the same products."""
+    h, g_down, weight = operands(dtype, width=45)
+    a, grad_h, dots = elementwise.glu_grad(h, g_down, weight, activation)
+    act_gate = torch.empty_like(g_down, memory_format=torch.contiguous_format)
+    a_ref = elementwise.glu_forward(h, activation, act_gate)
+    grad_h_ref = elementwise.glu_backward(elementwise.scale_rows(g_down, weight), h, act_gate, activation)
+    dots_ref = elementwise.rowwise_dot(g_down, act_gate, h[:, 45:])
+    torch.testing.assert_close(a, a_ref, rtol=0, atol=0)
+    torch.testing.assert_close(grad_h, grad_h_ref, rtol=0, atol=0)
+    assert dots.dtype == torch.float32
+    terms = (g_down.float() * act_gate.float() * h[:, 45:].float()).abs().sum(-1)
+    atol = 0.0 if dtype == torch.bfloat16 else float((48 * torch.finfo(torch.float32).eps * terms).max())
+    torch.testing.assert_close(dots, dots_ref, rtol=0, atol=atol)
+    # into given buffers, the same values
+    a_out, grad_h_out = torch.full_like(a, float("nan")), torch.full_like(grad_h, float("nan"))
+    elementwise.glu_grad(h, g_down, weight, activation, a_out=a_out, grad_h_out=grad_h_out)
+    torch.testing.assert_close(a_out, a, rtol=0, atol=0)
+    torch.testing.assert_close(grad_h_out, grad_h, rtol=0, atol=0)
+
+
 def test_glu_against_float64_closed_forms(fused):
     """Independent of the torch path: float32 kernels against float64 autograd of act(hg) * hu."""
     h, grad_a, _ = operands(torch.float32, rows=64, width=33)
@@ -133,7 +159,8 @@ def test_results_do_not_depend_on_thread_count(fused):
         for threads in (1, 2):
             torch.set_num_threads(threads)
             results.append((elementwise.combine_rows(other, token, 50, weight), elementwise.rowwise_dot(other, rows[:, :200]),
-                            elementwise.combine_pairs(other, pairs, weight)))
+                            elementwise.combine_pairs(other, pairs, weight),
+                            *elementwise.glu_grad(rows[:, :400], other, weight, "silu")))
     finally:
         torch.set_num_threads(previous)
     for one, two in zip(*results):
@@ -150,6 +177,12 @@ def test_bad_input_named_before_any_work(fused):
         elementwise.glu_backward(torch.randn(3, 3), h, torch.randn(4, 3), "silu")
     with pytest.raises(ValueError, match=r"weight_rows: expected shape \(4,\), got \(5,\)"):
         elementwise.scale_rows(h, torch.rand(5))
+    with pytest.raises(ValueError, match=r"g_down: expected shape \(4, 3\), got \(4, 6\)"):
+        elementwise.glu_grad(h, h, torch.rand(4), "silu")
+    with pytest.raises(ValueError, match=r"weight_rows: expected shape \(4,\), got \(3,\)"):
+        elementwise.glu_grad(h, h[:, :3], torch.rand(3), "silu")
+    with pytest.raises(ValueError, match=r"grad_h_out: expected shape \(4, 6\), got \(4, 3\)"):
+        elementwise.glu_grad(h, h[:, :3], torch.rand(4), "silu", grad_h_out=torch.empty(4, 3))
     with pytest.raises(ValueError, match=r"second_factor: expected shape \(4, 6\), got \(4, 5\)"):
         elementwise.rowwise_dot(h, h, torch.randn(4, 5))
     out_of_range = torch.tensor([0, 1, 3, 2])
@@ -168,9 +201,10 @@ def test_bad_input_named_before_any_work(fused):
 
 
 def test_layer_runs_the_fused_passes_with_todays_results(fused, monkeypatch):
-    """A bf16 glu layer, forward and backward: every pass is called, the output and every gradient
-    but the router's equal the torch path's bits (the router's gradient gets the row dots, which
-    sum in another order)."""
+    """A bf16 glu layer, forward and backward: the forward's passes and the backward's one GLU pass
+    (glu_grad, not the separate glu_backward and rowwise_dot) are called, and the output and every
+    gradient but the router's equal the torch path's bits (the router's gradient gets the row dots,
+    which sum in another order)."""
     torch.manual_seed(0)
     layer = shardmoe.MoE(32, 24, 4, 2, dtype=torch.bfloat16)
     x = torch.randn(50, 32, dtype=torch.bfloat16)
@@ -183,13 +217,13 @@ def test_layer_runs_the_fused_passes_with_todays_results(fused, monkeypatch):
         return out, xg.grad, {n: p.grad for n, p in layer.named_parameters()}
 
     called = set()
-    for name in ("glu_forward", "glu_backward", "scale_rows", "rowwise_dot", "combine_pairs"):
+    for name in ("glu_forward", "glu_backward", "glu_grad", "scale_rows", "rowwise_dot", "combine_pairs"):
         def spy(*args, _name=name, _fn=getattr(elementwise, name), **kwargs):
             called.add(_name)
             return _fn(*args, **kwargs)
         monkeypatch.setattr(elementwise, name, spy)
     fused_out, fused_dx, fused_grads = step()
-    assert called == {"glu_forward", "glu_backward", "scale_rows", "rowwise_dot", "combine_pairs"}
+    assert called == {"glu_forward", "glu_grad", "scale_rows", "combine_pairs"}
     ref_out, ref_dx, ref_grads = torch_path(monkeypatch, step)
     torch.testing.assert_close(fused_out, ref_out, rtol=0, atol=0)
     for name, grad in fused_grads.items():

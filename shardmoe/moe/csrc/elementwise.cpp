@@ -168,6 +168,65 @@ void glu_backward_impl(const at::Tensor& grad_a, const at::Tensor& h, const at::
   });
 }
 
+// The glu expert's backward elementwise work in one pass (elementwise.py, glu_grad): from h [N, 2F],
+// gd = g Wdown [N, F] and w [N] float32, a = act(hg) * hu [N, F], dh [N, 2F] and the gate dots
+// sum(gd * act(hg) * hu) [N] float32, with every rounding and the dot's summation order of
+// glu_forward, rowwise_dot(gd, act(hg), hu), scale_rows (dA = w gd) and glu_backward run in turn:
+// a and dh are their bits (the fp32 dots may differ by a fused multiply-add). SiLU evaluates exp(-hg) once for act and act' (the separate passes
+// evaluate it twice, the same value).
+template <typename T, int64_t act>
+void glu_grad_impl(const at::Tensor& h, const at::Tensor& g_down, const at::Tensor& weight, at::Tensor& a,
+                   at::Tensor& grad_h, at::Tensor& dots) {
+  const int64_t rows = h.size(0), ffn = g_down.size(1);
+  const T *hp = h.data_ptr<T>(), *dp = g_down.data_ptr<T>();
+  const float* wp = weight.data_ptr<float>();
+  T *ap = a.data_ptr<T>(), *op = grad_h.data_ptr<T>();
+  float* sp = dots.data_ptr<float>();
+  const int64_t hs = h.stride(0), ds = g_down.stride(0), ws = weight.stride(0), as = a.stride(0),
+                os = grad_h.stride(0), ss = dots.stride(0);
+  const Vec one(1.f);
+  at::parallel_for(0, rows, grain_rows(3 * ffn), [&](int64_t begin, int64_t end) {
+    float lanes[Vec::size()];
+    for (int64_t r = begin; r < end; ++r) {
+      const T *g = hp + r * hs, *u = g + ffn, *d = dp + r * ds;
+      T* o = op + r * os;
+      const Vec w(wp[r * ws]);
+      Vec acc_lo(0.f), acc_hi(0.f);
+      for (int64_t i = 0; i < ffn; i += kStep) {
+        const int64_t n = ffn - i;  // a ragged end loads zeros past n, which add nothing to the dot
+        const Pair hg = load(g + i, n), hu = load(u + i, n), gd = load(d + i, n);
+        Pair exp_neg{Vec(0.f), Vec(0.f)}, act_gate;
+        if constexpr (act == kSilu) {
+          exp_neg = map([](const Vec& z) { return z.neg().exp(); }, hg);
+          act_gate = round_to(map([&](const Vec& z, const Vec& e) { return z / (one + e); }, hg, exp_neg), hp);
+        } else {
+          act_gate = round_to(map(activate<act>, hg), hp);
+        }
+        store(map(std::multiplies<Vec>(), act_gate, hu), ap + r * as + i, n);
+        const Pair prod = map(std::multiplies<Vec>(), map(std::multiplies<Vec>(), gd, act_gate), hu);
+        acc_lo = acc_lo + prod.lo;
+        acc_hi = acc_hi + prod.hi;
+        const Pair grad_a = round_to(map([&](const Vec& v) { return v * w; }, gd), hp);
+        const Pair du = round_to(map(std::multiplies<Vec>(), grad_a, hu), hp);
+        if constexpr (act == kSilu) {
+          const auto silu_backward = [&](const Vec& grad, const Vec& z, const Vec& e) {
+            const Vec s = one / (one + e);
+            return grad * s * (one + z * (one - s));
+          };
+          store({silu_backward(du.lo, hg.lo, exp_neg.lo), silu_backward(du.hi, hg.hi, exp_neg.hi)}, o + i, n);
+        } else {
+          store(map(activate_backward<act>, du, hg), o + i, n);
+        }
+        store(map(std::multiplies<Vec>(), grad_a, act_gate), o + ffn + i, n);
+      }
+      (acc_lo + acc_hi).store(lanes);
+      float sum = 0.f;
+      for (int64_t l = 0; l < Vec::size(); ++l) sum += lanes[l];
+      sp[r * ss] = sum;
+    }
+  });
+}
+
 // out_r = rows_r * w_r in float32, rounded once: [N, D], [N] float32 -> [N, D]
 template <typename T>
 void scale_rows_impl(const at::Tensor& rows, const at::Tensor& weight, at::Tensor& out) {
@@ -317,6 +376,13 @@ void glu_backward(const at::Tensor& grad_a, const at::Tensor& h, const at::Tenso
     DISPATCH_FLOAT_BF16(h.scalar_type(), glu_backward_impl<scalar, decltype(code)::value>(grad_a, h, act_gate, grad_h));
   });
 }
+void glu_grad(const at::Tensor& h, const at::Tensor& g_down, const at::Tensor& weight, int64_t act, at::Tensor a,
+              at::Tensor grad_h, at::Tensor dots) {
+  dispatch_activation(act, [&](auto code) {
+    DISPATCH_FLOAT_BF16(h.scalar_type(),
+                        glu_grad_impl<scalar, decltype(code)::value>(h, g_down, weight, a, grad_h, dots));
+  });
+}
 void scale_rows(const at::Tensor& rows, const at::Tensor& weight, at::Tensor out) {
   DISPATCH_FLOAT_BF16(rows.scalar_type(), scale_rows_impl<scalar>(rows, weight, out));
 }
@@ -340,6 +406,8 @@ void combine_pairs(const at::Tensor& rows, const at::Tensor& token_rows, const s
 TORCH_LIBRARY(shardmoe_elementwise, m) {
   m.def("glu_forward(Tensor h, int activation, Tensor(a!) a, Tensor(b!)? act_gate) -> ()");
   m.def("glu_backward(Tensor grad_a, Tensor h, Tensor act_gate, int activation, Tensor(a!) grad_h) -> ()");
+  m.def("glu_grad(Tensor h, Tensor g_down, Tensor weight, int activation, Tensor(a!) a, Tensor(b!) grad_h, "
+        "Tensor(c!) dots) -> ()");
   m.def("scale_rows(Tensor rows, Tensor weight, Tensor(a!) out) -> ()");
   m.def("rowwise_dot(Tensor rows, Tensor f1, Tensor? f2, Tensor(a!) out) -> ()");
   m.def("combine_rows(Tensor rows, Tensor token, Tensor? weight, Tensor(a!) out) -> ()");
@@ -349,6 +417,7 @@ TORCH_LIBRARY(shardmoe_elementwise, m) {
 TORCH_LIBRARY_IMPL(shardmoe_elementwise, CPU, m) {
   m.impl("glu_forward", glu_forward);
   m.impl("glu_backward", glu_backward);
+  m.impl("glu_grad", glu_grad);
   m.impl("scale_rows", scale_rows);
   m.impl("rowwise_dot", rowwise_dot);
   m.impl("combine_rows", combine_rows);
