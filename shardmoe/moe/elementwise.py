@@ -187,7 +187,8 @@ def glu_grad(h: torch.Tensor, g_down: torch.Tensor, weight_rows: torch.Tensor, a
       a    = act(hg) * hu                               [N, F]       (the operand of dWdown)
       dots = sum_f g_down * act(hg) * hu                [N] float32  (stage 2: g . y = g_down . a)
       dA   = w g_down;  dh = [dA * hu * act'(hg) | dA * act(hg)]   [N, 2F]
-    Returns (a, dh, dots), a and dh into a_out and grad_h_out when given. a and dh are the bits
+    Returns (a, dh, dots), a and dh into a_out and grad_h_out when given; a_out may be g_down
+    itself (each element of g_down is read before a is written in its place). a and dh are the bits
     of glu_forward, scale_rows and glu_backward in turn (each intermediate rounded where they
     round it), the dots rowwise_dot(g_down, act(hg), hu)'s sums in the same order (in float32 the
     compiler may fuse a different multiply-add: round-off only); h and g_down are read once,

@@ -387,12 +387,12 @@ def _glu_backward_one_pass(activation: str, grad_rows: torch.Tensor, weight_rows
       g_down = g Wdown_e [N, F];   (a, dh, dw) = glu_grad(h, g_down, w)
       dWdown_e = sum (w g)^T a;    dWgu_e = sum dh^T x;    dx = dh Wgu_e
     The same values and bits as _glu_backward_by_stage, in 2 passes over [N, F]-sized rows instead
-    of 5, and without its act(hg) and dA buffers. Returns what _glu_backward_by_stage returns."""
+    of 5, and without its act(hg), dA and separate a buffers. Returns what _glu_backward_by_stage returns."""
     g_down = grouped_linear_t(grad_rows, params["down_proj"], groups, workspace=workspace)
-    a, grad_h, grad_dots = elementwise.glu_grad(h, g_down, weight_rows, activation,
-                                                a_out=empty_rows(workspace, g_down.shape, h),
+    # a overwrites g_down, which nothing reads after the pass: one [N, F] buffer fewer
+    a, grad_h, grad_dots = elementwise.glu_grad(h, g_down, weight_rows, activation, a_out=g_down,
                                                 grad_h_out=empty_rows(workspace, h.shape, h))
-    del g_down  # its workspace block is free again for the buffers below
+    del g_down
     grad_expert = grad_combine(grad_rows, weight_rows, workspace=workspace)
     grads = {"down_proj": grouped_weight_grad(grad_expert, a, groups),
              "down_proj_bias": grouped_bias_grad(grad_expert, groups) if has_bias else None}

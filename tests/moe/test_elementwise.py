@@ -126,6 +126,13 @@ def test_glu_grad_is_the_separate_passes_in_one(fused, dtype, activation):
     elementwise.glu_grad(h, g_down, weight, activation, a_out=a_out, grad_h_out=grad_h_out)
     torch.testing.assert_close(a_out, a, rtol=0, atol=0)
     torch.testing.assert_close(grad_h_out, grad_h, rtol=0, atol=0)
+    # a written over g_down itself (the layer's use): the same a, dh and dots
+    g_down_copy = g_down.clone()
+    a_in_place, grad_h_in_place, dots_in_place = elementwise.glu_grad(h, g_down_copy, weight, activation,
+                                                                      a_out=g_down_copy)
+    assert a_in_place.data_ptr() == g_down_copy.data_ptr()
+    for got, want in [(a_in_place, a), (grad_h_in_place, grad_h), (dots_in_place, dots)]:
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
 def test_glu_against_float64_closed_forms(fused):

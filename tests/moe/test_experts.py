@@ -45,3 +45,40 @@ def test_zero_rows():
     assert ex.grouped_linear(torch.zeros(0, 16), w, groups).shape == (0, 8)
     assert ex.grouped_linear_t(torch.zeros(0, 8), w, groups).shape == (0, 16)
     assert torch.count_nonzero(ex.grouped_weight_grad(torch.zeros(0, 8), torch.zeros(0, 16), groups)) == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("bias", [False, True])
+def test_glu_backward_in_one_pass_equals_the_stage_functions(dtype, bias):
+    """The torch backend's one-pass glu backward (elementwise.glu_grad) against the stage functions
+    run in turn, with an empty expert, biases, workspace buffers holding garbage from an earlier
+    step: dx rows and every parameter gradient bit for bit, the gate dots to float32 round-off
+    (the float32 dots may fuse another multiply-add)."""
+    from shardmoe.moe import backends, elementwise
+    from shardmoe.moe.workspace import Workspace
+
+    if not elementwise.available(torch.zeros(1, dtype=dtype)):
+        pytest.skip("the fused CPU kernels are not built here (no compiler): one path only")
+    gen = torch.Generator().manual_seed(4)
+    sizes, H, F = [40, 0, 70, 18], 32, 24
+    groups, n = _groups(sizes), sum(sizes)
+    h, g, xs = (torch.randn(n, d, generator=gen).to(dtype) for d in (2 * F, H, H))
+    w = torch.rand(n, generator=gen)
+    params = {"gate_up_proj": (torch.randn(4, 2 * F, H, generator=gen) / 6).to(dtype),
+              "down_proj": (torch.randn(4, H, F, generator=gen) / 5).to(dtype),
+              "gate_up_proj_bias": torch.randn(4, 2 * F, generator=gen).to(dtype) if bias else None,
+              "down_proj_bias": torch.randn(4, H, generator=gen).to(dtype) if bias else None}
+    workspace = Workspace(min_bytes=0)
+    garbage = [workspace.empty((n, 2 * F), dtype, h.device).fill_(float("nan")) for _ in range(3)]
+    del garbage  # three blocks holding NaN, free for the one-pass path to be lent
+    one = ex._glu_backward_one_pass("silu", g, w, xs, h, params, groups, bias, workspace)
+    staged = ex._glu_backward_by_stage(backends.TORCH, "silu", g, w, xs, h, params, groups, bias, None)
+    torch.testing.assert_close(one[0], staged[0], rtol=0, atol=0)
+    assert one[2].keys() == staged[2].keys()
+    for name, grad in one[2].items():
+        if grad is None:
+            assert staged[2][name] is None and not bias
+        else:
+            torch.testing.assert_close(grad, staged[2][name], rtol=0, atol=0)
+    terms = (g.float() @ params["down_proj"][0].float()).abs().sum(-1).max()  # the dots' scale
+    torch.testing.assert_close(one[1], staged[1], rtol=0, atol=float(64 * torch.finfo(torch.float32).eps * terms))

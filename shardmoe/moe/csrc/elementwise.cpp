@@ -172,8 +172,10 @@ void glu_backward_impl(const at::Tensor& grad_a, const at::Tensor& h, const at::
 // gd = g Wdown [N, F] and w [N] float32, a = act(hg) * hu [N, F], dh [N, 2F] and the gate dots
 // sum(gd * act(hg) * hu) [N] float32, with every rounding and the dot's summation order of
 // glu_forward, rowwise_dot(gd, act(hg), hu), scale_rows (dA = w gd) and glu_backward run in turn:
-// a and dh are their bits (the fp32 dots may differ by a fused multiply-add). SiLU evaluates exp(-hg) once for act and act' (the separate passes
-// evaluate it twice, the same value).
+// a and dh are their bits (the fp32 dots may differ by a fused multiply-add). SiLU evaluates
+// exp(-hg) once for act and act' (the separate passes evaluate it twice, the same value). a may
+// be g_down itself: each step loads its gd before storing a over it, and each element belongs to
+// one thread.
 template <typename T, int64_t act>
 void glu_grad_impl(const at::Tensor& h, const at::Tensor& g_down, const at::Tensor& weight, at::Tensor& a,
                    at::Tensor& grad_h, at::Tensor& dots) {
