@@ -2,7 +2,8 @@
 
 Per candidate: median and minimum seconds, GFLOP/s = total_flops / median, the fraction of
 the dense ceiling (median_dense / median), speedups (median_anchor / median), saved bytes for
-backward, and the relative error of outputs and gradients against transformers.
+backward, the step's peak bytes (after the timing, one profiled step each), and the relative
+error of outputs and gradients against transformers.
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from dataclasses import asdict, dataclass, field
 from shardmoe.bench import candidates
 from shardmoe.bench.candidates import CANDIDATES
 from shardmoe.bench.flops import Shape, expert_flops, router_flops, total_flops
+from shardmoe.bench.peak_bytes import peak_with_pools
 from shardmoe.bench.saved_bytes import SavedBytes, measure_saved_bytes
 from shardmoe.bench.timing import time_interleaved
 
@@ -39,6 +41,10 @@ class Row:
     # (workspace + saved bytes outside it) / transformers' saved: what the layer holds for its
     # backward and its scratch together, the saved figure with the pool counted
     footprint_vs_transformers: float | None = None
+    # the step's peak allocation above weights and input, workspace counted whole (peak_bytes.py):
+    # saved bytes and scratch alike, for every candidate with a forward
+    peak_bytes_per_token: float | None = None
+    peak_vs_transformers: float | None = None
     rel_err_vs_transformers: float | None = None   # max over y and every gradient of |a-b|_2 / |b|_2
 
 
@@ -125,6 +131,13 @@ def run_case(shape_name: str, s: Shape, dtype_name: str, device: str, warmup: in
 
     times = time_interleaved(cands, max(warmup - 1, 0), repeats, device, budget_s)
     med = {n: statistics.median(t) for n, t in times.items()}
+    peak: dict[str, int] = {}
+    if device == "cpu":  # the profiler's allocator events are the CPU allocator's
+        for n, c in cands.items():
+            if c.forward is not None:
+                pools = [c.layer.workspace] if c.layer is not None and c.layer.workspace is not None else []
+                peak[n] = peak_with_pools(c.step, c.reset, pools)
+                c.reset()
     for n in cands:
         result.rows.append(Row(n, med[n], min(times[n]), result.flops / med[n] / 1e9, len(times[n])))
     for row in result.rows:
@@ -148,6 +161,10 @@ def run_case(shape_name: str, s: Shape, dtype_name: str, device: str, warmup: in
                 if workspace is not None:
                     held = workspace.resident_bytes + sb.total - in_pool.get(row.candidate, 0)
                     row.footprint_vs_transformers = held / saved["transformers"].total
+        if row.candidate in peak:
+            row.peak_bytes_per_token = peak[row.candidate] / s.tokens
+            if "transformers" in peak:
+                row.peak_vs_transformers = peak[row.candidate] / peak["transformers"]
         if "transformers" in outputs and row.candidate in outputs:
             row.rel_err_vs_transformers = relative_error(outputs[row.candidate], outputs["transformers"])
     return result

@@ -20,7 +20,7 @@ def format_case(r: CaseResult) -> str:
         f"(experts {r.expert_flops / 1e9:.2f} + router {r.router_flops / 1e9:.2f}); "
         f"median of n timed rounds (<= {r.repeats}) after {r.warmup} warm-up; {r.routing} routing",
         f"  {'candidate':<22}{'median ms':>10}{'min ms':>9}{'GFLOP/s':>9}{'x dense':>9}{'vs tf':>7}"
-        f"{'vs loop':>8}{'saved B/tok':>12}{'saved/tf':>9}{'ws B/tok':>9}{'rel err':>9}{'n':>4}",
+        f"{'vs loop':>8}{'saved B/tok':>12}{'saved/tf':>9}{'ws B/tok':>9}{'peak/tf':>8}{'rel err':>9}{'n':>4}",
     ]
     for row in r.rows:
         lines.append(
@@ -28,7 +28,7 @@ def format_case(r: CaseResult) -> str:
             f"{_fmt(row.fraction_of_dense, '.2f'):>9}{_fmt(row.speedup_vs_transformers, '.2f'):>7}"
             f"{_fmt(row.speedup_vs_loop, '.2f'):>8}{_fmt(row.saved_bytes_per_token, '.0f'):>12}"
             f"{_fmt(row.saved_vs_transformers, '.2f'):>9}{_fmt(row.workspace_bytes_per_token, '.0f'):>9}"
-            f"{_fmt(row.rel_err_vs_transformers, '.1e'):>9}{row.repeats:>4}"
+            f"{_fmt(row.peak_vs_transformers, '.2f'):>8}{_fmt(row.rel_err_vs_transformers, '.1e'):>9}{row.repeats:>4}"
         )
     return "\n".join(lines)
 
