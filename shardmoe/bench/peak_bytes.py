@@ -23,8 +23,13 @@ def step_peak_bytes(step, reset=None) -> int:
     and outside the profile, drops the last step's gradients: freed inside it, blocks allocated
     before the profile began would go unseen, and blocks allocated in an earlier profile seen."""
     import gc
+    import os
 
     from torch.profiler import ProfilerActivity, profile
+
+    # kineto writes "profiler_start"/"profiler_stop" lines (level 5) to stderr on every profile;
+    # read on its first use, so set here unless the user chose a level
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")
 
     if reset is not None:
         reset()
