@@ -386,13 +386,14 @@ def _glu_backward_one_pass(activation: str, grad_rows: torch.Tensor, weight_rows
     puts the same work in that GEMM's epilogue):
       g_down = g Wdown_e [N, F];   (a, dh, dw) = glu_grad(h, g_down, w)
       dWdown_e = sum (w g)^T a;    dWgu_e = sum dh^T x;    dx = dh Wgu_e
-    The same values and bits as _glu_backward_by_stage, in 2 passes over [N, F]-sized rows instead
-    of 5, and without its act(hg), dA and separate a buffers. Returns what _glu_backward_by_stage returns."""
+    dx rows and every gradient are _glu_backward_by_stage's bits (the float32 dots its values to
+    round-off), from 2 passes over [N, F]-sized rows instead of 5 and without its act(hg), dA and
+    separate a buffers. Returns what _glu_backward_by_stage returns."""
     g_down = grouped_linear_t(grad_rows, params["down_proj"], groups, workspace=workspace)
     # a overwrites g_down, which nothing reads after the pass: one [N, F] buffer fewer
     a, grad_h, grad_dots = elementwise.glu_grad(h, g_down, weight_rows, activation, a_out=g_down,
                                                 grad_h_out=empty_rows(workspace, h.shape, h))
-    del g_down
+    del g_down  # the same tensor as a: freed with it below
     grad_expert = grad_combine(grad_rows, weight_rows, workspace=workspace)
     grads = {"down_proj": grouped_weight_grad(grad_expert, a, groups),
              "down_proj_bias": grouped_bias_grad(grad_expert, groups) if has_bias else None}
