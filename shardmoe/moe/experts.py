@@ -387,7 +387,7 @@ def _glu_backward_one_pass(activation: str, grad_rows: torch.Tensor, weight_rows
       g_down = g Wdown_e [N, F];   (a, dh, dw) = glu_grad(h, g_down, w)
       dWdown_e = sum (w g)^T a;    dWgu_e = sum dh^T x;    dx = dh Wgu_e
     dx rows and every gradient are _glu_backward_by_stage's bits (the float32 dots its values to
-    round-off), from 2 passes over [N, F]-sized rows instead of 5 and without its act(hg), dA and
+    round-off), from 1 pass over [N, F]-sized rows instead of 4 and without its act(hg), dA and
     separate a buffers. Returns what _glu_backward_by_stage returns."""
     g_down = grouped_linear_t(grad_rows, params["down_proj"], groups, workspace=workspace)
     # a overwrites g_down, which nothing reads after the pass: one [N, F] buffer fewer
