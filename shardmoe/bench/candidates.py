@@ -93,6 +93,11 @@ class Candidate:
     flops: int | None = None     # GEMM FLOPs of one step, where the candidate knows them exactly
     layer: object = None         # the shardmoe.MoE behind a shardmoe candidate (its workspace, if any)
 
+    @property
+    def workspace(self):
+        """The layer's workspace, None without a layer or without a pool."""
+        return None if self.layer is None else self.layer.workspace
+
 
 def build_candidates(s: Shape, dtype, device, names, seed: int = 0, fresh_inputs: int = 0):
     """Candidates on the same weights and inputs. With fresh_inputs=R > 0 each module

@@ -121,8 +121,8 @@ def run_case(shape_name: str, s: Shape, dtype_name: str, device: str, warmup: in
             continue
         sb, out = measure_saved_bytes(c.forward, c.params, (inputs[n],))
         saved[n] = sb
-        if c.layer is not None and c.layer.workspace is not None:  # saved tensors in pool blocks
-            in_pool[n] = sb.in_pools([c.layer.workspace])
+        if c.workspace is not None:  # saved tensors in pool blocks
+            in_pool[n] = sb.in_pools([c.workspace])
         out = out.reshape(1, s.tokens, s.hidden)
         out.backward(grad_check)
         outputs[n] = {"y": out.detach(), **c.grads()}
@@ -135,15 +135,13 @@ def run_case(shape_name: str, s: Shape, dtype_name: str, device: str, warmup: in
     if device == "cpu":  # the profiler's allocator events are the CPU allocator's
         for n, c in cands.items():
             if c.forward is not None:
-                pools = [c.layer.workspace] if c.layer is not None and c.layer.workspace is not None else []
-                peak[n] = peak_with_pools(c.step, c.reset, pools)
+                peak[n] = peak_with_pools(c.step, c.reset, [] if c.workspace is None else [c.workspace])
                 c.reset()
     for n in cands:
         result.rows.append(Row(n, med[n], min(times[n]), result.flops / med[n] / 1e9, len(times[n])))
     for row in result.rows:
-        layer = cands[row.candidate].layer
-        workspace = None if layer is None else layer.workspace
-        if layer is not None:
+        workspace = cands[row.candidate].workspace
+        if cands[row.candidate].layer is not None:
             row.workspace_bytes_per_token = (0 if workspace is None else workspace.resident_bytes) / s.tokens
         if "dense" in med:
             row.fraction_of_dense = med["dense"] / row.median_s

@@ -10,8 +10,9 @@ two is the step's peak:
 read off the CPU allocator's events that torch.profiler records with profile_memory=True, in time
 order. Weights, inputs and a workspace's blocks exist before the step and are not in it; the
 caller adds the blocks (peak_with_pools). Gradients the step leaves behind (.grad) are in it,
-for every candidate alike. Allocations made on intra-op worker threads inside an op (oneDNN's
-scratch in a side-by-side GEMM) are not reported to the profiler: they are small and transient.
+for every candidate alike. The events counted are those of the thread that runs the step (all
+241 of a profiled e8 bf16 step of the layer came from it); whatever an op might allocate on its
+intra-op worker threads is not in the figure.
 """
 from __future__ import annotations
 

@@ -22,9 +22,14 @@ LAYER_COUNTS = (1, 4, 16)
 WARM_STEPS = 3  # steps before measuring: a pool reaches its steady blocks within them
 
 
-def _stack_step(x, stack):
-    """(forward, step, reset) of t = t + layer(t) over the stack: step() runs forward + backward of
-    the sum, reset() drops the gradients."""
+def _measure_stack(x, stack, pools=()):
+    """(SavedBytes of one forward, the step's peak with `pools` counted whole) of t = t + layer(t)
+    over the stack, after WARM_STEPS forward + backward steps of the sum (they size the pools)."""
+    from shardmoe.bench.peak_bytes import peak_with_pools
+    from shardmoe.bench.saved_bytes import measure_saved_bytes
+
+    params = [p for layer in stack for p in layer.parameters()]
+
     def forward():
         t = x
         for layer in stack:
@@ -35,10 +40,19 @@ def _stack_step(x, stack):
         forward().sum().backward()
 
     def reset():
-        for p in (x, *(p for layer in stack for p in layer.parameters())):
+        for p in (x, *params):
             p.grad = None
 
-    return forward, step, reset
+    for _ in range(WARM_STEPS):
+        reset()
+        step()
+    reset()
+    saved, out = measure_saved_bytes(forward, params, [x])
+    # finish the step as training does: dropping the graph unrun instead left a shared pool with
+    # other (larger) blocks, since which free block a request takes depends on the order of frees
+    out.sum().backward()
+    del out
+    return saved, peak_with_pools(step, reset, pools)
 
 
 def probe(shape, dtype, layers: int, shared: bool) -> dict[str, float]:
@@ -46,8 +60,6 @@ def probe(shape, dtype, layers: int, shared: bool) -> dict[str, float]:
     import torch
 
     import shardmoe
-    from shardmoe.bench.peak_bytes import peak_with_pools
-    from shardmoe.bench.saved_bytes import measure_saved_bytes
     from shardmoe.moe.workspace import share
 
     torch.manual_seed(0)
@@ -55,21 +67,12 @@ def probe(shape, dtype, layers: int, shared: bool) -> dict[str, float]:
     if shared:
         share(stack)
     x = torch.randn(shape.tokens, shape.hidden, dtype=dtype, requires_grad=True)
-    params = [p for layer in stack for p in layer.parameters()]
-    forward, step, reset = _stack_step(x, stack)
     pools = list({id(layer.workspace): layer.workspace for layer in stack}.values())
-    for _ in range(WARM_STEPS):  # size the pools
-        reset()
-        step()
-    reset()
-    saved, out = measure_saved_bytes(forward, params, [x])
-    in_pool = saved.in_pools(pools)
-    out.sum().backward()
-    del out
+    saved, peak = _measure_stack(x, stack, pools)
     per = shape.tokens * layers
     resident = sum(pool.resident_bytes for pool in pools)
-    return {"saved": saved.total / per, "pool": resident / per, "footprint": (resident + saved.total - in_pool) / per,
-            "peak": peak_with_pools(step, reset, pools) / per}
+    footprint = resident + saved.total - saved.in_pools(pools)
+    return {"saved": saved.total / per, "pool": resident / per, "footprint": footprint / per, "peak": peak / per}
 
 
 def transformers_probe(shape, dtype, layers: int = 1) -> dict[str, float]:
@@ -78,22 +81,12 @@ def transformers_probe(shape, dtype, layers: int = 1) -> dict[str, float]:
     import torch
 
     from shardmoe.bench.candidates import _init_weights, _mixtral_block
-    from shardmoe.bench.peak_bytes import peak_with_pools
-    from shardmoe.bench.saved_bytes import measure_saved_bytes
 
     stack = [_mixtral_block(shape, _init_weights(shape, seed), dtype, torch.device("cpu")) for seed in range(layers)]
     x = torch.randn(1, shape.tokens, shape.hidden, generator=torch.Generator().manual_seed(0)).to(dtype)
-    x.requires_grad_()
-    params = [p for block in stack for p in block.parameters()]
-    forward, step, reset = _stack_step(x, stack)
-    for _ in range(WARM_STEPS):
-        reset()
-        step()
-    reset()
-    saved, out = measure_saved_bytes(forward, params, [x])
-    del out
+    saved, peak = _measure_stack(x.requires_grad_(), stack)
     per = shape.tokens * layers
-    return {"saved": saved.total / per, "peak": peak_with_pools(step, reset) / per}
+    return {"saved": saved.total / per, "peak": peak / per}
 
 
 def main(argv=None) -> int:

@@ -4,7 +4,8 @@ A backend is one implementation of the stage functions, with their names, signat
 semantics (docstrings in shardmoe/moe/experts.py and combine.py):
 
   expert forward      expert_forward
-  expert backward     expert_backward (stages 1-4, built from the five below)
+  expert backward     expert_backward (stages 1-4, built from the five below; the torch backend runs
+                      glu's elementwise work of stages 2-4 as one CPU pass, experts.py)
   stage 3 / 4         grad_post_gemm_glu, grad_pre_gemm_glu, grad_post_gemm_mlp, grad_pre_gemm_mlp
   combine side        combine, grad_combine (1), grad_gate_combine (2), grad_input_combine (5)
 

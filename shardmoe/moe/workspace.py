@@ -13,10 +13,10 @@ checkpointing) each get their own block. So the pool holds as many blocks of a s
 alive at once; nothing is ever handed out twice.
 
 Sharing. One pool may serve several layers (share(layers); shardmoe.Transformer and hf.convert
-give all their MoE layers one). Each layer's saved tensors keep their
-blocks lent until its backward, and one layer's scratch buffers are free again before the next layer
-runs, so the pool holds every layer's saved blocks plus one layer's scratch, not one working set
-per layer. stats['workspace_bytes'] then reports the shared pool.
+give all their MoE layers one). Each layer's saved tensors keep their blocks lent until its
+backward, and one layer's scratch buffers are free again before the next layer runs, so the pool
+holds every layer's saved blocks plus one layer's scratch, not one working set per layer.
+stats['workspace_bytes'] then reports the shared pool.
 
 Slack. Every buffer carries `pad_rows` rows past its end (uninitialised, never part of the
 tensor's shape), so that the GEMMs of tile-padded expert groups (experts.Groups.row_tile) may run
