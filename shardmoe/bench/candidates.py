@@ -10,7 +10,7 @@
 
 and, only when asked for (--candidates), ablations of shardmoe for before/after measurements:
   shardmoe:no-workspace  layer.workspace = None: every row buffer allocated fresh (grouped_mm)
-  shardmoe:tile          tile-padded expert groups by the rule experts.row_tile_for (row_tile=None)
+  shardmoe:tile          tile-padded expert groups by the rule rows.row_tile_for (row_tile=None)
 
 All of them hold the same weights (_init_weights) and see the same inputs.
 """

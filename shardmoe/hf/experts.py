@@ -6,10 +6,12 @@ to ALL_EXPERTS_FUNCTIONS[config._experts_implementation] as
   f(experts, hidden_states [S, H], top_k_index [S, k], top_k_weights [S, k]) -> [S, H]
   out_t = sum_j w_tj y_{e_tj}(x_t),   w = top_k_weights, e = top_k_index
 
-with the family's own router upstream. `experts_forward` runs that through the fused expert
-stages of shardmoe/moe (expert_forward / expert_backward, combine) in one autograd.Function whose
-backward is the explicit one: stages 1-5, and stage 2's dots dw_tj = g_t . y_{e_tj}(x_t) are
-exactly dL/dtop_k_weights, through which the family's router gets its gradient.
+with the family's own router upstream. `experts_forward` runs that through the layer's own
+autograd Function (moe/function.py FusedMoE) with the routing given (routing.GivenRouting) and the
+local dispatcher: the same backend choice, workspace pool, one-pass glu backward and Triton path as
+shardmoe.MoE. Backward is the explicit one: stages 1-5, and stage 2's dots
+dw_tj = g_t . y_{e_tj}(x_t) are exactly dL/dtop_k_weights, through which the family's router gets
+its gradient (stage 6 is the family's own, by autograd).
 
 The decorator describes the experts' layout; each is mapped onto shardmoe's canonical one
 (glu: gate_up_proj [E, 2F, H] as [gate | up], down_proj [E, H, F]; mlp: w1 [E, P, H], w2 [E, H, P])
@@ -31,15 +33,18 @@ before any work.
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
 
-from shardmoe.moe import combine as comb
-from shardmoe.moe import experts as ex
 from shardmoe.moe.activations import ClampedSwiGLU
+from shardmoe.moe.config import MoEConfig
+from shardmoe.moe.dispatch import LOCAL
+from shardmoe.moe.function import FusedMoE, MoECall, expert_param_names
 from shardmoe.moe.hf_blocks import MIXTRAL_ACTIVATIONS, family_name
-from shardmoe.moe.routing import accumulation_dtype, dispatch_order
+from shardmoe.moe.routing import GivenRouting
+from shardmoe.moe.workspace import Workspace
 
 
 @dataclass(frozen=True)
@@ -136,47 +141,35 @@ def stage_parameters(layout: ExpertsLayout, tensors: list[torch.Tensor | None]) 
     return out
 
 
-class RoutedExperts(torch.autograd.Function):
-    """apply(layout, x [S, H], top_k_index [S, k], top_k_weights [S, k], *stage params) -> out [S, H]
+def layer_config(layout: ExpertsLayout, hidden_size: int, ffn_size: int, num_experts: int, top_k: int) -> MoEConfig:
+    """The MoEConfig of an experts module's computation: its expert kind, activation and biases; the
+    routing is given, so the router options are MoEConfig's defaults (none of them is read)."""
+    activation = layout.activation
+    options = {}
+    if isinstance(activation, ClampedSwiGLU):
+        options = dict(activation="clamped_swiglu", swiglu_limit=activation.limit, swiglu_alpha=activation.alpha)
+    else:
+        options = dict(activation=activation)
+    return MoEConfig(hidden_size, ffn_size, num_experts, top_k, expert=layout.expert,
+                     bias=layout.names[1] is not None, renormalize=False, **options)
 
-    The routing comes from outside: pairs p = t*k + j are sorted by expert (routing.dispatch_order,
-    no capacity), run through expert_forward and combined with w = top_k_weights. Backward: stages
-    1-4 (expert_backward), 5 (grad_input_combine), and stage 2's dots scattered back to [S, k] as
-    dL/dtop_k_weights."""
 
-    @staticmethod
-    def forward(ctx, layout: ExpertsLayout, x, top_k_index, top_k_weights, *weights):
-        num_tokens, k = top_k_index.shape
-        num_experts = weights[0].shape[0]
-        row_pair, counts, _ = dispatch_order(top_k_index, num_experts, None)
-        params = dict(zip(layout.stage_names, weights))
-        groups = ex.Groups.from_counts(counts)
-        row_token = row_pair // k
-        weight_rows = top_k_weights.reshape(-1)[row_pair]
-        y, saved = ex.expert_forward(layout.expert, layout.activation, "identity", x[row_token], params, groups)
-        out = comb.combine(y, weight_rows, row_pair, num_tokens, k).to(x.dtype)
-        ctx.layout, ctx.counts, ctx.top_k = layout, counts, k
-        ctx.weights_dtype = top_k_weights.dtype
-        ctx.save_for_backward(x, row_pair, weight_rows, *weights, *saved)
-        return out
+def seam_workspace(experts) -> Workspace:
+    """The pool of row buffers this experts module's forwards draw from: one per model config object
+    (every decoder layer of a model shares it, as shardmoe.MoE layers of one model do), made on first
+    use and released with the config."""
+    config = getattr(experts, "config", None)
+    if config is None:  # an experts module built without a config: a pool of its own
+        return experts.__dict__.setdefault("_shardmoe_workspace", Workspace())
+    pool = _POOLS.get(id(config))
+    if pool is None or pool[0]() is not config:
+        pool = (weakref.ref(config, lambda _, key=id(config): _POOLS.pop(key, None)), Workspace())
+        _POOLS[id(config)] = pool
+    return pool[1]
 
-    @staticmethod
-    def backward(ctx, grad_out):
-        layout: ExpertsLayout = ctx.layout
-        x, row_pair, weight_rows, *rest = ctx.saved_tensors
-        weights, saved = rest[:4], tuple(rest[4:])
-        params = dict(zip(layout.stage_names, weights))
-        groups = ex.Groups.from_counts(ctx.counts)
-        num_tokens, k = x.shape[0], ctx.top_k
-        row_token = row_pair // k
-        grad_xs, grad_dots, grads = ex.expert_backward(layout.expert, layout.activation, "identity",
-                                                       grad_out.contiguous()[row_token], weight_rows, x[row_token],
-                                                       saved, params, groups)
-        grad_x = comb.grad_input_combine(grad_xs, row_pair, num_tokens, k).to(x.dtype)
-        grad_weights = x.new_zeros(num_tokens * k, dtype=accumulation_dtype(x.dtype))
-        grad_weights[row_pair] = grad_dots
-        grad_params = [None if w is None else grads[n].to(w.dtype) for n, w in zip(layout.stage_names, weights)]
-        return (None, grad_x, None, grad_weights.view(num_tokens, k).to(ctx.weights_dtype), *grad_params)
+
+# id(model config) -> (weak reference to it, its pool); configs define __eq__, so they are not keys
+_POOLS: dict[int, tuple[weakref.ref, Workspace]] = {}
 
 
 def experts_forward(experts, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
@@ -196,5 +189,10 @@ def experts_forward(experts, hidden_states: torch.Tensor, top_k_index: torch.Ten
     if top_k_index.numel() and (int(top_k_index.min()) < 0 or int(top_k_index.max()) >= num_experts):
         raise ValueError(f"top_k_index: expected expert ids in 0..{num_experts - 1}, got "
                          f"{int(top_k_index.min())}..{int(top_k_index.max())}")
-    return RoutedExperts.apply(layout, hidden_states, top_k_index, top_k_weights,
-                               *stage_parameters(layout, tensors))
+    stage = dict(zip(layout.stage_names, stage_parameters(layout, tensors)))
+    config = layer_config(layout, hidden_states.shape[-1], stage[layout.stage_names[2]].shape[-1], num_experts,
+                          top_k_index.shape[1])
+    call = MoECall(config, GivenRouting(num_experts), LOCAL, seam_workspace(experts))
+    out, _ = FusedMoE.apply(call, hidden_states, top_k_index, top_k_weights,
+                            *(stage[n] for n in expert_param_names(config)))
+    return out

@@ -22,7 +22,7 @@ import triton.language as tl
 
 from shardmoe.kernels.activations import activation
 from shardmoe.kernels.tuning import configs, unit_columns
-from shardmoe.moe.routing import accumulation_dtype
+from shardmoe.rows import accumulation_dtype
 
 
 @triton.autotune(configs=configs([{"BLOCK_T": t, "BLOCK_H": h} for t in (16, 32) for h in (128, 256)],

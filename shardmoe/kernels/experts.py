@@ -21,7 +21,7 @@ import torch
 from shardmoe.kernels.forward_gemm import forward_gemm
 from shardmoe.kernels.grad_gemm import grad_gemm
 from shardmoe.kernels.weight_grad import bias_grad, weight_grad
-from shardmoe.moe.routing import accumulation_dtype
+from shardmoe.rows import accumulation_dtype
 
 
 def grouped_linear(rows: torch.Tensor, weight: torch.Tensor, groups, *, row_index=None) -> torch.Tensor:

@@ -1,107 +1,168 @@
-"""The seam between the MoE layers and the implementations of their stages.
+"""The seam between the MoE Function and the implementations of its expert and combine stages.
 
-A backend is one implementation of the stage functions, with their names, signatures and
-semantics (docstrings in shardmoe/moe/experts.py and combine.py):
+A backend implements every method of the Backend protocol below; the MoE Function and the
+dispatchers call nothing else. Two families of entry points:
 
-  expert forward      expert_forward
-  expert backward     expert_backward (stages 1-4, built from the five below; the torch backend runs
-                      glu's elementwise work of stages 2-4 as one CPU pass, experts.py)
-  stage 3 / 4         grad_post_gemm_glu, grad_pre_gemm_glu, grad_post_gemm_mlp, grad_pre_gemm_mlp
-  combine side        combine, grad_combine (1), grad_gate_combine (2), grad_input_combine (5)
+  on dispatched rows   expert_forward, expert_backward       (expert parallelism: the rows arrived
+                                                              over the exchange, y goes back over it)
+  on token order       gathered_forward, gathered_backward   (the local dispatcher: x and grad_out
+                                                              in token order with row_token [N]; a
+                                                              backend may fuse the gather and the
+                                                              combine into its GEMMs)
+  combine side         combine, grad_combine (stage 1), grad_gate_combine (stage 2),
+                       grad_input_combine (stage 5)
+  stages 3 / 4         grad_post_gemm_glu, grad_pre_gemm_glu, grad_post_gemm_mlp, grad_pre_gemm_mlp
 
-select() picks one backend per forward from the layer's config and input; FusedMoE and
-ExpertParallelMoE keep it on ctx for their backward, so forward and backward never mix
-implementations. Backends today:
+select() makes the one decision per forward; the Function keeps the backend on ctx for its
+backward, so forward and backward never mix implementations. Backends today:
 
-  torch   shardmoe/moe/experts.py and combine.py themselves (CPU, and any device torch runs on)
-  triton  the wrappers of shardmoe/kernels (CUDA tensors of a kernel dtype, kernels.fused_path()),
-          with the fused entry points of kernels/layer_path.py (fused_gather: the layer hands the
-          kernels x and grad_out in token order, no gathered copies, no stored y)
+  torch   TorchBackend: the stage functions of moe/experts.py and moe/combine.py (any device torch
+          runs on; on CPU they use the C++ passes of moe/elementwise.py and moe/cpu_gemm.py where
+          those take the operands), with its row buffers from the layer's workspace
+  triton  TritonBackend (moe/triton_backend.py): the Triton kernels of shardmoe/kernels, chosen for
+          CUDA tensors of a kernel dtype when the config has only what the kernels implement
+          (kernels.fused_path)
 
-A new implementation is a new module providing these names and one condition in select().
+A new implementation is a class providing every method of Backend and one condition in select().
 """
 from __future__ import annotations
 
-import functools
-from types import SimpleNamespace
+from typing import Protocol
 
 import torch
 
 from shardmoe import kernels
 from shardmoe.moe import combine as comb
 from shardmoe.moe import experts as ex
+from shardmoe.moe.activations import ClampedSwiGLU
 from shardmoe.moe.config import MoEConfig
-from shardmoe.moe.workspace import Workspace
+from shardmoe.moe.workspace import Workspace, empty_rows
+from shardmoe.rows import Groups
 
-EXPERT_STAGES = ("expert_forward", "grad_post_gemm_glu", "grad_pre_gemm_glu", "grad_post_gemm_mlp",
-                 "grad_pre_gemm_mlp")
-COMBINE_STAGES = ("combine", "grad_combine", "grad_gate_combine", "grad_input_combine")
-STAGES = (*EXPERT_STAGES, "expert_backward", *COMBINE_STAGES)
+Activation = str | ClampedSwiGLU
 
 
-def _namespace(name: str, workspace: Workspace | None = None, expert_backward=None, **stages) -> SimpleNamespace:
-    """A backend: `name` plus every stage; expert_backward, unless given, is composed from this
-    backend's own stages. fused_gather (False unless given): whether the layer hands the stages x and
-    grad_out in token order (expert_forward_combine, expert_backward(row_index=)) instead of
-    gathering x[row_token] and combining y itself."""
-    backend = SimpleNamespace(name=name, workspace=workspace, **{"fused_gather": False, **stages})
-    backend.expert_backward = expert_backward or functools.partial(ex.expert_backward, stages=backend,
-                                                                   workspace=workspace)
-    return backend
+class Backend(Protocol):
+    """What the MoE Function and the dispatchers call. Shapes: S tokens, N dispatched rows, H
+    hidden; `saved` is what the forward entry points return for backward ("glu": (h [N, 2F],);
+    "mlp": (z1 [N, P], z2 [N, H])); gradients come as {parameter name: gradient}."""
+
+    name: str
+    workspace: Workspace | None
+
+    def expert_forward(self, expert: str, activation: Activation, output_activation: str, xs: torch.Tensor,
+                       params: dict, groups: Groups) -> tuple[torch.Tensor, tuple]:
+        """y [N, H] for rows xs [N, H], and saved."""
+
+    def expert_backward(self, expert: str, activation: Activation, output_activation: str, grad_rows: torch.Tensor,
+                        weight_rows: torch.Tensor, xs: torch.Tensor, saved: tuple, params: dict,
+                        groups: Groups) -> tuple[torch.Tensor, torch.Tensor, dict]:
+        """Stages 1-4 on rows: (dx rows [N, H], gate dots dw [N] acc dtype, gradients)."""
+
+    def gathered_forward(self, expert: str, activation: Activation, output_activation: str, x: torch.Tensor,
+                         row_token: torch.Tensor, weight_rows: torch.Tensor, row_pair: torch.Tensor, top_k: int,
+                         params: dict, groups: Groups) -> tuple[torch.Tensor, tuple]:
+        """out [S, H] acc dtype = sum over kept pairs of w_r y(x[row_token[r]]), and saved."""
+
+    def gathered_backward(self, expert: str, activation: Activation, output_activation: str, grad_out: torch.Tensor,
+                          weight_rows: torch.Tensor, x: torch.Tensor, row_token: torch.Tensor, saved: tuple,
+                          params: dict, groups: Groups) -> tuple[torch.Tensor, torch.Tensor, dict]:
+        """Stages 1-4 with grad_out [S, H] and x [S, H] read through row_token [N]: as expert_backward."""
+
+    def combine(self, expert_out: torch.Tensor, weight_rows: torch.Tensor, row_pair: torch.Tensor,
+                num_tokens: int, top_k: int) -> torch.Tensor: ...
+
+    def grad_combine(self, grad_rows: torch.Tensor, weight_rows: torch.Tensor) -> torch.Tensor: ...
+
+    def grad_gate_combine(self, grad_rows: torch.Tensor, out_rows: torch.Tensor,
+                          out_scale: torch.Tensor | None = None) -> torch.Tensor: ...
+
+    def grad_input_combine(self, dx_rows: torch.Tensor, row_pair: torch.Tensor, num_tokens: int,
+                           top_k: int) -> torch.Tensor: ...
+
+    def grad_post_gemm_glu(self, grad_rows, weight_rows, a, down_proj, groups, has_bias=False): ...
+
+    def grad_pre_gemm_glu(self, grad_a, h, act_gate, xs, gate_up_proj, groups, activation, has_bias=False): ...
+
+    def grad_post_gemm_mlp(self, grad_expert, z2, a1, w2, has_bias, groups, output_activation): ...
+
+    def grad_pre_gemm_mlp(self, grad_a1, z1, xs, w1, has_bias, groups, activation): ...
 
 
-# the stages that take a `workspace` keyword (the ones whose outputs are large row buffers)
-WORKSPACE_STAGES = ("expert_forward", "grad_post_gemm_glu", "grad_pre_gemm_glu", "grad_combine")
+def gather_rows(tokens: torch.Tensor, row_token: torch.Tensor, workspace: Workspace | None) -> torch.Tensor:
+    """tokens[row_token]: [S, D], [N] -> [N, D], into a workspace buffer when one is given."""
+    out = empty_rows(workspace, (row_token.shape[0], tokens.shape[1]), tokens)
+    return torch.index_select(tokens, 0, row_token, out=out)
 
 
-def _torch(workspace: Workspace | None) -> SimpleNamespace:
-    """The torch backend; with a workspace, its stages take their large row buffers from it."""
-    stages = {s: getattr(ex, s) for s in EXPERT_STAGES} | {s: getattr(comb, s) for s in COMBINE_STAGES}
-    if workspace is not None:
-        stages.update({s: functools.partial(stages[s], workspace=workspace) for s in WORKSPACE_STAGES})
-    return _namespace("torch", workspace, **stages)
+class TorchBackend:
+    """The stage functions of moe/experts.py and moe/combine.py; the large row buffers they return
+    come from `workspace` (None: fresh allocations). The gathered entry points gather x[row_token]
+    and grad_out[row_token] into workspace buffers and combine y after the GEMMs."""
+
+    name = "torch"
+    workspace: Workspace | None = None
+
+    def __init__(self, workspace: Workspace | None = None):
+        self.workspace = workspace
+
+    def expert_forward(self, expert, activation, output_activation, xs, params, groups):
+        return ex.expert_forward(expert, activation, output_activation, xs, params, groups, workspace=self.workspace)
+
+    def expert_backward(self, expert, activation, output_activation, grad_rows, weight_rows, xs, saved, params,
+                        groups):
+        return ex.expert_backward(expert, activation, output_activation, grad_rows, weight_rows, xs, saved, params,
+                                  groups, stages=self, workspace=self.workspace, one_pass=True)
+
+    def gathered_forward(self, expert, activation, output_activation, x, row_token, weight_rows, row_pair, top_k,
+                         params, groups):
+        y, saved = self.expert_forward(expert, activation, output_activation,
+                                       gather_rows(x, row_token, self.workspace), params, groups)
+        return self.combine(y, weight_rows, row_pair, x.shape[0], top_k), saved
+
+    def gathered_backward(self, expert, activation, output_activation, grad_out, weight_rows, x, row_token, saved,
+                          params, groups):
+        return self.expert_backward(expert, activation, output_activation,
+                                    gather_rows(grad_out, row_token, self.workspace), weight_rows,
+                                    gather_rows(x, row_token, self.workspace), saved, params, groups)
+
+    def combine(self, expert_out, weight_rows, row_pair, num_tokens, top_k):
+        return comb.combine(expert_out, weight_rows, row_pair, num_tokens, top_k)
+
+    def grad_combine(self, grad_rows, weight_rows):
+        return comb.grad_combine(grad_rows, weight_rows, workspace=self.workspace)
+
+    def grad_gate_combine(self, grad_rows, out_rows, out_scale=None):
+        return comb.grad_gate_combine(grad_rows, out_rows, out_scale)
+
+    def grad_input_combine(self, dx_rows, row_pair, num_tokens, top_k):
+        return comb.grad_input_combine(dx_rows, row_pair, num_tokens, top_k)
+
+    def grad_post_gemm_glu(self, grad_rows, weight_rows, a, down_proj, groups, has_bias=False):
+        return ex.grad_post_gemm_glu(grad_rows, weight_rows, a, down_proj, groups, has_bias, workspace=self.workspace)
+
+    def grad_pre_gemm_glu(self, grad_a, h, act_gate, xs, gate_up_proj, groups, activation, has_bias=False):
+        return ex.grad_pre_gemm_glu(grad_a, h, act_gate, xs, gate_up_proj, groups, activation, has_bias,
+                                    workspace=self.workspace)
+
+    def grad_post_gemm_mlp(self, grad_expert, z2, a1, w2, has_bias, groups, output_activation):
+        return ex.grad_post_gemm_mlp(grad_expert, z2, a1, w2, has_bias, groups, output_activation)
+
+    def grad_pre_gemm_mlp(self, grad_a1, z1, xs, w1, has_bias, groups, activation):
+        return ex.grad_pre_gemm_mlp(grad_a1, z1, xs, w1, has_bias, groups, activation)
 
 
-TORCH = _torch(None)
+TORCH = TorchBackend()
 
 
-@functools.cache
-def _triton() -> SimpleNamespace:
-    """The Triton backend, built on first use (importing shardmoe.kernels.combine imports triton)."""
-    from shardmoe.kernels import combine as triton_combine
-    from shardmoe.kernels import experts as triton_experts
-
-    # The kernels take no glu biases (select() never picks them for a biased glu), so the torch
-    # signatures' has_bias is always False here and the bias gradient None.
-    def grad_post_gemm_glu(grad_rows, weight_rows, a, down_proj, groups, has_bias=False):
-        return (*triton_experts.grad_post_gemm_glu(grad_rows, weight_rows, a, down_proj, groups), None)
-
-    def grad_pre_gemm_glu(grad_a, h, act_gate, xs, gate_up_proj, groups, activation, has_bias=False):
-        return (*triton_experts.grad_pre_gemm_glu(grad_a, h, act_gate, xs, gate_up_proj, groups, activation), None)
-
-    def grad_gate_combine(grad_rows, out_rows, out_scale=None):
-        return triton_combine.grad_gate_combine(grad_rows, out_rows if out_scale is None else out_rows * out_scale)
-
-    from shardmoe.kernels import layer_path
-
-    # the fused entry points (kernels/layer_path.py): the layer passes x and grad_out in token order
-    # with row_token and the kernels gather inside; stages 1+2 (mlp) or 2+3 (glu) run as one kernel
-    return _namespace("triton", expert_backward=layer_path.expert_backward, fused_gather=True,
-                      expert_forward_combine=triton_experts.expert_forward_combine,
-                      expert_forward=triton_experts.expert_forward,
-                      grad_post_gemm_glu=grad_post_gemm_glu, grad_pre_gemm_glu=grad_pre_gemm_glu,
-                      grad_post_gemm_mlp=triton_experts.grad_post_gemm_mlp,
-                      grad_pre_gemm_mlp=triton_experts.grad_pre_gemm_mlp,
-                      combine=triton_combine.combine, grad_combine=triton_combine.grad_combine,
-                      grad_gate_combine=grad_gate_combine, grad_input_combine=triton_combine.grad_input_combine)
-
-
-def select(config: MoEConfig, x: torch.Tensor, workspace: Workspace | None = None) -> SimpleNamespace:
+def select(config: MoEConfig, x: torch.Tensor, workspace: Workspace | None = None) -> Backend:
     """The backend for one forward of a layer with `config` on input x [S, H]: Triton when
     kernels.fused_path(config, x) (a CUDA tensor of a kernel dtype, or any under the test switch
-    force_kernel_path(); triton importable; SHARDMOE_KERNELS not 0; a config the kernels implement:
-    no glu biases); torch otherwise, drawing its row buffers from `workspace` when one is given
-    (the kernels allocate their own)."""
+    kernels.force_kernel_path(); triton importable; kernels not switched off in shardmoe.settings;
+    a config the kernels implement); torch otherwise, drawing its row buffers from `workspace` when
+    one is given (the kernels allocate their own)."""
     if kernels.fused_path(config, x):
-        return _triton()
-    return TORCH if workspace is None else _torch(workspace)
+        from shardmoe.moe.triton_backend import TRITON  # imports triton: only when it runs
+
+        return TRITON
+    return TORCH if workspace is None else TorchBackend(workspace)

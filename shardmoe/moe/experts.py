@@ -20,87 +20,14 @@ round trip would cost more than the GEMMs on CPU. Reductions over tokens accumul
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 
 from shardmoe.moe import cpu_gemm, elementwise
 from shardmoe.moe.activations import ClampedSwiGLU, activate, activate_backward
 from shardmoe.moe.combine import grad_combine, row_chunks
-from shardmoe.moe.routing import accumulation_dtype
 from shardmoe.moe.workspace import Workspace, empty_rows
-
-
-@dataclass(frozen=True)
-class Groups:
-    """Expert e owns rows [start_e, start_e + sizes[e]) of the dispatched matrix.
-
-    row_tile T > 0 pads expert groups to whole tiles in the GEMMs that map rows to rows (the
-    forward GEMMs and the input-gradient GEMMs, per-expert loop only): expert e's GEMM runs on
-    the ceil(size_e / T) * T rows from start_e, so fresh routing reuses a few GEMM shapes (a bf16
-    GEMM of a new row count costs oneDNN a kernel build). The rows past an expert's own are the
-    next experts' rows or the slack a workspace buffer carries past its end: their products land
-    in rows that the later experts' GEMMs overwrite (experts run in order) or in that slack, and
-    an output row depends on its own input row only, so no pad row reaches a result. A GEMM runs
-    on exact counts when an operand's storage lacks the rows (a buffer not from a workspace).
-    Weight-gradient GEMMs reduce over rows and always take exact counts."""
-
-    sizes: tuple[int, ...]
-    offsets: torch.Tensor  # int32 [E], cumulative ends, as grouped_mm wants them
-    row_tile: int = 0
-
-    @classmethod
-    def from_counts(cls, counts: torch.Tensor, row_tile: int = 0) -> "Groups":
-        if row_tile < 0:
-            raise ValueError(f"row_tile: expected >= 0, got {row_tile}")
-        return cls(tuple(int(c) for c in counts.tolist()), torch.cumsum(counts, 0).to(torch.int32), row_tile)
-
-    def expert_rows(self, rows: torch.Tensor, out: torch.Tensor):
-        """(e, rows of e, out rows of e) for every expert in order, both extended to whole row tiles
-        when row_tile > 0 and both storages hold the extra rows (see the class docstring)."""
-        start = 0
-        for e, size in enumerate(self.sizes):
-            padded = -(-size // self.row_tile) * self.row_tile if self.row_tile else size
-            if padded > size and _holds_rows(rows, start + padded) and _holds_rows(out, start + padded):
-                yield e, _row_view(rows, start, padded), _row_view(out, start, padded)
-            else:
-                yield e, rows[start:start + size], out[start:start + size]
-            start += size
-
-    def row_expert(self, device=None) -> torch.Tensor:
-        """[N] expert index of each row."""
-        sizes = torch.tensor(self.sizes, device=device if device is not None else self.offsets.device)
-        return torch.repeat_interleave(torch.arange(len(self.sizes), device=sizes.device), sizes)
-
-
-def row_tile_for(dtype: torch.dtype, counts: torch.Tensor) -> int:
-    """The row tile of tile-padded expert groups for rows of `dtype`, counts [E] rows per expert,
-    when a workspace asks for the rule (Workspace(row_tile=None); the default is no tile: in the
-    whole layer tiles did not pay on the CPU measured, docs/benchmarks.md).
-
-    Probed (`python -m shardmoe.bench.tile_probe`, docs/benchmarks.md): only bf16/fp16 GEMMs pay
-    for a new row count (oneDNN builds a kernel per shape; fp32 goes to MKL, which does not), and
-    padding costs about T/2 extra rows per expert, so the tile is a power of two near 1/32 of the
-    mean rows per expert, between 8 and 64: 32 at ~1000 rows per expert, 8 at ~128; 0 below 64
-    rows per expert and for other dtypes."""
-    if dtype not in (torch.bfloat16, torch.float16) or counts.numel() == 0:
-        return 0
-    mean_rows = int(counts.sum()) / counts.numel()
-    if mean_rows < 64:  # a tile of 8 would add ~6 % rows or more
-        return 0
-    return max(8, min(64, 1 << int(mean_rows / 32).bit_length() - 1))
-
-
-def _holds_rows(t: torch.Tensor, num_rows: int) -> bool:
-    """Whether t's storage holds num_rows rows of t's layout from t's first row."""
-    last = t.storage_offset() + (num_rows - 1) * t.stride(0) + (t.shape[1] - 1) * t.stride(1)
-    return (last + 1) * t.element_size() <= t.untyped_storage().nbytes()
-
-
-def _row_view(t: torch.Tensor, start: int, num_rows: int) -> torch.Tensor:
-    """Rows [start, start + num_rows) of t's layout, which may reach past t.shape[0] (_holds_rows)."""
-    return t.as_strided((num_rows, t.shape[1]), t.stride(), t.storage_offset() + start * t.stride(0))
+from shardmoe.rows import Groups, accumulation_dtype
 
 
 def _aligned(t: torch.Tensor) -> bool:
@@ -318,24 +245,22 @@ def grad_pre_gemm_mlp(grad_a1: torch.Tensor, z1: torch.Tensor, xs: torch.Tensor,
 
 def expert_backward(expert: str, activation: str | ClampedSwiGLU, output_activation: str, grad_rows: torch.Tensor,
                     weight_rows: torch.Tensor, xs: torch.Tensor, saved: tuple, params: dict, groups: Groups, *,
-                    stages=None, workspace: Workspace | None = None):
+                    stages, workspace: Workspace | None = None, one_pass: bool = False):
     """Stages 1-4 on dispatched rows, given the unscaled output gradient g [N, H], the combine
     weights w [N], the rows xs [N, H] and what expert_forward saved.
 
-    `stages` is the backend whose stage functions run (shardmoe/moe/backends.py; None: this
-    module's, the torch backend); `workspace` supplies the row buffers. For "glu" the torch backend
-    runs the elementwise work of stages 2-4 as one pass where the CPU kernels take the rows
-    (_glu_backward_one_pass), any other backend its own stage functions (_glu_backward_by_stage).
+    `stages` is the backend whose stage functions run (moe/backends.py); `workspace` supplies the
+    row buffers. With one_pass (the torch backend) "glu" runs the elementwise work of stages 2-4
+    as one pass where the CPU kernels take the rows (_glu_backward_one_pass); otherwise, and where
+    they do not, the backend's own stage functions (_glu_backward_by_stage).
 
     Returns (dx rows [N, H], gate dots dw [N] in the acc dtype, {parameter name: gradient}).
     "glu" takes the gate dot over F, as (g Wdown) . a: with F sharded that is a partial sum.
     """
-    if stages is None:
-        from shardmoe.moe.backends import TORCH as stages  # backends imports this module
     if expert == "glu":
         (h,) = saved
         has_bias = params.get("gate_up_proj_bias") is not None
-        if getattr(stages, "name", None) == "torch" and isinstance(activation, str) and elementwise.available(
+        if one_pass and isinstance(activation, str) and elementwise.available(
                 grad_rows, h, activation=activation, extra=(weight_rows,)):
             grad_xs, grad_dots, grads = _glu_backward_one_pass(activation, grad_rows, weight_rows, xs, h, params,
                                                                groups, has_bias, workspace)

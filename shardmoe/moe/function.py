@@ -1,42 +1,46 @@
-"""FusedMoE: the autograd.Function of one MoE layer, with an explicit backward.
+"""FusedMoE: the one autograd.Function of the MoE layer, with an explicit backward.
 
-Forward (S tokens, H hidden, E experts, k top-k, N kept pairs; on the kernel path,
-kernels.fused_path, the gather, y and the combine live inside two fused GEMMs and backward's
-stages 1-3 fuse likewise: shardmoe/kernels/layer_path.py):
-  route x [S, H] -> weights w [S, k], pairs sorted by expert (row_pair [N])
-  xs = x[token of each row]                      [N, H]   (gathered, not saved)
-  y  = expert_forward(xs)                        [N, H]
-  out_t = sum_j w_tj y_j(x_t)                    [S, H]
-  out_t += s_t shared(x_t)                       [S, H]   (shared_ffn_size > 0: moe/shared_experts.py)
-  loss  = aux_coef * aux + z_coef * z            scalar
+Every way into shardmoe's MoE runs through it: the MoE module on one process, the same module
+with expert parallelism, and transformers' experts seam (shardmoe.hf). What differs between them
+is handed in (MoECall): where the routing comes from (the router: moe/routing.py GateRouter or
+GivenRouting) and how the rows reach the experts and come back (the dispatcher: moe/dispatch.py's
+LocalDispatcher, or expert parallelism's, shardmoe/parallel/expert_parallel.py).
 
-Backward, the six stages of design.md section 4, in order:
-  1 grad_combine   2 grad_gate_combine   3 grad_post_gemm   4 grad_pre_gemm
-  5 grad_input_combine   6 grad_gate_gemm
-The shared expert's own stages 3, 2, 4 and its gate's gradient run beside 3-5 and add into dx.
+Forward (S tokens, H hidden, E experts, k top-k, N kept pairs, sorted by expert):
+  routing = dispatcher.route(router, x)          weights w [S, k], row_pair [N]
+  out     = dispatcher.forward(backend, x)       dispatch x rows -> y = experts(xs) [N, H]
+                                                 -> combine out_t = sum_j w_tj y_j(x_t)   [S, H]
+  out_t  += s_t shared(x_t)                      (shared_ffn_size > 0: moe/shared_experts.py)
+  loss    = router.loss(routing)                 aux + z + sequence-wise, scalar
 
-Saved for backward (all through ctx.save_for_backward, so saved-tensor hooks see them):
-  x [S, H]; routing: probs [S, E], logsumexp [S], top_idx [S, k] int64, top_prob [S, k],
-  weight [S, k] (acc dtype), per-expert counts [E] x2, row_pair [N] int64, and the router
-  options' extras (routing.Routing: empty unless a sigmoid z loss or the sequence-wise loss asks);
-  "glu": h [N, 2F];  "mlp": z1 [N, P], z2 [N, H];  shared expert: h_shared [S, 2Fs], s [S].
-  Per token that is H + k*2F (glu) elements of the input dtype plus 4E + 4 + 24k bytes of
-  routing state (fp32 acc): see docs/moe.md. The expert output y is not saved:
-  "glu" takes the gate dot product as (g Wdown) . a, "mlp" recomputes act_out(z2).
+Backward, in the six stages of the FlashMoE task design (docs/architecture.md):
+  1 grad_combine  2 grad_gate_combine  3 grad_post_gemm  4 grad_pre_gemm   (backend, on rows)
+  5 grad_input_combine                                                      (dispatcher)
+  6 grad_gate_gemm                                                          (router)
+The shared expert's own stages 3, 2, 4 and its gate's gradient run after 5 and add into dx.
+
+Saved for backward (all through ctx.save_for_backward, so saved-tensor hooks see them): x [S, H],
+the router tensors its backward reads (gate_weight, gate_bias), the expert weights, the routing
+(routing.Routing: probs [S, E], logsumexp [S], top_idx [S, k] int64, top_prob [S, k], weight
+[S, k] acc dtype, counts [E] x2, row_pair [N] int64, and the router options' extras), the shared
+expert's h_shared [S, 2Fs] and s [S], what the dispatcher keeps (expert parallelism: the received
+rows and their order) and the expert's "glu": h [N, 2F]; "mlp": z1 [N, P], z2 [N, H]. The expert
+output y is not saved: "glu" takes the gate dot as (g Wdown) . a, "mlp" recomputes act_out(z2).
+Per token that is H + k*2F (glu) elements of the input dtype plus the routing state: docs/moe.md.
 """
 from __future__ import annotations
 
 import functools
-from dataclasses import fields
+from dataclasses import dataclass, fields
 
 import torch
 
 from shardmoe.moe import backends
-from shardmoe.moe import experts as ex
 from shardmoe.moe import shared_experts as shared_ex
 from shardmoe.moe.config import MoEConfig
-from shardmoe.moe.routing import Routing, balance_loss, grad_gate_from_rows, route
-from shardmoe.moe.workspace import Workspace, empty_rows
+from shardmoe.moe.routing import Routing
+from shardmoe.moe.workspace import Workspace
+from shardmoe.rows import accumulation_dtype
 
 
 def expert_param_names(config: MoEConfig) -> tuple[str, ...]:
@@ -91,112 +95,119 @@ def not_twice_differentiable(backward):
     return wrapper
 
 
-def expert_groups(counts: torch.Tensor, dtype: torch.dtype, workspace: Workspace | None) -> ex.Groups:
-    """The expert groups of counts [E] kept rows, tile-padded (ex.Groups.row_tile) when the rows
-    live in workspace buffers, which carry the slack: the workspace's row_tile, or when that is
-    None the measured rule ex.row_tile_for."""
-    if workspace is None:
-        return ex.Groups.from_counts(counts)
-    tile = workspace.row_tile if workspace.row_tile is not None else ex.row_tile_for(dtype, counts)
-    return ex.Groups.from_counts(counts, tile)
+@dataclass
+class MoECall:
+    """The non-tensor arguments of one FusedMoE.apply.
+
+    config: the layer's MoEConfig; router: GateRouter or GivenRouting (moe/routing.py); dispatcher:
+    moe/dispatch.py's protocol; workspace: the pool of large row buffers (None: fresh ones);
+    stats: filled in place with the forward's routing statistics."""
+
+    config: MoEConfig
+    router: object
+    dispatcher: object
+    workspace: Workspace | None = None
+    stats: dict | None = None
 
 
-def gather_rows(tokens: torch.Tensor, row_token: torch.Tensor, workspace: Workspace | None) -> torch.Tensor:
-    """tokens[row_token]: [S, D], [N] -> [N, D], into a workspace buffer when one is given."""
-    out = empty_rows(workspace, (row_token.shape[0], tokens.shape[1]), tokens)
-    return torch.index_select(tokens, 0, row_token, out=out)
+@dataclass
+class Saved:
+    """What FusedMoE's backward reads, flattened into ctx.save_for_backward and back.
+    Field order is the flattening order; the tuple fields' lengths are kept beside."""
+
+    x: torch.Tensor
+    router: tuple
+    weights: tuple
+    routing: Routing
+    shared: tuple
+    dispatched: tuple
+
+    def flat(self) -> tuple[tuple, tuple[int, ...]]:
+        lengths = (len(self.router), len(self.weights), len(self.shared), len(self.dispatched))
+        return (self.x, *self.router, *self.weights, *self.routing.tensors(), *self.shared, *self.dispatched), lengths
+
+    @classmethod
+    def restore(cls, tensors: tuple, lengths: tuple[int, ...]) -> "Saved":
+        n_router, n_weights, n_shared, _ = lengths
+        n_routing = len(fields(Routing))
+        x, rest = tensors[0], tensors[1:]
+        router, rest = rest[:n_router], rest[n_router:]
+        weights, rest = rest[:n_weights], rest[n_weights:]
+        routing, rest = Routing(*rest[:n_routing]), rest[n_routing:]
+        return cls(x, tuple(router), tuple(weights), routing, tuple(rest[:n_shared]), tuple(rest[n_shared:]))
 
 
 class FusedMoE(torch.autograd.Function):
-    """apply(x [S, H], config, stats: dict, workspace or None, correction_bias [E] or None,
-    token_sequence [S] or None, gate_weight [H, E], gate_bias [E] or None, *expert params,
-    *shared params) -> (out [S, H], loss [])
+    """apply(call: MoECall, x [S, H], *router tensors, *expert params, *shared params)
+    -> (out [S, H] in x's dtype, loss [] in the acc dtype)
 
-    `stats` is filled in place with this forward's routing statistics. `workspace`
-    (shardmoe/moe/workspace.py) supplies the large row buffers of forward and backward, None
-    allocates them fresh. correction_bias and token_sequence steer the selection and the
-    sequence-wise loss and get no gradient. The stages run on the backend backends.select() picks
-    here, and backward uses the same one."""
+    The router tensors are call.router's (router.num_tensors of them); the expert params are in
+    expert_param_names(config) order, then the shared expert's in shared_param_names order. The
+    stages run on the backend backends.select() picks here; backward uses the same one."""
 
     @staticmethod
-    def forward(ctx, x, config: MoEConfig, stats: dict, workspace: Workspace | None, correction_bias, token_sequence,
-                gate_weight, gate_bias, *weights):
-        num_tokens, k = x.shape[0], config.top_k
-        backend = backends.select(config, x, workspace)
-        routing = route(x, gate_weight, config, gate_bias, correction_bias, token_sequence)
+    def forward(ctx, call: MoECall, x, *tensors):
+        config, router, dispatcher = call.config, call.router, call.dispatcher
+        router_tensors, weights = tensors[:router.num_tensors], tensors[router.num_tensors:]
         expert_weights, shared_weights = split_weights(config, weights)
         params = dict(zip(expert_param_names(config), expert_weights))
-        groups = expert_groups(routing.kept_per_expert, x.dtype, backend.workspace)
-        row_token, weight_rows = routing.rows(k)
-        if backend.fused_gather:  # no x[row_token], no stored y: kernels/layer_path.py
-            out, saved = backend.expert_forward_combine(config.expert, config.expert_activation,
-                                                        config.output_activation, x, row_token, weight_rows,
-                                                        routing.row_pair, params, groups, k)
-        else:
-            y, saved = backend.expert_forward(config.expert, config.expert_activation, config.output_activation,
-                                              gather_rows(x, row_token, backend.workspace), params, groups)
-            out = backend.combine(y, weight_rows, routing.row_pair, num_tokens, k)
-        shared_saved = ()
-        if shared_weights:
-            shared = shared_ex.named_shared_params(config, shared_weights)
-            shared_out, shared_saved = shared_ex.forward(x, shared, config)
-            out = out + shared_out  # both in the acc dtype: one rounding below
-        out = out.to(x.dtype)
-        loss = balance_loss(routing, config)
-        stats.update(
-            tokens_per_expert=routing.kept_per_expert,
-            selected_per_expert=routing.selected_per_expert,
-            dropped_tokens=routing.dropped_pairs,
-            capacity=config.capacity(num_tokens),
-        )
-        ctx.config, ctx.backend = config, backend
-        ctx.save_for_backward(
-            x, gate_weight, gate_bias, *weights,
-            *routing.tensors(), *shared_saved, *saved,
-        )
+        shared = shared_ex.named_shared_params(config, shared_weights)
+        with dispatcher.guard():
+            dispatcher.prepare(config, x, router_tensors, shared)
+            backend = backends.select(config, x, call.workspace)
+            routing, state = dispatcher.route(router, x, router_tensors)
+            out, dispatched = dispatcher.forward(backend, config, x, routing, state, params)
+            shared_saved = ()
+            with dispatcher.timed(state, "experts"):
+                if shared:
+                    shared_out, shared_saved = shared_ex.forward(x, shared, config, dispatcher.reduce_shared("output"))
+                    out = out + shared_out  # both in the acc dtype: one rounding below
+                out = out.to(x.dtype)
+            with dispatcher.timed(state, "combine"):
+                loss_routing, num_tokens, num_sequences = dispatcher.loss_scope(routing, state)
+                loss = router.loss(loss_routing, num_tokens, num_sequences)
+                if call.stats is not None:
+                    call.stats.update(dispatcher.stats(config, routing, state, x.shape[0]))
+        ctx.call, ctx.backend, ctx.state, ctx.scope = call, backend, state, (num_tokens, num_sequences)
+        saved, ctx.lengths = Saved(x, router.saved(router_tensors), weights, loss_routing, shared_saved,
+                                   dispatched).flat()
+        ctx.save_for_backward(*saved)
         return out, loss
 
     @staticmethod
     @not_twice_differentiable
     def backward(ctx, grad_out, grad_loss):
-        config: MoEConfig = ctx.config
-        backend = ctx.backend
-        n_weights = len(expert_param_names(config)) + len(shared_ex.shared_param_names(config))
-        x, gate_weight, gate_bias, *rest = ctx.saved_tensors
-        (expert_weights, shared_weights), rest = split_weights(config, rest[:n_weights]), rest[n_weights:]
-        n_routing = len(fields(Routing))
-        routing, rest = Routing(*rest[:n_routing]), rest[n_routing:]
-        shared_saved, saved = (rest[:2], rest[2:]) if shared_weights else ((), rest)
+        call: MoECall = ctx.call
+        config, router, dispatcher, state = call.config, call.router, call.dispatcher, ctx.state
+        saved = Saved.restore(ctx.saved_tensors, ctx.lengths)
+        x, routing = saved.x, saved.routing
+        expert_weights, shared_weights = split_weights(config, saved.weights)
         params = dict(zip(expert_param_names(config), expert_weights))
-        num_tokens, k = x.shape[0], config.top_k
-        groups = expert_groups(routing.kept_per_expert, x.dtype, backend.workspace)
-        row_token, weight_rows = routing.rows(k)
-        # stages 1-4 (for "glu": 1 and 3 with w on both sides of the Wdown GEMM, 2 on (g Wdown, a))
-        if backend.fused_gather:  # the kernels read grad_out and x through row_token: no gathered copies
-            grad_xs, grad_weight_rows, grads = backend.expert_backward(
-                config.expert, config.expert_activation, config.output_activation, grad_out.contiguous(),
-                weight_rows, x, saved, params, groups, row_index=row_token)
-        else:
-            grad_xs, grad_weight_rows, grads = backend.expert_backward(
-                config.expert, config.expert_activation, config.output_activation,
-                gather_rows(grad_out.contiguous(), row_token, backend.workspace), weight_rows,
-                gather_rows(x, row_token, backend.workspace), saved, params, groups)
-        grad_x = backend.grad_input_combine(grad_xs, routing.row_pair, num_tokens, k)
-        grad_x_gate, grad_gate, grad_gate_bias = grad_gate_from_rows(x, gate_weight, routing, grad_weight_rows,
-                                                                     grad_loss, config)
-        grad_x = grad_x + grad_x_gate
-        shared_grads = []
-        if shared_weights:
-            shared_params = shared_ex.named_shared_params(config, shared_weights)
-            grad_x_shared, named = shared_ex.backward(grad_out.contiguous(), x, shared_saved, shared_params, config)
-            grad_x = grad_x + grad_x_shared
-            shared_grads = [named[n] for n in shared_params]
-        grad_x = grad_x.to(x.dtype)
+        grad_out = grad_out.contiguous()
+        with dispatcher.guard():
+            # stages 1-5
+            grad_x, grad_dots, grads = dispatcher.backward(ctx.backend, config, grad_out, x, routing, state,
+                                                           saved.dispatched, params)
+            with dispatcher.timed(state, "route"):  # stage 6, from dL/dw [S, k] (zero for dropped pairs)
+                num_tokens, k = x.shape[0], config.top_k
+                grad_weight = x.new_zeros(num_tokens * k, dtype=accumulation_dtype(x.dtype))
+                grad_weight[routing.row_pair] = grad_dots
+                grad_x_router, router_grads = router.backward(x, saved.router, routing,
+                                                              grad_weight.view(num_tokens, k), grad_loss, *ctx.scope)
+                if grad_x_router is not None:
+                    grad_x = grad_x + grad_x_router
+            shared_grads = []
+            with dispatcher.timed(state, "experts"):
+                if shared_weights:
+                    shared = shared_ex.named_shared_params(config, shared_weights)
+                    grad_x_shared, named = shared_ex.backward(grad_out, x, saved.shared, shared, config,
+                                                              dispatcher.reduce_shared("input"),
+                                                              dispatcher.reduce_shared("dot"))
+                    grad_x = grad_x + grad_x_shared
+                    shared_grads = [named[n] for n in shared]
         expert_grads = [None if g is None else g.to(p.dtype)
                         for g, p in zip((grads[n] for n in expert_param_names(config)), expert_weights)]
-        grad_gate_bias = None if gate_bias is None else grad_gate_bias.to(gate_bias.dtype)
-        return (grad_x, None, None, None, None, None, grad_gate.to(gate_weight.dtype), grad_gate_bias,
-                *expert_grads, *shared_grads)
+        return (None, grad_x.to(x.dtype), *router_grads, *expert_grads, *shared_grads)
 
 
 def split_weights(config: MoEConfig, weights) -> tuple[tuple, tuple]:

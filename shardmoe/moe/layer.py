@@ -11,15 +11,16 @@
                                  each [T] row of x [..., T, H] when x has 3+ dims, else one)
   layer.update_correction_bias(load)   after the optimizer step, with the step's global loads
 
-Parameters (design.md section 3): gate_weight [H, E], gate_bias [E] (router_bias, else None);
+Parameters: gate_weight [H, E], gate_bias [E] (router_bias, else None);
 buffer correction_bias [E] float32 (correction_bias, else None); "glu": gate_up_proj [E, 2F, H],
 down_proj [E, H, F]; "mlp": w1 [E, P, H], b1 [E, P], w2 [E, H, P], b2 [E, H]; with shared_ffn_size
 Fs > 0: shared_gate_up_proj [2Fs, H], shared_down_proj [H, Fs], and with shared_gate
 shared_gate_weight [H] (shardmoe/moe/shared_experts.py).
-Single process (mesh None or of one rank), forward and backward are FusedMoE
-(shardmoe/moe/function.py). With a mesh, parameters hold this rank's shard (experts split over
-'e' in contiguous blocks, the intermediate dim over 't': shardmoe/parallel/expert_tensor.py), x
-holds this rank's tokens, and the forward is shardmoe.parallel.ExpertParallel.
+Forward and backward are the one Function FusedMoE (shardmoe/moe/function.py), with the layer's
+gate as its router and its dispatcher: LOCAL on one process (mesh None or of one rank); with a
+mesh, parameters hold this rank's shard (experts split over 'e' in contiguous blocks, the
+intermediate dim over 't': shardmoe/parallel/expert_tensor.py), x holds this rank's tokens, and
+the dispatcher is shardmoe.parallel.ExpertParallel.
 """
 from __future__ import annotations
 
@@ -31,7 +32,9 @@ from torch import nn
 from shardmoe.moe import routers
 from shardmoe.moe import shared_experts as shared_ex
 from shardmoe.moe.config import MoEConfig
-from shardmoe.moe.function import FusedMoE, expert_param_names
+from shardmoe.moe.dispatch import LOCAL
+from shardmoe.moe.function import FusedMoE, MoECall, expert_param_names
+from shardmoe.moe.routing import GateRouter
 from shardmoe.moe.workspace import Workspace
 from shardmoe.moe.hf_blocks import MIXTRAL_ACTIVATIONS, mixtral_semantics
 from shardmoe.parallel import expert_tensor as etp
@@ -46,7 +49,7 @@ ACTIVATION_OPTIONS = ("swiglu_limit", "swiglu_alpha")
 # MoEConfig's shared-expert fields, also keyword options
 SHARED_OPTIONS = ("shared_ffn_size", "shared_gate")
 
-# the dtypes the layer computes in (float16 runs, but at ~1 GFLOP/s on CPU: design.md)
+# the dtypes the layer computes in (float16 runs, but fp16 matmul ran at ~1 GFLOP/s on the CPUs measured)
 DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 # the expert parameters that exist only with bias=True
 BIAS_NAMES = ("b1", "b2", "gate_up_proj_bias", "down_proj_bias")
@@ -109,7 +112,8 @@ class MoE(nn.Module):
         self.stats: dict = {}
         # the large row buffers of forward and backward, reused across steps (single process)
         self.workspace = Workspace()
-        self._parallel = ExpertParallel(self.config, mesh) if mesh is not None and mesh.size() > 1 else None
+        # how tokens reach the experts: all local, or exchanged along 'e' (moe/dispatch.py)
+        self.dispatcher = ExpertParallel(self.config, mesh) if mesh is not None and mesh.size() > 1 else LOCAL
 
     @property
     def local_experts(self) -> range:
@@ -180,12 +184,9 @@ class MoE(nn.Module):
         token_sequence = self.token_sequence(x, sequence_starts)
         stats: dict = {}
         tokens = x.reshape(-1, x.shape[-1])
-        if self._parallel is None:
-            out, loss = FusedMoE.apply(tokens, self.config, stats, self.workspace, self.correction_bias,
-                                       token_sequence, self.gate_weight, self.gate_bias, *self.expert_parameters())
-        else:
-            out, loss = self._parallel(tokens, stats, self.workspace, self.correction_bias, token_sequence,
-                                       self.gate_weight, self.gate_bias, *self.expert_parameters())
+        call = MoECall(self.config, GateRouter(self.config), self.dispatcher, self.workspace, stats)
+        out, loss = FusedMoE.apply(call, tokens, self.gate_weight, self.gate_bias, self.correction_bias, token_sequence,
+                                   *self.expert_parameters())
         stats["workspace_bytes"] = 0 if self.workspace is None else self.workspace.resident_bytes
         self.aux_loss, self.stats = loss, stats
         return out.view(x.shape)

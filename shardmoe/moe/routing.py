@@ -19,17 +19,14 @@ eps = 0: exp(l_j) / sum_{i in sel} exp(l_i) = p_j / sum_{i in sel} p_i, and soft
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, fields
 
 import torch
 
 from shardmoe.moe import routers
 from shardmoe.moe.config import MoEConfig
-
-
-def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
-    """Routing math and reductions run in float64 for float64 inputs, float32 otherwise."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
+from shardmoe.rows import accumulation_dtype
 
 
 @dataclass
@@ -86,7 +83,7 @@ def route(x: torch.Tensor, gate_weight: torch.Tensor, config: MoEConfig, gate_bi
     correction_bias [E] moves the selection only; token_sequence [S] (routers.token_sequence_ids)
     is needed when config.seq_aux_loss_coef > 0, and then defaults to one sequence."""
     acc = accumulation_dtype(x.dtype)
-    num_tokens, k, num_experts = x.shape[0], config.top_k, config.num_experts
+    num_tokens, num_experts = x.shape[0], config.num_experts
     logits = x.to(acc) @ gate_weight.to(acc)
     if gate_bias is not None:
         logits = logits + gate_bias.to(acc)
@@ -260,3 +257,67 @@ def grad_gate_gemm(
     x_acc = x.to(acc)
     grad_bias = grad_logits.sum(0) if config.router_bias else None
     return grad_logits @ gate_weight.to(acc).t(), x_acc.t() @ grad_logits, grad_bias
+
+
+class GateRouter:
+    """The layer's own router, as the MoE Function takes it: router tensors (gate_weight [H, E],
+    gate_bias [E] or None, correction_bias [E] or None, token_sequence [S] or None); the last two
+    steer selection and the sequence-wise loss and get no gradient. Backward is stage 6."""
+
+    num_tensors = 4
+
+    def __init__(self, config: MoEConfig):
+        self.config = config
+
+    def route(self, x: torch.Tensor, tensors: tuple, dropless: bool) -> Routing:
+        gate_weight, gate_bias, correction_bias, token_sequence = tensors
+        config = dataclasses.replace(self.config, capacity_factor=None) if dropless else self.config
+        return route(x, gate_weight, config, gate_bias, correction_bias, token_sequence)
+
+    def saved(self, tensors: tuple) -> tuple:
+        """The router tensors backward reads: (gate_weight, gate_bias)."""
+        return tensors[:2]
+
+    def loss(self, routing: Routing, num_tokens: int | None, num_sequences: int | None) -> torch.Tensor:
+        return balance_loss(routing, self.config, num_tokens, num_sequences)
+
+    def backward(self, x: torch.Tensor, saved: tuple, routing: Routing, grad_weight: torch.Tensor,
+                 grad_loss: torch.Tensor | None, num_tokens: int | None, num_sequences: int | None):
+        """(dx [S, H] acc dtype, gradients of the four router tensors) from dL/dw [S, k]."""
+        gate_weight, gate_bias = saved
+        grad_x, grad_gate, grad_bias = grad_gate_gemm(x, gate_weight, routing, grad_weight, grad_loss, self.config,
+                                                      num_tokens, num_sequences)
+        grad_bias = None if gate_bias is None else grad_bias.to(gate_bias.dtype)
+        return grad_x, (grad_gate.to(gate_weight.dtype), grad_bias, None, None)
+
+
+class GivenRouting:
+    """A routing made outside the layer (transformers' experts seam: the family's own router ran):
+    router tensors (top_k_index [S, k] int, top_k_weights [S, k]). Every pair is kept (no capacity);
+    the Function's gradient for top_k_weights is the gate dots dL/dw_tj = g_t . y_j(x_t), through
+    which the family's router gets its own; there is no balance loss here (the family adds its own)."""
+
+    num_tensors = 2
+
+    def __init__(self, num_experts: int):
+        self.num_experts = num_experts
+
+    def route(self, x: torch.Tensor, tensors: tuple, dropless: bool) -> Routing:
+        top_k_index, top_k_weights = tensors
+        row_pair, selected, kept = dispatch_order(top_k_index, self.num_experts, None)
+        S, device = x.shape[0], x.device
+        none = torch.zeros(S, 0, dtype=accumulation_dtype(x.dtype), device=device)
+        return Routing(probs=none, logsumexp=none.new_zeros(S), top_idx=top_k_index, top_prob=top_k_weights,
+                       weight=top_k_weights, selected_per_expert=selected, kept_per_expert=kept, row_pair=row_pair,
+                       z_probs=none, token_sequence=torch.zeros(S, 0, dtype=torch.int64, device=device),
+                       sequence_selected=torch.zeros(0, self.num_experts, dtype=torch.int64, device=device),
+                       sequence_tokens=torch.zeros(0, dtype=torch.int64, device=device))
+
+    def saved(self, tensors: tuple) -> tuple:
+        return ()
+
+    def loss(self, routing: Routing, num_tokens: int | None, num_sequences: int | None) -> torch.Tensor:
+        return routing.probs.new_zeros(())
+
+    def backward(self, x, saved, routing, grad_weight, grad_loss, num_tokens, num_sequences):
+        return None, (None, grad_weight.to(routing.weight.dtype))

@@ -32,7 +32,7 @@ import torch
 from shardmoe.moe import experts as ex
 from shardmoe.moe.combine import grad_gate_combine, scale_rows
 from shardmoe.moe.config import MoEConfig
-from shardmoe.moe.routing import accumulation_dtype
+from shardmoe.rows import accumulation_dtype
 
 GATE_NAME = "shared_gate_weight"
 

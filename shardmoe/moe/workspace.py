@@ -22,7 +22,7 @@ Slack. Every buffer carries `pad_rows` rows past its end (uninitialised, never p
 tensor's shape), so that the GEMMs of tile-padded expert groups (experts.Groups.row_tile) may run
 on whole row tiles up to the last expert's; row_tile picks the tile (0, the default: no tiles --
 they did not pay in the layer on the CPU measured, docs/benchmarks.md; None: the rule
-experts.row_tile_for; T: that tile) and pad_rows is the largest tile that can take.
+rows.row_tile_for; T: that tile) and pad_rows is the largest tile that can take.
 
 Size. A request that no free block fits allocates a new block and drops the free blocks of that
 device (all smaller than the request): of the request's size the first time, and of at least
@@ -43,7 +43,7 @@ import torch
 # that glibc reused were, docs/benchmarks.md).
 MIN_POOLED_BYTES = 4 << 20
 GROWTH = 1.25
-MAX_ROW_TILE = 128  # the largest tile the measured rule picks (experts.row_tile_for)
+MAX_ROW_TILE = 128  # the largest tile the measured rule picks (rows.row_tile_for)
 
 
 def _use_count(storage: torch.UntypedStorage) -> int:
@@ -56,7 +56,7 @@ class Workspace:
 
     def __init__(self, min_bytes: int = MIN_POOLED_BYTES, row_tile: int | None = 0):
         """min_bytes: smaller requests are allocated by torch; row_tile: the tile of tile-padded
-        expert groups (0: off, the default; None: chosen per forward by experts.row_tile_for)."""
+        expert groups (0: off, the default; None: chosen per forward by rows.row_tile_for)."""
         if min_bytes < 0:
             raise ValueError(f"min_bytes: expected >= 0, got {min_bytes}")
         if row_tile is not None and row_tile < 0:

@@ -1,4 +1,8 @@
-"""ExpertParallelMoE: the MoE layer over a dp x ep x tp mesh, with an explicit backward.
+"""ExpertParallel: the expert-parallel dispatcher of the MoE Function, over a dp x ep x tp mesh.
+
+The layer's one autograd Function (shardmoe/moe/function.py) routes, calls this dispatcher to
+move rows between ranks and run the local experts, and does the shared expert, the losses and
+stage 6 itself; this module holds what is particular to the mesh.
 
 Each token-parallel rank (d, e) routes its own S tokens; experts are split over 'e' in
 contiguous blocks; ranks along 't' hold the same tokens and one slice of every expert's
@@ -15,7 +19,7 @@ intermediate dim (expert_tensor). Forward, on rank (d, e, t):
   aux loss       this rank's share of the global aux + z + sequence-wise loss (global counts of
                  selections, tokens and sequences; a sequence lies on one rank)
 
-Backward, the six stages of the fused path with the exchanges in between:
+Backward, the six stages with the exchanges in between:
   token side     g rows and their weights w go to the experts         (dispatch, reverse of combine)
   expert side    stage 1 grad_combine, 2 grad_gate_combine, 3 grad_post_gemm, 4 grad_pre_gemm;
                  psum over 't' of the input gradient (and of the glu gate dots)
@@ -32,30 +36,30 @@ the backward of every layer, in the same order (they exchange rows with each oth
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 
 import torch
 
 from shardmoe import shardops
-from shardmoe.moe import backends
-from shardmoe.moe import experts as ex
-from shardmoe.moe import shared_experts as shared_ex
 from shardmoe.moe.activations import activate
 from shardmoe.moe.config import MoEConfig
-from shardmoe.moe.function import expert_param_names, not_twice_differentiable, split_weights
-from shardmoe.moe.routing import Routing, balance_loss, grad_gate_from_rows, route
+from shardmoe.moe.routing import Routing
 from shardmoe.notation import MESH_AXES
 from shardmoe.parallel import consistency
 from shardmoe.parallel import expert_tensor as etp
 from shardmoe.parallel.dispatch import DispatchPlan, peer_tokens, plan_dispatch
 from shardmoe.parallel.exchange import RowExchange, pack_rows, select_rows, shared_exchange, unpack_rows
+from shardmoe.rows import Groups
 
 PHASES = ("route", "dispatch", "experts", "combine")
 
 
 class ExpertParallel:
-    """The distributed forward of one layer: config, mesh and the exchange along 'e'."""
+    """The expert-parallel dispatcher (moe/dispatch.py's protocol) of one layer: config, mesh and
+    the exchange along 'e'. Its state for one forward is an _Step (the plan, the order of the
+    received rows, the phase clock)."""
 
     def __init__(self, config: MoEConfig, mesh):
         etp.check_layout(config, mesh)
@@ -63,17 +67,18 @@ class ExpertParallel:
         self.exchange = shared_exchange(mesh, "e")
         self.agreed = False  # whether the ranks' settings and gates were compared (first forward)
 
-    def __call__(self, x: torch.Tensor, stats: dict, workspace, correction_bias, token_sequence,
-                 gate_weight: torch.Tensor, gate_bias, *expert_weights):
-        """x 'S H' (this rank's tokens) -> (out 'S H', this rank's share of the aux loss []).
-        Arguments as FusedMoE.apply's; token_sequence numbers this rank's sequences from 0."""
-        with self.exchange.tell_peers_on_failure():
-            if not self.agreed:
-                shared_weights = split_weights(self.config, expert_weights)[1]
-                shared = shared_ex.named_shared_params(self.config, shared_weights)
-                self.check_agreement(x.dtype, gate_weight, gate_bias, correction_bias, shared)
-            return ExpertParallelMoE.apply(x, self, stats, workspace, correction_bias, token_sequence, gate_weight,
-                                           gate_bias, *expert_weights)
+    def guard(self):
+        return self.exchange.tell_peers_on_failure()
+
+    @contextlib.contextmanager
+    def timed(self, step: "_Step", phase: str):
+        yield
+        step.clock.lap(phase)
+
+    def prepare(self, config: MoEConfig, x: torch.Tensor, router_tensors: tuple, shared: dict) -> None:
+        if not self.agreed:
+            gate_weight, gate_bias, correction_bias, _ = router_tensors
+            self.check_agreement(x.dtype, gate_weight, gate_bias, correction_bias, shared)
 
     def check_agreement(self, dtype: torch.dtype, gate_weight: torch.Tensor, gate_bias=None,
                         correction_bias=None, shared: dict | None = None) -> None:
@@ -93,6 +98,75 @@ class ExpertParallel:
         consistency.check_replicas([(n, axes) for n, _, axes in replicas], table[:, -len(replicas):], self.mesh,
                                    "MoE layer")
         self.agreed = True
+
+    def route(self, router, x, router_tensors):
+        """Dropless local routing, then the global plan (which applies the global capacity)."""
+        clock = _Clock(dict.fromkeys(PHASES, 0.0))
+        routing = router.route(x, router_tensors, dropless=True)
+        plan, routing = plan_dispatch(x, routing, self.config, self.mesh)
+        clock.lap("route")
+        return routing, _Step(plan, plan.expert_major_order(), clock)
+
+    def forward(self, backend, config, x, routing, step, params):
+        """Dispatch the rows along 'e', the local experts' forward (psums over 't'), the rows back,
+        combine. Keeps (order, xs, *expert saved) for backward."""
+        plan, order, clock = step.plan, step.order, step.clock
+        row_token, weight_rows = routing.rows(config.top_k)
+        (xs,) = _to_experts(self.exchange, plan, order, x.index_select(0, row_token))
+        clock.lap("dispatch")
+        groups = Groups.from_counts(plan.rows_per_local_expert)
+        y, saved = _experts_forward(backend, config, self.mesh, xs, params, groups)
+        clock.lap("experts")
+        (y_send,) = _to_tokens(self.exchange, plan, order, y)
+        out = backend.combine(y_send, weight_rows, routing.row_pair, x.shape[0], config.top_k)
+        clock.lap("combine")
+        return out, (order, xs, *saved)
+
+    def backward(self, backend, config, grad_out, x, routing, step, saved, params):
+        """The unscaled output gradient rows and their combine weights go to the experts (the glu
+        expert applies w after its Wdown GEMM so that stage 2 can reuse that GEMM), stages 1-4 run
+        there, dx rows and the gate dots come back, stage 5 sums dx per token."""
+        plan, clock = step.plan, _Clock(step.clock.seconds)
+        step.clock = clock
+        order, xs, *expert_saved = saved
+        row_token, weight_rows = routing.rows(config.top_k)
+        grad_rows, weight_recv = _to_experts(self.exchange, plan, order, grad_out.index_select(0, row_token),
+                                             weight_rows)
+        clock.lap("dispatch")
+        groups = Groups.from_counts(plan.rows_per_local_expert)
+        grad_xs, grad_dots, grads = _experts_backward(backend, config, self.mesh, grad_rows, weight_recv, xs,
+                                                      tuple(expert_saved), params, groups)
+        clock.lap("experts")
+        grad_xs, grad_dots = _to_tokens(self.exchange, plan, order, grad_xs, grad_dots)
+        grad_x = backend.grad_input_combine(grad_xs, routing.row_pair, x.shape[0], config.top_k)
+        clock.lap("combine")
+        return grad_x, grad_dots, grads
+
+    def loss_scope(self, routing, step):
+        return global_counts(routing, step.plan), step.plan.global_tokens, step.plan.global_sequences
+
+    def stats(self, config, routing, step, num_tokens):
+        return {**step.plan.stats(), "rows": _row_stats(routing, step.plan, self.exchange),
+                "seconds": step.clock.seconds}
+
+    def reduce_shared(self, what):
+        """Wsd contracts Fs/t: the shared expert's z, dx and gate dot are psummed over 't' like the
+        routed rows (separate all-reduces of [S, H] and [S])."""
+        if what == "output":
+            return _psum_t("N H", etp.reduce_expert_output, self.mesh)
+        if what == "input":
+            return _psum_t("N H", etp.reduce_input_grad, self.mesh)
+        return _psum_t("N", etp.reduce_gate_dot, self.mesh)
+
+
+@dataclasses.dataclass
+class _Step:
+    """One forward's dispatch state: the plan, the expert-major order of the received rows, and the
+    clock that accumulates each phase's wall time into stats['seconds'] (forward and backward)."""
+
+    plan: DispatchPlan
+    order: torch.Tensor
+    clock: "_Clock"
 
 
 class _Clock:
@@ -116,126 +190,10 @@ def global_counts(routing: Routing, plan: DispatchPlan) -> Routing:
     return dataclasses.replace(routing, selected_per_expert=plan.selected.sum(0))
 
 
-class ExpertParallelMoE(torch.autograd.Function):
-    """apply(x 'S H', parallel: ExpertParallel, stats: dict, workspace or None (the layer's row buffers,
-    as FusedMoE's), correction_bias 'E' or None,
-    token_sequence 'S' or None, gate_weight 'H E', gate_bias 'E' or None, *expert shards, *shared expert
-    slices) -> (out 'S H', aux share [])."""
-
-    @staticmethod
-    def forward(ctx, x, parallel: ExpertParallel, stats: dict, workspace, correction_bias, token_sequence,
-                gate_weight, gate_bias, *weights):
-        config, mesh, exchange = parallel.config, parallel.mesh, parallel.exchange
-        expert_weights, shared_weights = split_weights(config, weights)
-        num_tokens, k = x.shape[0], config.top_k
-        clock = _Clock(dict.fromkeys(PHASES, 0.0))
-        routing, plan = _route(x, gate_weight, gate_bias, correction_bias, token_sequence, config, mesh)
-        clock.lap("route")
-
-        row_token, weight_rows = routing.rows(k)
-        order = plan.expert_major_order()
-        (xs,) = _to_experts(exchange, plan, order, x.index_select(0, row_token))
-        clock.lap("dispatch")
-
-        params = dict(zip(expert_param_names(config), expert_weights))
-        groups = ex.Groups.from_counts(plan.rows_per_local_expert)
-        backend = backends.select(config, x, workspace)
-        y, saved = _experts_forward(backend, config, mesh, xs, params, groups)
-        clock.lap("experts")
-
-        (y_send,) = _to_tokens(exchange, plan, order, y)
-        out = backend.combine(y_send, weight_rows, routing.row_pair, num_tokens, k)
-        shared_saved = ()
-        if shared_weights:
-            # Wsd contracts Fs/t: z is psummed over 't' like the routed rows (a separate all-reduce of S H)
-            shared = shared_ex.named_shared_params(config, shared_weights)
-            shared_out, shared_saved = shared_ex.forward(x, shared, config,
-                                                         _psum_t("N H", etp.reduce_expert_output, mesh))
-            out = out + shared_out
-        out = out.to(x.dtype)
-        share_routing = global_counts(routing, plan)
-        loss = balance_loss(share_routing, config, num_tokens=plan.global_tokens, num_sequences=plan.global_sequences)
-        clock.lap("combine")
-
-        stats.update(plan.stats())
-        stats.update(rows=_row_stats(routing, plan, exchange), seconds=clock.seconds)
-        ctx.config, ctx.parallel, ctx.plan, ctx.seconds, ctx.backend = config, parallel, plan, clock.seconds, backend
-        ctx.save_for_backward(
-            x, gate_weight, gate_bias, *weights,
-            *share_routing.tensors(), *shared_saved, order, xs, *saved,
-        )
-        return out, loss
-
-    @staticmethod
-    @not_twice_differentiable
-    def backward(ctx, grad_out, grad_loss):
-        with ctx.parallel.exchange.tell_peers_on_failure():
-            return _backward(ctx, grad_out, grad_loss)
-
-
-def _backward(ctx, grad_out, grad_loss):
-    """The six-stage backward of ExpertParallelMoE (see the module docstring)."""
-    config, plan, exchange, mesh = ctx.config, ctx.plan, ctx.parallel.exchange, ctx.parallel.mesh
-    clock = _Clock(ctx.seconds)
-    n_weights = len(expert_param_names(config)) + len(shared_ex.shared_param_names(config))
-    x, gate_weight, gate_bias, *rest = ctx.saved_tensors
-    (expert_weights, shared_weights), rest = split_weights(config, rest[:n_weights]), rest[n_weights:]
-    n_routing = len(dataclasses.fields(Routing))
-    routing, rest = Routing(*rest[:n_routing]), rest[n_routing:]
-    shared_saved, rest = (rest[:2], rest[2:]) if shared_weights else ((), rest)
-    order, xs, *saved = rest
-    params = dict(zip(expert_param_names(config), expert_weights))
-    num_tokens, k = x.shape[0], config.top_k
-
-    # Token side -> experts: the unscaled output gradient rows and their combine weights
-    # (the glu expert applies w after its Wdown GEMM so that stage 2 can reuse that GEMM).
-    row_token, weight_rows = routing.rows(k)
-    grad_rows, weight_recv = _to_experts(exchange, plan, order, grad_out.index_select(0, row_token), weight_rows)
-    clock.lap("dispatch")
-
-    groups = ex.Groups.from_counts(plan.rows_per_local_expert)
-    grad_xs, grad_dots, grads = _experts_backward(ctx.backend, config, mesh, grad_rows, weight_recv, xs, saved, params,
-                                                  groups)
-    clock.lap("experts")
-
-    grad_xs, grad_dots = _to_tokens(exchange, plan, order, grad_xs, grad_dots)
-    grad_x = ctx.backend.grad_input_combine(grad_xs, routing.row_pair, num_tokens, k)
-    clock.lap("combine")
-
-    grad_x_gate, grad_gate, grad_gate_bias = grad_gate_from_rows(
-        x, gate_weight, routing, grad_dots, grad_loss, config, num_tokens=plan.global_tokens,
-        num_sequences=plan.global_sequences)
-    grad_x = grad_x + grad_x_gate
-    clock.lap("route")
-    shared_grads = ()
-    if shared_weights:
-        params = shared_ex.named_shared_params(config, shared_weights)
-        grad_x_shared, named = shared_ex.backward(grad_out.contiguous(), x, shared_saved, params, config,
-                                                  _psum_t("N H", etp.reduce_input_grad, mesh),
-                                                  _psum_t("N", etp.reduce_gate_dot, mesh))
-        shared_grads = tuple(named[n] for n in params)
-        grad_x = grad_x + grad_x_shared
-        clock.lap("experts")
-    expert_grads = [None if g is None else g.to(p.dtype)
-                    for g, p in zip((grads[n] for n in expert_param_names(config)), expert_weights)]
-    grad_gate_bias = None if gate_bias is None else grad_gate_bias.to(gate_bias.dtype)
-    return (grad_x.to(x.dtype), None, None, None, None, None, grad_gate.to(gate_weight.dtype), grad_gate_bias,
-            *expert_grads, *shared_grads)
-
-
 def _psum_t(spec: str, reduce, mesh):
     """The sum over 't' of a partial tensor 'spec' (the shared expert contracts Fs/t), by `reduce`
     (one of expert_tensor's reductions)."""
     return lambda t: reduce(shardops.unreduced(spec, t, "t"), mesh)
-
-
-def _route(x, gate_weight, gate_bias, correction_bias, token_sequence, config: MoEConfig,
-           mesh) -> tuple[Routing, DispatchPlan]:
-    """Dropless local routing, then the global plan (which applies the global capacity)."""
-    routing = route(x, gate_weight, dataclasses.replace(config, capacity_factor=None), gate_bias, correction_bias,
-                    token_sequence)
-    plan, routing = plan_dispatch(x, routing, config, mesh)
-    return routing, plan
 
 
 def _down_bias_once(config: MoEConfig, mesh, params) -> bool:

@@ -16,11 +16,12 @@ if not triton_importable():
 
 from shardmoe.kernels import combine as kcomb  # noqa: E402
 from shardmoe.kernels import experts as kex  # noqa: E402
-from shardmoe.kernels import layer_path  # noqa: E402
 from shardmoe.moe.config import MoEConfig  # noqa: E402
 from shardmoe.moe.experts import Groups  # noqa: E402
-from shardmoe.moe.function import FusedMoE, expert_param_names  # noqa: E402
-from shardmoe.moe.routing import balance_loss, grad_gate_gemm, route  # noqa: E402
+from shardmoe.moe.dispatch import LOCAL  # noqa: E402
+from shardmoe.moe.function import FusedMoE, MoECall, expert_param_names  # noqa: E402
+from shardmoe.moe.routing import GateRouter, balance_loss, grad_gate_gemm, route  # noqa: E402
+from shardmoe.moe.triton_backend import expert_backward  # noqa: E402
 
 TOL = 1e-5
 F32, F64 = torch.float32, torch.float64
@@ -36,9 +37,9 @@ def kernel_moe(x, gate_weight, params, config: MoEConfig, grad_out, grad_loss):
     out, saved = kex.expert_forward_combine(config.expert, config.activation, config.output_activation, x, row_token,
                                             weight_rows, routing.row_pair, params, groups, k)
     loss = balance_loss(routing, config)
-    grad_xs, grad_weight_rows, grads = layer_path.expert_backward(config.expert, config.activation,
-                                                                  config.output_activation, grad_out, weight_rows, x,
-                                                                  saved, params, groups, row_index=row_token)
+    grad_xs, grad_weight_rows, grads = expert_backward(config.expert, config.activation,
+                                                       config.output_activation, grad_out, weight_rows, x,
+                                                       saved, params, groups, row_index=row_token)
     grad_x = kcomb.grad_input_combine(grad_xs, routing.row_pair, num_tokens, k)
     grad_weight = grad_weight_rows.new_zeros(num_tokens * k)
     grad_weight[routing.row_pair] = grad_weight_rows
@@ -53,8 +54,8 @@ def fused_float64(x, gate_weight, params, config: MoEConfig, grad_out, grad_loss
     names = expert_param_names(config)
     leaves = {"x": x, "gate_weight": gate_weight, **{n: params[n] for n in names}}
     leaves = {n: None if t is None else t.detach().clone().requires_grad_(True) for n, t in leaves.items()}
-    out, loss = FusedMoE.apply(leaves["x"], config, {}, None, None, None, leaves["gate_weight"], None,
-                               *(leaves[n] for n in names))
+    out, loss = FusedMoE.apply(MoECall(config, GateRouter(config), LOCAL), leaves["x"], leaves["gate_weight"], None,
+                               None, None, *(leaves[n] for n in names))
     torch.autograd.backward([out, loss], [grad_out, grad_loss])
     grads = {n: None if t is None else t.grad for n, t in leaves.items()}
     return out.detach(), loss.detach(), grads, route(x, gate_weight, config)

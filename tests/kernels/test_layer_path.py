@@ -1,5 +1,5 @@
-"""The fused layer's kernel path (the Triton backend of moe/backends.py with the fused entry points
-of kernels/layer_path.py), wired into FusedMoE and expert parallelism's expert stages, run on CPU
+"""The fused layer's kernel path (moe/triton_backend.py, with its gathered entry points), wired
+into FusedMoE and expert parallelism's expert stages, run on CPU
 in Triton's interpreter by force_kernel_path().
 
 Each case runs shardmoe.MoE in float32 through the kernel path and compares the output, the aux
@@ -26,21 +26,22 @@ TOL = 1e-5
 @pytest.fixture
 def spy(monkeypatch):
     """Counts calls of the Triton backend's fused entry points and of the torch backend's expert stages."""
-    triton, torch_backend = backends._triton(), backends.TORCH
+    from shardmoe.moe.triton_backend import TritonBackend
+
     calls = {"forward_combine": 0, "backward": 0, "torch_forward": 0, "torch_backward": 0}
 
-    def counting(backend, name, key):
-        original = getattr(backend, name)
+    def counting(cls, name, key):
+        original = getattr(cls, name)
 
-        def wrapped(*args, **kwargs):
+        def wrapped(self, *args, **kwargs):
             calls[key] += 1
-            return original(*args, **kwargs)
-        monkeypatch.setattr(backend, name, wrapped)
+            return original(self, *args, **kwargs)
+        monkeypatch.setattr(cls, name, wrapped)
 
-    counting(triton, "expert_forward_combine", "forward_combine")
-    counting(triton, "expert_backward", "backward")
-    counting(torch_backend, "expert_forward", "torch_forward")
-    counting(torch_backend, "expert_backward", "torch_backward")
+    counting(TritonBackend, "gathered_forward", "forward_combine")
+    counting(TritonBackend, "gathered_backward", "backward")
+    counting(backends.TorchBackend, "expert_forward", "torch_forward")
+    counting(backends.TorchBackend, "expert_backward", "torch_backward")
     return calls
 
 

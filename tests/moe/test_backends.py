@@ -1,8 +1,5 @@
 """backends.select: one backend per forward, kept for its backward; every stage of the fused layer
 runs through it."""
-import functools
-from types import SimpleNamespace
-
 import pytest
 import torch
 
@@ -13,6 +10,9 @@ from shardmoe.moe.config import MoEConfig
 from shardmoe.moe.workspace import Workspace
 
 
+PROTOCOL = {name for name in vars(backends.Backend) if not name.startswith("_")} | {"name", "workspace"}
+
+
 def test_cpu_tensors_get_the_torch_backend():
     config = MoEConfig(8, 6, 4, 2)
     x = torch.zeros(3, 8)
@@ -20,8 +20,15 @@ def test_cpu_tensors_get_the_torch_backend():
     ws = Workspace()
     bound = backends.select(config, x, ws)
     assert bound.name == "torch" and bound.workspace is ws
-    assert bound.expert_forward.keywords == {"workspace": ws}
-    assert set(backends.STAGES) <= set(vars(bound))
+
+
+def test_every_backend_implements_the_whole_protocol():
+    assert {"expert_forward", "gathered_backward", "grad_pre_gemm_mlp"} <= PROTOCOL
+    assert PROTOCOL <= set(dir(backends.TorchBackend))
+    pytest.importorskip("triton")
+    from shardmoe.moe.triton_backend import TritonBackend
+
+    assert PROTOCOL <= set(dir(TritonBackend))
 
 
 @pytest.mark.skipif(not kernels.triton_importable(), reason="triton cannot be imported")
@@ -29,35 +36,32 @@ def test_kernels_take_the_layer_unless_it_has_glu_biases():
     x = torch.zeros(3, 8)
     with kernels.force_kernel_path():  # fused_path then accepts CPU tensors
         assert backends.select(MoEConfig(8, 6, 4, 2), x).name == "triton"
-        assert backends.select(MoEConfig(8, 6, 4, 2), x).fused_gather
         assert backends.select(MoEConfig(8, 6, 4, 2, expert="mlp", bias=True), x).name == "triton"
         assert backends.select(MoEConfig(8, 6, 4, 2, bias=True), x, Workspace()).name == "torch"
     assert backends.select(MoEConfig(8, 6, 4, 2), x).name == "torch"
 
 
+class _Recording(backends.TorchBackend):
+    """The torch backend, noting the name of every protocol method called on it."""
+
+    def __init__(self, workspace, calls):
+        super().__init__(workspace)
+        self.calls = calls
+
+    def __getattribute__(self, name):
+        if name in PROTOCOL - {"name", "workspace"}:
+            object.__getattribute__(self, "calls").append(name)
+        return object.__getattribute__(self, name)
+
+
 @pytest.mark.parametrize("expert", ["glu", "mlp"])
 def test_every_stage_runs_on_the_backend_chosen_in_forward(monkeypatch, expert):
     calls = []
-
-    def recording(config, x, workspace=None):
-        base = backends._torch(workspace)
-        stages = {s: _record(calls, s, getattr(base, s)) for s in backends.STAGES if s != "expert_backward"}
-        backend = SimpleNamespace(name="recording", workspace=workspace, fused_gather=False, **stages)
-        backend.expert_backward = _record(calls, "expert_backward", functools.partial(
-            base.expert_backward.func, stages=backend, workspace=workspace))
-        return backend
-
-    monkeypatch.setattr(backends, "select", recording)
+    monkeypatch.setattr(backends, "select", lambda config, x, workspace=None: _Recording(workspace, calls))
     layer = shardmoe.MoE(8, 6, 4, 2, expert=expert, dtype=torch.float64)
     layer(torch.randn(5, 8, dtype=torch.float64, requires_grad=True)).sum().backward()
-    stages = {"expert_forward", "combine", "expert_backward", "grad_gate_combine", "grad_input_combine"}
+    stages = {"gathered_forward", "expert_forward", "combine", "gathered_backward", "expert_backward",
+              "grad_gate_combine", "grad_input_combine"}
     stages |= {"grad_post_gemm_glu", "grad_pre_gemm_glu"} if expert == "glu" else \
         {"grad_post_gemm_mlp", "grad_pre_gemm_mlp", "grad_combine"}
     assert set(calls) == stages
-
-
-def _record(calls, name, fn):
-    def wrapper(*args, **kwargs):
-        calls.append(name)
-        return fn(*args, **kwargs)
-    return wrapper

@@ -29,7 +29,7 @@ def _hang_on_rank_one(ranks_per_node: int) -> None:
     layer(x).sum().backward()
     if dist.get_rank() == 1:
         if ranks_per_node == 2:
-            layer._parallel.exchange.exchange = lambda *args: time.sleep(HANG_S)
+            layer.dispatcher.exchange.exchange = lambda *args: time.sleep(HANG_S)
         else:
             time.sleep(HANG_S)
     layer(x).sum().backward()
@@ -69,7 +69,7 @@ def _peer_fails_in_the_exchange(how: str) -> dict | None:
             if how == "exit":
                 os._exit(3)  # no Python runs: only the process being gone tells the peer
             raise RuntimeError("rank 1 fails before its exchange")
-        layer._parallel.exchange.exchange = fail
+        layer.dispatcher.exchange.exchange = fail
         with pytest.raises(RuntimeError, match="rank 1 fails before its exchange"):
             layer(x)
         return None

@@ -1,8 +1,9 @@
-"""The fused backward of the Triton backend, and what its fused entry points do for the layer.
+"""The Triton backend: the Backend protocol (moe/backends.py) over the kernels of shardmoe/kernels.
 
-The Triton backend (moe/backends.py, chosen when kernels.fused_path(config, x)) gives FusedMoE
-kernels.experts.expert_forward_combine for its forward and this module's expert_backward for its
-backward; expert parallelism's expert side uses the same backward on dispatched rows. Routing, the
+backends.select picks it when kernels.fused_path(config, x). Its gathered entry points are the
+fused ones the local dispatcher calls: kernels.experts.expert_forward_combine for the forward and
+this module's expert_backward with row_index for the backward; expert parallelism's expert side
+calls expert_forward / expert_backward on dispatched rows. Routing, the
 balance losses and stage 6 stay in torch (moe/routing.py) on every path.
 
 Forward, for x [S, H], N kept rows sorted by expert (row_token [N], weights w [N], row_pair [N]):
@@ -34,7 +35,8 @@ import torch
 from shardmoe.kernels import combine as kernel_combine
 from shardmoe.kernels import experts as kernel_experts
 from shardmoe.moe.activations import activate
-from shardmoe.moe.experts import Groups, glu_activation
+from shardmoe.moe.experts import glu_activation
+from shardmoe.rows import Groups
 
 
 def expert_backward(expert: str, activation: str, output_activation: str, grad_rows: torch.Tensor,
@@ -61,3 +63,57 @@ def expert_backward(expert: str, activation: str, output_activation: str, grad_r
     grad_xs, grad_w1, grad_b1 = kernel_experts.grad_pre_gemm_mlp(grad_a1, z1, xs, params["w1"], has_bias, groups,
                                                                  activation, row_index=row_index)
     return grad_xs, grad_dots, {"w1": grad_w1, "b1": grad_b1, "w2": grad_w2, "b2": grad_b2}
+
+
+class TritonBackend:
+    """The Backend protocol on the Triton kernels. The kernels take no glu biases (select() never
+    picks them for a biased glu), so the glu stage signatures' has_bias is always False here and
+    the bias gradient None; they allocate their own buffers (workspace None)."""
+
+    name = "triton"
+    workspace = None
+
+    def expert_forward(self, expert, activation, output_activation, xs, params, groups):
+        return kernel_experts.expert_forward(expert, activation, output_activation, xs, params, groups)
+
+    def expert_backward(self, expert, activation, output_activation, grad_rows, weight_rows, xs, saved, params,
+                        groups):
+        return expert_backward(expert, activation, output_activation, grad_rows, weight_rows, xs, saved, params,
+                               groups)
+
+    def gathered_forward(self, expert, activation, output_activation, x, row_token, weight_rows, row_pair, top_k,
+                         params, groups):
+        return kernel_experts.expert_forward_combine(expert, activation, output_activation, x, row_token,
+                                                     weight_rows, row_pair, params, groups, top_k)
+
+    def gathered_backward(self, expert, activation, output_activation, grad_out, weight_rows, x, row_token, saved,
+                          params, groups):
+        return expert_backward(expert, activation, output_activation, grad_out, weight_rows, x, saved, params,
+                               groups, row_index=row_token)
+
+    def combine(self, expert_out, weight_rows, row_pair, num_tokens, top_k):
+        return kernel_combine.combine(expert_out, weight_rows, row_pair, num_tokens, top_k)
+
+    def grad_combine(self, grad_rows, weight_rows):
+        return kernel_combine.grad_combine(grad_rows, weight_rows)
+
+    def grad_gate_combine(self, grad_rows, out_rows, out_scale=None):
+        return kernel_combine.grad_gate_combine(grad_rows, out_rows if out_scale is None else out_rows * out_scale)
+
+    def grad_input_combine(self, dx_rows, row_pair, num_tokens, top_k):
+        return kernel_combine.grad_input_combine(dx_rows, row_pair, num_tokens, top_k)
+
+    def grad_post_gemm_glu(self, grad_rows, weight_rows, a, down_proj, groups, has_bias=False):
+        return (*kernel_experts.grad_post_gemm_glu(grad_rows, weight_rows, a, down_proj, groups), None)
+
+    def grad_pre_gemm_glu(self, grad_a, h, act_gate, xs, gate_up_proj, groups, activation, has_bias=False):
+        return (*kernel_experts.grad_pre_gemm_glu(grad_a, h, act_gate, xs, gate_up_proj, groups, activation), None)
+
+    def grad_post_gemm_mlp(self, grad_expert, z2, a1, w2, has_bias, groups, output_activation):
+        return kernel_experts.grad_post_gemm_mlp(grad_expert, z2, a1, w2, has_bias, groups, output_activation)
+
+    def grad_pre_gemm_mlp(self, grad_a1, z1, xs, w1, has_bias, groups, activation):
+        return kernel_experts.grad_pre_gemm_mlp(grad_a1, z1, xs, w1, has_bias, groups, activation)
+
+
+TRITON = TritonBackend()
