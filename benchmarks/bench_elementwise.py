@@ -5,17 +5,17 @@ timing), fresh routing. Prints median ratios, once per run.
 
   python benchmarks/bench_elementwise.py [--threads 2] [--runs 3] [--repeats 7] [--shapes e8 fine] [--transformers]
 
-"torch path" is the same layer with SHARDMOE_FUSED_ELEMENTWISE=0 set around its step.
+"torch path" is the same layer with settings.override(fused_elementwise=False) around its step.
 """
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import subprocess
 
 import torch
 
+from shardmoe import settings
 from shardmoe.bench.candidates import Candidate, build_candidates
 from shardmoe.bench.flops import Shape
 from shardmoe.bench.timing import time_interleaved
@@ -25,11 +25,8 @@ SHAPES = {"e8": (4096, 512, 1024, 8, 2), "fine": (4096, 512, 256, 64, 4)}
 
 def with_torch_elementwise(c: Candidate) -> Candidate:
     def step():
-        os.environ["SHARDMOE_FUSED_ELEMENTWISE"] = "0"
-        try:
+        with settings.override(fused_elementwise=False):
             c.step()
-        finally:
-            del os.environ["SHARDMOE_FUSED_ELEMENTWISE"]
     return Candidate("torch path", step, c.reset, c.params)
 
 

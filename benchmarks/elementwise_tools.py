@@ -10,25 +10,22 @@ samples per candidate, median and min ratios (> 1: faster than today), repeated 
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import time
 
 import torch
 import torch.nn.functional as F
 
+from shardmoe import settings
 from shardmoe.moe import combine, elementwise, experts
 from shardmoe.moe.activations import activate_backward
 
 
 def torch_path(fn):
-    """fn with SHARDMOE_FUSED_ELEMENTWISE=0 around each call: the stage functions' torch code."""
+    """fn with the fused passes switched off around each call: the stage functions' torch code."""
     def call(*args):
-        os.environ["SHARDMOE_FUSED_ELEMENTWISE"] = "0"
-        try:
+        with settings.override(fused_elementwise=False):
             return fn(*args)
-        finally:
-            del os.environ["SHARDMOE_FUSED_ELEMENTWISE"]
     return call
 
 

@@ -7,16 +7,18 @@ fused_path(config, x) says so (see docs/kernels.md for the map). This module its
 never imports triton unless a kernel runs, so CPU-only installs without triton import it
 freely.
 
-Set SHARDMOE_KERNELS=0 to keep every stage on the torch path (to compare the two).
+SHARDMOE_KERNELS=0 (or shardmoe.settings.override(kernels=False)) keeps every stage on the torch
+path (to compare the two).
 """
 from __future__ import annotations
 
 import contextlib
 import functools
 import importlib.util
-import os
 
 import torch
+
+from shardmoe.settings import SETTINGS
 
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 KERNEL_EXPERTS = ("glu", "mlp")
@@ -39,7 +41,7 @@ def triton_importable() -> bool:
 
 def available(tensor: torch.Tensor, cuda_only: bool = True) -> bool:
     """True when the Triton kernels should handle this tensor: a CUDA tensor of a
-    kernel dtype (float32 or bfloat16), triton importable, SHARDMOE_KERNELS not 0.
+    kernel dtype (float32 or bfloat16), triton importable, shardmoe.settings.SETTINGS.kernels on.
 
     CPU tensors always get False, even under TRITON_INTERPRET=1: the interpreter is
     a test vehicle, far too slow to route real CPU work through (cuda_only=False is
@@ -48,7 +50,7 @@ def available(tensor: torch.Tensor, cuda_only: bool = True) -> bool:
     return (
         (tensor.is_cuda or not cuda_only)
         and tensor.dtype in KERNEL_DTYPES
-        and os.environ.get("SHARDMOE_KERNELS", "1") != "0"
+        and SETTINGS.kernels
         and triton_importable()
     )
 
@@ -74,7 +76,7 @@ def fused_path(config, x: torch.Tensor) -> bool:
     kind in KERNEL_EXPERTS, activation and output_activation in KERNEL_ACTIVATIONS;
     mlp biases and capacity drops are implemented, glu biases and shared experts are not; the router runs in torch
     on every path, so its options do not matter here) and x is a kernel dtype on CUDA (or on
-    CPU inside force_kernel_path()), triton importable and SHARDMOE_KERNELS not 0.
+    CPU inside force_kernel_path()), triton importable and SETTINGS.kernels on.
     A config option the kernels do not implement falls back to torch by adding one
     condition here.
     """

@@ -11,43 +11,40 @@ single-thread one; each output is written by one GEMM.
 
 The library is elementwise.py's (one build, one fallback): where it cannot be built, and for what
 it does not take (one thread, float64, other devices, tensors under autograd), experts.py keeps its
-per-expert loop. SHARDMOE_EXPERTS_MM=0 keeps the loop too (to compare the two).
+per-expert loop. SHARDMOE_EXPERTS_MM=0 (shardmoe.settings) keeps the loop too (to compare the two). The GEMMs are torch
+operators (torch.ops.shardmoe_gemm: out annotated as written, a Meta kernel) that the wrappers call
+directly, so torch.compile(fullgraph=True) traces them, as elementwise.py says for its passes.
 """
 from __future__ import annotations
-
-import os
 
 import torch
 
 from shardmoe.moe import elementwise
+from shardmoe.settings import SETTINGS
 
 
 def available(*tensors: torch.Tensor) -> bool:
-    """Whether the side-by-side GEMMs take these operands: SHARDMOE_EXPERTS_MM is not 0, more than one
+    """Whether the side-by-side GEMMs take these operands: SETTINGS.experts_mm on, more than one
     intra-op thread, CPU tensors of one dtype (float32 or bfloat16; any strides) not tracked by
     autograd, and the library builds/loads (checked last)."""
-    if os.environ.get("SHARDMOE_EXPERTS_MM", "1") == "0" or torch.get_num_threads() < 2:
+    if not SETTINGS.experts_mm or torch.get_num_threads() < 2:
         return False
     dtype, grad = tensors[0].dtype, torch.is_grad_enabled()
     if dtype not in elementwise.FUSED_DTYPES or any(
             t.dtype != dtype or t.device.type != "cpu" or (grad and t.requires_grad) for t in tensors):
         return False
-    return _ops() is not None
-
-
-def _ops():
-    return None if elementwise._ops() is None else torch.ops.shardmoe_gemm
+    return elementwise._ops() is not None
 
 
 def experts_mm(rows: torch.Tensor, weight: torch.Tensor, sizes: tuple[int, ...], out: torch.Tensor) -> torch.Tensor:
     """out[start_e : start_e + sizes[e]] = rows[same] @ weight[e] for every expert e (rows [N, K],
     weight [E, K, O] in any strides, out [N, O]); returns out."""
-    _ops().experts_mm(rows, weight, list(sizes), out)
+    torch.ops.shardmoe_gemm.experts_mm(rows, weight, list(sizes), out)
     return out
 
 
 def experts_weight_grad(grad_rows: torch.Tensor, in_rows: torch.Tensor, sizes: tuple[int, ...]) -> torch.Tensor:
     """[E, O, K]: grad_rows[rows of e]^T @ in_rows[rows of e], zeros for an expert without rows."""
     out = grad_rows.new_empty((len(sizes), grad_rows.shape[1], in_rows.shape[1]))
-    _ops().experts_weight_grad(grad_rows, in_rows, list(sizes), out)
+    torch.ops.shardmoe_gemm.experts_weight_grad(grad_rows, in_rows, list(sizes), out)
     return out

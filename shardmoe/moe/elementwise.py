@@ -32,7 +32,13 @@ carries a hash of the source, flags and torch version, so a changed source rebui
 build is reused by every later process (about 15-20 s once; loading takes milliseconds). If the
 build or load fails (no compiler, no headers), one RuntimeWarning line says why and where the
 compiler's output went, and every stage keeps the torch path for the rest of the process.
-SHARDMOE_FUSED_ELEMENTWISE=0 keeps the torch path without building (to compare the two).
+SHARDMOE_FUSED_ELEMENTWISE=0 (shardmoe.settings) keeps the torch path without building (to compare the two).
+
+The passes are torch operators (torch.ops.shardmoe_elementwise, and torch.ops.shardmoe_gemm for
+cpu_gemm.py): each schema marks the buffers the op writes (Tensor(a!) out) and the op returns
+nothing, the wrappers below return those buffers, and a Meta kernel in the library (nothing to
+compute: the outputs are the caller's buffers) lets FakeTensorMode and torch.compile(fullgraph=True)
+trace them without running them (torch.library.opcheck passes for each: tests/moe/).
 """
 from __future__ import annotations
 
@@ -45,6 +51,8 @@ import warnings
 from pathlib import Path
 
 import torch
+
+from shardmoe.settings import SETTINGS
 
 FUSED_DTYPES = (torch.float32, torch.bfloat16)
 # the activations the kernels evaluate, with the codes csrc/elementwise.cpp's Activation enum uses
@@ -108,7 +116,9 @@ def build_library() -> Path:
 @functools.cache
 def _ops():
     """torch.ops.shardmoe_elementwise after building/loading the library once per process, or None
-    (with one warning) when that fails."""
+    (with one warning) when that fails. The wrappers below run only where available() said yes, so
+    the library is loaded: they call torch.ops.shardmoe_elementwise directly, which Dynamo traces
+    (it would trace through this cache into build_library's compiler probe and break the graph)."""
     try:
         torch.ops.load_library(str(build_library()))
         return torch.ops.shardmoe_elementwise
@@ -120,13 +130,13 @@ def _ops():
 
 
 def available(*tensors: torch.Tensor, activation: str = "identity", extra: tuple = ()) -> bool:
-    """Whether the fused kernels take these operands: SHARDMOE_FUSED_ELEMENTWISE is not 0, `tensors`
+    """Whether the fused kernels take these operands: SETTINGS.fused_elementwise is on, `tensors`
     are CPU tensors of one fused dtype (float32 or bfloat16) with unit last-dim stride, they and the
     `extra` operands of other dtypes (combine weights, token indices; None is skipped) are CPU tensors
     not tracked by autograd (the kernels have no autograd formula: the layer's stages run without
     one), `activation` is one the kernels evaluate, and the library builds/loads (checked last: the
     first call that gets this far compiles it)."""
-    if os.environ.get("SHARDMOE_FUSED_ELEMENTWISE", "1") == "0" or activation not in ACTIVATION_CODES:
+    if not SETTINGS.fused_elementwise or activation not in ACTIVATION_CODES:
         return False
     dtype = tensors[0].dtype
     if dtype not in FUSED_DTYPES or any(t.dtype != dtype or t.stride(-1) != 1 for t in tensors):
@@ -162,7 +172,7 @@ def glu_forward(h: torch.Tensor, activation: str, act_gate: torch.Tensor | None 
     if out is not None:
         _check_shape("out", out, (rows, width // 2))
     a = h.new_empty((rows, width // 2)) if out is None else out
-    _ops().glu_forward(h, ACTIVATION_CODES[activation], a, act_gate)
+    torch.ops.shardmoe_elementwise.glu_forward(h, ACTIVATION_CODES[activation], a, act_gate)
     return a
 
 
@@ -176,7 +186,7 @@ def glu_backward(grad_a: torch.Tensor, h: torch.Tensor, act_gate: torch.Tensor, 
     if out is not None:
         _check_shape("out", out, (rows, width))
     grad_h = torch.empty_like(h, memory_format=torch.contiguous_format) if out is None else out
-    _ops().glu_backward(grad_a, h, act_gate, ACTIVATION_CODES[activation], grad_h)
+    torch.ops.shardmoe_elementwise.glu_backward(grad_a, h, act_gate, ACTIVATION_CODES[activation], grad_h)
     return grad_h
 
 
@@ -205,7 +215,7 @@ def glu_grad(h: torch.Tensor, g_down: torch.Tensor, weight_rows: torch.Tensor, a
     a = h.new_empty((rows, width // 2)) if a_out is None else a_out
     grad_h = torch.empty_like(h, memory_format=torch.contiguous_format) if grad_h_out is None else grad_h_out
     dots = h.new_empty(rows, dtype=torch.float32)
-    _ops().glu_grad(h, g_down, weight, ACTIVATION_CODES[activation], a, grad_h, dots)
+    torch.ops.shardmoe_elementwise.glu_grad(h, g_down, weight, ACTIVATION_CODES[activation], a, grad_h, dots)
     return a, grad_h, dots
 
 
@@ -216,7 +226,7 @@ def scale_rows(rows: torch.Tensor, weight_rows: torch.Tensor, *, out: torch.Tens
     if out is not None:
         _check_shape("out", out, tuple(rows.shape))
     out = torch.empty_like(rows, memory_format=torch.contiguous_format) if out is None else out
-    _ops().scale_rows(rows, weight, out)
+    torch.ops.shardmoe_elementwise.scale_rows(rows, weight, out)
     return out
 
 
@@ -227,7 +237,7 @@ def rowwise_dot(rows: torch.Tensor, factor: torch.Tensor, second_factor: torch.T
     if second_factor is not None:
         _check_shape("second_factor", second_factor, tuple(rows.shape))
     out = rows.new_empty(rows.shape[0], dtype=torch.float32)
-    _ops().rowwise_dot(rows, factor, second_factor, out)
+    torch.ops.shardmoe_elementwise.rowwise_dot(rows, factor, second_factor, out)
     return out
 
 
@@ -238,7 +248,7 @@ def combine_rows(rows: torch.Tensor, row_token: torch.Tensor, num_tokens: int,
     _check_shape("row_token", row_token, (rows.shape[0],))
     weight = None if weight_rows is None else _check_rows_float32("weight_rows", weight_rows, rows.shape[0])
     out = torch.zeros((num_tokens, rows.shape[1]), dtype=torch.float32)
-    _ops().combine_rows(rows, row_token.to(torch.int64), weight, out)
+    torch.ops.shardmoe_elementwise.combine_rows(rows, row_token.to(torch.int64), weight, out)
     return out
 
 
@@ -252,5 +262,5 @@ def combine_pairs(rows: torch.Tensor, token_rows: torch.Tensor, weight_rows: tor
         raise ValueError(f"token_rows: expected [S, k], got shape {tuple(token_rows.shape)}")
     weight = None if weight_rows is None else _check_rows_float32("weight_rows", weight_rows, rows.shape[0])
     out = torch.empty((token_rows.shape[0], rows.shape[1]), dtype=torch.float32)
-    _ops().combine_pairs(rows, token_rows.to(torch.int64), weight, out)
+    torch.ops.shardmoe_elementwise.combine_pairs(rows, token_rows.to(torch.int64), weight, out)
     return out

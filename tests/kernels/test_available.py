@@ -3,6 +3,7 @@ import pytest
 import torch
 
 from shardmoe.kernels import available, triton_importable
+from shardmoe.settings import SETTINGS
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -15,7 +16,7 @@ def test_cpu_tensors_stay_on_torch(dtype):
 
 @needs_cuda
 def test_cuda_kernel_dtypes_are_available(monkeypatch):
-    monkeypatch.delenv("SHARDMOE_KERNELS", raising=False)
+    monkeypatch.setattr(SETTINGS, "kernels", True)
     assert available(torch.zeros(2, device="cuda")) is triton_importable()
     assert available(torch.zeros(2, device="cuda", dtype=torch.bfloat16)) is triton_importable()
     assert available(torch.zeros(2, device="cuda", dtype=torch.float64)) is False
@@ -23,5 +24,5 @@ def test_cuda_kernel_dtypes_are_available(monkeypatch):
 
 @needs_cuda
 def test_environment_switch_turns_kernels_off(monkeypatch):
-    monkeypatch.setenv("SHARDMOE_KERNELS", "0")
+    monkeypatch.setattr(SETTINGS, "kernels", False)  # SHARDMOE_KERNELS=0 at import
     assert available(torch.zeros(2, device="cuda")) is False

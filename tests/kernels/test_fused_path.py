@@ -4,6 +4,7 @@ import torch
 
 from shardmoe.kernels import available, force_kernel_path, fused_path
 from shardmoe.moe.config import MoEConfig
+from shardmoe.settings import SETTINGS
 
 
 def _config(**overrides):
@@ -30,5 +31,5 @@ def test_refusals_fall_back_to_torch(monkeypatch):
     with force_kernel_path():
         assert fused_path(_config(), x.double()) is False
         assert fused_path(_config(expert="glu", bias=True), x) is False  # the kernels take no glu biases
-        monkeypatch.setenv("SHARDMOE_KERNELS", "0")
+        monkeypatch.setattr(SETTINGS, "kernels", False)
         assert fused_path(_config(), x) is False

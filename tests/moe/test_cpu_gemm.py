@@ -1,10 +1,13 @@
 """cpu_gemm: the experts' GEMMs side by side, one per thread, against float64 products; skewed
-routing (an expert with a thread's share of the rows or more), empty experts, transposed weights."""
+routing (an expert with a thread's share of the rows or more), empty experts, transposed weights;
+the GEMMs as torch operators (torch.library.opcheck) and, with elementwise.glu_grad, under
+torch.compile(fullgraph=True)."""
 import pytest
 import torch
 
 import shardmoe
 from shardmoe.moe import cpu_gemm, elementwise
+from shardmoe.settings import SETTINGS
 
 
 @pytest.fixture
@@ -58,7 +61,7 @@ def test_what_it_does_not_take_stays_on_the_loop(two_threads, monkeypatch):
     torch.set_num_threads(1)
     assert not cpu_gemm.available(x.detach())
     torch.set_num_threads(2)
-    monkeypatch.setenv("SHARDMOE_EXPERTS_MM", "0")
+    monkeypatch.setattr(SETTINGS, "experts_mm", False)
     assert not cpu_gemm.available(x.detach())
 
 
@@ -76,7 +79,48 @@ def test_layer_with_and_without_side_by_side_gemms(two_threads, monkeypatch):
         return [out.detach(), xg.grad, *(p.grad for p in layer.parameters())]
 
     side_by_side = step()
-    monkeypatch.setenv("SHARDMOE_EXPERTS_MM", "0")
+    monkeypatch.setattr(SETTINGS, "experts_mm", False)
     loop = step()
     for a, b in zip(side_by_side, loop):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["experts_mm", "experts_weight_grad"])
+def test_gemm_is_a_proper_torch_operator(two_threads, name):
+    """torch.library.opcheck: out is marked as written (and nothing else), the op runs under
+    FakeTensorMode and through AOT dispatch with dynamic shapes to its eager results; and its Meta
+    kernel takes meta tensors and writes nothing."""
+    gen = torch.Generator().manual_seed(0)
+    sizes, k, o = [2, 0, 5], 4, 3
+    rows, grad = torch.randn(7, k, generator=gen), torch.randn(7, o, generator=gen)
+    args = {"experts_mm": (rows, torch.randn(3, o, k, generator=gen).transpose(1, 2), sizes, torch.empty(7, o)),
+            "experts_weight_grad": (grad, rows, sizes, torch.empty(3, o, k))}[name]
+    op = getattr(torch.ops.shardmoe_gemm, name)
+    torch.library.opcheck(op, args)
+    assert op(*(a.to("meta") if isinstance(a, torch.Tensor) else a for a in args)) is None
+
+
+def test_glu_expert_backward_compiles_to_the_eager_bits(two_threads):
+    """The glu expert's backward as the torch backend runs it on CPU: g Wdown (experts_mm), the
+    one-pass glu_grad writing a over g Wdown, dWgate_up (experts_weight_grad). Under
+    torch.compile(fullgraph=True) Dynamo traces the wrappers into one graph (no break: they call
+    torch.ops directly and the ops have Meta kernels), the written buffers are functionalized, and
+    the compiled function runs the same kernels on the same operands: eager's bits."""
+    from shardmoe.moe import elementwise
+
+    gen = torch.Generator().manual_seed(0)
+    sizes, hidden, ffn = (5, 0, 9, 3), 12, 10
+    n = sum(sizes)
+    g, x = torch.randn(n, hidden, generator=gen), torch.randn(n, hidden, generator=gen)
+    h, w = torch.randn(n, 2 * ffn, generator=gen), torch.rand(n, generator=gen)
+    down_t = torch.randn(len(sizes), ffn, hidden, generator=gen).transpose(1, 2)  # [E, H, F], strided
+
+    def backward(g, down_t, h, w, x):
+        g_down = cpu_gemm.experts_mm(g, down_t, sizes, g.new_empty(n, ffn))
+        a, grad_h, dots = elementwise.glu_grad(h, g_down, w, "silu", a_out=g_down)
+        return a, grad_h, dots, cpu_gemm.experts_weight_grad(grad_h, x, sizes)
+
+    eager = backward(g, down_t, h, w, x)
+    compiled = torch.compile(backward, fullgraph=True)(g, down_t, h, w, x)
+    for want, got in zip(eager, compiled):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)

@@ -1,5 +1,6 @@
 """The fused CPU elementwise passes (shardmoe/moe/elementwise.py): today's bits, float64 closed forms,
-bad input, the layer wiring, and the fallback when the library cannot be built."""
+bad input, the layer wiring, the fallback when the library cannot be built, and each pass as a torch
+operator (torch.library.opcheck)."""
 import shutil
 import warnings
 
@@ -9,6 +10,7 @@ import torch.nn.functional as F
 
 import shardmoe
 from shardmoe.moe import combine, elementwise, experts
+from shardmoe.settings import SETTINGS
 
 DTYPES = [torch.float32, torch.bfloat16]
 ACTIVATIONS = list(elementwise.ACTIVATION_CODES)
@@ -27,7 +29,7 @@ def fused():
 def torch_path(monkeypatch, fn, *args):
     """fn(*args) with the fused passes switched off (today's torch code)."""
     with monkeypatch.context() as m:
-        m.setenv("SHARDMOE_FUSED_ELEMENTWISE", "0")
+        m.setattr(SETTINGS, "fused_elementwise", False)
         return fn(*args)
 
 
@@ -60,7 +62,7 @@ def test_glu_passes_give_todays_bits(fused, monkeypatch, dtype, activation):
     grad_h = elementwise.glu_backward(grad_a, h, act_gate, activation)
     width = act_gate.shape[1]
     with monkeypatch.context() as m:
-        m.setenv("SHARDMOE_FUSED_ELEMENTWISE", "0")
+        m.setattr(SETTINGS, "fused_elementwise", False)
         x = torch.randn(h.shape[0], 3).to(dtype)
         gate_up = torch.randn(1, 2 * width, 3).to(dtype)
         groups = experts.Groups.from_counts(torch.tensor([h.shape[0]]))
@@ -237,6 +239,34 @@ def test_layer_runs_the_fused_passes_with_todays_results(fused, monkeypatch):
         exact = name != "gate_weight"
         torch.testing.assert_close(grad, ref_grads[name], rtol=0 if exact else 2e-2, atol=0 if exact else 1e-3)
     torch.testing.assert_close(fused_dx, ref_dx, rtol=2e-2, atol=1e-3)  # dx also flows through the router
+
+
+def opcheck_arguments(name):
+    """Small arguments of op `name`: float32, row-strided views of an odd width, each written buffer
+    fresh; the optional operands given to some ops and left out of combine_pairs."""
+    h, rows, weight = operands(torch.float32, rows=6, width=5)
+    n, f = rows.shape
+    silu = elementwise.ACTIVATION_CODES["silu"]
+    return {
+        "glu_forward": lambda: (h, silu, torch.empty(n, f), torch.empty(n, f)),
+        "glu_backward": lambda: (rows, h, torch.randn(n, f), silu, torch.empty(n, 2 * f)),
+        "glu_grad": lambda: (h, rows, weight, silu, torch.empty(n, f), torch.empty(n, 2 * f), torch.empty(n)),
+        "scale_rows": lambda: (rows, weight, torch.empty(n, f)),
+        "rowwise_dot": lambda: (rows, h[:, :f], h[:, f:], torch.empty(n)),
+        "combine_rows": lambda: (rows, torch.tensor([0, 2, 1, 0, 3, 2]), weight, torch.zeros(4, f)),
+        "combine_pairs": lambda: (rows, torch.tensor([[0, 3], [2, -1], [1, 5], [4, -1]]), None, torch.empty(4, f)),
+    }[name]()
+
+
+@pytest.mark.parametrize("name", ["glu_forward", "glu_backward", "glu_grad", "scale_rows", "rowwise_dot",
+                                  "combine_rows", "combine_pairs"])
+def test_pass_is_a_proper_torch_operator(fused, name):
+    """torch.library.opcheck: the schema marks exactly the buffers the op writes, the op runs under
+    FakeTensorMode and through AOT dispatch with dynamic shapes to its eager results; and its Meta
+    kernel (what fake tensors and torch.compile trace) takes meta tensors and writes nothing."""
+    op, args = getattr(fused, name), opcheck_arguments(name)
+    torch.library.opcheck(op, args)
+    assert op(*(a.to("meta") if isinstance(a, torch.Tensor) else a for a in args)) is None
 
 
 @pytest.mark.parametrize("compiler", ["/nonexistent/c++", "false"])

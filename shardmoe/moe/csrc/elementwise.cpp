@@ -10,6 +10,10 @@
 //
 // Tensors: fp32 or bf16, 2-D with unit inner stride and any row stride (h[:, :F] views are fine);
 // the Python side checks shapes and dtypes before calling.
+//
+// Every op writes only into buffers its caller passes (annotated Tensor(x!) in its schema) and
+// returns nothing, so its Meta kernel, the one FakeTensorMode and torch.compile trace it with, has
+// nothing to compute: the outputs' shapes, dtypes and strides are the caller's buffers'.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
@@ -403,6 +407,11 @@ void combine_pairs(const at::Tensor& rows, const at::Tensor& token_rows, const s
                       combine_pairs_impl<scalar>(rows, token_rows, weight.has_value() ? &*weight : nullptr, out));
 }
 
+// The Meta kernel of every op (see the top of the file): takes the arguments, writes nothing.
+void meta_no_outputs(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  torch::jit::drop(*stack, op.schema().arguments().size());
+}
+
 }  // namespace
 
 TORCH_LIBRARY(shardmoe_elementwise, m) {
@@ -424,4 +433,11 @@ TORCH_LIBRARY_IMPL(shardmoe_elementwise, CPU, m) {
   m.impl("rowwise_dot", rowwise_dot);
   m.impl("combine_rows", combine_rows);
   m.impl("combine_pairs", combine_pairs);
+}
+
+TORCH_LIBRARY_IMPL(shardmoe_elementwise, Meta, m) {
+  for (const char* name :
+       {"glu_forward", "glu_backward", "glu_grad", "scale_rows", "rowwise_dot", "combine_rows", "combine_pairs"}) {
+    m.impl(name, torch::CppFunction::makeFromBoxedFunction<&meta_no_outputs>());
+  }
 }

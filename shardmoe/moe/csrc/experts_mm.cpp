@@ -11,6 +11,10 @@
 // Inside at::parallel_for ATen runs each at::mm on the calling thread (nested parallelism off), so
 // a GEMM's result is the single-thread GEMM's. Every output row (or weight-gradient slice) is
 // written by one GEMM, so the result does not depend on which thread ran it.
+//
+// Both ops write only into the out buffer their caller passes (Tensor(a!) out) and return nothing,
+// so their Meta kernel, the one FakeTensorMode and torch.compile trace them with, has nothing to
+// compute: the output's shape, dtype and strides are the caller's buffer's.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -80,6 +84,11 @@ void experts_weight_grad(const at::Tensor& grad_rows, const at::Tensor& in_rows,
   });
 }
 
+// The Meta kernel of both ops (see the top of the file): takes the arguments, writes nothing.
+void meta_no_outputs(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  torch::jit::drop(*stack, op.schema().arguments().size());
+}
+
 }  // namespace
 
 TORCH_LIBRARY(shardmoe_gemm, m) {
@@ -90,4 +99,10 @@ TORCH_LIBRARY(shardmoe_gemm, m) {
 TORCH_LIBRARY_IMPL(shardmoe_gemm, CPU, m) {
   m.impl("experts_mm", experts_mm);
   m.impl("experts_weight_grad", experts_weight_grad);
+}
+
+TORCH_LIBRARY_IMPL(shardmoe_gemm, Meta, m) {
+  for (const char* name : {"experts_mm", "experts_weight_grad"}) {
+    m.impl(name, torch::CppFunction::makeFromBoxedFunction<&meta_no_outputs>());
+  }
 }

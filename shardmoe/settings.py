@@ -1,0 +1,56 @@
+"""The switches that choose between shardmoe's implementations, in one object.
+
+Each is read once from its environment variable when shardmoe is imported (a value of 0 turns it
+off) and may be changed for a block of code with override(), for ablations and benchmarks:
+
+  kernels            SHARDMOE_KERNELS            the Triton backend on CUDA (moe/backends.py)
+  experts_mm         SHARDMOE_EXPERTS_MM         the experts' GEMMs side by side on CPU (moe/cpu_gemm.py)
+  fused_elementwise  SHARDMOE_FUSED_ELEMENTWISE  the C++ elementwise passes on CPU (moe/elementwise.py)
+
+  with shardmoe.settings.override(fused_elementwise=False):
+      layer(x).sum().backward()          # the torch code of the same stages
+
+Every switch only chooses how a result is computed, never what it is: outputs and gradients agree
+to round-off either way (the tests hold each path to the float64 reference).
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+
+ENVIRONMENT = {"kernels": "SHARDMOE_KERNELS", "experts_mm": "SHARDMOE_EXPERTS_MM",
+               "fused_elementwise": "SHARDMOE_FUSED_ELEMENTWISE"}
+
+
+@dataclasses.dataclass
+class Settings:
+    kernels: bool = True
+    experts_mm: bool = True
+    fused_elementwise: bool = True
+
+    @classmethod
+    def from_environ(cls) -> "Settings":
+        return cls(**{name: os.environ.get(var, "1") != "0" for name, var in ENVIRONMENT.items()})
+
+
+SETTINGS = Settings.from_environ()
+
+
+@contextlib.contextmanager
+def override(**changes: bool):
+    """SETTINGS with `changes` applied inside the block, restored after it (also on an error)."""
+    unknown = sorted(set(changes) - set(ENVIRONMENT))
+    if unknown:
+        raise ValueError(f"override: expected settings among {', '.join(ENVIRONMENT)}, got {unknown}")
+    bad = {k: v for k, v in changes.items() if not isinstance(v, bool)}
+    if bad:
+        raise ValueError(f"override: expected bool values, got {bad}")
+    previous = dataclasses.asdict(SETTINGS)
+    for name, value in changes.items():
+        setattr(SETTINGS, name, value)
+    try:
+        yield SETTINGS
+    finally:
+        for name, value in previous.items():
+            setattr(SETTINGS, name, value)

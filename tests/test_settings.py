@@ -1,0 +1,45 @@
+"""shardmoe.settings: one object for the implementation switches, read from the environment once,
+overridden for a block."""
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import shardmoe
+from shardmoe import settings
+from shardmoe.moe import elementwise
+
+
+def test_environment_is_read_at_import():
+    code = "from shardmoe.settings import SETTINGS; print(SETTINGS.kernels, SETTINGS.experts_mm, SETTINGS.fused_elementwise)"
+    env = {"SHARDMOE_KERNELS": "0", "SHARDMOE_FUSED_ELEMENTWISE": "0", "PATH": ""}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["False", "True", "False"]
+
+
+def test_override_restores_on_error_and_names_bad_arguments():
+    before = settings.SETTINGS.fused_elementwise
+    with pytest.raises(KeyError):
+        with settings.override(fused_elementwise=not before):
+            assert settings.SETTINGS.fused_elementwise is (not before)
+            raise KeyError("inside")
+    assert settings.SETTINGS.fused_elementwise is before
+    with pytest.raises(ValueError, match=r"override: expected settings among kernels, experts_mm, fused_elementwise, "
+                                         r"got \['triton'\]"):
+        with settings.override(triton=False):
+            pass
+    with pytest.raises(ValueError, match="override: expected bool values, got {'kernels': 0}"):
+        with settings.override(kernels=0):
+            pass
+
+
+def test_switching_the_cpu_passes_off_changes_the_path_not_the_result():
+    torch.manual_seed(0)
+    layer = shardmoe.MoE(16, 8, 4, 2)
+    x = torch.randn(32, 16)
+    with settings.override(fused_elementwise=False):
+        assert not elementwise.available(x)
+        off = layer(x)
+    on = layer(x)
+    torch.testing.assert_close(on, off, rtol=1e-6, atol=1e-6)
