@@ -64,8 +64,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--strict", action="store_true", help="exit 1 when a target is missed")
     parser.add_argument("--hf", metavar="FAMILY", default=None,
                         help="time one sparse MoE block of a transformers family (mixtral, qwen2_moe, qwen3_moe, "
-                             "olmoe, deepseek_v3, or all) with experts 'shardmoe' vs 'grouped_mm' vs 'eager' "
-                             "(shardmoe/hf/bench.py)")
+                             "olmoe, deepseek_v3, gpt_oss, or all) with experts 'shardmoe' vs 'grouped_mm' vs "
+                             "'eager' (shardmoe/hf/bench.py); with --model, the family's whole causal LM")
+    model = parser.add_argument_group(
+        "whole-model mode (--hf FAMILY --model)",
+        "one training step (forward with labels, loss.backward(), new random token ids every step) of the "
+        "family's ForCausalLM built from its config, its experts run by 'shardmoe', 'grouped_mm' and 'eager' "
+        "on one model, and a deep copy through shardmoe.hf.convert ('convert'); checked against eager (loss, "
+        "gradients) before the interleaved timing (shardmoe/hf/model_bench.py). Defaults B=4 L=512 H=512, "
+        "2 layers, vocab 4096; mixtral-like experts F=1024 E=8 k=2 (qwen3_moe: F=128 E=64 k=8); "
+        "--hidden/--ffn/--experts/--top-k override them, --tokens is refused (use --batch and --seq-len); "
+        "--quick: B=2 L=16 H=64 F=32 vocab 128, 1 timed step")
+    model.add_argument("--model", action="store_true", help="time the whole model instead of one block")
+    model.add_argument("--batch", type=int, default=None, help="sequences per step B (default 4)")
+    model.add_argument("--seq-len", type=int, default=None, help="tokens per sequence L (default 512)")
+    model.add_argument("--layers", type=int, default=None, help="decoder layers (default 2)")
+    model.add_argument("--vocab", type=int, default=None, help="vocabulary size (default 4096)")
     # the distributed benchmark (`torchrun ... -m shardmoe bench --mesh e=4`) adds the options this
     # parser lacks (--mesh, --hidden, ...); run() hands a --mesh run (or a torchrun job) over to it
     from shardmoe.parallel import bench as distributed
@@ -85,7 +99,21 @@ def run(args: argparse.Namespace) -> int:
         print(f"shardmoe bench: --threads: expected an int in 1..{cores} (os.cpu_count()), got {args.threads}",
               file=sys.stderr)
         return 2
+    if args.model and args.hf is None:
+        print("shardmoe bench: --model: expected --hf FAMILY with it (the whole-model mode of the transformers "
+              "bench), got no --hf", file=sys.stderr)
+        return 2
+    model_only = [f"--{name.replace('_', '-')} {getattr(args, name)}"
+                  for name in ("batch", "seq_len", "layers", "vocab") if getattr(args, name) is not None]
+    if model_only and not args.model:
+        print(f"shardmoe bench: {model_only[0].split()[0]}: expected only with --hf FAMILY --model, got "
+              f"{model_only[0]} without --model", file=sys.stderr)
+        return 2
     if args.hf is not None:
+        if args.model:
+            from shardmoe.hf import model_bench
+
+            return model_bench.run(args)
         from shardmoe.hf import bench as hf_bench
 
         return hf_bench.run(args)

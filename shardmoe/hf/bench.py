@@ -8,6 +8,7 @@ single-process bench's: interleaved rounds with a rotating order (shardmoe/bench
 The first pass checks the output and every gradient of "shardmoe" and "grouped_mm" against
 "eager" (relative error, float norms). Reported: median ms per step and the ratios
 median(other) / median(shardmoe) (above 1: shardmoe is faster).
+With --model the family's whole causal LM is timed instead: shardmoe/hf/model_bench.py.
 """
 from __future__ import annotations
 
@@ -72,7 +73,9 @@ def candidates(block, config, xs, grad_out):
     return {name: make(name) for name in IMPLEMENTATIONS}
 
 
-def _relative(a: dict, b: dict) -> float:
+def worst_relative_error(a: dict, b: dict) -> float:
+    """max over the keys of b of ||a[key] - b[key]|| / ||b[key]|| (2-norms, in float64); keys
+    missing or None on either side are skipped."""
     worst = 0.0
     for key, vb in b.items():
         va = a.get(key)
@@ -107,7 +110,8 @@ def run_family(family: str, dtype_name: str, tokens: int, hidden: int, ffn: int,
                 median_ms={n: 1e3 * m for n, m in median.items()},
                 grouped_mm_over_shardmoe=median["grouped_mm"] / median["shardmoe"],
                 eager_over_shardmoe=median["eager"] / median["shardmoe"],
-                rel_err_vs_eager={n: _relative(checked[n], checked["eager"]) for n in ("shardmoe", "grouped_mm")},
+                rel_err_vs_eager={n: worst_relative_error(checked[n], checked["eager"])
+                                  for n in ("shardmoe", "grouped_mm")},
                 repeats=repeats)
 
 
@@ -122,17 +126,25 @@ HEADER = (f"{'family':<12} {'dtype':<5} {'shardmoe':>9} {'grouped_mm':>10} {'eag
           f"{'eager/sh':>9} {'err/eager':>9}   (median ms per forward+backward)")
 
 
+def refusal(args) -> str | None:
+    """Why the --hf options cannot run (an unknown family, a device other than cpu), or None;
+    shared with the whole-model mode (model_bench.py)."""
+    if args.hf != "all" and args.hf not in FAMILIES:
+        return f"--hf: expected one of {', '.join(FAMILIES)} or all, got {args.hf!r}"
+    if args.device != "cpu":
+        return f"--hf: expected --device cpu, got {args.device!r}"
+    return None
+
+
 def run(args) -> int:
     """The --hf path of `shardmoe bench`: args.hf names the family (or 'all')."""
     import torch
 
+    refused = refusal(args)
+    if refused:
+        print(f"shardmoe bench: {refused}", file=sys.stderr)
+        return 2
     families = list(FAMILIES) if args.hf == "all" else [args.hf]
-    if args.hf != "all" and args.hf not in FAMILIES:
-        print(f"shardmoe bench: --hf: expected one of {', '.join(FAMILIES)} or all, got {args.hf!r}", file=sys.stderr)
-        return 2
-    if args.device != "cpu":
-        print(f"shardmoe bench: --hf: expected --device cpu, got {args.device!r}", file=sys.stderr)
-        return 2
     preset = dict(DEFAULTS, **(QUICK if args.quick else {}))
     sizes = {name: getattr(args, name, None) or preset[name]
              for name in ("tokens", "hidden", "ffn", "experts", "top_k")}
