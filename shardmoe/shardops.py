@@ -204,7 +204,8 @@ def identity_psum_grad(spec: str, x: torch.Tensor, mesh: Mesh | None, axes: str 
     """Identity forward, psum over ``axes`` backward: 'B/d L M -> B/d L M'.
 
     Put it where a value replicated over ``axes`` enters work that differs per rank (the input of
-    column-parallel expert weights, seeds/003): each rank's gradient is then partial over ``axes``.
+    column-parallel expert weights under expert tensor parallelism, docs/parallel.md): each rank's
+    gradient is then partial over ``axes``.
     """
     tr, x = _prepare("identity_psum_grad", spec, x, mesh, accepts_unreduced=False)
     axes = _reduction_axes("identity_psum_grad", tr, axes)

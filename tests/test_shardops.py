@@ -311,7 +311,8 @@ def _check_fsdp_megatron_ffn(mesh, rand):
 
 
 def _check_expert_tp_ffn(mesh, rand):
-    """seeds/003 pattern: replicated x -> identity_psum_grad -> column/row-parallel weights -> psum."""
+    """Expert tensor parallelism's pattern (docs/parallel.md): replicated x -> identity_psum_grad ->
+    column/row-parallel weights -> psum."""
     B, L, M, F = 8, 3, 4, 8
     X, W1, W2, G = rand(B, L, M), rand(M, F), rand(F, M), rand(B, L, M)
     x = shard("B L M -> B/d/e L M", X, mesh).clone().requires_grad_()

@@ -1,5 +1,6 @@
 """fGETGrad: the backward grouped GEMM that applies the activation derivative to the
-incoming tile before the multiply (seeds/000), for grad_post_gemm and grad_pre_gemm.
+incoming tile before the multiply (as FlashMoE's backward GEMM of that name does; docs/kernels.md),
+for grad_post_gemm and grad_pre_gemm.
 
 For each dispatched row r of expert e (N rows, expert-sorted; W [E, C, N_out]):
 

@@ -1,7 +1,7 @@
 """Grouped-query attention with RoPE, packed-sequence masks and an explicit backward.
 
 Axes: B batch, L tokens (i = query, j = key), M d_model, K kv heads, Q query heads per kv head,
-D head dim. Weights (seqax layout, seed 002):
+D head dim. Weights (seqax layout, docs/model.md "Layout"):
     w_q  'M/d Q K/t D'    w_kv '2 M/d K/t D' (k then v)    w_o 'M/d Q K/t D'
 Forward, with s = D^(-1/2) and allowed(i, j) = j <= i and segment(i) == segment(j):
     q[B L Q K D]    = RoPE(nx[B L M] . w_q[M Q K D])
@@ -17,10 +17,10 @@ Backward, given dout[B L M]:
     dq  = RoPE^T(s dS . k);   dk = RoPE^T(s sum_{Q i} dS q)
     dnx = dq . w_q + dk . w_kv[0] + dv . w_kv[1]          (unreduced over t)
     dw_q = sum_{B L} nx dq;   dw_kv = sum_{B L} nx [dk, dv]
-Sharded (seed 002): nx 'B/d L M' (replicated over t), out 'B/d L M/t'; each t rank owns K/t
-kv heads and their Q query heads. Forward gathers the weights over d, runs the formulas on the
-local heads and finishes with out[B/d L M/t] = psum_scatter_t(out). Backward gathers dout over t
-and the weights over d again (FSDP keeps only shards between the passes), returns dnx as a
+Sharded (docs/model.md "Layout"): nx 'B/d L M' (replicated over t), out 'B/d L M/t'; each t rank
+owns K/t kv heads and their Q query heads. Forward gathers the weights over d, runs the formulas
+on the local heads and finishes with out[B/d L M/t] = psum_scatter_t(out). Backward gathers dout
+over t and the weights over d again (FSDP keeps only shards between the passes), returns dnx as a
 partial sum over t (the RMSNorm before it sums it) and dw = psum_scatter_d(dw) for each weight.
 
 Scores, softmax and their gradients run in float32 for bf16/fp32 (float64 for float64); P is cast

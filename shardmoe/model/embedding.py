@@ -3,7 +3,7 @@
     forward:  x[B L M] = sum_V onehot(ids)[B L V] W[V M]        (a row lookup)
     backward: dW[V M]  = sum_{B L} onehot(ids)[B L V] dx[B L M] (index-add of dx into the id's row)
 
-Sharded (seed 002): ids 'B/d L', weight 'V/t M/d', output 'B/d L M/t'.
+Sharded (docs/model.md "Layout"): ids 'B/d L', weight 'V/t M/d', output 'B/d L M/t'.
     forward:  W[V/t M] = all_gather_d(W[V/t M/d]); each t rank looks up the ids in its vocab block
               (ids of other blocks give zero rows), so x[B/d L M] is a partial sum over t;
               x[B/d L M/t] = psum_scatter_t(x).

@@ -9,7 +9,7 @@ backward, given dy:
 
 Computed in float32 for bf16/fp32 inputs (float64 for float64); y is cast back to x's dtype.
 
-Sharded (seed 002): x 'B/d L M/t' (the residual stream), gain 'M/t/d', y 'B/d L M'.
+Sharded (docs/model.md "Layout"): x 'B/d L M/t' (the residual stream), gain 'M/t/d', y 'B/d L M'.
     forward:  x[B/d L M] = all_gather_t(x), w[M] = all_gather_{t,d}(w), then the formulas.
     backward: y feeds t-sharded heads, so dy arrives as a partial sum over t. Both gradients are
               linear in dy, so the formulas run on the partials and the sums happen in the duals:

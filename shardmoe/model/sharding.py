@@ -1,8 +1,9 @@
 """Sharding helpers of the dense layers beyond shardmoe.shardops, with `mesh=None` a single process.
 
-The layers write their math on local shards and call shardops at the seams (seed 002's pattern:
-all_gather weights over d before use, psum_scatter gradients back; psum_scatter over t after a
-projection that contracts a t-sharded dim). Every contraction over a sharded dim goes through
+The layers write their math on local shards and call shardops at the seams (FSDP over d plus
+Megatron tensor parallelism over t, docs/model.md "Layout": all_gather weights over d before use,
+psum_scatter gradients back; psum_scatter over t after a projection that contracts a t-sharded
+dim). Every contraction over a sharded dim goes through
 shardops.einsum_unreduced (or shardops.unreduced for a lookup or an index_add), so its result is
 an Unreduced that only a psum or psum_scatter turns back into a tensor, also with mesh=None.
 Gradient convention (shardops'): a tensor replicated over t that feeds t-sharded work gets a

@@ -7,7 +7,7 @@ backward, given dloss (a scalar):
     dlogits = dloss (softmax(logits) - onehot(target)) / N
     dx      = dlogits . W;    dW = sum_{B L} dlogits^T x
 
-Sharded (seed 002): x 'B/d L M' (replicated over t), W 'V/t M/d', logits 'B/d L V/t'.
+Sharded (docs/model.md "Layout"): x 'B/d L M' (replicated over t), W 'V/t M/d', logits 'B/d L V/t'.
     forward:  W[V/t M] = all_gather_d(W); the logsumexp is distributed and stays stable:
               m = max over t of the local maxima (a constant shift, no gradient),
               lse = m + log psum_t(sum_{V/t} exp(logits - m)); the target logit is a psum over t

@@ -8,7 +8,7 @@
   identity   act = z                               act' = 1
 
 Phi and phi are the standard normal CDF and density. The backward multiplies the incoming
-gradient by act'(z) before any GEMM sees it (the seeds' fGETGrad order). It runs on aten's
+gradient by act'(z) before any GEMM sees it (FlashMoE's fGETGrad order). It runs on aten's
 fused activation-backward kernels, which evaluate these closed forms (in float32 for bf16
 operands, rounding once): one pass instead of the five or six a hand-written formula takes,
 and no autograd graph. tests/moe/test_activations.py checks them against autograd in float64.

@@ -1,6 +1,6 @@
 """What a transformers sparse MoE block computes, read before MoE.from_mixtral copies anything.
 
-MoE expresses one routing rule (design.md section 3): for tokens x [S, H] and a router weight
+MoE expresses one routing rule (docs/moe.md "Forward"): for tokens x [S, H] and a router weight
 W [E, H],
 
   p = softmax(x W^T)                              [S, E]   no router bias, no correction bias

@@ -10,7 +10,7 @@ fused path is held to.
 Shapes: S tokens (all leading dims of x flattened), H hidden, E experts, k top-k,
 F ("glu") or P ("mlp") expert intermediate size.
 
-Per token t (design.md section 4; the router options of docs/moe.md "Routers"):
+Per token t (the fused layer's math, docs/moe.md; the router options of docs/moe.md "Routers"):
     logits_t = x_t @ Wg (+ gate_bias)                     [E]
     p_t      = softmax(logits_t) or sigmoid(logits_t)  (float32 for fp32/bf16 inputs, float64 for float64)
     c_t      = p_t + correction_bias                      (selection only, detached)

@@ -5,7 +5,8 @@ input rows and their combine weights, say) so that one exchange moves them all, 
 own dtype. A rank sends rows[prefix of counts[me]] to each peer in group order and receives, from
 each source in group order, counts[source][me] rows, concatenated.
 
-Paths, chosen per pair of ranks from mesh.ranks_per_node (seed 000):
+Paths, chosen per pair of ranks from mesh.ranks_per_node (FlashMoE's two paths, P2P within a node
+and remote across nodes; docs/parallel.md):
   self    the rows are copied locally;
   P2P     a peer on the same node: the sender writes straight into the receiver's segment of a
           SymmetricHeap (POSIX shared memory) and raises a flag;

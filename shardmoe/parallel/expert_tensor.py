@@ -1,4 +1,4 @@
-"""Expert tensor parallelism over mesh axis 't' (seed 003), and the expert shard layout.
+"""Expert tensor parallelism over mesh axis 't' (docs/parallel.md), and the expert shard layout.
 
 Each expert's intermediate dim (F for "glu", P for "mlp") is split over 't'; experts are split
 over 'e' in contiguous blocks. In notation, with gate_up_proj viewed as [E, 2, F, H] (its gate
@@ -19,10 +19,11 @@ On rows xs 'N H' that every rank of a t group holds alike (they come from the sa
     y   = psum_t(y_t)           forward all-reduce; its backward is the identity
 and for the input: identity forward, psum_t of the input gradient backward, because each rank's
 dx = dh_t Wgu_t only covers its slice of F. The "glu" gate dot product g . y is taken as
-(g Wdown_t) . a_t, which is also unreduced over t and summed the same way (seed 003's "+1 for
-routing weights gradient"). For "mlp" the psum comes before b2 and act_out, which need the whole
-z2; b2 is added once. The "glu" down_proj_bias is added once in the same way, after the psum of
-y_t, and its term g . bdown of the gate dot is added once, after the psum of the partial dots.
+(g Wdown_t) . a_t, which is also unreduced over t and summed the same way (one more all-reduce
+in the backward, for the routing-weights gradient). For "mlp" the psum comes before b2 and
+act_out, which need the whole z2; b2 is added once. The "glu" down_proj_bias is added once in
+the same way, after the psum of y_t, and its term g . bdown of the gate dot is added once, after
+the psum of the partial dots.
 
 The contractions over F/t run in the fused path's grouped GEMMs (shardmoe/moe/experts.py), not
 in einsums: expert_parallel marks their results with shardops.unreduced (a wrapper, no copy), and

@@ -1,5 +1,5 @@
-"""The tile-task runtime: an executable specification of the FlashMoE schedule (design.md
-section 5, docs/tasks.md). It plans a layer's forward and backward as tile tasks on simulated
+"""The tile-task runtime: an executable specification of the FlashMoE schedule
+(docs/tasks.md). It plans a layer's forward and backward as tile tasks on simulated
 devices, runs them under a scheduler with checked invariants, and records a trace."""
 from shardmoe.tasks.api import BackwardResult, ForwardResult, run_backward, run_forward
 from shardmoe.tasks.queues import ScheduleError

@@ -120,8 +120,8 @@ def run_backward(layer, x: torch.Tensor, grad_out: torch.Tensor, *, peers: int =
     grad_loss: dL/d(layer.aux_loss). 1.0 (default) is the training objective
     (out * grad_out).sum() + layer.aux_loss; pass 0.0 or None for (out * grad_out).sum() alone.
     gate_dependency: "token" (exact: gradGateGEMM waits for every kept pair of its tokens) or
-    "row_tile" (the seeds' per-row-tile threshold; racy for top_k > 1, kept to demonstrate it).
-    final_gate_combine: also emit gradGateCombine from the final decoders (the seeds forbid it;
+    "row_tile" (FlashMoE's per-row-tile threshold; racy for top_k > 1, kept to demonstrate it).
+    final_gate_combine: also emit gradGateCombine from the final decoders (FlashMoE's backward forbids it;
     the counters then raise ScheduleError).
     forward: a run_forward result for the same layer and x, whose saved activations are reused;
     its plan must have been made with the same peers, ranks_per_node, block_m and block_n.

@@ -12,14 +12,14 @@ Backward
   notifyGateGradient                                            TNx gradGateGEMM     -> ptQ @TN
       per-token mode: token tile g of the token device, when every kept pair of each of
       its tokens has delivered its dot (gate domain tQH[2*gtQCl+g]);
-      seeds' row-tile mode: see gate decoder below
+      row-tile mode: see gate decoder below
   notifyGradPreGEMM (gradPostGEMM counter reached TN)           TNx gradPreGEMM      -> ptQ @TN+TNx
   P2P final decoder (token device, flag set by the expert)     TNx gradInputCombine -> tQ
                     reading the expert's dL/dx rows directly (isPeerRemote = false)
   remote final decoder (token device, heap signal)             TNx gradInputCombine -> tQ
                     only if isRemoteExpert = (peer != own rank); reads the heap cell
   gate decoder      (token device, flag or heap signal sent     TNx gradGateGEMM     -> tQ
-                    when row tile s's combine counter reached TNx+1; seeds' row-tile mode)
+                    when row tile s's combine counter reached TNx+1; row-tile mode)
 gradGateCombine comes from the initial decoder only: a second one per row tile (the final
 decoder also emitting it) completes its counters twice, which the counters reject.
 """
@@ -90,10 +90,10 @@ class Emitters:
                         out=Ref(d, "grad_xm", s), dw=Ref(d, "expert_grad"))
 
     def gate_decoder_row_tile(self, tile: RowTile, tokens) -> None:
-        """The seeds' rule: gradGateGEMM of a row tile over the tokens it owns (their first kept
-        pair), released by the row tile's combine counter. The expert device flags (or signals)
-        the token device, whose decoder writes the tasks into its own tQ: x, the gate dots and
-        grad_x live there, and a remote device may not be read."""
+        """FlashMoE's rule (row-tile mode): gradGateGEMM of a row tile over the tokens it owns
+        (their first kept pair), released by the row tile's combine counter. The expert device
+        flags (or signals) the token device, whose decoder writes the tasks into its own tQ: x, the
+        gate dots and grad_x live there, and a remote device may not be read."""
         h = tile.peer
         self._write_tq(TaskType.gradGateGEMM, tile, h, self.plan.tnx, "gate decoder", tokens=tokens,
                        x=Ref(h, "x"), dots=Ref(h, "gate_dots"), out=Ref(h, "grad_x"), dwg=Ref(h, "gate_weight_grad"),
@@ -123,7 +123,7 @@ class Emitters:
 
     def remote_final_decoder(self, tile: RowTile, own_rank: int) -> None:
         d, h, s = tile.device, tile.peer, tile.sync_idx
-        is_remote_expert = d != own_rank  # the seeds' guard; a rank is never remote to itself
+        is_remote_expert = d != own_rank  # FlashMoE's guard; a rank is never remote to itself
         if is_remote_expert:
             self._write_tq(TaskType.gradInputCombine, tile, h, self.plan.tnx, "remote final decoder",
                            src=Ref(h, "heap", (d, s)), out=Ref(h, "grad_x"))

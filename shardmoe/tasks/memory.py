@@ -1,5 +1,5 @@
 """Device memory of the simulated run: every buffer is a cell addressed by a Ref
-(device, name, key). Names, with the seeds' buffer in brackets:
+(device, name, key). Names, with FlashMoE's buffer name in brackets:
 
   expert device, per row tile s (key s), m rows:
     x_rows [m, H]       dispatched tokens        (heap stage 0 cell 1, "original input")

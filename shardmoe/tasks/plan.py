@@ -1,7 +1,7 @@
 """The tile plan of one MoE forward/backward: devices, row tiles, token tiles, Task records,
 and the closed-form task counts.
 
-Devices (the seeds' peers): `peers` simulated devices, grouped into nodes of `ranks_per_node`
+Devices (FlashMoE's peers): `peers` simulated devices, grouped into nodes of `ranks_per_node`
 consecutive ranks. Device d holds the experts [d*nLx, (d+1)*nLx) (nLx = E / peers) and the
 tokens of its contiguous block of the S tokens (torch.tensor_split sizes). Two devices on one
 node are P2P (NVLink: direct loads and stores, flags); devices on different nodes are remote
@@ -22,7 +22,8 @@ gate gradient needs all of its pairs, so it is planned per token, not per row ti
 Task counts (R = number of row tiles = sum_pe ceil(m_pe / block_m), G = number of token tiles):
     forward:  preGEMM R*tN, postGEMM R*tNx, combine R*tNx
     backward: gradCombine R*tNx, gradGateCombine R, gradPostGEMM R*tN, gradPreGEMM R*tNx,
-              gradInputCombine R*tNx, gradGateGEMM G*tNx (per-token dependency) or R*tNx (seed mode)
+              gradInputCombine R*tNx,
+              gradGateGEMM G*tNx (per-token dependency) or R*tNx (row-tile mode)
 """
 from __future__ import annotations
 
@@ -38,7 +39,7 @@ from shardmoe.moe.routing import Routing
 
 
 class TaskType(str, enum.Enum):
-    """The tile tasks: three forward, six backward (seeds/000)."""
+    """The tile tasks, named as in FlashMoE: three forward, six backward (docs/tasks.md)."""
 
     preGEMM = "preGEMM"
     postGEMM = "postGEMM"
@@ -55,7 +56,7 @@ class TaskType(str, enum.Enum):
 
 
 # Gate-gradient dependency modes: "token" waits for every kept pair of every token of a token tile
-# (exact under any order); "row_tile" is the seeds' per-row-tile threshold (racy for top_k > 1).
+# (exact under any order); "row_tile" is FlashMoE's per-row-tile threshold (racy for top_k > 1).
 GATE_DEPENDENCIES = ("token", "row_tile")
 
 
@@ -73,16 +74,16 @@ class Ref:
 
 @dataclass(eq=False)
 class Task:
-    """One tile task, as in the seeds' Task record.
+    """One tile task, as in FlashMoE's Task record.
 
     type      the TaskType
     device    the device whose processors run it
     sync_idx  row tile (syncIdx on the expert's device) or token tile index (gradGateGEMM, "token")
-    tile_idx  column tile only (rows are baked into the operands, as in the seeds' backward)
+    tile_idx  column tile only (rows are baked into the operands, as in FlashMoE's backward)
     expert    global expert index (-1 for gradGateGEMM of a token tile)
     peer      home device of the tile's tokens
-    operands  role -> Ref (the seeds' aData/bData/cData/dData, by name)
-    remote    the seeds' isPeerRemote: the expert and the tokens are on different nodes
+    operands  role -> Ref (FlashMoE's aData/bData/cData/dData, by name)
+    remote    FlashMoE's isPeerRemote: the expert and the tokens are on different nodes
     emitter   who created it (initial decoder, notifyGradient, ...), for errors and traces
     """
 
@@ -220,8 +221,8 @@ def forward_task_counts(plan: Plan) -> dict[TaskType, int]:
 
 def backward_task_counts(plan: Plan, gate_dependency: str = "token",
                          final_gate_combine: bool = False) -> dict[TaskType, int]:
-    """Closed-form backward counts (module docstring). `final_gate_combine` adds the seeds' forbidden
-    second gradGateCombine per row tile, emitted by the final decoder."""
+    """Closed-form backward counts (module docstring). `final_gate_combine` adds the second
+    gradGateCombine per row tile that FlashMoE forbids, emitted by the final decoder."""
     rows, tn, tnx = len(plan.row_tiles), plan.tn, plan.tnx
     gate_units = len(plan.token_tiles) if gate_dependency == "token" else rows
     return {TaskType.gradCombine: rows * tnx,

@@ -126,7 +126,7 @@ class BackwardProtocol(Protocol):
         self.gate_tokens = self._gate_ownership() if gate_dependency == "row_tile" else None
 
     def _gate_ownership(self) -> dict[tuple[int, int], torch.Tensor]:
-        """Seeds' mode: row tile -> the tokens whose gate gradient it computes (those whose first kept
+        """Row-tile mode: row tile -> the tokens whose gate gradient it computes (those whose first kept
         pair it holds), so each token is counted once; tokens with no kept pair are owned by none."""
         first: dict[int, tuple[int, RowTile]] = {}
         for tile in self.plan.row_tiles:
@@ -220,7 +220,7 @@ class BackwardProtocol(Protocol):
     def _deliver_dots(self, tile: RowTile, task: Task) -> None:
         """P2P: the dots are in gate_dots already (stored at the task's end). Remote: they land in
         the heap cell with a signal later, and the token device's subscriber scatters them. Only
-        the per-token mode counts them (the seeds' mode waits for nothing)."""
+        the per-token mode counts them (the row-tile mode waits for nothing)."""
         out, counted = task.operands["out"], self.gate_dependency == "token"
         if out.name != "gate_rows":
             if counted:

@@ -11,7 +11,7 @@ ptQ (the processors' queue): gtQCl slots of `stride` Task entries, one slot per 
                                  gradPreGEMM (TNx, notifyGradPreGEMM) at TN + TNx
 Each (domain, slot) has a head tQH that counts the tasks written there. Domains, as tQH indices:
     primary    tQH[s]            gradPostGEMM
-    secondary  tQH[gtQCl + s]    gradPreGEMM: written later, by another processor (seeds)
+    secondary  tQH[gtQCl + s]    gradPreGEMM: written later, by another processor (as in FlashMoE)
     gate       tQH[2*gtQCl + g]  gradGateGEMM of token tile g (per-token mode): its producer is
                                  the token's gate counter, unrelated in time to slot g's GEMMs
 The writers (DeviceQueues.write_*) compute an entry's index from their layout and bump a head or
@@ -76,7 +76,7 @@ def tq_capacity(plan: Plan, backward: bool, gate_dependency: str = "token") -> i
     as expert device, every row-tile slot of its experts (peers * nLx * TCM) may arrive, each
     decoded into TN preGEMM (forward) or TNx gradCombine + 1 gradGateCombine (backward); as token
     device, every row tile of its tokens (E * TCM) may come back, each decoded into TNx combine or
-    TNx gradInputCombine, plus TNx gradGateGEMM in the seeds' row-tile gate mode."""
+    TNx gradInputCombine, plus TNx gradGateGEMM in the row-tile gate mode."""
     expert_slots = plan.peers * plan.local_experts * plan.tcm
     home_slots = plan.config.num_experts * plan.tcm
     initial = plan.tnx + 1 if backward else plan.tn
@@ -128,7 +128,7 @@ class QueueReader:
 
     poll() walks what it has not consumed yet: tQ's tail, then every tQH[h] that moved (the writer
 rings a doorbell naming the head, so a poll costs what was written, not the number of heads) (domain D = h // gtQCl,
-    slot s = h % gtQCl) and turns each new entry into a signal, as the seeds' scheduler does:
+    slot s = h % gtQCl) and turns each new entry into a signal, as FlashMoE's scheduler does:
         tQ entry i                    signal = i                                   (< sT)
         j-th entry of tQH[h]          signal = sT + s * blockQStride + D.offset + j  (>= sT)
     read(signal) is the processor's decode: signal >= sT means ptQ[signal - sT]; it returns the

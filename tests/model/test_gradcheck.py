@@ -1,4 +1,4 @@
-"""Seed 004's method on every dense layer: torch.autograd.gradcheck of its autograd.Function (the
+"""Finite-difference gradient checking on every dense layer: torch.autograd.gradcheck of its autograd.Function (the
 hand-written backward) against central finite differences of its forward, in float64.
 
 This needs no second implementation: gradcheck builds the Jacobian the backward implies (one

@@ -6,7 +6,7 @@ Two spawned gloo worlds carry every distributed check (spawning costs seconds):
            mlp with biases, a nonlinear output activation and capacity drops; every token routed
            to one rank's experts, with capacity; every router option; GPT-OSS's biased clamped-SwiGLU
            experts with its router), plus the raw row exchange with heap growth.
-  2 ranks: ep=2 (P2P and remote), tp=2, dp=2, seed 003's worked example, bad configurations,
+  2 ranks: ep=2 (P2P and remote), tp=2, dp=2, a worked tp=2 example, bad configurations,
            and the distributed benchmark on tiny shapes.
 The parent computes every expected value with shardmoe.moe.reference (plain autograd, float64):
 outputs and input gradients of the concatenation of all ranks' tokens; the gate gradient of each
@@ -318,10 +318,10 @@ def _four_rank_world(cases: list[dict]) -> dict:
     return out
 
 
-def _two_rank_world(cases: list[dict], seed003: dict, bench_json: str) -> dict:
+def _two_rank_world(cases: list[dict], tp_example: dict, bench_json: str) -> dict:
     out = _world(cases, (2, 1))
     meshes = out.pop("meshes")
-    out["seed003"] = _run_seed003(seed003)
+    out["tp_example"] = _run_tp_example(tp_example)
     out["errors"] = _bad_configurations(meshes[((1, 2, 1), 2)], meshes[((1, 1, 2), 2)])
     out["low_precision"] = {name: _run_low_precision(meshes[((1, 2, 1), 2)], name) for name in LOW_PRECISION}
     out["bench_exit"] = bench.run_distributed(SimpleNamespace(mesh="e=2", quick=True, dtype="fp32", json=bench_json,
@@ -382,12 +382,14 @@ def _bad_configurations(ep_mesh: Mesh, tp_mesh: Mesh) -> list[str]:
     return messages
 
 
-# -- seed 003: H=4, F=4, E=2, k=1, tp=2 ------------------------------------------------------------
+# -- a worked example: H=4, F=4, E=2, k=1, tp=2 ----------------------------------------------------
 
 
-def _seed003() -> dict:
-    """The worked example's inputs. Routing weight 0.6 on expert 0: softmax probability 0.6 from a
-    gate whose logits differ by ln 1.5, kept as is (renormalize=False; top-1 would renormalise to 1)."""
+def _tp_example() -> dict:
+    """The inputs of a small tp=2 example worked by hand: one token x = [1, 2, 3, 4] routed to expert 0,
+    and each t rank's shard of expert 0 written out. Routing weight 0.6 on expert 0: softmax
+    probability 0.6 from a gate whose logits differ by ln 1.5, kept as is (renormalize=False; top-1
+    would renormalise to 1)."""
     f64 = dict(dtype=torch.float64)
     gate_rows = torch.tensor([[0.1, 0.2, 0.3, 0.4]] * 2 + [[0.5, 0.6, 0.7, 0.8]] * 2, **f64)
     up_rows = torch.tensor([[0.1] * 4] * 2 + [[0.2] * 4] * 2, **f64)
@@ -395,7 +397,9 @@ def _seed003() -> dict:
     down = torch.stack([torch.full((4, 4), 0.1, **f64), torch.full((4, 4), 0.2, **f64)])
     router = torch.zeros(2, 4, **f64)
     router[0, 0] = math.log(1.5)
-    shards = [  # each GPU's expert 0 shard, as the seed prints it
+    # each t rank's expert 0 shard: its slice of the gate rows, then the same slice of the up rows;
+    # its slice of down_proj's last dim
+    shards = [
         (torch.tensor([[0.1, 0.2, 0.3, 0.4]] * 2 + [[0.1] * 4] * 2, **f64), torch.full((4, 2), 0.1, **f64)),
         (torch.tensor([[0.5, 0.6, 0.7, 0.8]] * 2 + [[0.2] * 4] * 2, **f64), torch.full((4, 2), 0.1, **f64)),
     ]
@@ -403,7 +407,7 @@ def _seed003() -> dict:
                 shards=shards)
 
 
-def _run_seed003(example: dict) -> dict:
+def _run_tp_example(example: dict) -> dict:
     mesh = Mesh(tp=2, ranks_per_node=2)
     # The whole Mixtral-layout tensors, sharded as from_mixtral does (from_mixtral itself wants a
     # real transformers block, and importing transformers in every rank would cost seconds).
@@ -421,7 +425,7 @@ def _run_seed003(example: dict) -> dict:
                 whole={n: etp.gather_expert_param(n, getattr(layer, n).detach(), mesh) for n in ("gate_up_proj", "down_proj")})
 
 
-def _seed003_expected(example: dict) -> dict:
+def _tp_example_expected(example: dict) -> dict:
     """Float64 autograd of the example written out from scratch: out = p0 * expert0(x)."""
     x = example["x"].clone().requires_grad_(True)
     gate_up = example["gate_up"].clone().requires_grad_(True)
@@ -452,7 +456,7 @@ def two_rank_results(tmp_path_factory):
     cases = [_case(name, layout, 100 + seed) for seed, (layout, name) in
              enumerate((layout, name) for layout in LAYOUTS_2 for name in CONFIGS
                        if not (layout == (1, 1, 2) and name == "one_block_capacity"))]
-    example = _seed003()
+    example = _tp_example()
     bench_json = str(tmp_path_factory.mktemp("bench") / "report.json")
     results = run_distributed(_two_rank_world, 2, args=(cases, example, bench_json), timeout=180)
     with open(bench_json) as f:
@@ -517,11 +521,11 @@ def test_two_ranks_ep2_and_tp2_match_the_reference(two_rank_results):
     _check_world(cases, results, (2, 1))
 
 
-def test_seed003_worked_example(two_rank_results):
+def test_tp2_worked_example(two_rank_results):
     _, example, results = two_rank_results
-    expected = _seed003_expected(example)
+    expected = _tp_example_expected(example)
     for t, rank in enumerate(results):
-        got = rank["seed003"]
+        got = rank["tp_example"]
         gate_shard, down_shard = example["shards"][t]
         assert torch.equal(got["gate_up"][0], gate_shard) and torch.equal(got["down"][0], down_shard)
         _assert_close(got["out"], expected["out"], f"rank {t} output")

@@ -1,6 +1,6 @@
 """The gate-gradient dependency: gradGateGEMM of a token needs the dots of ALL its kept pairs.
 
-The seeds' rule ("row_tile": a row tile's gradGateGEMM is released when that row tile's own
+FlashMoE's rule ("row_tile": a row tile's gradGateGEMM is released when that row tile's own
 gradCombine + gradGateCombine counter reaches TNx+1) lets it read a token's gate_dots before the
 token's other experts have written theirs. The project's rule ("token": per-token counters feeding
 a token-tile counter) is exact under every order. And gradGateCombine emitted by the final decoder
@@ -36,7 +36,7 @@ def _relative(got, want):
 def _late_dots(bwd) -> bool:
     """Did some row tile's gradGateGEMM start (it reads the dots when it starts) before a
     gradGateCombine of one of its owned tokens had ended? Owner = the row tile of the token's first
-    kept pair. (In the seeds' mode every dot is a store into the global buffer at the task's end.)"""
+    kept pair. (In FlashMoE every dot is a store into FlashMoE's global [S, E] buffer at the task's end.)"""
     plan = bwd.forward.plan
     tile_of = {(t.expert, t.sync_idx): t for t in plan.row_tiles}
     first = {}
@@ -57,22 +57,22 @@ def _late_dots(bwd) -> bool:
     return False
 
 
-def test_seed_row_tile_threshold_races_and_the_per_token_dependency_does_not():
+def test_row_tile_threshold_races_and_the_per_token_dependency_does_not():
     layer, x, grad_out, want = _setup(top_k=2)
     fwd = run_forward(layer, x, **SCHEDULE)
     racy_seeds = []
     for seed in range(40):
-        seed_mode = run_backward(layer, x, grad_out, seed=seed, grad_loss=0.0, gate_dependency="row_tile",
+        row_tile_mode = run_backward(layer, x, grad_out, seed=seed, grad_loss=0.0, gate_dependency="row_tile",
                                  forward=fwd, **SCHEDULE)
-        wrong = _relative(seed_mode.grads["gate_weight"], want["gate_weight"]) > 1e-6
+        wrong = _relative(row_tile_mode.grads["gate_weight"], want["gate_weight"]) > 1e-6
         # the mechanism: wrong exactly when a gradGateGEMM read a token's dots before all had landed
-        assert wrong == _late_dots(seed_mode), seed
+        assert wrong == _late_dots(row_tile_mode), seed
         # the race touches only the gate path: the expert gradients stay exact
         for name in ("w1", "w2"):
-            assert _relative(seed_mode.grads[name], want[name]) <= 1e-12
+            assert _relative(row_tile_mode.grads[name], want[name]) <= 1e-12
         if wrong:
             racy_seeds.append(seed)
-            assert _relative(seed_mode.grad_input, want["x"]) > 1e-9
+            assert _relative(row_tile_mode.grad_input, want["x"]) > 1e-9
         fixed = run_backward(layer, x, grad_out, seed=seed, grad_loss=0.0, forward=fwd, **SCHEDULE)
         for name, w in want.items():
             got = fixed.grad_input if name == "x" else fixed.grads[name]

@@ -1,6 +1,6 @@
 """The scheduler learns of work only by reading tQ and ptQ, and data crosses devices only by
-deliveries that take time: the seeds' queue hazards surface as a ScheduleError naming the slot,
-and initial decoders fire when their packet lands."""
+deliveries that take time: the queue hazards of FlashMoE's backward design (docs/tasks.md) surface
+as a ScheduleError naming the slot, and initial decoders fire when their packet lands."""
 import pytest
 import torch
 
@@ -68,8 +68,9 @@ def _plant(monkeypatch, change):
 
 @pytest.mark.parametrize("gate_dependency", ["token", "row_tile"])
 def test_the_forward_stride_in_the_backward_is_caught_at_a_slot(monkeypatch, gate_dependency):
-    """seeds/001: the scheduler must read ptQ at the stride notifyGradient writes. A writer still on
-    the forward's TN + TNx puts slot s's tasks where the reader's slot s is not."""
+    """The scheduler must read ptQ at the stride notifyGradient writes (TN + 2*TNx in the backward:
+    docs/tasks.md). A writer still on the forward's TN + TNx puts slot s's tasks where the reader's
+    slot s is not."""
     layer, x, grad_out = _layer_and_inputs()
     fwd = run_forward(layer, x, **SCHEDULE)
 
@@ -83,8 +84,9 @@ def test_the_forward_stride_in_the_backward_is_caught_at_a_slot(monkeypatch, gat
 
 @pytest.mark.parametrize("gate_dependency", ["token", "row_tile"])
 def test_grad_pre_gemm_in_the_primary_domain_is_caught_at_a_slot(monkeypatch, gate_dependency):
-    """seeds/000: gradPreGEMM has its own head tQH[gtQCl + s]. Written through the primary head
-    tQH[s] instead, it lands behind gradPostGEMM (and gradGateGEMM), which the reader refuses."""
+    """gradPreGEMM has its own head tQH[gtQCl + s], the secondary domain (docs/tasks.md). Written
+    through the primary head tQH[s] instead, it lands behind gradPostGEMM (and gradGateGEMM), which
+    the reader refuses."""
     layer, x, grad_out = _layer_and_inputs()
     fwd = run_forward(layer, x, **SCHEDULE)
 
@@ -120,10 +122,11 @@ def test_packets_arrive_before_their_decoders_fire():
 
 
 def test_remote_data_reaches_a_task_only_through_its_own_heap(monkeypatch):
-    """Every run checks that no task names a buffer of a device on another node. The seeds' row-tile
-    gate mode obeys it: its gradGateGEMM runs on the tokens' device (released by a flag or heap
-    signal from the row tile's expert) and a remote expert's dots come through a heap cell. Run on
-    the expert device as the seeds place it, the task is refused when it starts."""
+    """Every run checks that no task names a buffer of a device on another node. The row-tile gate
+    mode (FlashMoE's release rule) obeys it: its gradGateGEMM runs on the tokens' device (released
+    by a flag or heap signal from the row tile's expert) and a remote expert's dots come through a
+    heap cell. Run on the expert device, where FlashMoE's notifyGateGradient places it, the task is
+    refused when it starts."""
     layer, x, grad_out = _layer_and_inputs()
     schedule = dict(SCHEDULE, ranks_per_node=1)  # every pair of distinct devices is remote
     fwd = run_forward(layer, x, **schedule)
