@@ -6,7 +6,7 @@ One run times, side by side and interleaved on the same weights and input:
   loop          a per-expert-loop autograd baseline (index_select, F.linear, silu*up, index_add)
   dense         plain matmuls of the same FLOPs and shapes into preallocated buffers: the ceiling
   dense+alloc   the same matmuls allocating their outputs, as autograd does (allocator cost)
-  shardmoe      shardmoe.MoE (FusedMoE, explicit backward)
+  shardmoe      shardmoe.MoE (the MoE operators, explicit backward)
 and reports median time, GFLOP/s, the fraction of the dense ceiling, speedups, and the bytes
 each layer saves for backward per token. Method and formulas: docs/benchmarks.md.
 

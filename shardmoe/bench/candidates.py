@@ -6,7 +6,7 @@
   dense         dense_candidate: plain matmuls of the same FLOPs and shapes into preallocated
                 buffers (the ceiling)
   dense+alloc   the same matmuls allocating their outputs, as autograd does (allocator cost)
-  shardmoe      shardmoe.MoE (FusedMoE, explicit backward)
+  shardmoe      shardmoe.MoE (the MoE operators, explicit backward)
 
 and, only when asked for (--candidates), ablations of shardmoe for before/after measurements:
   shardmoe:no-workspace  layer.workspace = None: every row buffer allocated fresh (grouped_mm)

@@ -7,7 +7,7 @@ to ALL_EXPERTS_FUNCTIONS[config._experts_implementation] as
   out_t = sum_j w_tj y_{e_tj}(x_t),   w = top_k_weights, e = top_k_index
 
 with the family's own router upstream. `experts_forward` runs that through the layer's own
-autograd Function (moe/function.py FusedMoE) with the routing given (routing.GivenRouting) and the
+MoE operators (moe/ops.py, moe/function.py) with the routing given (routing.GivenRouting) and the
 local dispatcher: the same backend choice, workspace pool, one-pass glu backward and Triton path as
 shardmoe.MoE. Backward is the explicit one: stages 1-5, and stage 2's dots
 dw_tj = g_t . y_{e_tj}(x_t) are exactly dL/dtop_k_weights, through which the family's router gets
@@ -40,8 +40,9 @@ import torch
 
 from shardmoe.moe.activations import ClampedSwiGLU
 from shardmoe.moe.config import MoEConfig
+from shardmoe.moe import ops
 from shardmoe.moe.dispatch import LOCAL
-from shardmoe.moe.function import FusedMoE, MoECall, expert_param_names
+from shardmoe.moe.function import MoECall
 from shardmoe.moe.hf_blocks import MIXTRAL_ACTIVATIONS, family_name
 from shardmoe.moe.routing import GivenRouting
 from shardmoe.moe.workspace import Workspace
@@ -154,13 +155,37 @@ def layer_config(layout: ExpertsLayout, hidden_size: int, ffn_size: int, num_exp
                      bias=layout.names[1] is not None, renormalize=False, **options)
 
 
-def seam_workspace(experts) -> Workspace:
-    """The pool of row buffers this experts module's forwards draw from: one per model config object
-    (every decoder layer of a model shares it, as shardmoe.MoE layers of one model do), made on first
-    use and released with the config."""
+class SeamOwner:
+    """What the MoE operators (moe/ops.py) run one experts module's forward and backward with: the
+    layout read once, the given routing, the local dispatcher and the model's workspace pool."""
+
+    def __init__(self, experts, layout: ExpertsLayout):
+        self.layout = layout
+        self.workspace = _model_workspace(experts)
+
+    def moe_call(self, x: torch.Tensor, inputs: tuple) -> MoECall:
+        top_k_index, top_k_weights, *weights = inputs
+        stage = dict(zip(expert_param_names_of(self.layout), weights))
+        num_experts, ffn = stage[self.layout.stage_names[2]].shape[0], stage[self.layout.stage_names[2]].shape[-1]
+        config = layer_config(self.layout, x.shape[-1], ffn, num_experts, top_k_index.shape[1])
+        return MoECall(config, GivenRouting(num_experts), LOCAL, self.workspace)
+
+
+def expert_param_names_of(layout: ExpertsLayout) -> tuple[str, ...]:
+    """The expert params the operators take for this layout, in their order (the glu biases only
+    when the module has them)."""
+    if layout.expert == "glu" and layout.names[1] is None:
+        return ("gate_up_proj", "down_proj")
+    return layout.stage_names
+
+
+def _model_workspace(experts) -> Workspace:
+    """The pool of row buffers an experts module's forwards draw from: one per model config object
+    (every decoder layer of a model shares it, as the shardmoe.MoE layers of one model do), made on
+    first use and released with the config."""
     config = getattr(experts, "config", None)
     if config is None:  # an experts module built without a config: a pool of its own
-        return experts.__dict__.setdefault("_shardmoe_workspace", Workspace())
+        return Workspace()
     pool = _POOLS.get(id(config))
     if pool is None or pool[0]() is not config:
         pool = (weakref.ref(config, lambda _, key=id(config): _POOLS.pop(key, None)), Workspace())
@@ -172,11 +197,26 @@ def seam_workspace(experts) -> Workspace:
 _POOLS: dict[int, tuple[weakref.ref, Workspace]] = {}
 
 
+@torch.compiler.assume_constant_result
+def seam_handle(experts) -> int:
+    """The MoE operators' handle of this experts module, made on its first forward (a constant of
+    the module, so a compiled graph carries it as one)."""
+    owner = experts.__dict__.get("_shardmoe_owner")
+    if owner is None:
+        owner = SeamOwner(experts, read_layout(experts))
+        experts.__dict__["_shardmoe_owner"] = owner
+        experts.__dict__["_shardmoe_handle"] = ops.register(owner)
+    return experts.__dict__["_shardmoe_handle"]
+
+
 def experts_forward(experts, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                     top_k_weights: torch.Tensor) -> torch.Tensor:
     """The function registered as "shardmoe": hidden_states [S, H], top_k_index [S, k] int,
-    top_k_weights [S, k] -> [S, H] in hidden_states' dtype."""
-    layout = read_layout(experts)
+    top_k_weights [S, k] -> [S, H] in hidden_states' dtype. The expert ids are checked against E
+    inside the operator (routing.GivenRouting), before any work: reading them here would put a
+    data-dependent Python int in a compiled graph."""
+    handle = seam_handle(experts)
+    layout = experts._shardmoe_owner.layout
     tensors = [None if n is None else getattr(experts, n) for n in layout.names]
     dtype = tensors[0].dtype
     if hidden_states.dtype != dtype:
@@ -185,14 +225,7 @@ def experts_forward(experts, hidden_states: torch.Tensor, top_k_index: torch.Ten
             or tuple(top_k_weights.shape) != tuple(top_k_index.shape):
         raise ValueError(f"top_k_index, top_k_weights: expected shapes [S, k] with S={hidden_states.shape[0]} "
                          f"(hidden_states' tokens), got {list(top_k_index.shape)}, {list(top_k_weights.shape)}")
-    num_experts = tensors[0].shape[0]
-    if top_k_index.numel() and (int(top_k_index.min()) < 0 or int(top_k_index.max()) >= num_experts):
-        raise ValueError(f"top_k_index: expected expert ids in 0..{num_experts - 1}, got "
-                         f"{int(top_k_index.min())}..{int(top_k_index.max())}")
     stage = dict(zip(layout.stage_names, stage_parameters(layout, tensors)))
-    config = layer_config(layout, hidden_states.shape[-1], stage[layout.stage_names[2]].shape[-1], num_experts,
-                          top_k_index.shape[1])
-    call = MoECall(config, GivenRouting(num_experts), LOCAL, seam_workspace(experts))
-    out, _ = FusedMoE.apply(call, hidden_states, top_k_index, top_k_weights,
-                            *(stage[n] for n in expert_param_names(config)))
+    out, _ = ops.fused_moe(handle, hidden_states, top_k_index, top_k_weights,
+                           *(stage[n] for n in expert_param_names_of(layout)))
     return out

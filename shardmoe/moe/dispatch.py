@@ -32,7 +32,7 @@ from shardmoe.moe.backends import Backend
 from shardmoe.moe.config import MoEConfig
 from shardmoe.moe.routing import Routing
 from shardmoe.moe.workspace import Workspace
-from shardmoe.rows import Groups, row_tile_for
+from shardmoe.rows import Groups, accumulation_dtype, row_tile_for
 
 
 class Dispatcher(Protocol):
@@ -54,11 +54,19 @@ class Dispatcher(Protocol):
 
     def forward(self, backend: Backend, config: MoEConfig, x: torch.Tensor, routing: Routing, state,
                 params: dict) -> tuple[torch.Tensor, tuple]:
-        """(out [S, H] in the acc dtype, tensors backward needs)."""
+        """(out [S, H] in the acc dtype, tensors backward needs: "saved")."""
+
+    def restore(self, config: MoEConfig, saved: tuple):
+        """The state route() returned, rebuilt in backward from `saved` alone (the Function keeps
+        only tensors, so that a compiled graph and saved-tensor hooks see everything)."""
 
     def backward(self, backend: Backend, config: MoEConfig, grad_out: torch.Tensor, x: torch.Tensor,
                  routing: Routing, state, saved: tuple, params: dict) -> tuple[torch.Tensor, torch.Tensor, dict]:
         """(dx [S, H] acc dtype from stages 1-5, dw [N] of the pairs routing.row_pair lists, gradients)."""
+
+    def fake_forward(self, config: MoEConfig, x: torch.Tensor, routing: Routing, dynamic) -> tuple[torch.Tensor, tuple]:
+        """forward()'s outputs as uninitialised tensors of their shapes, for `routing`'s N rows
+        (torch.compile's fake tensors; `dynamic()` makes a data-dependent size)."""
 
     def loss_scope(self, routing: Routing, state) -> tuple[Routing, int | None, int | None]:
         """(routing with the selection counts the balance losses use, their S, their Q): None for
@@ -82,6 +90,15 @@ def expert_groups(counts: torch.Tensor, dtype: torch.dtype, workspace: Workspace
     return Groups.from_counts(counts, tile)
 
 
+def expert_saved_like(config: MoEConfig, x: torch.Tensor, num_rows, width_split: int = 1) -> tuple:
+    """Uninitialised tensors shaped as what the expert forward saves for num_rows rows of x's dtype,
+    the intermediate dim split `width_split` ways: "glu" (h [N, 2F],), "mlp" (z1 [N, P], z2 [N, H])."""
+    F, H = config.ffn_size // width_split, config.hidden_size
+    if config.expert == "glu":
+        return (x.new_empty(num_rows, 2 * F),)
+    return x.new_empty(num_rows, F), x.new_empty(num_rows, H)
+
+
 def _identity(t: torch.Tensor) -> torch.Tensor:
     return t
 
@@ -102,6 +119,9 @@ class LocalDispatcher:
     def route(self, router, x, router_tensors):
         return router.route(x, router_tensors, dropless=False), None
 
+    def restore(self, config, saved):
+        return None
+
     def forward(self, backend, config, x, routing, state, params):
         row_token, weight_rows = routing.rows(config.top_k)
         groups = expert_groups(routing.kept_per_expert, x.dtype, backend.workspace)
@@ -115,6 +135,9 @@ class LocalDispatcher:
             config.expert, config.expert_activation, config.output_activation, grad_out, weight_rows, x, row_token,
             saved, params, groups)
         return backend.grad_input_combine(grad_xs, routing.row_pair, x.shape[0], config.top_k), grad_dots, grads
+
+    def fake_forward(self, config, x, routing, dynamic):
+        return x.new_empty(x.shape, dtype=accumulation_dtype(x.dtype)), expert_saved_like(config, x, routing.row_pair.shape[0])
 
     def loss_scope(self, routing, state):
         return routing, None, None

@@ -1,7 +1,9 @@
-"""FusedMoE: the one autograd.Function of the MoE layer, with an explicit backward.
+"""The MoE computation, forward and explicit backward, behind every way into shardmoe's MoE.
 
-Every way into shardmoe's MoE runs through it: the MoE module on one process, the same module
-with expert parallelism, and transformers' experts seam (shardmoe.hf). What differs between them
+moe/ops.py registers it as the torch operators shardmoe::moe_forward / moe_backward with their
+autograd (ops.FusedMoE): the one autograd node of an MoE layer. This module holds what they run.
+Every way in runs through it: the MoE module on one process, the same module with expert
+parallelism, and transformers' experts seam (shardmoe.hf). What differs between them
 is handed in (MoECall): where the routing comes from (the router: moe/routing.py GateRouter or
 GivenRouting) and how the rows reach the experts and come back (the dispatcher: moe/dispatch.py's
 LocalDispatcher, or expert parallelism's, shardmoe/parallel/expert_parallel.py).
@@ -20,11 +22,12 @@ Backward, in the six stages of the FlashMoE task design (docs/architecture.md):
 The shared expert's own stages 3, 2, 4 and its gate's gradient run after 5 and add into dx.
 
 Saved for backward (all through ctx.save_for_backward, so saved-tensor hooks see them): x [S, H],
-the router tensors its backward reads (gate_weight, gate_bias), the expert weights, the routing
+the inputs (router tensors and weights; the tensors among them are not copies), and Made: the routing
 (routing.Routing: probs [S, E], logsumexp [S], top_idx [S, k] int64, top_prob [S, k], weight
-[S, k] acc dtype, counts [E] x2, row_pair [N] int64, and the router options' extras), the shared
-expert's h_shared [S, 2Fs] and s [S], what the dispatcher keeps (expert parallelism: the received
-rows and their order) and the expert's "glu": h [N, 2F]; "mlp": z1 [N, P], z2 [N, H]. The expert
+[S, k] acc dtype, counts [E] x2, row_pair [N] int64, and the router options' extras; the
+sequence-wise loss's per-sequence counts are recounted in backward), the shared
+expert's h_shared [S, 2Fs] and s [S], what the dispatcher keeps (expert parallelism: the counts
+table, the received rows and their order) and the expert's "glu": h [N, 2F]; "mlp": z1 [N, P], z2 [N, H]. The expert
 output y is not saved: "glu" takes the gate dot as (g Wdown) . a, "mlp" recomputes act_out(z2).
 Per token that is H + k*2F (glu) elements of the input dtype plus the routing state: docs/moe.md.
 """
@@ -32,10 +35,12 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, fields
+from typing import Callable
 
 import torch
+from torch.utils import _pytree as pytree
 
-from shardmoe.moe import backends
+from shardmoe.moe import backends, routers
 from shardmoe.moe import shared_experts as shared_ex
 from shardmoe.moe.config import MoEConfig
 from shardmoe.moe.routing import Routing
@@ -44,7 +49,7 @@ from shardmoe.rows import accumulation_dtype
 
 
 def expert_param_names(config: MoEConfig) -> tuple[str, ...]:
-    """Names of the expert parameters, in the order FusedMoE.apply takes them (the glu biases only
+    """Names of the expert parameters, in the order the MoE operators take them (the glu biases only
     with config.bias; the "mlp" b1, b2 always, None without bias)."""
     if config.expert == "glu":
         return ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias") if config.bias \
@@ -81,136 +86,164 @@ def not_twice_differentiable(backward):
     def wrapper(ctx, *grad_outputs):
         with torch.no_grad():
             grads = backward(ctx, *grad_outputs)
-        if not torch.is_grad_enabled() or not any(ctx.needs_input_grad):
+        # the gradients and needs_input_grad may nest lists (an operator's list arguments)
+        if not torch.is_grad_enabled() or not any(pytree.tree_leaves(ctx.needs_input_grad)):
             return grads
-        tensors = [i for i, g in enumerate(grads) if g is not None]
+        leaves, spec = pytree.tree_flatten(grads)
+        tensors = [i for i, g in enumerate(leaves) if isinstance(g, torch.Tensor)]
         # detached leaves that require grad, so the raising node gets an edge to hang on
         wrapped = _SecondDerivative.apply(backward.__qualname__,
-                                          *(grads[i].detach().requires_grad_() for i in tensors))
-        out = list(grads)
+                                          *(leaves[i].detach().requires_grad_() for i in tensors))
         for i, g in zip(tensors, wrapped):
-            out[i] = g
-        return tuple(out)
+            leaves[i] = g
+        return pytree.tree_unflatten(leaves, spec)
 
     return wrapper
 
 
 @dataclass
 class MoECall:
-    """The non-tensor arguments of one FusedMoE.apply.
+    """The non-tensor arguments of one MoE forward (and its backward).
 
     config: the layer's MoEConfig; router: GateRouter or GivenRouting (moe/routing.py); dispatcher:
     moe/dispatch.py's protocol; workspace: the pool of large row buffers (None: fresh ones);
-    stats: filled in place with the forward's routing statistics."""
+    stats: called with each forward's routing statistics, a new dict (None: not kept)."""
 
     config: MoEConfig
     router: object
     dispatcher: object
     workspace: Workspace | None = None
-    stats: dict | None = None
+    stats: Callable[[dict], None] | None = None
+
+    def moe_call(self, x: torch.Tensor, tensors) -> "MoECall":
+        """As an owner of ops.fused_moe: itself, whatever the inputs."""
+        return self
 
 
 @dataclass
-class Saved:
-    """What FusedMoE's backward reads, flattened into ctx.save_for_backward and back.
-    Field order is the flattening order; the tuple fields' lengths are kept beside."""
+class Made:
+    """The tensors a forward makes that its backward reads (beside the inputs, which are saved as
+    they are): the routing, the shared expert's (h_shared, s), and what the dispatcher kept.
 
-    x: torch.Tensor
-    router: tuple
-    weights: tuple
+    The sequence-wise loss's per-sequence counts are not among them: backward recounts them from
+    the saved choices and sequence ids (two bincounts over S k), so that no saved tensor has a
+    size that depends on the data beyond the kept pairs N."""
+
     routing: Routing
     shared: tuple
     dispatched: tuple
 
-    def flat(self) -> tuple[tuple, tuple[int, ...]]:
-        lengths = (len(self.router), len(self.weights), len(self.shared), len(self.dispatched))
-        return (self.x, *self.router, *self.weights, *self.routing.tensors(), *self.shared, *self.dispatched), lengths
+    def flat(self) -> tuple:
+        kept = [getattr(self.routing, f.name) for f in fields(Routing) if f.name not in _RECOUNTED]
+        return (*kept, *self.shared, *self.dispatched)
 
     @classmethod
-    def restore(cls, tensors: tuple, lengths: tuple[int, ...]) -> "Saved":
-        n_router, n_weights, n_shared, _ = lengths
-        n_routing = len(fields(Routing))
-        x, rest = tensors[0], tensors[1:]
-        router, rest = rest[:n_router], rest[n_router:]
-        weights, rest = rest[:n_weights], rest[n_weights:]
-        routing, rest = Routing(*rest[:n_routing]), rest[n_routing:]
-        return cls(x, tuple(router), tuple(weights), routing, tuple(rest[:n_shared]), tuple(rest[n_shared:]))
+    def restore(cls, config: MoEConfig, tensors) -> "Made":
+        names = [f.name for f in fields(Routing) if f.name not in _RECOUNTED]
+        routing = dict(zip(names, tensors))
+        if config.seq_aux_loss_coef:
+            routing["sequence_selected"], routing["sequence_tokens"] = routers.sequence_selections(
+                routing["top_idx"], routing["token_sequence"], config.num_experts)
+        else:
+            device = routing["top_idx"].device
+            routing["sequence_selected"] = torch.zeros(0, config.num_experts, dtype=torch.int64, device=device)
+            routing["sequence_tokens"] = torch.zeros(0, dtype=torch.int64, device=device)
+        rest = tensors[len(names):]
+        n_shared = 2 if config.shared_ffn_size else 0
+        return cls(Routing(**routing), tuple(rest[:n_shared]), tuple(rest[n_shared:]))
 
 
-class FusedMoE(torch.autograd.Function):
-    """apply(call: MoECall, x [S, H], *router tensors, *expert params, *shared params)
-    -> (out [S, H] in x's dtype, loss [] in the acc dtype)
+_RECOUNTED = ("sequence_selected", "sequence_tokens")
 
-    The router tensors are call.router's (router.num_tensors of them); the expert params are in
-    expert_param_names(config) order, then the shared expert's in shared_param_names order. The
-    stages run on the backend backends.select() picks here; backward uses the same one."""
 
-    @staticmethod
-    def forward(ctx, call: MoECall, x, *tensors):
-        config, router, dispatcher = call.config, call.router, call.dispatcher
-        router_tensors, weights = tensors[:router.num_tensors], tensors[router.num_tensors:]
-        expert_weights, shared_weights = split_weights(config, weights)
-        params = dict(zip(expert_param_names(config), expert_weights))
-        shared = shared_ex.named_shared_params(config, shared_weights)
-        with dispatcher.guard():
-            dispatcher.prepare(config, x, router_tensors, shared)
-            backend = backends.select(config, x, call.workspace)
-            routing, state = dispatcher.route(router, x, router_tensors)
-            out, dispatched = dispatcher.forward(backend, config, x, routing, state, params)
-            shared_saved = ()
-            with dispatcher.timed(state, "experts"):
-                if shared:
-                    shared_out, shared_saved = shared_ex.forward(x, shared, config, dispatcher.reduce_shared("output"))
-                    out = out + shared_out  # both in the acc dtype: one rounding below
-                out = out.to(x.dtype)
-            with dispatcher.timed(state, "combine"):
-                loss_routing, num_tokens, num_sequences = dispatcher.loss_scope(routing, state)
-                loss = router.loss(loss_routing, num_tokens, num_sequences)
-                if call.stats is not None:
-                    call.stats.update(dispatcher.stats(config, routing, state, x.shape[0]))
-        ctx.call, ctx.backend, ctx.state, ctx.scope = call, backend, state, (num_tokens, num_sequences)
-        saved, ctx.lengths = Saved(x, router.saved(router_tensors), weights, loss_routing, shared_saved,
-                                   dispatched).flat()
-        ctx.save_for_backward(*saved)
-        return out, loss
+def split_inputs(call: MoECall, tensors) -> tuple[tuple, dict, dict]:
+    """(router tensors, {expert param name: tensor}, {shared param name: tensor}) of the tensors
+    after x: router.num_tensors router tensors, the expert params in expert_param_names order, then
+    the shared expert's in shared_param_names order."""
+    config, n_router = call.config, call.router.num_tensors
+    expert_weights, shared_weights = split_weights(config, tensors[n_router:])
+    return (tuple(tensors[:n_router]), dict(zip(expert_param_names(config), expert_weights)),
+            shared_ex.named_shared_params(config, shared_weights))
 
-    @staticmethod
-    @not_twice_differentiable
-    def backward(ctx, grad_out, grad_loss):
-        call: MoECall = ctx.call
-        config, router, dispatcher, state = call.config, call.router, call.dispatcher, ctx.state
-        saved = Saved.restore(ctx.saved_tensors, ctx.lengths)
-        x, routing = saved.x, saved.routing
-        expert_weights, shared_weights = split_weights(config, saved.weights)
-        params = dict(zip(expert_param_names(config), expert_weights))
-        grad_out = grad_out.contiguous()
-        with dispatcher.guard():
-            # stages 1-5
-            grad_x, grad_dots, grads = dispatcher.backward(ctx.backend, config, grad_out, x, routing, state,
-                                                           saved.dispatched, params)
-            with dispatcher.timed(state, "route"):  # stage 6, from dL/dw [S, k] (zero for dropped pairs)
-                num_tokens, k = x.shape[0], config.top_k
-                grad_weight = x.new_zeros(num_tokens * k, dtype=accumulation_dtype(x.dtype))
-                grad_weight[routing.row_pair] = grad_dots
-                grad_x_router, router_grads = router.backward(x, saved.router, routing,
-                                                              grad_weight.view(num_tokens, k), grad_loss, *ctx.scope)
-                if grad_x_router is not None:
-                    grad_x = grad_x + grad_x_router
-            shared_grads = []
-            with dispatcher.timed(state, "experts"):
-                if shared_weights:
-                    shared = shared_ex.named_shared_params(config, shared_weights)
-                    grad_x_shared, named = shared_ex.backward(grad_out, x, saved.shared, shared, config,
-                                                              dispatcher.reduce_shared("input"),
-                                                              dispatcher.reduce_shared("dot"))
-                    grad_x = grad_x + grad_x_shared
-                    shared_grads = [named[n] for n in shared]
-        expert_grads = [None if g is None else g.to(p.dtype)
-                        for g, p in zip((grads[n] for n in expert_param_names(config)), expert_weights)]
-        return (None, grad_x.to(x.dtype), *router_grads, *expert_grads, *shared_grads)
+
+def moe_forward(call: MoECall, x: torch.Tensor, tensors) -> tuple[torch.Tensor, torch.Tensor, Made]:
+    """x [S, H], the router tensors and weights -> (out [S, H] in x's dtype, loss [] acc dtype, Made).
+    The stages run on the backend backends.select() picks; the backward picks the same."""
+    config, router, dispatcher = call.config, call.router, call.dispatcher
+    router_tensors, params, shared = split_inputs(call, tensors)
+    with dispatcher.guard():
+        dispatcher.prepare(config, x, router_tensors, shared)
+        backend = backends.select(config, x, call.workspace)
+        routing, state = dispatcher.route(router, x, router_tensors)
+        out, dispatched = dispatcher.forward(backend, config, x, routing, state, params)
+        shared_saved = ()
+        with dispatcher.timed(state, "experts"):
+            if shared:
+                shared_out, shared_saved = shared_ex.forward(x, shared, config, dispatcher.reduce_shared("output"))
+                out = out + shared_out  # both in the acc dtype: one rounding below
+            out = out.to(x.dtype)
+        with dispatcher.timed(state, "combine"):
+            loss_routing, num_tokens, num_sequences = dispatcher.loss_scope(routing, state)
+            loss = router.loss(loss_routing, num_tokens, num_sequences)
+            if call.stats is not None:
+                stats = dispatcher.stats(config, routing, state, x.shape[0])
+                stats["workspace_bytes"] = 0 if call.workspace is None else call.workspace.resident_bytes
+                call.stats(stats)
+    return out, loss, Made(loss_routing, tuple(shared_saved), tuple(dispatched))
+
+
+def moe_fake_forward(call: MoECall, x: torch.Tensor, tensors, dynamic) -> tuple[torch.Tensor, torch.Tensor, Made]:
+    """moe_forward's outputs as uninitialised tensors of their shapes and dtypes, computing nothing
+    (torch.compile traces with these). N, the kept pairs, is S k without capacity drops and a
+    data-dependent size (`dynamic()`) with them."""
+    config = call.config
+    router_tensors, _, shared = split_inputs(call, tensors)
+    S, k, acc = x.shape[0], config.top_k, accumulation_dtype(x.dtype)
+    cf = config.capacity_factor
+    num_rows = S * k if cf is None or cf * k >= config.num_experts else dynamic()  # see MoEConfig.capacity
+    routing = call.router.fake_routing(x, router_tensors, num_rows, dynamic)
+    _, dispatched = call.dispatcher.fake_forward(config, x, routing, dynamic)
+    shared_saved = ()
+    if shared:
+        shared_saved = (x.new_empty(S, shared["shared_down_proj"].shape[1] * 2), x.new_empty(S, dtype=acc))
+    return x.new_empty(x.shape), x.new_empty((), dtype=acc), Made(routing, shared_saved, tuple(dispatched))
+
+
+def moe_backward(call: MoECall, x: torch.Tensor, tensors, made: Made, grad_out: torch.Tensor,
+                 grad_loss: torch.Tensor) -> tuple:
+    """The six stages: (dx, then a gradient or None for each of `tensors`, in their order)."""
+    config, router, dispatcher = call.config, call.router, call.dispatcher
+    router_tensors, params, shared = split_inputs(call, tensors)
+    routing = made.routing
+    backend = backends.select(config, x, call.workspace)
+    grad_out = grad_out.contiguous()
+    with dispatcher.guard():
+        state = dispatcher.restore(config, made.dispatched)
+        # stages 1-5
+        grad_x, grad_dots, grads = dispatcher.backward(backend, config, grad_out, x, routing, state,
+                                                       made.dispatched, params)
+        with dispatcher.timed(state, "route"):  # stage 6, from dL/dw [S, k] (zero for dropped pairs)
+            _, num_tokens, num_sequences = dispatcher.loss_scope(routing, state)
+            S, k = x.shape[0], config.top_k
+            grad_weight = x.new_zeros(S * k, dtype=accumulation_dtype(x.dtype))
+            grad_weight[routing.row_pair] = grad_dots
+            grad_x_router, router_grads = router.backward(x, router_tensors, routing, grad_weight.view(S, k),
+                                                          grad_loss, num_tokens, num_sequences)
+            if grad_x_router is not None:
+                grad_x = grad_x + grad_x_router
+        shared_grads = []
+        with dispatcher.timed(state, "experts"):
+            if shared:
+                grad_x_shared, named = shared_ex.backward(grad_out, x, made.shared, shared, config,
+                                                          dispatcher.reduce_shared("input"),
+                                                          dispatcher.reduce_shared("dot"))
+                grad_x = grad_x + grad_x_shared
+                shared_grads = [named[n] for n in shared]
+    expert_grads = [None if p is None else grads[n].to(p.dtype) for n, p in params.items()]
+    return (grad_x.to(x.dtype), *router_grads, *expert_grads, *shared_grads)
 
 
 def split_weights(config: MoEConfig, weights) -> tuple[tuple, tuple]:
-    """(routed expert weights, shared expert weights) of the weights FusedMoE.apply takes."""
+    """(routed expert weights, shared expert weights) of the weights after the router tensors."""
     n_expert = len(expert_param_names(config))
     return tuple(weights[:n_expert]), tuple(weights[n_expert:])

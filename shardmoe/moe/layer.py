@@ -16,8 +16,8 @@ buffer correction_bias [E] float32 (correction_bias, else None); "glu": gate_up_
 down_proj [E, H, F]; "mlp": w1 [E, P, H], b1 [E, P], w2 [E, H, P], b2 [E, H]; with shared_ffn_size
 Fs > 0: shared_gate_up_proj [2Fs, H], shared_down_proj [H, Fs], and with shared_gate
 shared_gate_weight [H] (shardmoe/moe/shared_experts.py).
-Forward and backward are the one Function FusedMoE (shardmoe/moe/function.py), with the layer's
-gate as its router and its dispatcher: LOCAL on one process (mesh None or of one rank); with a
+Forward and backward are the MoE operators (shardmoe/moe/ops.py over moe/function.py), with the
+layer's gate as the router and its dispatcher: LOCAL on one process (mesh None or of one rank); with a
 mesh, parameters hold this rank's shard (experts split over 'e' in contiguous blocks, the
 intermediate dim over 't': shardmoe/parallel/expert_tensor.py), x holds this rank's tokens, and
 the dispatcher is shardmoe.parallel.ExpertParallel.
@@ -32,8 +32,9 @@ from torch import nn
 from shardmoe.moe import routers
 from shardmoe.moe import shared_experts as shared_ex
 from shardmoe.moe.config import MoEConfig
+from shardmoe.moe import ops
 from shardmoe.moe.dispatch import LOCAL
-from shardmoe.moe.function import FusedMoE, MoECall, expert_param_names
+from shardmoe.moe.function import MoECall, expert_param_names
 from shardmoe.moe.routing import GateRouter
 from shardmoe.moe.workspace import Workspace
 from shardmoe.moe.hf_blocks import MIXTRAL_ACTIVATIONS, mixtral_semantics
@@ -114,6 +115,7 @@ class MoE(nn.Module):
         self.workspace = Workspace()
         # how tokens reach the experts: all local, or exchanged along 'e' (moe/dispatch.py)
         self.dispatcher = ExpertParallel(self.config, mesh) if mesh is not None and mesh.size() > 1 else LOCAL
+        self._moe_handle = ops.register(self)  # the int the MoE operators name this layer by
 
     @property
     def local_experts(self) -> range:
@@ -148,7 +150,7 @@ class MoE(nn.Module):
                     p.copy_(etp.shard_expert_param(name, whole, self.mesh))
 
     def expert_parameters(self) -> list[torch.Tensor | None]:
-        """The routed experts' parameters, then the shared expert's, in FusedMoE.apply's order."""
+        """The routed experts' parameters, then the shared expert's, in the order the MoE operators take them."""
         names = (*expert_param_names(self.config), *shared_ex.shared_param_names(self.config))
         return [getattr(self, n) for n in names]
 
@@ -172,9 +174,9 @@ class MoE(nn.Module):
                                  f"them), got {sequence_starts!r}")
             return None
         num_tokens = x.numel() // x.shape[-1]
-        if sequence_starts is None and x.dim() >= 3:
-            length = x.shape[-2]
-            sequence_starts = torch.arange(0, num_tokens, length, device=x.device) if length else None
+        if sequence_starts is None and x.dim() >= 3 and x.shape[-2]:
+            # rows of x are the sequences: no offsets to check (nor data-dependent ints under compile)
+            return torch.arange(num_tokens, device=x.device) // x.shape[-2]
         return routers.token_sequence_ids(num_tokens, sequence_starts, x.device)
 
     def forward(self, x: torch.Tensor, sequence_starts: torch.Tensor | None = None) -> torch.Tensor:
@@ -182,14 +184,20 @@ class MoE(nn.Module):
         sequences of the sequence-wise loss begin (routers.token_sequence_ids)."""
         self._check_input(x)
         token_sequence = self.token_sequence(x, sequence_starts)
-        stats: dict = {}
         tokens = x.reshape(-1, x.shape[-1])
-        call = MoECall(self.config, GateRouter(self.config), self.dispatcher, self.workspace, stats)
-        out, loss = FusedMoE.apply(call, tokens, self.gate_weight, self.gate_bias, self.correction_bias, token_sequence,
-                                   *self.expert_parameters())
-        stats["workspace_bytes"] = 0 if self.workspace is None else self.workspace.resident_bytes
-        self.aux_loss, self.stats = loss, stats
+        out, loss = ops.fused_moe(self._moe_handle, tokens, self.gate_weight, self.gate_bias, self.correction_bias,
+                                  token_sequence, *self.expert_parameters())
+        self.aux_loss = loss
         return out.view(x.shape)
+
+    def moe_call(self, x: torch.Tensor, inputs: tuple) -> MoECall:
+        """What the MoE operators (moe/ops.py) run this layer's forward and backward with: its config,
+        its gate as the router, its dispatcher and workspace; the forward's statistics land in
+        self.stats (inside the operator, so they are current under torch.compile too)."""
+        return MoECall(self.config, GateRouter(self.config), self.dispatcher, self.workspace, self._keep_stats)
+
+    def _keep_stats(self, stats: dict) -> None:
+        self.stats = stats
 
     def update_correction_bias(self, load: torch.Tensor) -> None:
         """b_e += bias_update_rate * sign(mean load - load_e) (DeepSeek-V3 aux-loss-free balancing);
@@ -227,6 +235,11 @@ class MoE(nn.Module):
         # a copy gets an empty pool of the same settings: blocks are this layer's scratch memory
         state.update(aux_loss=None, stats={}, workspace=None if self.workspace is None else self.workspace.empty_copy())
         return state
+
+    def __setstate__(self, state: dict) -> None:
+        """A copy is a layer of its own: it gets its own handle (the original's names the original)."""
+        super().__setstate__(state)
+        self._moe_handle = ops.register(self)
 
     def extra_repr(self) -> str:
         c = self.config

@@ -269,22 +269,37 @@ class GateRouter:
     def __init__(self, config: MoEConfig):
         self.config = config
 
+    def gradient_mask(self, tensors: tuple) -> list[bool]:
+        """Which router tensors get a gradient: gate_weight, and gate_bias when there is one."""
+        return [True, tensors[1] is not None, False, False]
+
     def route(self, x: torch.Tensor, tensors: tuple, dropless: bool) -> Routing:
         gate_weight, gate_bias, correction_bias, token_sequence = tensors
         config = dataclasses.replace(self.config, capacity_factor=None) if dropless else self.config
         return route(x, gate_weight, config, gate_bias, correction_bias, token_sequence)
 
-    def saved(self, tensors: tuple) -> tuple:
-        """The router tensors backward reads: (gate_weight, gate_bias)."""
-        return tensors[:2]
-
     def loss(self, routing: Routing, num_tokens: int | None, num_sequences: int | None) -> torch.Tensor:
         return balance_loss(routing, self.config, num_tokens, num_sequences)
 
-    def backward(self, x: torch.Tensor, saved: tuple, routing: Routing, grad_weight: torch.Tensor,
+    def fake_routing(self, x: torch.Tensor, tensors: tuple, num_rows, dynamic) -> Routing:
+        """A Routing of uninitialised tensors of route()'s shapes and dtypes, for N = num_rows kept
+        pairs (torch.compile's fake tensors; `dynamic()` makes a data-dependent size)."""
+        c, acc = self.config, accumulation_dtype(x.dtype)
+        S, E, k = x.shape[0], c.num_experts, c.top_k
+        Q = 0  # the per-sequence counts are recounted in backward, not saved (function.Made)
+        ints = dict(dtype=torch.int64, device=x.device)
+        return Routing(probs=x.new_empty(S, E, dtype=acc), logsumexp=x.new_empty(S, dtype=acc),
+                       top_idx=x.new_empty(S, k, **ints), top_prob=x.new_empty(S, k, dtype=acc),
+                       weight=x.new_empty(S, k, dtype=acc), selected_per_expert=x.new_empty(E, **ints),
+                       kept_per_expert=x.new_empty(E, **ints), row_pair=x.new_empty(num_rows, **ints),
+                       z_probs=x.new_empty(S, E if c.score_func == "sigmoid" and c.z_loss_coef else 0, dtype=acc),
+                       token_sequence=x.new_empty(S, **ints) if c.seq_aux_loss_coef else x.new_empty(S, 0, **ints),
+                       sequence_selected=x.new_empty(Q, E, **ints), sequence_tokens=x.new_empty(Q, **ints))
+
+    def backward(self, x: torch.Tensor, tensors: tuple, routing: Routing, grad_weight: torch.Tensor,
                  grad_loss: torch.Tensor | None, num_tokens: int | None, num_sequences: int | None):
         """(dx [S, H] acc dtype, gradients of the four router tensors) from dL/dw [S, k]."""
-        gate_weight, gate_bias = saved
+        gate_weight, gate_bias = tensors[:2]
         grad_x, grad_gate, grad_bias = grad_gate_gemm(x, gate_weight, routing, grad_weight, grad_loss, self.config,
                                                       num_tokens, num_sequences)
         grad_bias = None if gate_bias is None else grad_bias.to(gate_bias.dtype)
@@ -302,8 +317,16 @@ class GivenRouting:
     def __init__(self, num_experts: int):
         self.num_experts = num_experts
 
+    def gradient_mask(self, tensors: tuple) -> list[bool]:
+        """top_k_weights gets a gradient, top_k_index none."""
+        return [False, True]
+
     def route(self, x: torch.Tensor, tensors: tuple, dropless: bool) -> Routing:
         top_k_index, top_k_weights = tensors
+        if top_k_index.numel():
+            low, high = int(top_k_index.min()), int(top_k_index.max())
+            if low < 0 or high >= self.num_experts:
+                raise ValueError(f"top_k_index: expected expert ids in 0..{self.num_experts - 1}, got {low}..{high}")
         row_pair, selected, kept = dispatch_order(top_k_index, self.num_experts, None)
         S, device = x.shape[0], x.device
         none = torch.zeros(S, 0, dtype=accumulation_dtype(x.dtype), device=device)
@@ -313,11 +336,19 @@ class GivenRouting:
                        sequence_selected=torch.zeros(0, self.num_experts, dtype=torch.int64, device=device),
                        sequence_tokens=torch.zeros(0, dtype=torch.int64, device=device))
 
-    def saved(self, tensors: tuple) -> tuple:
-        return ()
-
     def loss(self, routing: Routing, num_tokens: int | None, num_sequences: int | None) -> torch.Tensor:
         return routing.probs.new_zeros(())
 
-    def backward(self, x, saved, routing, grad_weight, grad_loss, num_tokens, num_sequences):
+    def fake_routing(self, x: torch.Tensor, tensors: tuple, num_rows, dynamic) -> Routing:
+        top_k_index, top_k_weights = tensors
+        S, E, acc = x.shape[0], self.num_experts, accumulation_dtype(x.dtype)
+        ints = dict(dtype=torch.int64, device=x.device)
+        return Routing(probs=x.new_empty(S, 0, dtype=acc), logsumexp=x.new_empty(S, dtype=acc),
+                       top_idx=torch.empty_like(top_k_index), top_prob=torch.empty_like(top_k_weights),
+                       weight=torch.empty_like(top_k_weights), selected_per_expert=x.new_empty(E, **ints),
+                       kept_per_expert=x.new_empty(E, **ints), row_pair=x.new_empty(num_rows, **ints),
+                       z_probs=x.new_empty(S, 0, dtype=acc), token_sequence=x.new_empty(S, 0, **ints),
+                       sequence_selected=x.new_empty(0, E, **ints), sequence_tokens=x.new_empty(0, **ints))
+
+    def backward(self, x, tensors, routing, grad_weight, grad_loss, num_tokens, num_sequences):
         return None, (None, grad_weight.to(routing.weight.dtype))

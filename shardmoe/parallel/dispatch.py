@@ -36,13 +36,15 @@ from shardmoe.parallel import consistency
 class DispatchPlan:
     """One forward's global routing counts and this rank's view of them.
 
-    tokens [R] tokens per token-parallel rank; sequences [R] sequences of the sequence-wise loss
+    table [R, 4 + E] the token-parallel ranks' rows of the counts exchange, from which the rest is
+    derived (plan_from_table); tokens [R] tokens per token-parallel rank; sequences [R] sequences of the sequence-wise loss
     per token-parallel rank (0 when it is off); selected [R, E] top-k choices before capacity;
     kept [R, E] pairs kept; capacity EC or None (dropless); rank r and peer index (e coord) of
     this rank; experts per peer El. counts is the [G, G] split matrix of this rank's e-group,
     recv_per_expert [G, El] the rows this rank's experts receive from each peer.
     """
 
+    table: torch.Tensor
     tokens: torch.Tensor
     sequences: torch.Tensor
     selected: torch.Tensor
@@ -95,7 +97,7 @@ def plan_dispatch(x: torch.Tensor, routing: Routing, config, mesh) -> tuple[Disp
     the whole mesh; raises RankMismatchError on every rank, before any row moves, when the ranks
     disagree on the layer's settings or ranks along 't' hold different tokens (consistency).
     """
-    E, num_tokens = config.num_experts, routing.probs.shape[0]
+    num_tokens = routing.probs.shape[0]
     settings = consistency.layer_settings(config, mesh, x.dtype)
     # The t-peers' tokens and routing must agree; with tp = 1 there is nothing to compare.
     t_peers = mesh.size("t") > 1
@@ -108,7 +110,19 @@ def plan_dispatch(x: torch.Tensor, routing: Routing, config, mesh) -> tuple[Disp
     full = full[:, 2 * len(settings) :]
     consistency.check_t_peers(full, mesh)
     # The token-parallel ranks (d, e) are the t = 0 rows (global rank order is d, e, t with t fastest).
-    table = full[:: mesh.size("t")]
+    plan = plan_from_table(full[:: mesh.size("t")].contiguous(), config, mesh)
+    if plan.capacity is not None:
+        # routing is dropless: row_pair already holds every pair grouped by expert, token order within
+        row_pair, kept_here = keep_first(routing.row_pair, routing.top_idx.reshape(-1)[routing.row_pair],
+                                         routing.selected_per_expert, plan.kept[plan.rank])
+        routing = dataclasses.replace(routing, row_pair=row_pair, kept_per_expert=kept_here)
+    return plan, routing
+
+
+def plan_from_table(table: torch.Tensor, config, mesh) -> DispatchPlan:
+    """The plan of the token-parallel ranks' rows [R, 4 + E] of the counts exchange (tokens, two
+    checksums, sequences, selections per expert), on this rank of `mesh`: no communication, so the
+    backward rebuilds the forward's plan from the saved table."""
     tokens, sequences, selected = table[:, 0], table[:, 3], table[:, 4:]
     rank = mesh.coord(("d", "e"))
     capacity = config.capacity(int(tokens.sum()))
@@ -117,18 +131,12 @@ def plan_dispatch(x: torch.Tensor, routing: Routing, config, mesh) -> tuple[Disp
     else:
         earlier = torch.cumsum(selected, 0) - selected
         kept = torch.minimum(selected, (capacity - earlier).clamp(min=0))
-        # routing is dropless: row_pair already holds every pair grouped by expert, token order within
-        row_pair, kept_here = keep_first(routing.row_pair, routing.top_idx.reshape(-1)[routing.row_pair],
-                                         routing.selected_per_expert, kept[rank])
-        routing = dataclasses.replace(routing, row_pair=row_pair, kept_per_expert=kept_here)
-
     ep, peer = mesh.size("e"), mesh.coord("e")
-    local = E // ep
+    local = config.num_experts // ep
     slice_rows = kept[rank - peer : rank - peer + ep]  # the token ranks of this d slice, in e order
     per_peer = slice_rows.view(ep, ep, local).sum(-1)  # [source, destination block]
-    plan = DispatchPlan(tokens, sequences, selected, kept, capacity, rank, peer, local, per_peer.tolist(),
+    return DispatchPlan(table, tokens, sequences, selected, kept, capacity, rank, peer, local, per_peer.tolist(),
                         slice_rows[:, peer * local : (peer + 1) * local])
-    return plan, routing
 
 
 def peer_tokens(routing: Routing, plan: DispatchPlan) -> int:

@@ -49,7 +49,7 @@ from shardmoe.moe.routing import Routing
 from shardmoe.notation import MESH_AXES
 from shardmoe.parallel import consistency
 from shardmoe.parallel import expert_tensor as etp
-from shardmoe.parallel.dispatch import DispatchPlan, peer_tokens, plan_dispatch
+from shardmoe.parallel.dispatch import DispatchPlan, peer_tokens, plan_dispatch, plan_from_table
 from shardmoe.parallel.exchange import RowExchange, pack_rows, select_rows, shared_exchange, unpack_rows
 from shardmoe.rows import Groups
 
@@ -66,6 +66,7 @@ class ExpertParallel:
         self.config, self.mesh = config, mesh
         self.exchange = shared_exchange(mesh, "e")
         self.agreed = False  # whether the ranks' settings and gates were compared (first forward)
+        self.seconds = dict.fromkeys(PHASES, 0.0)  # the last forward's phase times (forward and backward)
 
     def guard(self):
         return self.exchange.tell_peers_on_failure()
@@ -100,12 +101,21 @@ class ExpertParallel:
         self.agreed = True
 
     def route(self, router, x, router_tensors):
-        """Dropless local routing, then the global plan (which applies the global capacity)."""
-        clock = _Clock(dict.fromkeys(PHASES, 0.0))
+        """Dropless local routing, then the global plan (which applies the global capacity). The
+        phase clock starts here; the backward of this forward adds its time to the same seconds
+        (the last forward's, when several forwards run before their backwards)."""
+        self.seconds = dict.fromkeys(PHASES, 0.0)
+        clock = _Clock(self.seconds)
         routing = router.route(x, router_tensors, dropless=True)
         plan, routing = plan_dispatch(x, routing, self.config, self.mesh)
         clock.lap("route")
         return routing, _Step(plan, plan.expert_major_order(), clock)
+
+    def restore(self, config, saved):
+        """The forward's state from what it saved: the plan from the counts table (no
+        communication), the received rows' order, a clock for the backward's phases."""
+        table, order = saved[:2]
+        return _Step(plan_from_table(table, config, self.mesh), order, _Clock(self.seconds))
 
     def forward(self, backend, config, x, routing, step, params):
         """Dispatch the rows along 'e', the local experts' forward (psums over 't'), the rows back,
@@ -120,15 +130,14 @@ class ExpertParallel:
         (y_send,) = _to_tokens(self.exchange, plan, order, y)
         out = backend.combine(y_send, weight_rows, routing.row_pair, x.shape[0], config.top_k)
         clock.lap("combine")
-        return out, (order, xs, *saved)
+        return out, (plan.table, order, xs, *saved)
 
     def backward(self, backend, config, grad_out, x, routing, step, saved, params):
         """The unscaled output gradient rows and their combine weights go to the experts (the glu
         expert applies w after its Wdown GEMM so that stage 2 can reuse that GEMM), stages 1-4 run
         there, dx rows and the gate dots come back, stage 5 sums dx per token."""
-        plan, clock = step.plan, _Clock(step.clock.seconds)
-        step.clock = clock
-        order, xs, *expert_saved = saved
+        plan, clock = step.plan, step.clock
+        _, order, xs, *expert_saved = saved
         row_token, weight_rows = routing.rows(config.top_k)
         grad_rows, weight_recv = _to_experts(self.exchange, plan, order, grad_out.index_select(0, row_token),
                                              weight_rows)
@@ -141,6 +150,10 @@ class ExpertParallel:
         grad_x = backend.grad_input_combine(grad_xs, routing.row_pair, x.shape[0], config.top_k)
         clock.lap("combine")
         return grad_x, grad_dots, grads
+
+    def fake_forward(self, config, x, routing, dynamic):
+        raise NotImplementedError("torch.compile of an expert-parallel MoE layer (a mesh of more than one rank) is not "
+                                  "supported yet: compile the model around it, or run the layer eagerly")
 
     def loss_scope(self, routing, step):
         return global_counts(routing, step.plan), step.plan.global_tokens, step.plan.global_sequences

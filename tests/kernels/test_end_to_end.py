@@ -1,7 +1,7 @@
 """A whole MoE layer, forward and backward, assembled from the kernels in float32, against
-the fused layer (shardmoe.moe.function.FusedMoE) in float64.
+the fused layer (the MoE operators of shardmoe/moe/ops.py) in float64.
 
-The expert side is the Triton backend's fused entry points, which FusedMoE runs on the kernel path: rows are
+The expert side is the Triton backend's fused entry points, which the MoE operators run on the kernel path: rows are
 gathered inside the kernels (no x[row_token] or grad_out[row_token] copies), the second GEMM
 writes weighted slots, stages 1 + 2 (mlp) or 2 + 3 (glu) run as one kernel. Routing and stage 6
 stay on torch (routing.py). tests/kernels/test_layer_path.py runs the same code through the layer.
@@ -19,7 +19,8 @@ from shardmoe.kernels import experts as kex  # noqa: E402
 from shardmoe.moe.config import MoEConfig  # noqa: E402
 from shardmoe.moe.experts import Groups  # noqa: E402
 from shardmoe.moe.dispatch import LOCAL  # noqa: E402
-from shardmoe.moe.function import FusedMoE, MoECall, expert_param_names  # noqa: E402
+from shardmoe.moe import ops  # noqa: E402
+from shardmoe.moe.function import MoECall, expert_param_names  # noqa: E402
 from shardmoe.moe.routing import GateRouter, balance_loss, grad_gate_gemm, route  # noqa: E402
 from shardmoe.moe.triton_backend import expert_backward  # noqa: E402
 
@@ -29,7 +30,7 @@ F32, F64 = torch.float32, torch.float64
 
 def kernel_moe(x, gate_weight, params, config: MoEConfig, grad_out, grad_loss):
     """(out [S, H], loss, {"x", "gate_weight", *expert params: gradient}, routing), the expert side
-    by the fused entry points the Triton backend gives FusedMoE, called directly."""
+    by the fused entry points the Triton backend gives the layer, called directly."""
     num_tokens, k = x.shape[0], config.top_k
     routing = route(x, gate_weight, config)
     groups = Groups.from_counts(routing.kept_per_expert)
@@ -50,12 +51,13 @@ def kernel_moe(x, gate_weight, params, config: MoEConfig, grad_out, grad_loss):
 
 
 def fused_float64(x, gate_weight, params, config: MoEConfig, grad_out, grad_loss):
-    """(out, loss, grads, routing) of FusedMoE in float64, gradients by its explicit backward."""
+    """(out, loss, grads, routing) of the MoE operator in float64, gradients by its explicit backward."""
     names = expert_param_names(config)
     leaves = {"x": x, "gate_weight": gate_weight, **{n: params[n] for n in names}}
     leaves = {n: None if t is None else t.detach().clone().requires_grad_(True) for n, t in leaves.items()}
-    out, loss = FusedMoE.apply(MoECall(config, GateRouter(config), LOCAL), leaves["x"], leaves["gate_weight"], None,
-                               None, None, *(leaves[n] for n in names))
+    call = MoECall(config, GateRouter(config), LOCAL)
+    out, loss = ops.fused_moe(ops.register(call), leaves["x"], leaves["gate_weight"], None, None, None,
+                              *(leaves[n] for n in names))
     torch.autograd.backward([out, loss], [grad_out, grad_loss])
     grads = {n: None if t is None else t.grad for n, t in leaves.items()}
     return out.detach(), loss.detach(), grads, route(x, gate_weight, config)

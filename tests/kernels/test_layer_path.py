@@ -1,5 +1,5 @@
 """The fused layer's kernel path (moe/triton_backend.py, with its gathered entry points), wired
-into FusedMoE and expert parallelism's expert stages, run on CPU
+into the MoE operators and expert parallelism's expert stages, run on CPU
 in Triton's interpreter by force_kernel_path().
 
 Each case runs shardmoe.MoE in float32 through the kernel path and compares the output, the aux

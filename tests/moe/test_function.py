@@ -1,4 +1,4 @@
-"""FusedMoE: explicit backward vs the independent float64 reference; what it saves; no double backward."""
+"""The MoE operators (moe/ops.py, moe/function.py): explicit backward vs the independent float64 reference; what it saves; no double backward."""
 import re
 
 import pytest

@@ -1,0 +1,152 @@
+"""The MoE Function as torch operators, so that torch.compile(fullgraph=True) traces a model
+holding shardmoe layers without a graph break, and eager runs the very same code.
+
+  shardmoe::moe_forward(handle, x, present, absent) -> (out [S, H], loss [], made)
+  shardmoe::moe_backward(handle, grad_out, grad_loss, x, present, absent, made) -> [dx, d(each input that has one)]
+
+The inputs are the router tensors and weights the forward takes after x (moe/function.py: for the
+layer gate_weight, gate_bias, correction_bias, token_sequence, then the expert and shared-expert
+params; for transformers' seam top_k_index, top_k_weights, then the expert params), some of them
+None; the operators take the present ones and a mask of the absent (a list of optional tensors
+cannot carry gradients through torch.library's autograd).
+made are the tensors the forward makes for its backward (function.Made: routing, shared expert,
+what the dispatcher kept). Every tensor the backward reads is an input or an output, saved by the
+registered autograd through ctx.save_for_backward: saved-tensor hooks and activation
+checkpointing see all of it, and a compiled graph holds it like any other activation.
+
+Everything else a forward needs (config, router, dispatcher, workspace, stats) is the owner's: an
+object with moe_call(x, inputs) -> MoECall (shardmoe.MoE; the transformers seam's; a MoECall
+itself), registered once for an int handle that the graph carries as a constant. Owners are held
+weakly: a handle dies with its layer.
+
+The fake implementations give every output's shape and dtype without computing: N, the kept pairs,
+is S k when no capacity can drop a pair and a data-dependent size otherwise (function.moe_fake_forward).
+Under compile, routing, dispatch and the stages run inside the operator, as in eager; inductor
+fuses around it.
+"""
+from __future__ import annotations
+
+import itertools
+import weakref
+import torch
+
+from shardmoe.moe.function import Made, MoECall, moe_backward, moe_fake_forward, moe_forward, not_twice_differentiable
+
+_OWNERS: dict[int, weakref.ref] = {}
+_HANDLES = itertools.count(1)
+
+
+def register(owner) -> int:
+    """A new handle for `owner` (anything with moe_call(x, inputs) -> MoECall), held weakly."""
+    handle = next(_HANDLES)
+    _OWNERS[handle] = weakref.ref(owner, lambda _, handle=handle: _OWNERS.pop(handle, None))
+    return handle
+
+
+def _inputs(present, absent) -> tuple:
+    """The inputs, None where absent, from the present tensors and the mask."""
+    it = iter(present)
+    return tuple(None if a else next(it) for a in absent)
+
+
+def _call(handle: int, x: torch.Tensor, inputs) -> MoECall:
+    ref = _OWNERS.get(handle)
+    owner = None if ref is None else ref()
+    if owner is None:
+        raise RuntimeError(f"shardmoe::moe_forward: handle {handle} names no live MoE layer (it was freed, or the "
+                           "handle was not made by shardmoe.moe.ops.register in this process)")
+    return owner.moe_call(x, tuple(inputs))
+
+
+def fused_moe(handle: int, x: torch.Tensor, *inputs) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out [S, H] in x's dtype, loss [] in the acc dtype) of the owner of `handle` on x [S, H] and
+    the inputs, differentiable by the explicit six-stage backward."""
+    out, loss, _ = torch.ops.shardmoe.moe_forward(handle, x, [t for t in inputs if t is not None],
+                                                  [t is None for t in inputs])
+    return out, loss
+
+
+def _fresh(made, inputs) -> list[torch.Tensor]:
+    """The made tensors, contiguous, each cloned where it shares memory with an input or an earlier
+    one (an operator's outputs may alias neither; only small routing tensors ever do: a given
+    routing's top_k_weights, weights equal to their scores without renormalisation)."""
+    seen_ids, seen_ptrs = set(), set()
+    for t in inputs:
+        if t is not None:
+            seen_ids.add(id(t))
+            if t.untyped_storage().nbytes():
+                seen_ptrs.add(t.untyped_storage().data_ptr())
+    out = []
+    for t in made:
+        storage = t.untyped_storage()
+        if id(t) in seen_ids or (storage.nbytes() and storage.data_ptr() in seen_ptrs):
+            t = t.clone()
+        t = t.contiguous()
+        seen_ids.add(id(t))
+        if t.untyped_storage().nbytes():
+            seen_ptrs.add(t.untyped_storage().data_ptr())
+        out.append(t)
+    return out
+
+
+@torch.library.custom_op("shardmoe::moe_forward", mutates_args=())
+def _moe_forward(handle: int, x: torch.Tensor, present: list[torch.Tensor],
+                 absent: list[bool]) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    inputs = _inputs(present, absent)
+    out, loss, made = moe_forward(_call(handle, x, inputs), x, inputs)
+    return out, loss, _fresh(made.flat(), (x, *present))
+
+
+@_moe_forward.register_fake
+def _moe_forward_fake(handle, x, present, absent):
+    inputs = _inputs(present, absent)
+    out, loss, made = moe_fake_forward(_call(handle, x, inputs), x, inputs, torch.library.get_ctx().new_dynamic_size)
+    return out, loss, list(made.flat())
+
+
+def _gradient_mask(call: MoECall, inputs) -> list[bool]:
+    """Which inputs get a gradient (the backward returns dx, then one tensor for each of these)."""
+    n = call.router.num_tensors
+    return [*call.router.gradient_mask(tuple(inputs[:n])), *(t is not None for t in inputs[n:])]
+
+
+@torch.library.custom_op("shardmoe::moe_backward", mutates_args=())
+def _moe_backward(handle: int, grad_out: torch.Tensor, grad_loss: torch.Tensor, x: torch.Tensor,
+                  present: list[torch.Tensor], absent: list[bool], made: list[torch.Tensor]) -> list[torch.Tensor]:
+    inputs = _inputs(present, absent)
+    call = _call(handle, x, inputs)
+    grads = moe_backward(call, x, inputs, Made.restore(call.config, made), grad_out, grad_loss)
+    mask = [True, *_gradient_mask(call, inputs)]
+    return [g.contiguous() for g, wanted in zip(grads, mask) if wanted]
+
+
+@_moe_backward.register_fake
+def _moe_backward_fake(handle, grad_out, grad_loss, x, present, absent, made):
+    inputs = _inputs(present, absent)
+    mask = _gradient_mask(_call(handle, x, inputs), inputs)
+    return [x.new_empty(x.shape), *(t.new_empty(t.shape) for t, wanted in zip(inputs, mask) if wanted)]
+
+
+class FusedMoE:
+    """The registered autograd of shardmoe::moe_forward: what it saves, and its backward."""
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        handle, x, present, absent = inputs
+        ctx.handle, ctx.absent, ctx.num_present = handle, list(absent), len(present)
+        ctx.save_for_backward(x, *present, *output[2])
+
+    @staticmethod
+    @not_twice_differentiable
+    def backward(ctx, grad_out, grad_loss, grad_made):
+        x, *rest = ctx.saved_tensors
+        present, made = rest[:ctx.num_present], rest[ctx.num_present:]
+        grads = iter(torch.ops.shardmoe.moe_backward(ctx.handle, grad_out, grad_loss, x, present, ctx.absent, made))
+        grad_x = next(grads)
+        inputs = _inputs(present, ctx.absent)
+        mask = _gradient_mask(_call(ctx.handle, x, inputs), inputs)
+        grad_present = [next(grads) if wanted else None for t, wanted in zip(inputs, mask) if t is not None]
+        return None, grad_x, grad_present, None
+
+
+_moe_forward.register_autograd(FusedMoE.backward, setup_context=FusedMoE.setup_context)
