@@ -31,6 +31,7 @@ import weakref
 import torch
 
 from shardmoe.moe.function import Made, MoECall, moe_backward, moe_fake_forward, moe_forward, not_twice_differentiable
+from shardmoe.rows import accumulation_dtype
 
 _OWNERS: dict[int, weakref.ref] = {}
 _HANDLES = itertools.count(1)
@@ -135,12 +136,18 @@ class FusedMoE:
         handle, x, present, absent = inputs
         ctx.handle, ctx.absent, ctx.num_present = handle, list(absent), len(present)
         ctx.save_for_backward(x, *present, *output[2])
+        # no zero gradients for the made outputs (h alone is [N, 2F]): nothing differentiates them
+        ctx.set_materialize_grads(False)
 
     @staticmethod
     @not_twice_differentiable
     def backward(ctx, grad_out, grad_loss, grad_made):
         x, *rest = ctx.saved_tensors
         present, made = rest[:ctx.num_present], rest[ctx.num_present:]
+        if grad_out is None:  # only the loss was used
+            grad_out = torch.zeros_like(x)
+        if grad_loss is None:  # only the output was used
+            grad_loss = x.new_zeros((), dtype=accumulation_dtype(x.dtype))
         grads = iter(torch.ops.shardmoe.moe_backward(ctx.handle, grad_out, grad_loss, x, present, ctx.absent, made))
         grad_x = next(grads)
         inputs = _inputs(present, ctx.absent)

@@ -142,3 +142,33 @@ def test_expert_options_in_low_precision_within_the_documented_bars(options, dty
     _, _, want = reference_forward_backward(x.detach().double(), params, layer.config, grad_out.double())
     for name, got in [("x", x.grad), *((n, p.grad) for n, p in layer.named_parameters())]:
         assert (got.double() - want[name]).abs().max() <= bar * want[name].abs().max(), name
+
+
+def test_backward_of_only_the_loss_or_only_the_output():
+    """Autograd hands the operator None for an unused output (no zero gradients are materialised,
+    so no [N, 2F] of zeros for the made tensors): either output alone gives the gradients of the
+    two with a zero for the other."""
+    torch.manual_seed(0)
+    layer = shardmoe.MoE(8, 6, 4, 2, aux_loss_coef=0.1, z_loss_coef=0.01, dtype=torch.float64)
+    x = torch.randn(5, 8, dtype=torch.float64, requires_grad=True)
+    grad_out = torch.randn(5, 8, dtype=torch.float64)
+
+    def grads(use_out, use_loss):
+        layer.zero_grad(set_to_none=True)
+        x.grad = None
+        out = layer(x)
+        torch.autograd.backward([out, layer.aux_loss], [grad_out * use_out, torch.tensor(1.0 * use_loss).double()])
+        both = [x.grad.clone(), *(p.grad.clone() for p in layer.parameters())]
+        layer.zero_grad(set_to_none=True)
+        x.grad = None
+        out = layer(x)
+        (out if use_out else layer.aux_loss).backward(grad_out if use_out else None)
+        return both, [x.grad, *(p.grad for p in layer.parameters())]
+
+    for use_out, use_loss in ((1, 0), (0, 1)):
+        expected, got = grads(use_out, use_loss)
+        for e, g in zip(expected, got):
+            if g is None:  # no path from this output to the parameter (experts from the loss)
+                assert e.abs().max() == 0
+            else:
+                torch.testing.assert_close(g, e, rtol=1e-12, atol=1e-12)
