@@ -125,22 +125,26 @@ class Made:
     """The tensors a forward makes that its backward reads (beside the inputs, which are saved as
     they are): the routing, the shared expert's (h_shared, s), and what the dispatcher kept.
 
-    The sequence-wise loss's per-sequence counts are not among them: backward recounts them from
-    the saved choices and sequence ids (two bincounts over S k), so that no saved tensor has a
-    size that depends on the data beyond the kept pairs N."""
+    Not among them: the routing fields that are router inputs themselves (router.routing_inputs:
+    a given routing's top_k_index and top_k_weights, the layer's token_sequence), which are saved
+    as inputs; and the sequence-wise loss's per-sequence counts, which backward recounts from the
+    saved choices and sequence ids (two bincounts over S k), so that no saved tensor has a size
+    that depends on the data beyond the kept pairs N."""
 
     routing: Routing
     shared: tuple
     dispatched: tuple
 
-    def flat(self) -> tuple:
-        kept = [getattr(self.routing, f.name) for f in fields(Routing) if f.name not in _RECOUNTED]
+    def flat(self, inputs: dict) -> tuple:
+        """The tensors to save, less the routing fields in `inputs` (router.routing_inputs)."""
+        kept = [getattr(self.routing, n) for n in _saved_fields(inputs)]
         return (*kept, *self.shared, *self.dispatched)
 
     @classmethod
-    def restore(cls, config: MoEConfig, tensors) -> "Made":
-        names = [f.name for f in fields(Routing) if f.name not in _RECOUNTED]
-        routing = dict(zip(names, tensors))
+    def restore(cls, config: MoEConfig, tensors, inputs: dict) -> "Made":
+        """The record flat(inputs) came from, with the fields in `inputs` taken from there."""
+        names = _saved_fields(inputs)
+        routing = dict(zip(names, tensors), **inputs)
         if config.seq_aux_loss_coef:
             routing["sequence_selected"], routing["sequence_tokens"] = routers.sequence_selections(
                 routing["top_idx"], routing["token_sequence"], config.num_experts)
@@ -154,6 +158,10 @@ class Made:
 
 
 _RECOUNTED = ("sequence_selected", "sequence_tokens")
+
+
+def _saved_fields(inputs: dict) -> list[str]:
+    return [f.name for f in fields(Routing) if f.name not in _RECOUNTED and f.name not in inputs]
 
 
 def split_inputs(call: MoECall, tensors) -> tuple[tuple, dict, dict]:

@@ -94,15 +94,22 @@ def _fresh(made, inputs) -> list[torch.Tensor]:
 def _moe_forward(handle: int, x: torch.Tensor, present: list[torch.Tensor],
                  absent: list[bool]) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
     inputs = _inputs(present, absent)
-    out, loss, made = moe_forward(_call(handle, x, inputs), x, inputs)
-    return out, loss, _fresh(made.flat(), (x, *present))
+    call = _call(handle, x, inputs)
+    out, loss, made = moe_forward(call, x, inputs)
+    return out, loss, _fresh(made.flat(_routing_inputs(call, inputs)), (x, *present))
 
 
 @_moe_forward.register_fake
 def _moe_forward_fake(handle, x, present, absent):
     inputs = _inputs(present, absent)
-    out, loss, made = moe_fake_forward(_call(handle, x, inputs), x, inputs, torch.library.get_ctx().new_dynamic_size)
-    return out, loss, list(made.flat())
+    call = _call(handle, x, inputs)
+    out, loss, made = moe_fake_forward(call, x, inputs, torch.library.get_ctx().new_dynamic_size)
+    return out, loss, list(made.flat(_routing_inputs(call, inputs)))
+
+
+def _routing_inputs(call: MoECall, inputs) -> dict:
+    """The routing fields that are inputs: saved as inputs, not again among the made outputs."""
+    return call.router.routing_inputs(tuple(inputs[:call.router.num_tensors]))
 
 
 def _gradient_mask(call: MoECall, inputs) -> list[bool]:
@@ -116,7 +123,8 @@ def _moe_backward(handle: int, grad_out: torch.Tensor, grad_loss: torch.Tensor, 
                   present: list[torch.Tensor], absent: list[bool], made: list[torch.Tensor]) -> list[torch.Tensor]:
     inputs = _inputs(present, absent)
     call = _call(handle, x, inputs)
-    grads = moe_backward(call, x, inputs, Made.restore(call.config, made), grad_out, grad_loss)
+    grads = moe_backward(call, x, inputs, Made.restore(call.config, made, _routing_inputs(call, inputs)), grad_out,
+                         grad_loss)
     mask = [True, *_gradient_mask(call, inputs)]
     return [g.contiguous() for g, wanted in zip(grads, mask) if wanted]
 

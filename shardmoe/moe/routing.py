@@ -269,6 +269,11 @@ class GateRouter:
     def __init__(self, config: MoEConfig):
         self.config = config
 
+    def routing_inputs(self, tensors: tuple) -> dict:
+        """The Routing fields route() takes as they are from the router tensors: token_sequence,
+        when the sequence-wise loss is on and the caller gave one."""
+        return {"token_sequence": tensors[3]} if self.config.seq_aux_loss_coef and tensors[3] is not None else {}
+
     def gradient_mask(self, tensors: tuple) -> list[bool]:
         """Which router tensors get a gradient: gate_weight, and gate_bias when there is one."""
         return [True, tensors[1] is not None, False, False]
@@ -317,6 +322,11 @@ class GivenRouting:
     def __init__(self, num_experts: int):
         self.num_experts = num_experts
 
+    def routing_inputs(self, tensors: tuple) -> dict:
+        """The Routing fields that are the given tensors themselves."""
+        top_k_index, top_k_weights = tensors
+        return {"top_idx": top_k_index, "top_prob": top_k_weights, "weight": top_k_weights}
+
     def gradient_mask(self, tensors: tuple) -> list[bool]:
         """top_k_weights gets a gradient, top_k_index none."""
         return [False, True]
@@ -330,7 +340,7 @@ class GivenRouting:
         row_pair, selected, kept = dispatch_order(top_k_index, self.num_experts, None)
         S, device = x.shape[0], x.device
         none = torch.zeros(S, 0, dtype=accumulation_dtype(x.dtype), device=device)
-        return Routing(probs=none, logsumexp=none.new_zeros(S), top_idx=top_k_index, top_prob=top_k_weights,
+        return Routing(probs=none, logsumexp=none.new_zeros(0), top_idx=top_k_index, top_prob=top_k_weights,
                        weight=top_k_weights, selected_per_expert=selected, kept_per_expert=kept, row_pair=row_pair,
                        z_probs=none, token_sequence=torch.zeros(S, 0, dtype=torch.int64, device=device),
                        sequence_selected=torch.zeros(0, self.num_experts, dtype=torch.int64, device=device),
@@ -343,7 +353,7 @@ class GivenRouting:
         top_k_index, top_k_weights = tensors
         S, E, acc = x.shape[0], self.num_experts, accumulation_dtype(x.dtype)
         ints = dict(dtype=torch.int64, device=x.device)
-        return Routing(probs=x.new_empty(S, 0, dtype=acc), logsumexp=x.new_empty(S, dtype=acc),
+        return Routing(probs=x.new_empty(S, 0, dtype=acc), logsumexp=x.new_empty(0, dtype=acc),
                        top_idx=torch.empty_like(top_k_index), top_prob=torch.empty_like(top_k_weights),
                        weight=torch.empty_like(top_k_weights), selected_per_expert=x.new_empty(E, **ints),
                        kept_per_expert=x.new_empty(E, **ints), row_pair=x.new_empty(num_rows, **ints),
