@@ -208,3 +208,15 @@ def parse_mesh(text: str) -> dict[str, int]:
         given[axis] = item
         sizes[axis] = int(value)
     return sizes
+
+
+# Which mesh axes a parameter's gradient is summed over after a backward (parallel.sync_grads): a
+# tag on the parameter, set where the parameter is made; unmarked parameters count as replicated.
+GRAD_SYNC_ATTRIBUTE = "grad_sync_axes"
+REPLICATED = ("d", "e")  # the gate and every dense parameter: other tokens on every 'd' and 'e' rank
+EXPERT = ("d",)  # an expert shard: the ranks along 'e' hold other experts, every token of the d slice came
+
+
+def mark_grad_sync(param, axes: tuple[str, ...]) -> None:
+    """Record the mesh axes over which param's gradient must be summed by sync_grads."""
+    setattr(param, GRAD_SYNC_ATTRIBUTE, tuple(axes))

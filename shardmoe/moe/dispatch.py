@@ -151,3 +151,54 @@ class LocalDispatcher:
 
 
 LOCAL = LocalDispatcher()
+
+
+class Placement(Protocol):
+    """Where a layer's parameters and tokens live: its dispatcher, and the shards of its expert
+    parameters on this rank (name: a parameter of the layer; shape: its whole shape)."""
+
+    dispatcher: Dispatcher
+    sharded: bool
+
+    def shard_shape(self, name: str, shape: tuple[int, ...]) -> tuple[int, ...]: ...
+
+    def shard(self, name: str, whole: torch.Tensor) -> torch.Tensor:
+        """This rank's shard of a whole parameter (no communication)."""
+
+    def gather(self, name: str, local: torch.Tensor) -> torch.Tensor:
+        """The whole parameter from every rank's shard (collective when sharded)."""
+
+
+class LocalPlacement:
+    """One process: every parameter whole, the local dispatcher."""
+
+    dispatcher, sharded = LOCAL, False
+
+    def shard_shape(self, name, shape):
+        return tuple(shape)
+
+    def shard(self, name, whole):
+        return whole
+
+    def gather(self, name, local):
+        return local
+
+
+_mesh_placement = None  # (config, mesh) -> Placement: shardmoe.parallel registers it on import
+
+
+def register_mesh_placement(factory) -> None:
+    """Set what placement(config, mesh) builds for a mesh: expert parallelism's (shardmoe.parallel
+    calls this when imported, which `import shardmoe` does), so this package imports none of it."""
+    global _mesh_placement
+    _mesh_placement = factory
+
+
+def placement(config: MoEConfig, mesh) -> Placement:
+    """The placement of a layer with `config` on `mesh` (None: one process)."""
+    if mesh is None:
+        return LocalPlacement()
+    if _mesh_placement is None:
+        raise RuntimeError("mesh: a layer on a mesh needs shardmoe.parallel, which registers expert parallelism "
+                           "(`import shardmoe` imports it)")
+    return _mesh_placement(config, mesh)

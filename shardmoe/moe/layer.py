@@ -20,7 +20,8 @@ Forward and backward are the MoE operators (shardmoe/moe/ops.py over moe/functio
 layer's gate as the router and its dispatcher: LOCAL on one process (mesh None or of one rank); with a
 mesh, parameters hold this rank's shard (experts split over 'e' in contiguous blocks, the
 intermediate dim over 't': shardmoe/parallel/expert_tensor.py), x holds this rank's tokens, and
-the dispatcher is shardmoe.parallel.ExpertParallel.
+the dispatcher is expert parallelism's; both come from the placement that shardmoe.parallel
+registers (moe/dispatch.py), so this package imports nothing of it.
 """
 from __future__ import annotations
 
@@ -32,15 +33,13 @@ from torch import nn
 from shardmoe.moe import routers
 from shardmoe.moe import shared_experts as shared_ex
 from shardmoe.moe.config import MoEConfig
+from shardmoe.mesh import EXPERT, REPLICATED, mark_grad_sync
 from shardmoe.moe import ops
-from shardmoe.moe.dispatch import LOCAL
+from shardmoe.moe.dispatch import placement
 from shardmoe.moe.function import MoECall, expert_param_names
 from shardmoe.moe.routing import GateRouter
 from shardmoe.moe.workspace import Workspace
 from shardmoe.moe.hf_blocks import MIXTRAL_ACTIVATIONS, mixtral_semantics
-from shardmoe.parallel import expert_tensor as etp
-from shardmoe.parallel.expert_parallel import ExpertParallel
-from shardmoe.parallel.sync import EXPERT, REPLICATED, mark_grad_sync
 
 # MoEConfig's router fields, which MoE takes as keyword options
 ROUTER_OPTIONS = ("score_func", "router_bias", "correction_bias", "bias_update_rate", "n_group", "topk_group",
@@ -78,7 +77,8 @@ class MoE(nn.Module):
                                 aux_loss_coef=aux_loss_coef, z_loss_coef=z_loss_coef, **router_options)
         if dtype is not None and dtype not in DTYPES:
             raise ValueError(f"dtype: expected None or one of {', '.join(map(str, DTYPES))}, got {dtype!r}")
-        etp.check_layout(self.config, mesh)  # before any communication
+        # the shards of the parameters and the dispatcher (moe/dispatch.py); checks the layout first
+        self.placement = placement(self.config, mesh)
         self.mesh = mesh
         kw = {"dtype": dtype, "device": device}
         H, F, E = hidden_size, ffn_size, num_experts
@@ -99,13 +99,13 @@ class MoE(nn.Module):
         for name, shape in list(self._whole_shapes.items())[1:]:
             param = None
             if bias or name not in BIAS_NAMES:
-                param = nn.Parameter(torch.empty(etp.shard_shape(name, shape, mesh), **kw))
+                param = nn.Parameter(torch.empty(self.placement.shard_shape(name, shape), **kw))
                 mark_grad_sync(param, EXPERT)
             setattr(self, name, param)
         # shared expert: dense, so replicated over 'd' and 'e' (its gradient summed there like the gate's)
         self._whole_shapes.update(shared_ex.shared_param_shapes(self.config))
         for name, shape in shared_ex.shared_param_shapes(self.config).items():
-            param = nn.Parameter(torch.empty(etp.shard_shape(name, shape, mesh), **kw))
+            param = nn.Parameter(torch.empty(self.placement.shard_shape(name, shape), **kw))
             mark_grad_sync(param, REPLICATED)
             setattr(self, name, param)
         self.reset_parameters()
@@ -114,7 +114,7 @@ class MoE(nn.Module):
         # the large row buffers of forward and backward, reused across steps (single process)
         self.workspace = Workspace()
         # how tokens reach the experts: all local, or exchanged along 'e' (moe/dispatch.py)
-        self.dispatcher = ExpertParallel(self.config, mesh) if mesh is not None and mesh.size() > 1 else LOCAL
+        self.dispatcher = self.placement.dispatcher
         self._moe_handle = ops.register(self)  # the int the MoE operators name this layer by
 
     @property
@@ -130,7 +130,7 @@ class MoE(nn.Module):
 
         With a sharded mesh each whole parameter is drawn (one at a time) and this rank keeps its
         shard, so ranks seeded alike hold exactly the shards of the single-process layer."""
-        sharded = etp.is_sharded(self.mesh)
+        sharded = self.placement.sharded
         with torch.no_grad():
             if self.gate_bias is not None:
                 nn.init.zeros_(self.gate_bias)  # as GPT-OSS: routing starts from the weights alone
@@ -147,7 +147,7 @@ class MoE(nn.Module):
                     bound = 1.0 / math.sqrt(fan_in)
                     nn.init.uniform_(whole, -bound, bound)
                 if whole is not p:
-                    p.copy_(etp.shard_expert_param(name, whole, self.mesh))
+                    p.copy_(self.placement.shard(name, whole))
 
     def expert_parameters(self) -> list[torch.Tensor | None]:
         """The routed experts' parameters, then the shared expert's, in the order the MoE operators take them."""
@@ -269,8 +269,8 @@ class MoE(nn.Module):
         layer = cls(H, two_f // 2, E, semantics.top_k, mesh=mesh, **options)
         with torch.no_grad():
             layer.gate_weight.copy_(semantics.router_weight.t())
-            layer.gate_up_proj.copy_(etp.shard_expert_param("gate_up_proj", gate_up, mesh))
-            layer.down_proj.copy_(etp.shard_expert_param("down_proj", semantics.down_proj, mesh))
+            layer.gate_up_proj.copy_(layer.placement.shard("gate_up_proj", gate_up))
+            layer.down_proj.copy_(layer.placement.shard("down_proj", semantics.down_proj))
         return layer
 
     @classmethod
@@ -304,6 +304,5 @@ class MoE(nn.Module):
                              f"activation in {sorted(MIXTRAL_ACTIVATIONS)}, got expert={c.expert!r}, "
                              f"renormalize={c.renormalize}, bias={c.bias}, activation={c.activation!r}")
         return {"gate.weight": self.gate_weight.detach().t().contiguous(),
-                "experts.gate_up_proj": etp.gather_expert_param("gate_up_proj", self.gate_up_proj.detach(),
-                                                                self.mesh).clone(),
-                "experts.down_proj": etp.gather_expert_param("down_proj", self.down_proj.detach(), self.mesh).clone()}
+                "experts.gate_up_proj": self.placement.gather("gate_up_proj", self.gate_up_proj.detach()).clone(),
+                "experts.down_proj": self.placement.gather("down_proj", self.down_proj.detach()).clone()}

@@ -45,6 +45,7 @@ import torch
 from shardmoe import shardops
 from shardmoe.moe.activations import activate
 from shardmoe.moe.config import MoEConfig
+from shardmoe.moe.dispatch import LOCAL
 from shardmoe.moe.routing import Routing
 from shardmoe.notation import MESH_AXES
 from shardmoe.parallel import consistency
@@ -170,6 +171,27 @@ class ExpertParallel:
         if what == "input":
             return _psum_t("N H", etp.reduce_input_grad, self.mesh)
         return _psum_t("N", etp.reduce_gate_dot, self.mesh)
+
+
+class MeshPlacement:
+    """A layer's placement on a mesh (moe/dispatch.py's Placement): experts split over 'e' in
+    contiguous blocks and their intermediate dim over 't' (expert_tensor), the expert-parallel
+    dispatcher when the mesh has more than one rank. Refuses a layout the mesh cannot split, before
+    any communication."""
+
+    def __init__(self, config: MoEConfig, mesh):
+        etp.check_layout(config, mesh)
+        self.mesh, self.sharded = mesh, etp.is_sharded(mesh)
+        self.dispatcher = ExpertParallel(config, mesh) if mesh.size() > 1 else LOCAL
+
+    def shard_shape(self, name, shape):
+        return etp.shard_shape(name, shape, self.mesh)
+
+    def shard(self, name, whole):
+        return etp.shard_expert_param(name, whole, self.mesh)
+
+    def gather(self, name, local):
+        return etp.gather_expert_param(name, local, self.mesh)
 
 
 @dataclasses.dataclass

@@ -28,17 +28,10 @@ from collections import defaultdict
 import torch
 
 from shardmoe import shardops
+from shardmoe.mesh import EXPERT, GRAD_SYNC_ATTRIBUTE, REPLICATED, mark_grad_sync  # noqa: F401  (this module's API)
 from shardmoe.parallel import consistency
 
-GRAD_SYNC_ATTRIBUTE = "grad_sync_axes"
-REPLICATED = ("d", "e")
-EXPERT = ("d",)
 _REPLICAS_CHECKED: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
-
-
-def mark_grad_sync(param: torch.nn.Parameter, axes: tuple[str, ...]) -> None:
-    """Record the mesh axes over which param's gradient must be summed by sync_grads."""
-    setattr(param, GRAD_SYNC_ATTRIBUTE, tuple(axes))
 
 
 def sync_grads(module: torch.nn.Module, mesh) -> None:
