@@ -162,6 +162,12 @@ class SeamOwner:
     def __init__(self, experts, layout: ExpertsLayout):
         self.layout = layout
         self.workspace = _model_workspace(experts)
+        self.handle = ops.register(self)
+
+    def __reduce__(self):
+        """A copy of the module (copy.deepcopy, pickle) gets no owner: it makes its own, with its own
+        handle, at its first forward (the original's handle dies with the original)."""
+        return _no_owner, ()
 
     def moe_call(self, x: torch.Tensor, inputs: tuple) -> MoECall:
         top_k_index, top_k_weights, *weights = inputs
@@ -197,6 +203,10 @@ def _model_workspace(experts) -> Workspace:
 _POOLS: dict[int, tuple[weakref.ref, Workspace]] = {}
 
 
+def _no_owner() -> None:
+    return None
+
+
 @torch.compiler.assume_constant_result
 def seam_handle(experts) -> int:
     """The MoE operators' handle of this experts module, made on its first forward (a constant of
@@ -205,8 +215,7 @@ def seam_handle(experts) -> int:
     if owner is None:
         owner = SeamOwner(experts, read_layout(experts))
         experts.__dict__["_shardmoe_owner"] = owner
-        experts.__dict__["_shardmoe_handle"] = ops.register(owner)
-    return experts.__dict__["_shardmoe_handle"]
+    return owner.handle
 
 
 def experts_forward(experts, hidden_states: torch.Tensor, top_k_index: torch.Tensor,

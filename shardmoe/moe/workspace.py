@@ -10,7 +10,8 @@ its storage (the storage's use count is 1): a tensor saved for backward keeps it
 autograd frees it after that backward (or with the graph), whatever runs in between -- several
 forwards before their backwards (gradient accumulation, several layers, activation
 checkpointing) each get their own block. So the pool holds as many blocks of a size as were ever
-alive at once; nothing is ever handed out twice.
+alive at once; nothing is ever handed out twice, also to threads: one lock serialises lending
+(layers sharing a pool may run in several threads; each empty() call is atomic).
 
 Sharing. One pool may serve several layers (share(layers); shardmoe.Transformer and hf.convert
 give all their MoE layers one). Each layer's saved tensors keep their blocks lent until its
@@ -35,6 +36,7 @@ resident_bytes counts every block the pool holds, lent or free.
 from __future__ import annotations
 
 import math
+import threading
 
 import torch
 
@@ -65,6 +67,13 @@ class Workspace:
         self.row_tile = row_tile
         self.pad_rows = MAX_ROW_TILE if row_tile is None else row_tile
         self._blocks: list[torch.UntypedStorage] = []
+        # one lender at a time: a block is free until the tensor made on it exists, and making that
+        # tensor releases the GIL, so two threads could otherwise be lent the same block
+        self._lock = threading.Lock()
+
+    def __reduce__(self):
+        """A copy (copy.deepcopy, pickle) is an empty pool of the same settings: blocks are scratch."""
+        return Workspace, (self.min_bytes, self.row_tile)
 
     @property
     def resident_bytes(self) -> int:
@@ -80,6 +89,16 @@ class Workspace:
         device = torch.device(device)
         if nbytes < self.min_bytes:
             return torch.empty(shape, dtype=dtype, device=device)
+        with self._lock:
+            return self._lend(nbytes, shape, dtype, device)
+
+    def _lend(self, nbytes: int, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """empty()'s pooled case; the caller holds the lock."""
+        block = self._choose_block(nbytes, device)
+        return torch.empty(0, dtype=dtype, device=device).set_(block, 0, shape)
+
+    def _choose_block(self, nbytes: int, device: torch.device) -> torch.UntypedStorage:
+        """The smallest free block of at least nbytes on device, or a new one (see "Size" above)."""
         free = [b for b in self._blocks if b.device == device and _use_count(b) == 1]
         fitting = [b for b in free if b.nbytes() >= nbytes]
         if fitting:
@@ -89,7 +108,7 @@ class Workspace:
             size = max([nbytes] + [int(b.nbytes() * GROWTH) for b in free])
             block = torch.empty(size, dtype=torch.uint8, device=device).untyped_storage()
             self._blocks.append(block)
-        return torch.empty(0, dtype=dtype, device=device).set_(block, 0, shape)
+        return block
 
     def owns(self, data_ptr: int) -> bool:
         """Whether data_ptr lies in one of the pool's blocks (a saved tensor the pool lent)."""
@@ -101,7 +120,8 @@ class Workspace:
 
     def release(self) -> None:
         """Forget every block: free ones are freed now, lent ones with their last tensor."""
-        self._blocks = []
+        with self._lock:
+            self._blocks = []
 
 
 def share(layers) -> Workspace:

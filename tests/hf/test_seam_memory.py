@@ -34,3 +34,19 @@ def test_seam_saves_and_pools_what_the_layer_does(hf):
     seam_out.sum().backward()
     layer_out.sum().backward()
     assert seam_pool.resident_bytes == layer.workspace.resident_bytes > 0
+
+
+def test_a_copy_of_a_model_runs_after_the_original_is_gone(hf):
+    """A deep copy (EMA, AveragedModel) made after a forward gets its own operator owner: the
+    original's handle dies with the original."""
+    import copy
+    import gc
+
+    model = hf.small_model("mixtral", dtype=torch.float32)
+    model.set_experts_implementation("shardmoe")
+    ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(5))
+    expected = model(input_ids=ids, labels=ids).loss.detach()
+    copied = copy.deepcopy(model)
+    del model
+    gc.collect()
+    torch.testing.assert_close(copied(input_ids=ids, labels=ids).loss.detach(), expected, rtol=0, atol=0)

@@ -199,3 +199,70 @@ def test_a_copy_gets_an_empty_pool_of_the_same_settings():
     assert (twin.workspace.min_bytes, twin.workspace.row_tile) == (0, 4)
     layer.workspace = None
     assert copy.deepcopy(layer).workspace is None
+
+
+def test_two_threads_are_never_lent_one_block():
+    """The window between choosing a free block and making the tensor on it (torch releases the GIL
+    there) is held open with a barrier: both threads reach it at once unless lending is serialised,
+    and then both would get the one free block."""
+    import threading
+
+    from shardmoe.moe.workspace import Workspace
+
+    barrier = threading.Barrier(2, timeout=0.5)
+
+    class Racy(Workspace):
+        def _choose_block(self, nbytes, device):
+            block = super()._choose_block(nbytes, device)
+            try:
+                barrier.wait()  # with the lock the other thread never arrives: the wait times out
+            except threading.BrokenBarrierError:
+                pass
+            return block
+
+    pool = Racy(min_bytes=0)
+    pool.empty((64, 64), torch.float32, "cpu")  # dropped at once: one free block of the size both will ask for
+    lent = []
+    threads = [threading.Thread(target=lambda: lent.append(pool.empty((64, 64), torch.float32, "cpu")))
+               for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(lent) == 2 and lent[0].untyped_storage().data_ptr() != lent[1].untyped_storage().data_ptr()
+
+
+def test_layers_sharing_a_pool_in_four_threads_match_the_sequential_result():
+    import threading
+
+    import shardmoe
+    from shardmoe.moe import workspace
+
+    torch.manual_seed(0)
+    layers = [shardmoe.MoE(64, 128, 4, 2) for _ in range(2)]
+    workspace.share(layers)
+    for layer in layers:
+        layer.workspace.min_bytes = 0  # pool every buffer, so the pool is busy
+    inputs = [torch.randn(96, 64, generator=torch.Generator().manual_seed(i)) for i in range(8)]
+
+    def step(x):
+        h = x.clone().requires_grad_()
+        out = layers[1](layers[0](h))
+        out.square().sum().backward()
+        return out.detach(), h.grad
+
+    expected = [step(x) for x in inputs]
+    got = [None] * len(inputs)
+
+    def worker(k):
+        for i in range(k, len(inputs), 4):
+            got[i] = step(inputs[i])
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for (out, grad), (out_ref, grad_ref) in zip(got, expected):
+        torch.testing.assert_close(out, out_ref, rtol=0, atol=0)
+        torch.testing.assert_close(grad, grad_ref, rtol=0, atol=0)
