@@ -585,3 +585,12 @@ def test_fp32_and_bf16_expert_parallel_track_the_single_process_layer(two_rank_r
             got = r["low_precision"][name]["grads"][pname]
             want = p.grad if pname == "gate_weight" else p.grad[2 * e : 2 * e + 2]
             assert rel(got, want) <= tol, (pname, e)
+
+
+def test_compiling_an_expert_parallel_layer_is_refused_by_name():
+    """The fake implementation that torch.compile traces with has no shapes for rows that cross
+    ranks: the expert-parallel dispatcher refuses, naming what to do instead."""
+    from shardmoe.parallel.expert_parallel import ExpertParallel
+
+    with pytest.raises(NotImplementedError, match="torch.compile of an expert-parallel MoE layer"):
+        ExpertParallel.fake_forward(None, None, None, None, None)
