@@ -25,6 +25,7 @@ Heavy imports (torch, transformers) happen inside functions, so `shardmoe --help
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 
@@ -132,9 +133,10 @@ def run(args: argparse.Namespace) -> int:
     repeats = args.repeats if args.repeats is not None else (3 if args.quick else 7)
     tokens = args.tokens if args.tokens is not None else (QUICK_TOKENS if args.quick else None)
     budget = args.budget if args.budget is not None else (QUICK_BUDGET_S if args.quick else None)
-    if repeats < 1 or warmup < 0 or (tokens is not None and tokens < 1) or (budget is not None and budget <= 0):
-        print("shardmoe bench: expected --repeats >= 1, --warmup >= 0, --tokens >= 1, --budget > 0",
-              file=sys.stderr)
+    if repeats < 1 or warmup < 0 or (tokens is not None and tokens < 1) or (budget is not None and not (
+            math.isfinite(budget) and budget > 0)):  # NaN passes a <= 0 check
+        print("shardmoe bench: expected --repeats >= 1, --warmup >= 0, --tokens >= 1, --budget a finite number > 0, "
+              f"got --repeats {repeats}, --warmup {warmup}, --tokens {tokens}, --budget {budget}", file=sys.stderr)
         return 2
     if args.threads is not None:
         torch.set_num_threads(args.threads)

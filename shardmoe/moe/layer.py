@@ -208,6 +208,13 @@ class MoE(nn.Module):
         if not isinstance(load, torch.Tensor) or tuple(load.shape) != (E,):
             raise ValueError(f"load: expected a tensor of shape [{E}] (num_experts), got "
                              f"{list(load.shape) if isinstance(load, torch.Tensor) else type(load).__name__}")
+        # token counts: a NaN load was a silent no-op (sign(NaN) = 0), a negative one moved the bias wrongly
+        if load.dtype == torch.bool or load.is_complex():
+            raise ValueError(f"load: expected an integer or real tensor of token counts, got dtype {load.dtype}")
+        if load.is_floating_point() and not bool(torch.isfinite(load).all()):
+            raise ValueError(f"load: expected finite token counts, got {load.tolist()}")
+        if bool((load < 0).any()):
+            raise ValueError(f"load: expected token counts >= 0, got {load.tolist()}")
         if self.correction_bias is None:
             return
         with torch.no_grad():

@@ -20,6 +20,7 @@ Model shapes (per MoE layer; tokens_per_gpu is the simulated micro-batch, an ass
 from __future__ import annotations
 
 import dataclasses
+import math
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
@@ -72,8 +73,8 @@ def _override(preset, values: dict, source: str):
             cast[name] = kind(value)
         except (TypeError, ValueError):
             raise ValueError(f"{source}: {name} expected a {kind.__name__}, got {value!r}") from None
-        if cast[name] <= 0:
-            raise ValueError(f"{source}: {name} expected a positive number, got {value!r}")
+        if not math.isfinite(cast[name]) or cast[name] <= 0:  # NaN passes a <= 0 check
+            raise ValueError(f"{source}: {name} expected a positive finite number, got {value!r}")
     return dataclasses.replace(preset, **cast)
 
 

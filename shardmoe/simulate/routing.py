@@ -18,6 +18,7 @@ drops (the dropless case the paper measures).
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,8 +35,8 @@ def popularity(spec: str, num_experts: int, seed: int = 0) -> torch.Tensor:
             exponent = float(arg)
         except ValueError:
             raise ValueError(f"--routing: zipf expects zipf:EXPONENT with a number, got {spec!r}") from None
-        if exponent < 0:
-            raise ValueError(f"--routing: the zipf exponent must be >= 0, got {exponent}")
+        if not math.isfinite(exponent) or exponent < 0:  # NaN passes a < 0 check
+            raise ValueError(f"--routing: the zipf exponent must be a finite number >= 0, got {arg!r}")
         profile = torch.arange(1, num_experts + 1, dtype=torch.float64) ** -exponent
     elif kind == "replay" and arg:
         profile = _replayed_profile(Path(arg), num_experts)

@@ -56,3 +56,11 @@ def test_cli_bounds_threads_before_any_work(threads, mesh, capsys):
     assert torch.get_num_threads() == before
     assert f"--threads: expected an int in 1..{os.cpu_count()} (os.cpu_count()), got {threads}" in \
         capsys.readouterr().err
+
+
+@pytest.mark.parametrize("budget", ["nan", "inf", "0"])
+def test_cli_refuses_a_budget_that_is_not_a_positive_finite_number(budget, capsys):
+    """--budget nan passed a <= 0 check (and capped nothing)."""
+    assert bench.main(["--quick", "--budget", budget]) == 2
+    assert f"--budget a finite number > 0, got --repeats 3, --warmup 1, --tokens 512, --budget {float(budget)}" in \
+        capsys.readouterr().err

@@ -251,6 +251,15 @@ def test_update_correction_bias_moves_against_the_load_and_rides_in_the_state_di
     assert plain.correction_bias is None and "correction_bias" not in plain.state_dict()
     with pytest.raises(ValueError, match=r"load: expected a tensor of shape \[8\] \(num_experts\), got \[7\]"):
         layer.update_correction_bias(load[:7])
+    before = layer.correction_bias.clone()
+    for bad, message in ((load.float().index_fill(0, torch.tensor([3]), float("nan")), "expected finite token counts"),
+                         (load.float().index_fill(0, torch.tensor([3]), float("inf")), "expected finite token counts"),
+                         (load - 6, "expected token counts >= 0"),
+                         (load > 4, "expected an integer or real tensor of token counts, got dtype torch.bool"),
+                         (load.to(torch.complex64), "expected an integer or real tensor")):
+        with pytest.raises(ValueError, match=f"load: {message}"):
+            layer.update_correction_bias(bad)
+    assert torch.equal(layer.correction_bias, before)  # a NaN load was a silent no-op (sign(NaN) = 0)
 
 
 def test_correction_bias_steers_selection_without_gradient():

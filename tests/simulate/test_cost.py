@@ -73,6 +73,9 @@ def test_bulk_synchronous_phases_wait_for_the_slowest_device():
 def test_routing_generators():
     uniform = popularity("uniform", 8)
     assert torch.allclose(uniform, torch.full((8,), 1 / 8, dtype=torch.float64))
+    for bad in ("nan", "inf", "-1"):
+        with pytest.raises(ValueError, match=f"the zipf exponent must be a finite number >= 0, got '{bad}'"):
+            popularity(f"zipf:{bad}", 8)
     zipf = popularity("zipf:1.0", 8, seed=3)
     assert zipf.sum().item() == pytest.approx(1.0)
     assert sorted(zipf.tolist(), reverse=True)[0] / sorted(zipf.tolist())[0] == pytest.approx(8.0)
@@ -81,7 +84,7 @@ def test_routing_generators():
     assert all(len(set(row)) == 3 for row in batch.top_idx.tolist())  # distinct experts per token
     experts_in_row_order = batch.top_idx.reshape(-1)[batch.row_pair]
     assert torch.equal(experts_in_row_order, experts_in_row_order.sort().values)
-    with pytest.raises(ValueError, match="zipf exponent must be >= 0"):
+    with pytest.raises(ValueError, match="zipf exponent must be a finite number >= 0"):
         popularity("zipf:-1", 8)
     with pytest.raises(ValueError, match="expected uniform, zipf:EXPONENT or replay"):
         popularity("skewed", 8)
@@ -123,8 +126,15 @@ def test_presets_and_overrides(tmp_path):
     assert hw.fabric_bandwidth == 25e9 and hw.sms == 100 and shape.tokens_per_gpu == 1024 and shape.top_k == 1
     with pytest.raises(ValueError, match="unknown setting 'flops'"):
         resolve("h100", "mixtral-8x7b", settings=["flops=1"])
-    with pytest.raises(ValueError, match="expected a positive number"):
+    with pytest.raises(ValueError, match="expected a positive finite number"):
         resolve("h100", "mixtral-8x7b", settings=["sms=0"])
+    for bad in ("nan", "inf", "-inf"):  # NaN passed a <= 0 check and printed schedules at 457 % of peak
+        for name in ("fabric_bandwidth", "nvlink_bandwidth", "peak_flops"):
+            with pytest.raises(ValueError, match=f"--set: {name} expected a positive finite number, got '{bad}'"):
+                resolve("h100", "mixtral-8x7b", settings=[f"{name}={bad}"])
+    toml.write_text("[hardware]\nfabric_bandwidth = nan\n")
+    with pytest.raises(ValueError, match="fabric_bandwidth expected a positive finite number"):
+        resolve("h100", "mixtral-8x7b", str(toml))
     with pytest.raises(ValueError, match="--preset: expected one of"):
         resolve("h100", "gpt-5")
 
