@@ -172,6 +172,7 @@ def to_hf_state_dict(layer) -> dict[str, torch.Tensor]:
     if unsupported:
         raise ValueError("to_hf_state_dict: expected a dropless glu layer without expert or router biases, softmax "
                          f"or DeepSeek-V3's corrected sigmoid routing, or GPT-OSS's; got {', '.join(unsupported)}")
+    _check_family_router(c)
     state = {"gate.weight": layer.gate_weight.detach().t().contiguous()}
     if layer.correction_bias is not None:
         state["gate.e_score_correction_bias"] = layer.correction_bias.detach().clone()
@@ -187,6 +188,29 @@ def to_hf_state_dict(layer) -> dict[str, torch.Tensor]:
         if c.shared_gate:
             state["shared_expert_gate.weight"] = layer.shared_gate_weight.detach()[None].clone()
     return state
+
+
+def _check_family_router(c) -> None:
+    """Raise ValueError unless a transformers block computes this router: a state dict carries no
+    options, so an export whose router no family has would load into a block that routes otherwise.
+    Softmax (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE): no correction bias, groups, scaling or
+    renormalisation epsilon; a shared expert only gated (Qwen2-MoE). Sigmoid with a correction bias
+    (DeepSeek-V3): the renormalisation epsilon DeepSeek-V3 uses (1e-20, 0 without renormalising);
+    a shared expert only ungated."""
+    if c.score_func == "softmax":
+        family = "softmax routing (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE)"
+        wanted = {"correction_bias": False, "n_group": 1, "topk_group": 1, "routed_scaling_factor": 1.0,
+                  "renormalize_epsilon": 0.0}
+        if c.shared_ffn_size:
+            wanted["shared_gate"] = True  # Qwen2-MoE's shared expert is gated; no softmax family has an ungated one
+    else:
+        family = "DeepSeek-V3's sigmoid routing"
+        wanted = {"renormalize_epsilon": 1e-20 if c.renormalize else 0.0, "shared_gate": False}
+    wrong = [f"{name}={getattr(c, name)!r} (expected {value!r})" for name, value in wanted.items()
+             if getattr(c, name) != value]
+    if wrong:
+        raise ValueError(f"to_hf_state_dict: no transformers block computes this router: with {family} expected "
+                         f"the block's options, got {', '.join(wrong)}")
 
 
 def _gpt_oss_state_dict(layer) -> dict[str, torch.Tensor]:

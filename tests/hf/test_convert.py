@@ -204,3 +204,26 @@ def test_to_hf_state_dict_refuses_what_no_block_holds():
         layer = MoE(8, 4, 4, 2, **options)
         with pytest.raises(ValueError, match=rf"to_hf_state_dict: expected .*got .*{name}"):
             layer.to_hf_state_dict()
+
+
+def test_to_hf_state_dict_refuses_routers_no_family_computes():
+    """A state dict carries no options: these exported silently and loaded into blocks that route
+    otherwise (issue 25, item 2)."""
+    cases = [
+        (dict(n_group=2, topk_group=1), "n_group=2"),
+        (dict(routed_scaling_factor=2.5), "routed_scaling_factor=2.5"),
+        (dict(renormalize_epsilon=0.5), "renormalize_epsilon=0.5"),
+        (dict(correction_bias=True), "correction_bias=True"),
+        (dict(shared_ffn_size=4), "shared_gate=False"),
+        (dict(score_func="sigmoid", correction_bias=True, shared_ffn_size=4, shared_gate=True), "shared_gate=True"),
+        (dict(score_func="sigmoid", correction_bias=True, renormalize_epsilon=0.5), "renormalize_epsilon=0.5"),
+    ]
+    for options, name in cases:
+        layer = MoE(8, 4, 4, 2, **options)
+        with pytest.raises(ValueError, match=rf"to_hf_state_dict: no transformers block computes this router: .*{name}"):
+            layer.to_hf_state_dict()
+    # what the families hold still exports: Qwen2-MoE's gated shared expert, DeepSeek-V3's router
+    assert "shared_expert_gate.weight" in MoE(8, 4, 4, 2, shared_ffn_size=4, shared_gate=True).to_hf_state_dict()
+    deepseek = MoE(8, 4, 4, 2, score_func="sigmoid", correction_bias=True, n_group=2, topk_group=1,
+                   routed_scaling_factor=2.5, renormalize_epsilon=1e-20, shared_ffn_size=4)
+    assert "gate.e_score_correction_bias" in deepseek.to_hf_state_dict()
