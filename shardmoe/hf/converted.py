@@ -15,6 +15,12 @@ layer's own aux_loss_coef stays 0, so nothing is counted twice. Costs one [S, H]
 per block beyond the fused layer.
 
 Every block is read (MoE.from_hf's refusals: shared experts, GPT-OSS, ...) before any is swapped.
+
+Saving. A ConvertedBlock's state_dict holds the family's own entries (layer.to_hf_state_dict:
+'gate.weight', 'experts.gate_up_proj', ...), not the layer's, so save_pretrained writes a
+checkpoint that plain transformers loads (it had written '...moe.gate_up_proj', which
+from_pretrained reported missing and initialised at random). load_state_dict takes either: family
+entries are read back through the original block's structure, kept on the meta device (no memory).
 """
 from __future__ import annotations
 
@@ -47,13 +53,18 @@ def router_logits_module(router: nn.Module) -> RouterLogits:
 
 
 class ConvertedBlock(nn.Module):
-    """A sparse MoE block computed by `moe`: hidden_states [B, T, H] -> [B, T, H], as the block."""
+    """A sparse MoE block computed by `moe`: hidden_states [B, T, H] -> [B, T, H], as the block.
+    `template` is the original block on the meta device (its structure, for loading the family's
+    entries); it is not a submodule."""
 
-    def __init__(self, moe: MoE, router_logits: RouterLogits, returns_pair: bool = False):
+    def __init__(self, moe: MoE, router_logits: RouterLogits, template: nn.Module, returns_pair: bool = False):
         super().__init__()
         self.moe = moe
         self.router_logits = router_logits
         self.returns_pair = returns_pair
+        self.__dict__["template"] = template
+        self._register_state_dict_hook(_family_entries)
+        self._register_load_state_dict_pre_hook(_layer_entries, with_module=True)
 
     def forward(self, hidden_states: torch.Tensor):
         self.router_logits(hidden_states, self.moe.gate_weight, self.moe.gate_bias)
@@ -61,6 +72,32 @@ class ConvertedBlock(nn.Module):
         # GPT-OSS's block returns (hidden_states, router_scores) and its decoder layer discards the
         # scores: the pair keeps that call site working (the scores are not computed again here)
         return (out, None) if self.returns_pair else out
+
+
+def _family_entries(module: "ConvertedBlock", state_dict: dict, prefix: str, local_metadata) -> None:
+    """state_dict hook: the layer's entries replaced by the family's (to_hf_state_dict)."""
+    for key in [k for k in state_dict if k.startswith(prefix + "moe.")]:
+        del state_dict[key]
+    for key, value in module.moe.to_hf_state_dict().items():
+        state_dict[prefix + key] = value
+
+
+def _layer_entries(module: "ConvertedBlock", state_dict: dict, prefix: str, *args) -> None:
+    """load_state_dict pre-hook: the family's entries under `prefix`, if any, read into the layer's
+    through the original block's structure (from_hf on the template, filled with them)."""
+    family = [k for k in state_dict if k.startswith(prefix) and not k.startswith((prefix + "moe.",
+                                                                                 prefix + "router_logits."))]
+    if not family:
+        return
+    block = module.template.to_empty(device=module.moe.gate_weight.device)
+    try:
+        # assign: the entries themselves, in their dtype (a family may keep its router in float32,
+        # and copying a float64 gate into that would round it)
+        block.load_state_dict({k[len(prefix):]: state_dict.pop(k) for k in family}, assign=True)
+        for key, value in MoE.from_hf(block).state_dict().items():
+            state_dict[prefix + "moe." + key] = value
+    finally:
+        block.to("meta")
 
 
 def _is_sparse_block(module: nn.Module) -> bool:
@@ -88,8 +125,8 @@ def convert(model: nn.Module) -> nn.Module:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         router = getattr(block, "gate", None) or getattr(block, "router")
-        layers.append(MoE.from_hf(block))
-        setattr(parent, child, ConvertedBlock(layers[-1], router_logits_module(router),
+        layers.append(MoE.from_hf(block))  # copies the block's weights
+        setattr(parent, child, ConvertedBlock(layers[-1], router_logits_module(router), block.to("meta"),
                                               returns_pair=type(block).__name__ == "GptOssMLP"))
     share_workspace(layers)  # one pool for all converted layers, as shardmoe.Transformer's
     return model

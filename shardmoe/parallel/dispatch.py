@@ -89,7 +89,8 @@ class DispatchPlan:
         )
 
 
-def plan_dispatch(x: torch.Tensor, routing: Routing, config, mesh) -> tuple[DispatchPlan, Routing]:
+def plan_dispatch(x: torch.Tensor, routing: Routing, config, mesh,
+                  correction_bias: torch.Tensor | None = None) -> tuple[DispatchPlan, Routing]:
     """Exchange counts over the mesh and apply the global capacity to this rank's dropless routing.
 
     x 'S H' are this rank's tokens; routing comes from route() without capacity. Returns the plan
@@ -99,6 +100,9 @@ def plan_dispatch(x: torch.Tensor, routing: Routing, config, mesh) -> tuple[Disp
     """
     num_tokens = routing.probs.shape[0]
     settings = consistency.layer_settings(config, mesh, x.dtype)
+    # the selection-only bias is replicated and moves every step: one that drifted apart on one rank
+    # (updated from its local load, or nudged) would route with other biases for the rest of the run
+    settings[CORRECTION_BIAS_CHECK] = 0 if correction_bias is None else consistency.checksum(correction_bias)
     # The t-peers' tokens and routing must agree; with tp = 1 there is nothing to compare.
     t_peers = mesh.size("t") > 1
     checksums = [consistency.checksum(x), consistency.checksum(routing.top_idx)] if t_peers else [0, 0]
@@ -117,6 +121,10 @@ def plan_dispatch(x: torch.Tensor, routing: Routing, config, mesh) -> tuple[Disp
                                          routing.selected_per_expert, plan.kept[plan.rank])
         routing = dataclasses.replace(routing, row_pair=row_pair, kept_per_expert=kept_here)
     return plan, routing
+
+
+CORRECTION_BIAS_CHECK = ("correction_bias (checksum of the buffer; update it on every rank from the same global "
+                         "load, MoE.update_correction_bias)")
 
 
 def plan_from_table(table: torch.Tensor, config, mesh) -> DispatchPlan:

@@ -108,7 +108,7 @@ class ExpertParallel:
         self.seconds = dict.fromkeys(PHASES, 0.0)
         clock = _Clock(self.seconds)
         routing = router.route(x, router_tensors, dropless=True)
-        plan, routing = plan_dispatch(x, routing, self.config, self.mesh)
+        plan, routing = plan_dispatch(x, routing, self.config, self.mesh, correction_bias=router_tensors[2])
         clock.lap("route")
         return routing, _Step(plan, plan.expert_major_order(), clock)
 

@@ -227,3 +227,31 @@ def test_to_hf_state_dict_refuses_routers_no_family_computes():
     deepseek = MoE(8, 4, 4, 2, score_func="sigmoid", correction_bias=True, n_group=2, topk_group=1,
                    routed_scaling_factor=2.5, renormalize_epsilon=1e-20, shared_ffn_size=4)
     assert "gate.e_score_correction_bias" in deepseek.to_hf_state_dict()
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "deepseek_v3", "gpt_oss"])
+def test_a_converted_model_saves_what_plain_transformers_loads(family, hf, tmp_path):
+    """save_pretrained of a converted model wrote '...moe.gate_up_proj' and the like, which
+    from_pretrained marked missing and initialised at random (issue 25, item 5): it now writes the
+    family's own entries, and a converted model loads either kind of state dict."""
+    from transformers import AutoModelForCausalLM
+
+    model = hf.convert(hf.small_model(family))
+    with torch.no_grad():  # "trained": away from the initial weights
+        for p in model.parameters():
+            p.add_(0.01 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel()), dtype=p.dtype))
+    expected = model(input_ids=IDS).logits
+    model.save_pretrained(tmp_path)
+    plain, info = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float64, output_loading_info=True,
+                                                       experts_implementation="eager")
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    saved, loaded = model.state_dict(), plain.state_dict()
+    assert saved.keys() == loaded.keys()
+    # every trained weight, bit for bit (DeepSeek-V3's correction bias is float32 in the layer, whatever its dtype)
+    assert all(torch.equal(saved[k].to(loaded[k].dtype), loaded[k]) for k in saved)
+    # the families' eager routers take their softmax in float32: outputs agree to that
+    assert hf.relative_error(plain(input_ids=IDS).logits, expected) < 1e-5
+    # and back: a fresh converted model loads the family's entries into its layers
+    again = hf.convert(hf.small_model(family, seed=7))
+    again.load_state_dict(saved)
+    torch.testing.assert_close(again(input_ids=IDS).logits, expected, rtol=0, atol=0)

@@ -108,6 +108,20 @@ def _router_biases_differ(name: str) -> str:
     return _error(lambda: _step(layer, torch.randn(5, H)))
 
 
+def _correction_bias_drifts(how: str) -> str:
+    """ep=2: the correction bias agrees at the first forward, then drifts apart on one rank (nudged,
+    or updated from each rank's local load instead of the global one); the next forward refuses."""
+    layer = _moe(Mesh(ep=2), correction_bias=True)
+    x = torch.randn(6, H, generator=torch.Generator().manual_seed(dist.get_rank()))
+    _step(layer, x)
+    if how == "nudged" and dist.get_rank() == 1:
+        with torch.no_grad():
+            layer.correction_bias[0] += 1e-3
+    if how == "local load":
+        layer.update_correction_bias(layer.stats["selected_per_expert"] + dist.get_rank() * torch.arange(E))
+    return _error(lambda: _step(layer, x))
+
+
 def _gate_seeded_per_rank() -> str:
     """ep=2: each rank seeds its layer with its own rank; the gates differ."""
     layer = _moe(Mesh(ep=2), seed=dist.get_rank())
@@ -154,6 +168,7 @@ def _agreement_world() -> dict:
     out["t tokens"] = _t_peers_get_different_tokens()
     out["t gates"] = _t_peers_gates_drift()
     out["gate per rank"] = _gate_seeded_per_rank()
+    out["correction bias drift"] = {how: _correction_bias_drifts(how) for how in ("nudged", "local load")}
     out["router biases"] = {name: _router_biases_differ(name) for name in ("gate_bias", "correction_bias",
                                                                            "shared_down_proj", "shared_gate_weight")}
     out["dense per rank"] = _replicas_differ_at_sync("proj.weight", dp=1, ep=2)
@@ -217,6 +232,15 @@ def test_replicated_parameters_that_differ_are_named(messages):
     modules = messages[0]["modules differ"]
     assert modules.startswith("the parameters of _Model differ across ranks"), modules
     assert "number of parameters: rank 0 has 5, rank 1 has 6" in modules, modules
+
+
+def test_a_correction_bias_that_drifts_apart_is_refused_at_the_next_forward(messages):
+    """It was never noticed: the ranks routed with different biases for the rest of the run."""
+    for how, text in messages[0]["correction bias drift"].items():
+        assert "correction_bias (checksum of the buffer; update it on every rank from the same global load" in text, \
+            (how, text)
+        assert "rank 0 has" in text and "rank 1 has" in text, text
+        assert messages[1]["correction bias drift"][how] == text
 
 
 def test_agreeing_ranks_with_a_zero_token_rank_still_train(messages):
