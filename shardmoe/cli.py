@@ -3,7 +3,9 @@
 Each subcommand lives in the module that owns its concept; that module exposes
 `add_arguments(parser)` and `run(args) -> int` (the exit code), and imports its
 heavy dependencies (matplotlib, transformers) inside `run`, so building the parser
-stays cheap.
+stays cheap. A module may also expose `check_arguments(args)`, run before `run`: it raises
+ValueError naming the option, the expected and the actual value, which is printed as one line
+`shardmoe COMMAND: message` with exit code 2, before any work (argparse's own refusals exit 2 too).
 """
 from __future__ import annotations
 
@@ -33,7 +35,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return int(importlib.import_module(args._module).run(args) or 0)
+    module = importlib.import_module(args._module)
+    check = getattr(module, "check_arguments", None)
+    if check is not None:
+        try:
+            check(args)
+        except ValueError as err:
+            print(f"shardmoe {args.command}: {err}", file=sys.stderr)
+            return 2
+    return int(module.run(args) or 0)
 
 
 if __name__ == "__main__":

@@ -88,6 +88,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     distributed.add_arguments(parser)
 
 
+def check_arguments(args: argparse.Namespace) -> None:
+    """Input errors that used to surface late or not at all: a size of 0 silently became the
+    default, a negative one failed deep in torch, and --json into a missing directory failed only
+    after the whole benchmark had run."""
+    from shardmoe.arguments import check_at_least
+
+    for name in ("tokens", "hidden", "ffn", "experts", "top_k"):
+        if getattr(args, name, None) is not None:
+            check_at_least("--" + name.replace("_", "-"), getattr(args, name), 1)
+    if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
+        raise ValueError(f"--json: expected a file in an existing directory, got {args.json!r}")
+
+
 def _distributed_requested(args: argparse.Namespace) -> bool:
     return getattr(args, "mesh", None) is not None or int(os.environ.get("WORLD_SIZE", "1")) > 1
 
@@ -167,5 +180,11 @@ def run(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="shardmoe bench", description=__doc__.splitlines()[0])
     add_arguments(parser)
-    return run(parser.parse_args(argv))
+    args = parser.parse_args(argv)
+    try:
+        check_arguments(args)
+    except ValueError as err:  # as the shardmoe command line reports it (cli.py)
+        print(f"shardmoe bench: {err}", file=sys.stderr)
+        return 2
+    return run(args)
 

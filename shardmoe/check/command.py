@@ -113,6 +113,21 @@ def single_threaded():
         torch.set_num_threads(threads)
 
 
+def check_arguments(args: argparse.Namespace) -> None:
+    """--device must name a device torch has here: a missing one made every check fail, which read as
+    a numerical failure."""
+    import torch
+
+    try:
+        device = torch.device(args.device)
+    except RuntimeError:
+        raise ValueError(f"--device: expected a torch device (cpu, cuda, cuda:0, ...), got {args.device!r}") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device: expected a device this machine has, got {args.device!r} (no CUDA device)")
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"--device: expected cpu or cuda, got {args.device!r}")
+
+
 def run(args: argparse.Namespace) -> int:
     with single_threaded():
         return _run_sections(args)

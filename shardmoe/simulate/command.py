@@ -114,6 +114,23 @@ def run_calibration() -> int:
     return 0
 
 
+def check_arguments(args) -> None:
+    """Every input error before any work: presets and overrides, GPU counts, routing, --out."""
+    from shardmoe.arguments import check_out_dir
+
+    from .routing import popularity
+    from .sweep import layout
+
+    counts = parse_gpus(args.gpus)
+    if args.calibrate:
+        return
+    hardware, shape = resolve(args.hardware, args.preset, args.config, args.set)
+    for gpus in counts:
+        layout(gpus, shape, hardware)
+    popularity(args.routing, shape.num_experts)
+    check_out_dir("--out", args.out)
+
+
 def run(args) -> int:
     if args.calibrate:
         return run_calibration()

@@ -40,6 +40,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     run.add_argument("--gate-dependency", choices=GATE_DEPENDENCIES, default="token")
 
 
+def check_arguments(args: argparse.Namespace) -> None:
+    """Every input error before any work: the layer's options (MoEConfig's checks), the schedule's
+    sizes, --out."""
+    from shardmoe.arguments import check_at_least, check_out_dir
+    from shardmoe.moe.config import MoEConfig
+
+    MoEConfig(args.hidden, args.ffn, args.experts, args.top_k, expert=args.expert, activation=args.activation,
+              output_activation=args.output_activation, bias=args.bias, capacity_factor=args.capacity_factor,
+              aux_loss_coef=args.aux_loss_coef, z_loss_coef=args.z_loss_coef)
+    check_at_least("--tokens", args.tokens, 0)
+    for option in ("peers", "ranks_per_node", "processors", "block_m", "block_n"):
+        check_at_least("--" + option.replace("_", "-"), getattr(args, option), 1)
+    check_out_dir("--out", args.out)
+
+
 def run(args: argparse.Namespace) -> int:
     import torch
 

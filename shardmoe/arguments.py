@@ -1,0 +1,22 @@
+"""Checks of command-line arguments that several subcommands share (cli.py runs a command's
+check_arguments before its work; a ValueError becomes one line and exit code 2)."""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+
+def check_out_dir(option: str, path) -> None:
+    """Raise ValueError unless directory `path` exists or can be made (it is made here, before the
+    work whose results go there)."""
+    try:
+        Path(path).mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise ValueError(f"{option}: expected a directory that exists or can be made, got {str(path)!r} "
+                         f"({err.strerror})") from None
+
+
+def check_at_least(option: str, value, low) -> None:
+    """Raise ValueError unless value is a finite number >= low."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < low:
+        raise ValueError(f"{option}: expected a number >= {low}, got {value!r}")
