@@ -126,8 +126,9 @@ def check_t_peers(table: torch.Tensor, mesh) -> None:
                 "(d, e) must get the same rows (split the data by mesh.coord(('d', 'e')), not by the global rank)")
         if bool((rows[:, 2:] != rows[0, 2:]).any()):  # same tokens, other choices
             raise RankMismatchError(
-                f"the ranks along mesh axis 't' route the same tokens differently on {where}: their gate_weight "
-                "differs (it must be replicated on every rank: build the layer from the same seed everywhere)")
+                f"the ranks along mesh axis 't' route the same tokens differently on {where}: their router differs "
+                "(gate_weight or gate_bias; the correction bias is compared before this): it must be replicated on "
+                "every rank: build the layer from the same seed everywhere and step every rank's optimizer alike")
 
 
 def check_replicas(named: list[tuple[str, tuple[str, ...]]], table: torch.Tensor, mesh, what: str) -> None:
