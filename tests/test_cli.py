@@ -32,6 +32,7 @@ CASES = [
     (["bench", "--experts", "0"], "--experts: expected a number >= 1, got 0"),
     (["bench", "--hf", "mixtral", "--tokens", "-5"], "--tokens: expected a number >= 1, got -5"),
     (["bench", "--json", "/nonexistent/dir/x.json"], "--json: expected a file in an existing directory"),
+    (["bench", "--mesh", "d=3"], "--mesh d=3: expected a mesh of the world size 1, got 3 rank(s): launch with torchrun"),
     (["train", "--resume", "--overwrite"], "--resume and --overwrite: expected at most one"),
 ]
 if not torch.cuda.is_available():

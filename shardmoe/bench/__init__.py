@@ -99,6 +99,14 @@ def check_arguments(args: argparse.Namespace) -> None:
             check_at_least("--" + name.replace("_", "-"), getattr(args, name), 1)
     if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
         raise ValueError(f"--json: expected a file in an existing directory, got {args.json!r}")
+    if getattr(args, "mesh", None) is not None:  # a rank traceback from Mesh() without torchrun
+        from shardmoe.mesh import parse_mesh
+
+        sizes = parse_mesh(args.mesh)
+        ranks, world = sizes["d"] * sizes["e"] * sizes["t"], int(os.environ.get("WORLD_SIZE", "1"))
+        if ranks != world:
+            raise ValueError(f"--mesh {args.mesh}: expected a mesh of the world size {world}, got {ranks} rank(s): "
+                             f"launch with torchrun --nproc-per-node {ranks} -m shardmoe bench --mesh {args.mesh}")
 
 
 def _distributed_requested(args: argparse.Namespace) -> bool:

@@ -69,6 +69,27 @@ def resolve_config(args: argparse.Namespace) -> TrainConfig:
     return config.replace(**overrides) if overrides else config
 
 
+def check_memory(config: TrainConfig) -> None:
+    """Raise ValueError when the model cannot fit in this machine's memory: its parameters, their
+    gradients and AdamW's two moments, each element stored once however the mesh shards it (a lower
+    bound of a step's need; activations come on top). The model is built on the meta device to
+    count them, so nothing is allocated (model.vocab_size 1e8 was an out-of-memory traceback)."""
+    import torch
+
+    from shardmoe.model.transformer import Transformer
+
+    dtype = getattr(torch, config.dtype)
+    with torch.device("meta"):
+        model = Transformer(config.model, mesh=None, dtype=dtype, seed=config.seed)
+    params = sum(p.numel() for p in model.parameters())
+    need = params * 4 * torch.empty((), dtype=dtype).element_size()  # weights, gradients, two moments
+    have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if need > have:
+        raise ValueError(f"model: expected a model that fits in this machine's {have / 2**30:.1f} GiB, got "
+                         f"{params:,} parameters needing at least {need / 2**30:.1f} GiB for weights, gradients and "
+                         f"AdamW's two moments in {config.dtype}")
+
+
 def validate_setup(config: TrainConfig, sizes: dict[str, int], world_size: int, out_dir: str, resume: bool,
                    overwrite: bool = False) -> None:
     """Every check that needs no process group; raises ValueError with one clear message."""
@@ -85,6 +106,7 @@ def validate_setup(config: TrainConfig, sizes: dict[str, int], world_size: int, 
         raise ValueError(f"batch_size: expected a multiple of d*e = {token_shards} (rows are split over d and e), "
                          f"got {config.batch_size}")
     build_streams(config)  # a missing or too small corpus
+    check_memory(config)
     if resume:
         check_unclaimed(out_dir)  # a run writing out_dir may be replacing its checkpoint right now
         check_resumable(checkpoint_path(out_dir), config.resume_identity())

@@ -62,6 +62,9 @@ def split_documents(documents: list[str], val_fraction: float = 0.05,
     if not 0 < val_fraction < 1:
         raise ValueError(f"val_fraction: expected a number in (0, 1), got {val_fraction!r}")
     n_val = max(1, round(val_fraction * len(documents)))
+    if n_val >= len(documents):  # nothing left to train on: it crashed at step 1, after the run began
+        raise ValueError(f"val_fraction: expected a fraction that leaves documents to train on, got {val_fraction!r}: "
+                         f"it holds out {n_val} of the corpus's {len(documents)} documents")
     held_out = set(random.Random(f"split:{seed}").sample(range(len(documents)), n_val))
     train = [d for i, d in enumerate(documents) if i not in held_out]
     val = [d for i, d in enumerate(documents) if i in held_out]

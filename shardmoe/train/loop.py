@@ -66,8 +66,11 @@ def load_documents(config: TrainConfig) -> list[str]:
     if config.corpus is None:
         return load_corpus()
     path = Path(config.corpus)
-    if not path.is_file():
+    if not path.exists():
         raise ValueError(f"corpus: no such file {str(path)!r}")
+    if not path.is_file():  # /dev/null, a directory: it said "no such file"
+        raise ValueError(f"corpus: expected a regular text file, got {str(path)!r} (a "
+                         f"{'directory' if path.is_dir() else 'device or other special file'})")
     documents = [d for d in path.read_text(encoding="utf-8").split("\n\n") if d.strip()]
     if len(documents) < 2:
         raise ValueError(f"corpus: {path} holds {len(documents)} document(s); expected at least 2 "

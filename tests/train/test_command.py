@@ -51,11 +51,16 @@ def test_tiny_run_writes_metrics_curve_checkpoint_and_samples(tmp_path, capsys, 
     ({}, "e=3", "num_experts: expected a multiple of 3"),
     ({"model": {"vocab_size": 257}}, "t=2", "vocab_size: expected a multiple of 2"),
     ({"corpus": "/nonexistent/corpus.txt"}, "", "corpus: no such file"),
+    ({"corpus": "/dev/null"}, "", "corpus: expected a regular text file, got '/dev/null' (a device or other special"),
+    ({"corpus": "/tmp"}, "", "corpus: expected a regular text file, got '/tmp' (a directory)"),
     ({"batch_size": 6}, "d=4", "batch_size: expected a multiple of d*e = 4"),
     ({}, "d=2,e=2", "needs 4 rank(s), but the world size is 1"),
     ({}, "x=2", "--mesh: expected"),
     ({}, "d=2,d=1", "--mesh: expected each axis at most once, got axis 'd' twice"),
     ({"model": {"vocab_size": 100}}, "", "model.vocab_size: expected at least the byte tokenizer's 257 ids"),
+    # issue 25, item 6: these crashed after the run had begun (step 1; an out-of-memory traceback)
+    ({"val_fraction": 0.999}, "", "val_fraction: expected a fraction that leaves documents to train on"),
+    ({"model": {"vocab_size": 10 ** 12}}, "", "model: expected a model that fits in this machine's"),
 ])
 def test_bad_input_stops_with_one_message_before_any_process_group(tmp_path, capsys, changes, mesh, message):
     config = tiny_train_config().to_dict()

@@ -41,6 +41,15 @@ def test_split_is_disjoint_complete_and_seeded():
     assert split_documents(docs, 0.05, seed=1)[1] != val
 
 
+def test_a_split_that_leaves_nothing_to_train_on_is_refused():
+    """val_fraction 0.999 passed the config checks and crashed at step 1 (torch.cat of no rows),
+    leaving an empty metrics.jsonl that blocked a rerun."""
+    docs = load_corpus()
+    with pytest.raises(ValueError, match=r"val_fraction: expected a fraction that leaves documents to train on, got "
+                                         r"0.999: it holds out 108 of the corpus's 108 documents"):
+        split_documents(docs, val_fraction=0.999)
+
+
 def stream_of(documents, order):
     return torch.cat([torch.cat([torch.tensor([BOS]), encode(documents[i])]) for i in order])
 
