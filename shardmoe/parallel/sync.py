@@ -30,6 +30,7 @@ import torch
 from shardmoe import shardops
 from shardmoe.mesh import EXPERT, GRAD_SYNC_ATTRIBUTE, REPLICATED, mark_grad_sync  # noqa: F401  (this module's API)
 from shardmoe.parallel import consistency
+from shardmoe.parallel.exchange import ExchangeError
 
 _REPLICAS_CHECKED: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
 
@@ -56,7 +57,11 @@ def sync_grads(module: torch.nn.Module, mesh) -> None:
     # Every rank builds the buckets in the same order: module.parameters() order, first use of a key.
     for (axes, _, _), params in buckets.items():
         flat = torch.cat([p.grad.reshape(-1) for p in params])
-        total = shardops.psum("N -> N", flat, mesh, axes=axes)
+        try:
+            total = shardops.psum("N -> N", flat, mesh, axes=axes)
+        except RuntimeError as err:  # a raw gloo error otherwise, as the exchanges report it
+            raise ExchangeError(f"sync_grads over mesh axes {axes} failed on rank {mesh.rank}: a peer failed, hung "
+                                f"or left; cause: {err}") from err
         for p, part in zip(params, total.split([p.numel() for p in params])):
             p.grad.copy_(part.view_as(p.grad))
 

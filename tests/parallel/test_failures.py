@@ -95,3 +95,29 @@ def test_a_peer_that_raised_or_exited_is_noticed_within_seconds():
         assert seen[how]["seconds"] < DETECT_S, seen[how]
         assert re.search(rf"shared-memory exchange \d+: rank 0 waited [\d.]+ s for rank 1 to send its rows, but rank 1 "
                          f"{reason}", seen[how]["message"]), seen[how]["message"]
+
+
+# -- a peer that dies inside sync_grads -------------------------------------------------------------
+
+def _exit_before_the_second_sync_on_rank_one() -> None:
+    """Remote topology, ep=2: one good step and sync (its replica check included), then rank 1 exits
+    where its next sync_grads would run."""
+    from shardmoe.parallel import sync_grads
+
+    mesh = Mesh(ep=2, ranks_per_node=1)
+    torch.manual_seed(0)
+    layer = shardmoe.MoE(8, 4, 4, 2, mesh=mesh)
+    for step in range(2):
+        layer(torch.randn(6, 8)).sum().backward()
+        if step == 1 and dist.get_rank() == 1:
+            os._exit(3)
+        sync_grads(layer, mesh)
+
+
+def test_a_peer_that_dies_inside_sync_grads_gives_an_exchange_error():
+    """It surfaced as gloo's own RuntimeError ('Connection closed by peer'), unlike every exchange."""
+    with pytest.raises(RankFailed) as info:
+        run_distributed(_exit_before_the_second_sync_on_rank_one, 2, timeout=60, collective_timeout=10,
+                        report_grace=30)
+    assert re.search(r"ExchangeError: sync_grads over mesh axes \('e',\) failed on rank 0: a peer failed, hung or "
+                     r"left", str(info.value)), str(info.value)
