@@ -42,7 +42,7 @@ from shardmoe.moe.activations import ClampedSwiGLU
 from shardmoe.moe.config import MoEConfig
 from shardmoe.moe import ops
 from shardmoe.moe.dispatch import LOCAL
-from shardmoe.moe.function import MoECall
+from shardmoe.moe.function import MoECall, param_names
 from shardmoe.moe.hf_blocks import MIXTRAL_ACTIVATIONS, family_name
 from shardmoe.moe.routing import GivenRouting
 from shardmoe.moe.workspace import Workspace
@@ -146,7 +146,6 @@ def layer_config(layout: ExpertsLayout, hidden_size: int, ffn_size: int, num_exp
     """The MoEConfig of an experts module's computation: its expert kind, activation and biases; the
     routing is given, so the router options are MoEConfig's defaults (none of them is read)."""
     activation = layout.activation
-    options = {}
     if isinstance(activation, ClampedSwiGLU):
         options = dict(activation="clamped_swiglu", swiglu_limit=activation.limit, swiglu_alpha=activation.alpha)
     else:
@@ -171,18 +170,15 @@ class SeamOwner:
 
     def moe_call(self, x: torch.Tensor, inputs: tuple) -> MoECall:
         top_k_index, top_k_weights, *weights = inputs
-        stage = dict(zip(expert_param_names_of(self.layout), weights))
+        stage = dict(zip(operator_param_names(self.layout), weights))
         num_experts, ffn = stage[self.layout.stage_names[2]].shape[0], stage[self.layout.stage_names[2]].shape[-1]
         config = layer_config(self.layout, x.shape[-1], ffn, num_experts, top_k_index.shape[1])
         return MoECall(config, GivenRouting(num_experts), LOCAL, self.workspace)
 
 
-def expert_param_names_of(layout: ExpertsLayout) -> tuple[str, ...]:
-    """The expert params the operators take for this layout, in their order (the glu biases only
-    when the module has them)."""
-    if layout.expert == "glu" and layout.names[1] is None:
-        return ("gate_up_proj", "down_proj")
-    return layout.stage_names
+def operator_param_names(layout: ExpertsLayout) -> tuple[str, ...]:
+    """The expert params the MoE operators take for this layout, in their order."""
+    return param_names(layout.expert, layout.names[1] is not None)
 
 
 def _model_workspace(experts) -> Workspace:
@@ -236,5 +232,5 @@ def experts_forward(experts, hidden_states: torch.Tensor, top_k_index: torch.Ten
                          f"(hidden_states' tokens), got {list(top_k_index.shape)}, {list(top_k_weights.shape)}")
     stage = dict(zip(layout.stage_names, stage_parameters(layout, tensors)))
     out, _ = ops.fused_moe(handle, hidden_states, top_k_index, top_k_weights,
-                           *(stage[n] for n in expert_param_names_of(layout)))
+                           *(stage[n] for n in operator_param_names(layout)))
     return out

@@ -151,11 +151,17 @@ class MoEConfig:
             return ClampedSwiGLU(float(self.swiglu_limit), float(self.swiglu_alpha))
         return self.activation
 
+    @property
+    def can_drop(self) -> bool:
+        """Whether a capacity may drop a pair: an expert receives at most S pairs (a token picks k
+        distinct experts), so a factor with cf * k >= E keeps every one (decided without S: the
+        product S / E * cf * k overflows to inf for a huge finite factor)."""
+        return self.capacity_factor is not None and self.capacity_factor * self.top_k < self.num_experts
+
     def capacity(self, num_tokens: int) -> int | None:
         """Expert capacity EC for S tokens, or None when dropless."""
         if self.capacity_factor is None:
             return None
-        # Decided before the product: S / E * factor * k overflows to inf for a huge finite factor.
-        if self.capacity_factor * self.top_k >= self.num_experts:
+        if not self.can_drop:
             return num_tokens
         return math.ceil(num_tokens / self.num_experts * self.capacity_factor * self.top_k)

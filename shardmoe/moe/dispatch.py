@@ -64,9 +64,9 @@ class Dispatcher(Protocol):
                  routing: Routing, state, saved: tuple, params: dict) -> tuple[torch.Tensor, torch.Tensor, dict]:
         """(dx [S, H] acc dtype from stages 1-5, dw [N] of the pairs routing.row_pair lists, gradients)."""
 
-    def fake_forward(self, config: MoEConfig, x: torch.Tensor, routing: Routing, dynamic) -> tuple[torch.Tensor, tuple]:
+    def fake_forward(self, config: MoEConfig, x: torch.Tensor, routing: Routing) -> tuple[torch.Tensor, tuple]:
         """forward()'s outputs as uninitialised tensors of their shapes, for `routing`'s N rows
-        (torch.compile's fake tensors; `dynamic()` makes a data-dependent size)."""
+        (torch.compile's fake tensors)."""
 
     def loss_scope(self, routing: Routing, state) -> tuple[Routing, int | None, int | None]:
         """(routing with the selection counts the balance losses use, their S, their Q): None for
@@ -136,7 +136,7 @@ class LocalDispatcher:
             saved, params, groups)
         return backend.grad_input_combine(grad_xs, routing.row_pair, x.shape[0], config.top_k), grad_dots, grads
 
-    def fake_forward(self, config, x, routing, dynamic):
+    def fake_forward(self, config, x, routing):
         return x.new_empty(x.shape, dtype=accumulation_dtype(x.dtype)), expert_saved_like(config, x, routing.row_pair.shape[0])
 
     def loss_scope(self, routing, state):

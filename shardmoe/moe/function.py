@@ -49,10 +49,15 @@ from shardmoe.rows import accumulation_dtype
 
 
 def expert_param_names(config: MoEConfig) -> tuple[str, ...]:
-    """Names of the expert parameters, in the order the MoE operators take them (the glu biases only
-    with config.bias; the "mlp" b1, b2 always, None without bias)."""
-    if config.expert == "glu":
-        return ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias") if config.bias \
+    """Names of the expert parameters, in the order the MoE operators take them."""
+    return param_names(config.expert, config.bias)
+
+
+def param_names(expert: str, bias: bool) -> tuple[str, ...]:
+    """The expert parameters of a kind, in the MoE operators' order: the glu biases only with bias;
+    the "mlp" b1, b2 always (None without bias)."""
+    if expert == "glu":
+        return ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias") if bias \
             else ("gate_up_proj", "down_proj")
     return ("w1", "b1", "w2", "b2")
 
@@ -206,11 +211,10 @@ def moe_fake_forward(call: MoECall, x: torch.Tensor, tensors, dynamic) -> tuple[
     data-dependent size (`dynamic()`) with them."""
     config = call.config
     router_tensors, _, shared = split_inputs(call, tensors)
-    S, k, acc = x.shape[0], config.top_k, accumulation_dtype(x.dtype)
-    cf = config.capacity_factor
-    num_rows = S * k if cf is None or cf * k >= config.num_experts else dynamic()  # see MoEConfig.capacity
-    routing = call.router.fake_routing(x, router_tensors, num_rows, dynamic)
-    _, dispatched = call.dispatcher.fake_forward(config, x, routing, dynamic)
+    S, acc = x.shape[0], accumulation_dtype(x.dtype)
+    num_rows = dynamic() if config.can_drop else S * config.top_k
+    routing = call.router.fake_routing(x, router_tensors, num_rows)
+    _, dispatched = call.dispatcher.fake_forward(config, x, routing)
     shared_saved = ()
     if shared:
         shared_saved = (x.new_empty(S, shared["shared_down_proj"].shape[1] * 2), x.new_empty(S, dtype=acc))

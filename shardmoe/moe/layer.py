@@ -113,8 +113,6 @@ class MoE(nn.Module):
         self.stats: dict = {}
         # the large row buffers of forward and backward, reused across steps (single process)
         self.workspace = Workspace()
-        # how tokens reach the experts: all local, or exchanged along 'e' (moe/dispatch.py)
-        self.dispatcher = self.placement.dispatcher
         self._moe_handle = ops.register(self)  # the int the MoE operators name this layer by
 
     @property
@@ -189,6 +187,11 @@ class MoE(nn.Module):
                                   token_sequence, *self.expert_parameters())
         self.aux_loss = loss
         return out.view(x.shape)
+
+    @property
+    def dispatcher(self):
+        """How tokens reach the experts: all local, or exchanged along 'e' (moe/dispatch.py)."""
+        return self.placement.dispatcher
 
     def moe_call(self, x: torch.Tensor, inputs: tuple) -> MoECall:
         """What the MoE operators (moe/ops.py) run this layer's forward and backward with: its config,

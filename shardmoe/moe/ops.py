@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import itertools
 import weakref
+
 import torch
 
 from shardmoe.moe.function import Made, MoECall, moe_backward, moe_fake_forward, moe_forward, not_twice_differentiable
@@ -69,8 +70,9 @@ def fused_moe(handle: int, x: torch.Tensor, *inputs) -> tuple[torch.Tensor, torc
 
 def _fresh(made, inputs) -> list[torch.Tensor]:
     """The made tensors, contiguous, each cloned where it shares memory with an input or an earlier
-    one (an operator's outputs may alias neither; only small routing tensors ever do: a given
-    routing's top_k_weights, weights equal to their scores without renormalisation)."""
+    one (an operator's outputs may alias neither). Routing fields that are inputs are left out
+    before this (router.routing_inputs); what still aliases is small: combine weights that are
+    their scores (no renormalisation, no scaling) share one [S, k] tensor."""
     seen_ids, seen_ptrs = set(), set()
     for t in inputs:
         if t is not None:

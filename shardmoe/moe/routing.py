@@ -286,12 +286,12 @@ class GateRouter:
     def loss(self, routing: Routing, num_tokens: int | None, num_sequences: int | None) -> torch.Tensor:
         return balance_loss(routing, self.config, num_tokens, num_sequences)
 
-    def fake_routing(self, x: torch.Tensor, tensors: tuple, num_rows, dynamic) -> Routing:
+    def fake_routing(self, x: torch.Tensor, tensors: tuple, num_rows) -> Routing:
         """A Routing of uninitialised tensors of route()'s shapes and dtypes, for N = num_rows kept
-        pairs (torch.compile's fake tensors; `dynamic()` makes a data-dependent size)."""
+        pairs (torch.compile's fake tensors). The per-sequence counts are left empty: they are
+        recounted in backward, not saved (function.Made)."""
         c, acc = self.config, accumulation_dtype(x.dtype)
         S, E, k = x.shape[0], c.num_experts, c.top_k
-        Q = 0  # the per-sequence counts are recounted in backward, not saved (function.Made)
         ints = dict(dtype=torch.int64, device=x.device)
         return Routing(probs=x.new_empty(S, E, dtype=acc), logsumexp=x.new_empty(S, dtype=acc),
                        top_idx=x.new_empty(S, k, **ints), top_prob=x.new_empty(S, k, dtype=acc),
@@ -299,7 +299,7 @@ class GateRouter:
                        kept_per_expert=x.new_empty(E, **ints), row_pair=x.new_empty(num_rows, **ints),
                        z_probs=x.new_empty(S, E if c.score_func == "sigmoid" and c.z_loss_coef else 0, dtype=acc),
                        token_sequence=x.new_empty(S, **ints) if c.seq_aux_loss_coef else x.new_empty(S, 0, **ints),
-                       sequence_selected=x.new_empty(Q, E, **ints), sequence_tokens=x.new_empty(Q, **ints))
+                       sequence_selected=x.new_empty(0, E, **ints), sequence_tokens=x.new_empty(0, **ints))
 
     def backward(self, x: torch.Tensor, tensors: tuple, routing: Routing, grad_weight: torch.Tensor,
                  grad_loss: torch.Tensor | None, num_tokens: int | None, num_sequences: int | None):
@@ -349,7 +349,7 @@ class GivenRouting:
     def loss(self, routing: Routing, num_tokens: int | None, num_sequences: int | None) -> torch.Tensor:
         return routing.probs.new_zeros(())
 
-    def fake_routing(self, x: torch.Tensor, tensors: tuple, num_rows, dynamic) -> Routing:
+    def fake_routing(self, x: torch.Tensor, tensors: tuple, num_rows) -> Routing:
         top_k_index, top_k_weights = tensors
         S, E, acc = x.shape[0], self.num_experts, accumulation_dtype(x.dtype)
         ints = dict(dtype=torch.int64, device=x.device)

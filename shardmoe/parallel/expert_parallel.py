@@ -152,7 +152,7 @@ class ExpertParallel:
         clock.lap("combine")
         return grad_x, grad_dots, grads
 
-    def fake_forward(self, config, x, routing, dynamic):
+    def fake_forward(self, config, x, routing):
         raise NotImplementedError("torch.compile of an expert-parallel MoE layer (a mesh of more than one rank) is not "
                                   "supported yet: compile the model around it, or run the layer eagerly")
 

@@ -51,7 +51,7 @@ def test_compiled_layer_equals_eager_without_graph_breaks(name):
     torch.testing.assert_close(got[1], expected[1], rtol=0, atol=0)
     assert got[2].keys() == expected[2].keys()
     for key, grad in expected[2].items():
-        torch.testing.assert_close(got[2][key], grad, rtol=1e-6, atol=1e-7, msg=key)
+        torch.testing.assert_close(got[2][key], grad, rtol=0, atol=0, msg=key)
 
 
 def test_inductor_compiles_a_layer_in_a_model_and_stats_stay_current():

@@ -593,4 +593,4 @@ def test_compiling_an_expert_parallel_layer_is_refused_by_name():
     from shardmoe.parallel.expert_parallel import ExpertParallel
 
     with pytest.raises(NotImplementedError, match="torch.compile of an expert-parallel MoE layer"):
-        ExpertParallel.fake_forward(None, None, None, None, None)
+        ExpertParallel.fake_forward(None, None, None, None)
