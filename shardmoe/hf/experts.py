@@ -40,7 +40,7 @@ import torch
 
 from shardmoe.moe.activations import ClampedSwiGLU
 from shardmoe.moe.config import MoEConfig
-from shardmoe.moe import ops
+from shardmoe.moe import ops, precision
 from shardmoe.moe.dispatch import LOCAL
 from shardmoe.moe.function import MoECall, param_names
 from shardmoe.moe.hf_blocks import MIXTRAL_ACTIVATIONS, family_name
@@ -224,8 +224,11 @@ def experts_forward(experts, hidden_states: torch.Tensor, top_k_index: torch.Ten
     layout = experts._shardmoe_owner.layout
     tensors = [None if n is None else getattr(experts, n) for n in layout.names]
     dtype = tensors[0].dtype
-    if hidden_states.dtype != dtype:
+    # under torch.autocast the experts compute in its dtype, the parameters' gradients land in theirs
+    autocast = precision.autocast_dtype(hidden_states, dtype)
+    if autocast is None and hidden_states.dtype != dtype:
         raise ValueError(f"hidden_states: expected dtype {dtype} (the experts' parameters), got {hidden_states.dtype}")
+    hidden_states, *tensors = precision.cast((hidden_states, *tensors), autocast)
     if top_k_index.dim() != 2 or top_k_index.shape[0] != hidden_states.shape[0] \
             or tuple(top_k_weights.shape) != tuple(top_k_index.shape):
         raise ValueError(f"top_k_index, top_k_weights: expected shapes [S, k] with S={hidden_states.shape[0]} "

@@ -38,7 +38,7 @@ from torch import Tensor, nn
 
 from shardmoe.shardops import all_gather, einsum_unreduced, psum_scatter
 
-from .residuals import autograd_grads, check_backward_mode, compute_dtype, load_residuals, save_residuals
+from .residuals import autograd_grads, check_backward_mode, compute_dtype, forward_autocast, load_residuals, save_residuals
 from .rope import RopeResiduals, RopeTable, rope_backward, rope_forward
 from .segments import attention_mask
 from .sharding import leave_partial, local_shape
@@ -145,7 +145,8 @@ class AttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        grad_nx, grads = attention_backward(load_residuals(ctx), grad_out)
+        with forward_autocast(ctx):
+            grad_nx, grads = attention_backward(load_residuals(ctx), grad_out)
         return autograd_grads("AttentionFunction.backward", grad_nx, *grads, None, None, None, None)
 
 

@@ -20,7 +20,7 @@ from torch import Tensor, nn
 
 from shardmoe.shardops import all_gather, psum_scatter, unreduced
 
-from .residuals import autograd_grads, check_backward_mode, compute_dtype, load_residuals, save_residuals
+from .residuals import autograd_grads, check_backward_mode, compute_dtype, forward_autocast, load_residuals, save_residuals
 from .sharding import coord, local_shape
 
 WEIGHT_SPEC = "V/t M/d"
@@ -86,7 +86,8 @@ class EmbeddingFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_x: Tensor):
-        _, grads = embedding_backward(load_residuals(ctx), grad_x)
+        with forward_autocast(ctx):
+            _, grads = embedding_backward(load_residuals(ctx), grad_x)
         return autograd_grads("EmbeddingFunction.backward", None, grads.weight, None)
 
 

@@ -3,7 +3,9 @@
 Every layer returns its residuals (what its backward needs) as a NamedTuple. Inside an
 autograd.Function the tensor fields go through ctx.save_for_backward, so autograd's checks
 for in-place modification of saved tensors still apply; the other fields (eps, scale, ...)
-ride on ctx as plain attributes.
+ride on ctx as plain attributes, and so does the forward's autocast state, which the backward
+runs under again (forward_autocast): under torch.autocast the forward's GEMMs ran in its dtype
+and saved such tensors, so the backward's GEMMs need the same casts (as torch.amp.custom_bwd).
 """
 from __future__ import annotations
 
@@ -33,6 +35,9 @@ def save_residuals(ctx, residuals: NamedTuple) -> None:
     fields = list(residuals)
     tensor_slots = [i for i, v in enumerate(fields) if isinstance(v, torch.Tensor)]
     ctx.save_for_backward(*(fields[i] for i in tensor_slots))
+    device = fields[tensor_slots[0]].device.type if tensor_slots else "cpu"
+    autocast = torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device)
+    ctx.autocast = (device, autocast, torch.get_autocast_dtype(device) if autocast else None)
     ctx.residual_type = type(residuals)
     ctx.tensor_slots = tensor_slots
     ctx.other_fields = [None if i in tensor_slots else v for i, v in enumerate(fields)]
@@ -47,6 +52,12 @@ def autograd_grads(function: str, *grads):
             raise UnreducedError(f"{function} returns gradient {i} as {grad!r}: reduce it with psum or "
                                  "psum_scatter first")
     return grads
+
+
+def forward_autocast(ctx) -> torch.autocast:
+    """The autocast state the forward ran under (save_residuals), for the backward to run under."""
+    device, enabled, dtype = ctx.autocast
+    return torch.autocast(device, dtype=dtype, enabled=enabled)
 
 
 def load_residuals(ctx) -> NamedTuple:

@@ -24,7 +24,7 @@ from torch import Tensor, nn
 
 from shardmoe.shardops import all_gather, einsum_unreduced, psum_scatter, unreduced
 
-from .residuals import autograd_grads, check_backward_mode, compute_dtype, load_residuals, save_residuals
+from .residuals import autograd_grads, check_backward_mode, compute_dtype, forward_autocast, load_residuals, save_residuals
 from .sharding import local_shape
 
 WEIGHT_SPEC = "M/t/d"
@@ -79,7 +79,8 @@ class RMSNormFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_y: Tensor):
-        grad_x, grads = rms_norm_backward(load_residuals(ctx), grad_y)
+        with forward_autocast(ctx):
+            grad_x, grads = rms_norm_backward(load_residuals(ctx), grad_y)
         return autograd_grads("RMSNormFunction.backward", grad_x, grads.weight, None, None)
 
 

@@ -15,7 +15,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from .residuals import check_backward_mode, load_residuals, save_residuals
+from .residuals import check_backward_mode, forward_autocast, load_residuals, save_residuals
 
 
 class RopeTable(NamedTuple):
@@ -71,7 +71,8 @@ class RopeFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_y: Tensor):
-        grad_x, _ = rope_backward(load_residuals(ctx), grad_y)
+        with forward_autocast(ctx):
+            grad_x, _ = rope_backward(load_residuals(ctx), grad_y)
         return grad_x, None, None
 
 

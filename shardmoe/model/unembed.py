@@ -28,7 +28,7 @@ from torch import Tensor, nn
 from .embedding import WEIGHT_SPEC, vocab_block_ids, vocab_table
 from shardmoe.shardops import all_gather, einsum_unreduced, psum, psum_scatter, unreduced
 
-from .residuals import autograd_grads, check_backward_mode, compute_dtype, load_residuals, save_residuals
+from .residuals import autograd_grads, check_backward_mode, compute_dtype, forward_autocast, load_residuals, save_residuals
 from .sharding import leave_partial, pmax, size
 
 
@@ -97,7 +97,8 @@ class CrossEntropyFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss: Tensor):
-        grad_x, grads = cross_entropy_backward(load_residuals(ctx), grad_loss)
+        with forward_autocast(ctx):
+            grad_x, grads = cross_entropy_backward(load_residuals(ctx), grad_loss)
         return autograd_grads("CrossEntropyFunction.backward", grad_x, grads.weight, None, None, None)
 
 

@@ -13,7 +13,8 @@ Forward (S tokens, H hidden, E experts, k top-k, N kept pairs, sorted by expert)
   out     = dispatcher.forward(backend, x)       dispatch x rows -> y = experts(xs) [N, H]
                                                  -> combine out_t = sum_j w_tj y_j(x_t)   [S, H]
   out_t  += s_t shared(x_t)                      (shared_ffn_size > 0: moe/shared_experts.py)
-  loss    = router.loss(routing)                 aux + z + sequence-wise, scalar
+  loss    = router.loss(routing)                 aux + z + sequence-wise, scalar; its gradient is
+                                                 the incoming one plus call.loss_scale
 
 Backward, in the six stages of the FlashMoE task design (docs/architecture.md):
   1 grad_combine  2 grad_gate_combine  3 grad_post_gemm  4 grad_pre_gemm   (backend, on rows)
@@ -112,13 +113,16 @@ class MoECall:
 
     config: the layer's MoEConfig; router: GateRouter or GivenRouting (moe/routing.py); dispatcher:
     moe/dispatch.py's protocol; workspace: the pool of large row buffers (None: fresh ones);
-    stats: called with each forward's routing statistics, a new dict (None: not kept)."""
+    stats: called with each forward's routing statistics, a new dict (None: not kept);
+    loss_scale: dL/d(loss) that backward adds to the loss's own incoming gradient, so the balance
+    losses reach the router through the output's graph (None or 0: only the incoming one)."""
 
     config: MoEConfig
     router: object
     dispatcher: object
     workspace: Workspace | None = None
     stats: Callable[[dict], None] | None = None
+    loss_scale: float | None = None
 
     def moe_call(self, x: torch.Tensor, tensors) -> "MoECall":
         """As an owner of ops.fused_moe: itself, whatever the inputs."""
@@ -229,6 +233,8 @@ def moe_backward(call: MoECall, x: torch.Tensor, tensors, made: Made, grad_out: 
     routing = made.routing
     backend = backends.select(config, x, call.workspace)
     grad_out = grad_out.contiguous()
+    if call.loss_scale:
+        grad_loss = grad_loss + call.loss_scale
     with dispatcher.guard():
         state = dispatcher.restore(config, made.dispatched)
         # stages 1-5

@@ -1,7 +1,11 @@
 """MoE: the Mixture-of-Experts nn.Module (gate, dispatch, expert FFNs, combine).
 
   y = MoE(H, F, E, k)(x)         x [..., H] -> y [..., H]
-  layer.aux_loss                 weighted aux + z loss of the last forward (differentiable)
+  layer.aux_loss                 weighted aux + z + sequence-wise loss of the last forward, for
+                                 logging: its gradient rides on y's backward (aux_loss_scale)
+  layer.aux_loss_scale           dL/d(aux_loss) that y's backward applies: 1.0 (default) trains
+                                 L = f(y) + aux_loss; 1/N when f is divided by N (gradient
+                                 accumulation); None: aux_loss is a graph node the caller adds
   layer.stats                    tokens_per_expert, selected_per_expert, dropped_tokens, capacity,
                                  workspace_bytes (resident bytes of the workspace)
   layer.workspace                the pool of large row buffers reused across steps
@@ -16,6 +20,11 @@ buffer correction_bias [E] float32 (correction_bias, else None); "glu": gate_up_
 down_proj [E, H, F]; "mlp": w1 [E, P, H], b1 [E, P], w2 [E, H, P], b2 [E, H]; with shared_ffn_size
 Fs > 0: shared_gate_up_proj [2Fs, H], shared_down_proj [H, Fs], and with shared_gate
 shared_gate_weight [H] (shardmoe/moe/shared_experts.py).
+Why the balance losses ride on y: a side tensor is lost to any recomputation that replays the
+forward under no_grad (reentrant activation checkpointing returns y's graph, not aux_loss's), so
+the gate silently missed the losses' gradient. y's backward is the one the caller always runs.
+Under torch.autocast the router stays float32 and the experts compute in the autocast dtype
+(shardmoe/moe/precision.py).
 Forward and backward are the MoE operators (shardmoe/moe/ops.py over moe/function.py), with the
 layer's gate as the router and its dispatcher: LOCAL on one process (mesh None or of one rank); with a
 mesh, parameters hold this rank's shard (experts split over 'e' in contiguous blocks, the
@@ -34,7 +43,7 @@ from shardmoe.moe import routers
 from shardmoe.moe import shared_experts as shared_ex
 from shardmoe.moe.config import MoEConfig
 from shardmoe.mesh import EXPERT, REPLICATED, mark_grad_sync
-from shardmoe.moe import ops
+from shardmoe.moe import ops, precision
 from shardmoe.moe.dispatch import placement
 from shardmoe.moe.function import MoECall, expert_param_names
 from shardmoe.moe.routing import GateRouter
@@ -59,8 +68,8 @@ class MoE(nn.Module):
     def __init__(self, hidden_size: int, ffn_size: int, num_experts: int, top_k: int, *,
                  expert: str = "glu", activation: str = "silu", output_activation: str = "identity",
                  bias: bool = False, renormalize: bool = True, capacity_factor: float | None = None,
-                 aux_loss_coef: float = 0.0, z_loss_coef: float = 0.0, mesh=None,
-                 dtype: torch.dtype | None = None, device=None, **router_options):
+                 aux_loss_coef: float = 0.0, z_loss_coef: float = 0.0, aux_loss_scale: float | None = 1.0,
+                 mesh=None, dtype: torch.dtype | None = None, device=None, **router_options):
         """router_options: MoEConfig's router fields (score_func, router_bias, correction_bias,
         bias_update_rate, n_group, topk_group, renormalize_epsilon, routed_scaling_factor,
         seq_aux_loss_coef), swiglu_limit, swiglu_alpha for activation="clamped_swiglu", and the
@@ -110,6 +119,7 @@ class MoE(nn.Module):
             setattr(self, name, param)
         self.reset_parameters()
         self.aux_loss: torch.Tensor | None = None
+        self.aux_loss_scale = aux_loss_scale
         self.stats: dict = {}
         # the large row buffers of forward and backward, reused across steps (single process)
         self.workspace = Workspace()
@@ -152,14 +162,25 @@ class MoE(nn.Module):
         names = (*expert_param_names(self.config), *shared_ex.shared_param_names(self.config))
         return [getattr(self, n) for n in names]
 
-    def _check_input(self, x: torch.Tensor) -> None:
+    @property
+    def aux_loss_scale(self) -> float | None:
+        """dL/d(aux_loss) that the output's backward applies (None: aux_loss is differentiable and the
+        caller adds it to the loss). Read when the backward runs."""
+        return self._aux_loss_scale
+
+    @aux_loss_scale.setter
+    def aux_loss_scale(self, scale: float | None) -> None:
+        if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))
+                                  or not math.isfinite(scale)):
+            raise ValueError(f"aux_loss_scale: expected None or a finite number, got {scale!r}")
+        self._aux_loss_scale = None if scale is None else float(scale)
+
+    def _check_input(self, x: torch.Tensor, autocast: torch.dtype | None) -> None:
         H = self.config.hidden_size
-        if not isinstance(x, torch.Tensor):
-            raise ValueError(f"x: expected a torch.Tensor, got {type(x).__name__}")
         if x.dim() < 1 or x.shape[-1] != H:
             raise ValueError(f"x: expected shape [..., {H}] (hidden_size), got {list(x.shape)}")
         w = self.gate_weight
-        if x.dtype != w.dtype:
+        if autocast is None and x.dtype != w.dtype:
             raise ValueError(f"x: expected dtype {w.dtype} (the parameters' dtype), got {x.dtype}")
         if x.device != w.device:
             raise ValueError(f"x: expected device {w.device} (the parameters' device), got {x.device}")
@@ -180,13 +201,18 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor, sequence_starts: torch.Tensor | None = None) -> torch.Tensor:
         """x [..., H] -> [..., H]. sequence_starts: offsets into the flattened tokens where the
         sequences of the sequence-wise loss begin (routers.token_sequence_ids)."""
-        self._check_input(x)
+        if not isinstance(x, torch.Tensor):
+            raise ValueError(f"x: expected a torch.Tensor, got {type(x).__name__}")
+        autocast = precision.autocast_dtype(x, self.gate_weight.dtype)
+        self._check_input(x, autocast)
         token_sequence = self.token_sequence(x, sequence_starts)
-        tokens = x.reshape(-1, x.shape[-1])
-        out, loss = ops.fused_moe(self._moe_handle, tokens, self.gate_weight, self.gate_bias, self.correction_bias,
-                                  token_sequence, *self.expert_parameters())
-        self.aux_loss = loss
-        return out.view(x.shape)
+        # the router's tensors keep their dtype (it computes in float32); x and the experts take autocast's
+        x, *experts = precision.cast((x, *self.expert_parameters()), autocast)
+        # out has x's shape and is no view: an in-place op on it cannot cut its graph (FSDP2's hooks)
+        out, loss = ops.fused_moe(self._moe_handle, x, self.gate_weight, self.gate_bias, self.correction_bias,
+                                  token_sequence, *experts)
+        self.aux_loss = loss if self.aux_loss_scale is None else loss.detach()
+        return out
 
     @property
     def dispatcher(self):
@@ -195,9 +221,10 @@ class MoE(nn.Module):
 
     def moe_call(self, x: torch.Tensor, inputs: tuple) -> MoECall:
         """What the MoE operators (moe/ops.py) run this layer's forward and backward with: its config,
-        its gate as the router, its dispatcher and workspace; the forward's statistics land in
-        self.stats (inside the operator, so they are current under torch.compile too)."""
-        return MoECall(self.config, GateRouter(self.config), self.dispatcher, self.workspace, self._keep_stats)
+        its gate as the router, its dispatcher and workspace, aux_loss_scale; the forward's statistics
+        land in self.stats (inside the operator, so they are current under torch.compile too)."""
+        return MoECall(self.config, GateRouter(self.config), self.dispatcher, self.workspace, self._keep_stats,
+                       self.aux_loss_scale)
 
     def _keep_stats(self, stats: dict) -> None:
         self.stats = stats

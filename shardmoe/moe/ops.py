@@ -1,8 +1,13 @@
 """The MoE Function as torch operators, so that torch.compile(fullgraph=True) traces a model
 holding shardmoe layers without a graph break, and eager runs the very same code.
 
-  shardmoe::moe_forward(handle, x, present, absent) -> (out [S, H], loss [], made)
+  shardmoe::moe_forward(handle, x, present, absent) -> (out [..., H], loss [], made)
   shardmoe::moe_backward(handle, grad_out, grad_loss, x, present, absent, made) -> [dx, d(each input that has one)]
+
+x [..., H] is any number of tokens S in any leading shape (the operators flatten it to [S, H]),
+and out has x's shape without being a view of anything the caller holds.
+Both run with autocast off: the caller casts what should run in autocast's dtype
+(moe/precision.py), and the router inside must stay in its float32 accumulation dtype.
 
 The inputs are the router tensors and weights the forward takes after x (moe/function.py: for the
 layer gate_weight, gate_bias, correction_bias, token_sequence, then the expert and shared-expert
@@ -61,7 +66,7 @@ def _call(handle: int, x: torch.Tensor, inputs) -> MoECall:
 
 
 def fused_moe(handle: int, x: torch.Tensor, *inputs) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out [S, H] in x's dtype, loss [] in the acc dtype) of the owner of `handle` on x [S, H] and
+    """(out [..., H] in x's dtype, loss [] in the acc dtype) of the owner of `handle` on x [..., H] and
     the inputs, differentiable by the explicit six-stage backward."""
     out, loss, _ = torch.ops.shardmoe.moe_forward(handle, x, [t for t in inputs if t is not None],
                                                   [t is None for t in inputs])
@@ -96,17 +101,20 @@ def _fresh(made, inputs) -> list[torch.Tensor]:
 def _moe_forward(handle: int, x: torch.Tensor, present: list[torch.Tensor],
                  absent: list[bool]) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
     inputs = _inputs(present, absent)
-    call = _call(handle, x, inputs)
-    out, loss, made = moe_forward(call, x, inputs)
-    return out, loss, _fresh(made.flat(_routing_inputs(call, inputs)), (x, *present))
+    tokens = x.reshape(-1, x.shape[-1])
+    call = _call(handle, tokens, inputs)
+    with torch.autocast(x.device.type, enabled=False):
+        out, loss, made = moe_forward(call, tokens, inputs)
+    return out.view(x.shape), loss, _fresh(made.flat(_routing_inputs(call, inputs)), (x, *present))
 
 
 @_moe_forward.register_fake
 def _moe_forward_fake(handle, x, present, absent):
     inputs = _inputs(present, absent)
-    call = _call(handle, x, inputs)
-    out, loss, made = moe_fake_forward(call, x, inputs, torch.library.get_ctx().new_dynamic_size)
-    return out, loss, list(made.flat(_routing_inputs(call, inputs)))
+    tokens = x.reshape(-1, x.shape[-1])
+    call = _call(handle, tokens, inputs)
+    out, loss, made = moe_fake_forward(call, tokens, inputs, torch.library.get_ctx().new_dynamic_size)
+    return out.view(x.shape), loss, list(made.flat(_routing_inputs(call, inputs)))
 
 
 def _routing_inputs(call: MoECall, inputs) -> dict:
@@ -124,11 +132,13 @@ def _gradient_mask(call: MoECall, inputs) -> list[bool]:
 def _moe_backward(handle: int, grad_out: torch.Tensor, grad_loss: torch.Tensor, x: torch.Tensor,
                   present: list[torch.Tensor], absent: list[bool], made: list[torch.Tensor]) -> list[torch.Tensor]:
     inputs = _inputs(present, absent)
-    call = _call(handle, x, inputs)
-    grads = moe_backward(call, x, inputs, Made.restore(call.config, made, _routing_inputs(call, inputs)), grad_out,
-                         grad_loss)
-    mask = [True, *_gradient_mask(call, inputs)]
-    return [g.contiguous() for g, wanted in zip(grads, mask) if wanted]
+    tokens = x.reshape(-1, x.shape[-1])
+    call = _call(handle, tokens, inputs)
+    with torch.autocast(x.device.type, enabled=False):
+        grad_x, *grads = moe_backward(call, tokens, inputs, Made.restore(call.config, made, _routing_inputs(call, inputs)),
+                                      grad_out.reshape(tokens.shape), grad_loss)
+    mask = _gradient_mask(call, inputs)
+    return [grad_x.reshape(x.shape).contiguous(), *(g.contiguous() for g, wanted in zip(grads, mask) if wanted)]
 
 
 @_moe_backward.register_fake

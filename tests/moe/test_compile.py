@@ -23,9 +23,10 @@ def _layer(options):
 def _step(layer, x, grad_out, compiled=None):
     """(out, aux loss, {name: grad}) of one forward and backward, through `compiled` when given."""
     layer.zero_grad(set_to_none=True)
+    layer.aux_loss_scale = 0.7  # dL/d(aux loss), riding on out's backward
     x = x.clone().requires_grad_()
     out, aux = (compiled or (lambda t: (layer(t), layer.aux_loss)))(x)
-    torch.autograd.backward([out, aux], [grad_out, torch.tensor(0.7)])
+    out.backward(grad_out)
     grads = {"x": x.grad, **{n: p.grad for n, p in layer.named_parameters()}}
     return out.detach(), aux.detach(), grads
 

@@ -149,7 +149,8 @@ def test_backward_of_only_the_loss_or_only_the_output():
     so no [N, 2F] of zeros for the made tensors): either output alone gives the gradients of the
     two with a zero for the other."""
     torch.manual_seed(0)
-    layer = shardmoe.MoE(8, 6, 4, 2, aux_loss_coef=0.1, z_loss_coef=0.01, dtype=torch.float64)
+    # aux_loss_scale None: the loss is the operator's differentiable output, not riding on out
+    layer = shardmoe.MoE(8, 6, 4, 2, aux_loss_coef=0.1, z_loss_coef=0.01, aux_loss_scale=None, dtype=torch.float64)
     x = torch.randn(5, 8, dtype=torch.float64, requires_grad=True)
     grad_out = torch.randn(5, 8, dtype=torch.float64)
 

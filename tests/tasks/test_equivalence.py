@@ -121,6 +121,7 @@ def test_configurations_cover_drops_fully_dropped_tokens_and_both_paths():
 def test_run_backward_without_a_forward_result_and_without_the_aux_term():
     """The one-call API plans its own forward; grad_loss=0 drops the aux/z term from the objective."""
     layer, x, grad_out, schedule = _setup("mlp-k3-drops-aux-z-mixed")
+    layer.aux_loss_scale = 0.0  # the layer's objective without the aux term too
     out = layer(x)
     params = dict(layer.named_parameters())
     want = torch.autograd.grad((out * grad_out).sum(), [x, *params.values()])
