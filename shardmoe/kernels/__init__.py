@@ -22,6 +22,7 @@ from shardmoe.settings import SETTINGS
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 KERNEL_EXPERTS = ("glu", "mlp")
 KERNEL_ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "silu", "identity")  # activations.activation's branches
+KERNEL_GLU_ACTIVATIONS = KERNEL_ACTIVATIONS + ("clamped_swiglu",)  # activations.glu's: "glu" experts only
 
 _forced_on_cpu = False  # set only by force_kernel_path(), a test switch
 
@@ -71,19 +72,19 @@ def force_kernel_path():
 def fused_path(config, x: torch.Tensor) -> bool:
     """The one predicate for "does the fused kernel path take this layer?".
 
-    True when the layer's config uses only features the kernels implement (expert
-    kind in KERNEL_EXPERTS, activation and output_activation in KERNEL_ACTIVATIONS;
-    mlp biases and capacity drops are implemented, glu biases and shared experts are not; the router runs in torch
-    on every path, so its options do not matter here) and x is a kernel dtype on CUDA (or on
-    CPU inside force_kernel_path()), triton importable and SETTINGS.kernels on.
-    A config option the kernels do not implement falls back to torch by adding one
-    condition here.
+    True when x is a kernel dtype on CUDA (or on CPU inside force_kernel_path()), triton is
+    importable and SETTINGS.kernels is on, for any layer the torch path runs: the kernels implement
+    both expert kinds (KERNEL_EXPERTS), their biases, every activation (KERNEL_ACTIVATIONS, and for
+    "glu" the clamped SwiGLU: KERNEL_GLU_ACTIVATIONS) and capacity drops. The router (every score
+    function, bias and loss) and a shared expert (a dense GEMM pair over all tokens,
+    moe/shared_experts.py) run in torch beside the backend on every path, so their options do
+    not matter here. A config option the kernels do not implement would fall back to torch by
+    adding one condition here.
     """
+    activations = KERNEL_GLU_ACTIVATIONS if config.expert == "glu" else KERNEL_ACTIVATIONS
     return (
         config.expert in KERNEL_EXPERTS
-        and not (config.expert == "glu" and config.bias)
-        and config.shared_ffn_size == 0  # shared experts run in torch (not wired to the kernels)
-        and config.activation in KERNEL_ACTIVATIONS
+        and config.activation in activations
         and config.output_activation in KERNEL_ACTIVATIONS
         and (available(x) or (_forced_on_cpu and available(x, cuda_only=False)))
     )

@@ -13,6 +13,10 @@ Two entry points fuse across stages and have no single torch counterpart:
 expert_forward_combine (expert forward + combine) and grad_gate_post_gemm_glu
 (stages 2 and 3 of the "glu" expert). Outputs are in the input dtype (float32
 accumulation inside), as in the torch path.
+
+Every expert kind of the torch path runs here: "glu" with or without its biases
+(gate_up_proj_bias [E, 2F], down_proj_bias [E, H]) and with an activation name or a
+clamped SwiGLU (activations.activation_args), "mlp" with or without b1, b2.
 """
 from __future__ import annotations
 
@@ -45,28 +49,34 @@ def grouped_bias_grad(grad_rows: torch.Tensor, groups) -> torch.Tensor:
 
 
 def _expert_up(expert, activation, xs, params, groups, row_index):
-    """First GEMM with the activation in its epilogue: (saved pre-activation, activation)."""
+    """First GEMM with the bias and the activation in its epilogue: (saved pre-activation, activation)."""
     num_rows = sum(groups.sizes)
     if expert == "glu":
         a = xs.new_empty((num_rows, params["down_proj"].shape[2]))
-        h = forward_gemm(xs, params["gate_up_proj"], groups, a_index=row_index, activation=activation, glu=True,
-                         post=a)
+        h = forward_gemm(xs, params["gate_up_proj"], groups, a_index=row_index, bias=params.get("gate_up_proj_bias"),
+                         activation=activation, glu=True, post=a)
         return h, a
     a1 = xs.new_empty((num_rows, params["w1"].shape[1]))
     z1 = forward_gemm(xs, params["w1"], groups, a_index=row_index, bias=params["b1"], activation=activation, post=a1)
     return z1, a1
 
 
-def expert_forward(expert: str, activation: str, output_activation: str, xs: torch.Tensor,
+def _down_bias(expert, params):
+    """The second GEMM's bias: down_proj_bias ("glu") or b2 ("mlp"), None when absent."""
+    return params.get("down_proj_bias") if expert == "glu" else params["b2"]
+
+
+def expert_forward(expert: str, activation, output_activation: str, xs: torch.Tensor,
                    params: dict[str, torch.Tensor | None], groups, *, row_index=None):
     """y [N, H] and the tensors backward keeps ("glu": (h,); "mlp": (z1, z2)).
 
-    "glu": h = x Wgu_e^T and a = act(hg) hu in one GEMM; y = a Wdown_e^T.
+    "glu": h = x Wgu_e^T + bgu_e and a = act(hg) hu (or the clamped SwiGLU's a) in one GEMM;
+           y = a Wdown_e^T + bdown_e.
     "mlp": z1 = x W1_e^T + b1, a1 = act(z1) in one GEMM; z2 = a1 W2_e^T + b2 and
            y = act_out(z2) in the next (y is z2 itself for an identity act_out)."""
     pre, act = _expert_up(expert, activation, xs, params, groups, row_index)
     if expert == "glu":
-        return forward_gemm(act, params["down_proj"], groups), (pre,)
+        return forward_gemm(act, params["down_proj"], groups, bias=params.get("down_proj_bias")), (pre,)
     if output_activation == "identity":
         z2 = forward_gemm(act, params["w2"], groups, bias=params["b2"])
         return z2, (pre, z2)
@@ -75,7 +85,7 @@ def expert_forward(expert: str, activation: str, output_activation: str, xs: tor
     return y, (pre, z2)
 
 
-def expert_forward_combine(expert: str, activation: str, output_activation: str, x: torch.Tensor,
+def expert_forward_combine(expert: str, activation, output_activation: str, x: torch.Tensor,
                            row_token: torch.Tensor, weight_rows: torch.Tensor, row_pair: torch.Tensor,
                            params: dict[str, torch.Tensor | None], groups, top_k: int):
     """The whole expert forward and combine: (out [S, H] acc dtype, saved as expert_forward).
@@ -91,46 +101,54 @@ def expert_forward_combine(expert: str, activation: str, output_activation: str,
     down = params["down_proj"] if expert == "glu" else params["w2"]
     fill = torch.zeros if row_pair.numel() < num_tokens * top_k else torch.empty  # dropped slots stay 0
     slots = fill((num_tokens * top_k, down.shape[1]), dtype=accumulation_dtype(x.dtype), device=x.device)
-    z2 = forward_gemm(act, down, groups, bias=params.get("b2"), activation=output_activation,
+    z2 = forward_gemm(act, down, groups, bias=_down_bias(expert, params), activation=output_activation,
                       store_pre=expert == "mlp", post=slots, scale=weight_rows, dest=row_pair)
     out = slots if top_k == 1 else slots.view(num_tokens, top_k, down.shape[1]).sum(1)  # S = 0 works too
     return out, ((pre,) if expert == "glu" else (pre, z2))
 
 
 def grad_post_gemm_glu(grad_rows: torch.Tensor, weight_rows: torch.Tensor, a: torch.Tensor,
-                       down_proj: torch.Tensor, groups, *, row_index=None):
+                       down_proj: torch.Tensor, groups, has_bias: bool = False, *, row_index=None):
     """Stage 3 for "glu": (dA = w g Wdown_e [N, F], dWdown_e = sum (w g)^T a [E, H, F],
-    g_down = g Wdown_e [N, F]). One GEMM writes both g_down and its row-scaled copy."""
+    g_down = g Wdown_e [N, F], dbdown_e = sum w g [E, H] with has_bias, else None).
+    One GEMM writes both g_down and its row-scaled copy; dbdown is summed from the tiles of the
+    weight-gradient GEMM."""
     grad_a, g_down, _ = grad_gemm(grad_rows, down_proj, groups, grad_index=row_index, scale=weight_rows,
                                   keep_unscaled=True)
-    grad_down, _ = weight_grad(grad_rows, a, groups, width=down_proj.shape[1], grad_index=row_index,
-                               scale=weight_rows)
-    return grad_a, grad_down, g_down
+    grad_down, grad_down_bias = weight_grad(grad_rows, a, groups, width=down_proj.shape[1], grad_index=row_index,
+                                            scale=weight_rows, with_bias=has_bias)
+    return grad_a, grad_down, g_down, grad_down_bias
 
 
 def grad_gate_post_gemm_glu(grad_rows: torch.Tensor, weight_rows: torch.Tensor, a: torch.Tensor,
-                            down_proj: torch.Tensor, groups, *, row_index=None):
-    """Stages 2 and 3 for "glu": (dA [N, F], dWdown [E, H, F], dw [N] acc dtype), with
-    dw_r = (g_r Wdown_e) . a_r taken in the epilogue of the dA GEMM, so g_down is never
-    stored. Equals grad_post_gemm_glu followed by grad_gate_combine(g_down, a)."""
+                            down_proj: torch.Tensor, groups, down_proj_bias: torch.Tensor | None = None,
+                            has_bias: bool = False, *, row_index=None):
+    """Stages 2 and 3 for "glu": (dA [N, F], dWdown [E, H, F], dw [N] acc dtype, dbdown [E, H] or None),
+    with dw_r = g_r . y_r = (g_r Wdown_e) . a_r (+ g_r . bdown_e with down_proj_bias [E, H]) taken
+    in the dA GEMM (the first term in its epilogue, the bias term in its K loop over g), so g_down
+    is never stored; dbdown = sum w g per expert with has_bias. has_bias and down_proj_bias are
+    separate because expert tensor parallelism adds the dot's bias term itself, after its psum of
+    the partial dots, and still wants dbdown. Equals grad_post_gemm_glu followed by
+    grad_gate_combine(g_down, a) (+ grad_gate_combine(g, bdown[row expert]))."""
     grad_a, _, grad_weight_rows = grad_gemm(grad_rows, down_proj, groups, grad_index=row_index, scale=weight_rows,
-                                            dot_with=a)
-    grad_down, _ = weight_grad(grad_rows, a, groups, width=down_proj.shape[1], grad_index=row_index,
-                               scale=weight_rows)
-    return grad_a, grad_down, grad_weight_rows
+                                            dot_with=a, dot_bias=down_proj_bias)
+    grad_down, grad_down_bias = weight_grad(grad_rows, a, groups, width=down_proj.shape[1], grad_index=row_index,
+                                            scale=weight_rows, with_bias=has_bias)
+    return grad_a, grad_down, grad_weight_rows, grad_down_bias
 
 
 def grad_pre_gemm_glu(grad_a: torch.Tensor, h: torch.Tensor, act_gate: torch.Tensor, xs: torch.Tensor,
-                      gate_up_proj: torch.Tensor, groups, activation: str, *, row_index=None):
-    """Stage 4 for "glu": (dx = dh Wgu_e [N, H], dWgu_e = sum dh^T x [E, 2F, H]) with
-    dh = [dA hu act'(hg) | dA act(hg)] formed in registers from dA and h (fGETGrad).
+                      gate_up_proj: torch.Tensor, groups, activation, has_bias: bool = False, *, row_index=None):
+    """Stage 4 for "glu": (dx = dh Wgu_e [N, H], dWgu_e = sum dh^T x [E, 2F, H], dbgu_e = sum dh [E, 2F]
+    with has_bias, else None) with dh = [dA hu act'(hg) | dA act(hg)] (or the clamped SwiGLU's
+    derivative) formed in registers from dA and h (fGETGrad).
     act_gate is accepted for signature parity and not read: act(hg) is recomputed in
     float32 from h, cheaper than loading another [N, F] tensor."""
     del act_gate
     grad_x, _, _ = grad_gemm(grad_a, gate_up_proj, groups, z=h, activation=activation, glu=True)
-    grad_gate_up, _ = weight_grad(grad_a, xs, groups, width=gate_up_proj.shape[1], x_index=row_index, z=h,
-                                  activation=activation, glu=True)
-    return grad_x, grad_gate_up
+    grad_gate_up, grad_gate_up_bias = weight_grad(grad_a, xs, groups, width=gate_up_proj.shape[1], x_index=row_index,
+                                                  z=h, activation=activation, glu=True, with_bias=has_bias)
+    return grad_x, grad_gate_up, grad_gate_up_bias
 
 
 def grad_post_gemm_mlp(grad_expert: torch.Tensor, z2: torch.Tensor, a1: torch.Tensor, w2: torch.Tensor,

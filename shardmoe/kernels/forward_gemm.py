@@ -6,7 +6,8 @@ For each dispatched row r of expert e (N rows, expert-sorted; W [E, O_total, K])
           materialised) else A[r]                                              [K]
   z_r   = a_r W_e^T (+ b_e)                                                   [O_total]
   post_r = act(z_r)                          (O = O_total)
-         = act(z_r[:O]) * z_r[O:]           (GLU: O_total = 2 O; rows 0:O gate, O:2O up)
+         = glu(z_r[:O], z_r[O:])            (GLU: O_total = 2 O; rows 0:O gate, O:2O up;
+                                             act(hg) hu, or the clamped SwiGLU: activations.py)
   then optionally post_r *= s_r (routing weight) and stored at row dest[r] (a slot
   index) instead of r.
 
@@ -27,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from shardmoe.kernels.activations import activation
+from shardmoe.kernels.activations import activation, activation_args, glu
 from shardmoe.kernels.schedule import choose_block_m, row_tile_schedule
 from shardmoe.kernels.tiles import dot_acc
 from shardmoe.kernels.tuning import configs, dot_settings, unit_columns
@@ -46,7 +47,7 @@ def forward_gemm_kernel(
     pre_ptr, stride_pre,
     post_ptr, dest_ptr, stride_post,
     scale_ptr,
-    O, K,
+    O, K, limit, alpha,
     ACT: tl.constexpr, GLU: tl.constexpr, GATHER: tl.constexpr, HAS_BIAS: tl.constexpr,
     STORE_PRE: tl.constexpr, STORE_POST: tl.constexpr, SCALE: tl.constexpr, SCATTER: tl.constexpr,
     DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
@@ -83,7 +84,10 @@ def forward_gemm_kernel(
                            mask=w_mask, other=0.0)
             acc_up = dot_acc(a, w_up, acc_up, DOT_FP32, PRECISION)
     if HAS_BIAS:
-        acc += tl.load(bias_ptr + expert * stride_be + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+        bias_row = bias_ptr + expert * stride_be
+        acc += tl.load(bias_row + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+        if GLU:  # the up half's bias, columns O + n
+            acc_up += tl.load(bias_row + O + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
 
     out_mask = row_mask[:, None] & col_mask[None, :]
     if STORE_PRE:
@@ -92,9 +96,10 @@ def forward_gemm_kernel(
         if GLU:
             tl.store(pre + O, acc_up.to(pre_ptr.dtype.element_ty), mask=out_mask)
     if STORE_POST:
-        post = activation(acc, ACT)
         if GLU:
-            post = post * acc_up
+            post = glu(acc, acc_up, limit, alpha, ACT)
+        else:
+            post = activation(acc, ACT)
         if SCALE:
             post = post * tl.load(scale_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)[:, None]
         if SCATTER:
@@ -106,18 +111,18 @@ def forward_gemm_kernel(
 
 
 def forward_gemm(a: torch.Tensor, weight: torch.Tensor, groups, *, a_index: torch.Tensor | None = None,
-                 bias: torch.Tensor | None = None, activation: str = "identity", glu: bool = False,
+                 bias: torch.Tensor | None = None, activation="identity", glu: bool = False,
                  store_pre: bool = True, post: torch.Tensor | None = None, scale: torch.Tensor | None = None,
                  dest: torch.Tensor | None = None) -> torch.Tensor | None:
     """Launch forward_gemm_kernel over the N = sum(groups.sizes) dispatched rows.
 
     a [N, K] (or [S, K] gathered through a_index [N]); weight [E, O_total, K]; bias
-    [E, O_total]. Returns pre [N, O_total] in a's dtype when store_pre, else None.
-    `post` (preallocated, [N, O] or [slots, O] with dest [N]) receives the activation,
-    times scale [N] when given. Row strides may be anything; columns must be unit-stride.
+    [E, O_total] (for GLU both halves' biases, [E, 2 O]). Returns pre [N, O_total] in a's dtype
+    when store_pre, else None. `post` (preallocated, [N, O] or [slots, O] with dest [N]) receives
+    the activation, times scale [N] when given. `activation` is a name, or with glu a clamped
+    SwiGLU (activations.activation_args). Row strides may be anything; columns must be unit-stride.
     """
-    if glu and bias is not None:
-        raise ValueError("forward_gemm: the GLU epilogue takes no bias (the 'glu' expert has none)")
+    act_args = activation_args(activation, glu)
     num_rows = sum(groups.sizes)
     out_total = weight.shape[1]
     width = out_total // 2 if glu else out_total
@@ -138,8 +143,8 @@ def forward_gemm(a: torch.Tensor, weight: torch.Tensor, groups, *, a_index: torc
         post, dest, 0 if post is None else post.stride(0),
         scale,
         width, a.shape[1],
-        ACT=activation, GLU=glu, GATHER=a_index is not None, HAS_BIAS=bias is not None,
+        GLU=glu, GATHER=a_index is not None, HAS_BIAS=bias is not None,
         STORE_PRE=store_pre, STORE_POST=post is not None, SCALE=scale is not None, SCATTER=dest is not None,
-        BLOCK_M=block_m, **dot_settings(a.dtype),
+        BLOCK_M=block_m, **act_args, **dot_settings(a.dtype),
     )
     return pre

@@ -24,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
+from shardmoe.kernels.activations import activation_args
 from shardmoe.kernels.schedule import group_bounds
 from shardmoe.kernels.tiles import dot_acc, grad_operand
 from shardmoe.kernels.tuning import configs, dot_settings, unit_columns
@@ -41,7 +42,7 @@ def weight_grad_kernel(
     bounds_ptr,
     dw_ptr, stride_de, stride_do, stride_dk,
     db_ptr, stride_dbe,
-    O, K, HALF,
+    O, K, HALF, limit, alpha,
     ACT: tl.constexpr, GLU: tl.constexpr, GATHER_G: tl.constexpr, GATHER_X: tl.constexpr,
     SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
     DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
@@ -70,7 +71,8 @@ def weight_grad_kernel(
             x_rows = tl.load(x_index_ptr + rows, mask=row_mask, other=0).to(tl.int64)
         else:
             x_rows = rows
-        g = grad_operand(g_ptr, g_rows, stride_g, z_ptr, rows, stride_z, o_cols, row_mask, o_mask, HALF, ACT, GLU)
+        g = grad_operand(g_ptr, g_rows, stride_g, z_ptr, rows, stride_z, o_cols, row_mask, o_mask, HALF, limit,
+                         alpha, ACT, GLU)
         if SCALE:
             g = g * tl.load(scale_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)[:, None]
         x = tl.load(x_ptr + x_rows[:, None] * stride_x + k_cols[None, :],
@@ -89,14 +91,16 @@ def weight_grad_kernel(
 
 def weight_grad(grad: torch.Tensor, x: torch.Tensor, groups, *, width: int,
                 grad_index: torch.Tensor | None = None, x_index: torch.Tensor | None = None,
-                z: torch.Tensor | None = None, activation: str = "identity", glu: bool = False,
+                z: torch.Tensor | None = None, activation="identity", glu: bool = False,
                 scale: torch.Tensor | None = None, with_bias: bool = False):
     """Launch weight_grad_kernel: (dW [E, width, K], db [E, width] or None), in grad's dtype.
 
     grad [N, width] ([N, width/2] for GLU; or token-order rows through grad_index [N]);
     x [N, K] (or token-order rows through x_index [N]); z [N, width] the saved
-    pre-activation; scale [N] the row scale.
+    pre-activation; scale [N] the row scale; `activation` a name, or with glu a clamped SwiGLU
+    (activations.activation_args).
     """
+    act_args = activation_args(activation, glu)
     num_experts, in_width = len(groups.sizes), x.shape[1]
     dw = grad.new_empty((num_experts, width, in_width))
     db = grad.new_empty((num_experts, width)) if with_bias else None
@@ -116,9 +120,9 @@ def weight_grad(grad: torch.Tensor, x: torch.Tensor, groups, *, width: int,
         dw, dw.stride(0), dw.stride(1), dw.stride(2),
         db, 0 if db is None else db.stride(0),
         width, in_width, width // 2,
-        ACT=activation, GLU=glu, GATHER_G=grad_index is not None, GATHER_X=x_index is not None,
+        GLU=glu, GATHER_G=grad_index is not None, GATHER_X=x_index is not None,
         SCALE=scale is not None, HAS_BIAS=with_bias,
-        **dot_settings(grad.dtype),
+        **act_args, **dot_settings(grad.dtype),
     )
     return dw, db
 

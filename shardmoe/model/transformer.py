@@ -319,12 +319,17 @@ class Transformer(nn.Module):
         return state
 
     @torch.no_grad()
-    def update_correction_biases(self) -> None:
-        """Each block's MoE.update_correction_bias from its last forward's global loads (the
-        selections summed over the mesh, equal on every rank); call it after the optimizer step."""
-        for block in self.blocks:
+    def update_correction_biases(self, loads: list[Tensor] | None = None) -> None:
+        """Each block's MoE.update_correction_bias from the step's global loads [E] per block (default:
+        its last forward's, the selections summed over the mesh, equal on every rank; with
+        micro-batches, their sum); call it after the optimizer step."""
+        for i, block in enumerate(self.blocks):
             if block.moe.correction_bias is not None:
-                block.moe.update_correction_bias(block.moe.stats["selected_per_expert"])
+                block.moe.update_correction_bias(block.moe.stats["selected_per_expert"] if loads is None else loads[i])
+
+    def moe_layers(self) -> list:
+        """The blocks' MoE layers, in order."""
+        return [block.moe for block in self.blocks]
 
     @torch.no_grad()
     def load_full_state_dict(self, state: dict[str, Tensor]) -> None:
@@ -356,11 +361,16 @@ class Transformer(nn.Module):
             x = block(x, layout.segment_ids, rope, starts)
         return x
 
-    def forward(self, ids: Tensor, is_seq_start: Tensor, targets: Tensor) -> Losses:
-        """ids, is_seq_start, targets [B/d/e L] -> this rank's Losses (mean over all ranks' tokens)."""
+    def forward(self, ids: Tensor, is_seq_start: Tensor, targets: Tensor, num_tokens: int | None = None) -> Losses:
+        """ids, is_seq_start, targets [B/d/e L] -> this rank's Losses: the cross-entropy summed over its
+        tokens and divided by num_tokens, the global batch's (default: every rank's B L, so a
+        micro-batch passes the whole step's count and the parts' losses sum to the step's mean).
+        aux is the MoE layers' balance losses, for logging: their gradients ride on the layers'
+        outputs (MoE.aux_loss_scale)."""
         x = self._trunk(ids, is_seq_start)
         token_shards = 1 if self.mesh is None else self.mesh.size(("d", "e"))
-        ce = self.unembedding(self.final_norm(x), targets, targets.numel() * token_shards)
+        ce = self.unembedding(self.final_norm(x), targets, targets.numel() * token_shards if num_tokens is None
+                              else num_tokens)
         aux = sum(block.moe.aux_loss for block in self.blocks)
         return Losses(ce + aux, ce, aux)
 

@@ -46,10 +46,12 @@ class CrossEntropyGrads(NamedTuple):
 
 
 def unembed_logits(x: Tensor, weight: Tensor, mesh=None) -> Tensor:
-    """logits[B L V/t] = x . W^T in the compute dtype (float32 unless x is float64)."""
+    """logits[B L V/t] = x . W^T in the compute dtype (float32 unless x is float64); under
+    torch.autocast the GEMM runs in its dtype and the logits come back in the compute dtype, so the
+    log-sum-exp and the loss stay float32."""
     acc = compute_dtype(x.dtype)
     table = all_gather(f"{WEIGHT_SPEC} -> V/t M", weight, mesh)
-    return torch.einsum("blm,vm->blv", x.to(acc), table.to(acc))
+    return torch.einsum("blm,vm->blv", x.to(acc), table.to(acc)).to(acc)
 
 
 def cross_entropy_forward(x: Tensor, weight: Tensor, targets: Tensor, num_tokens: int | None = None,

@@ -34,6 +34,7 @@ Per token that is H + k*2F (glu) elements of the input dtype plus the routing st
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass, fields
 from typing import Callable
@@ -107,6 +108,19 @@ def not_twice_differentiable(backward):
     return wrapper
 
 
+@dataclass(frozen=True)
+class BalanceScope:
+    """The batch the balance losses average over when a forward sees only part of it (a micro-batch
+    of gradient accumulation): selected [E] top-k choices per expert over the whole batch, its
+    tokens S and sequences Q. Each part's loss is then its share (routing.balance_loss with these
+    S, Q and counts), and the parts' shares sum to the whole batch's loss. Every forward's
+    stats["balance_scope"] is its own scope (global over the mesh), to be summed over the parts."""
+
+    selected: torch.Tensor
+    num_tokens: int
+    num_sequences: int
+
+
 @dataclass
 class MoECall:
     """The non-tensor arguments of one MoE forward (and its backward).
@@ -115,7 +129,9 @@ class MoECall:
     moe/dispatch.py's protocol; workspace: the pool of large row buffers (None: fresh ones);
     stats: called with each forward's routing statistics, a new dict (None: not kept);
     loss_scale: dL/d(loss) that backward adds to the loss's own incoming gradient, so the balance
-    losses reach the router through the output's graph (None or 0: only the incoming one)."""
+    losses reach the router through the output's graph (None or 0: only the incoming one);
+    balance_scope: the whole batch the balance losses average over, when it is more than this
+    forward's tokens (None: this forward's, global over the mesh)."""
 
     config: MoEConfig
     router: object
@@ -123,6 +139,7 @@ class MoECall:
     workspace: Workspace | None = None
     stats: Callable[[dict], None] | None = None
     loss_scale: float | None = None
+    balance_scope: BalanceScope | None = None
 
     def moe_call(self, x: torch.Tensor, tensors) -> "MoECall":
         """As an owner of ops.fused_moe: itself, whatever the inputs."""
@@ -201,10 +218,16 @@ def moe_forward(call: MoECall, x: torch.Tensor, tensors) -> tuple[torch.Tensor, 
             out = out.to(x.dtype)
         with dispatcher.timed(state, "combine"):
             loss_routing, num_tokens, num_sequences = dispatcher.loss_scope(routing, state)
+            own = BalanceScope(loss_routing.selected_per_expert, x.shape[0] if num_tokens is None else num_tokens,
+                               routing.sequence_tokens.numel() if num_sequences is None else num_sequences)
+            if call.balance_scope is not None:
+                loss_routing = dataclasses.replace(loss_routing, selected_per_expert=call.balance_scope.selected)
+            num_tokens, num_sequences = _balance_sizes(call, num_tokens, num_sequences)
             loss = router.loss(loss_routing, num_tokens, num_sequences)
             if call.stats is not None:
                 stats = dispatcher.stats(config, routing, state, x.shape[0])
                 stats["workspace_bytes"] = 0 if call.workspace is None else call.workspace.resident_bytes
+                stats["balance_scope"] = own
                 call.stats(stats)
     return out, loss, Made(loss_routing, tuple(shared_saved), tuple(dispatched))
 
@@ -241,7 +264,8 @@ def moe_backward(call: MoECall, x: torch.Tensor, tensors, made: Made, grad_out: 
         grad_x, grad_dots, grads = dispatcher.backward(backend, config, grad_out, x, routing, state,
                                                        made.dispatched, params)
         with dispatcher.timed(state, "route"):  # stage 6, from dL/dw [S, k] (zero for dropped pairs)
-            _, num_tokens, num_sequences = dispatcher.loss_scope(routing, state)
+            # the saved routing already holds the scope's counts (forward saved the loss's routing)
+            num_tokens, num_sequences = _balance_sizes(call, *dispatcher.loss_scope(routing, state)[1:])
             S, k = x.shape[0], config.top_k
             grad_weight = x.new_zeros(S * k, dtype=accumulation_dtype(x.dtype))
             grad_weight[routing.row_pair] = grad_dots
@@ -259,6 +283,12 @@ def moe_backward(call: MoECall, x: torch.Tensor, tensors, made: Made, grad_out: 
                 shared_grads = [named[n] for n in shared]
     expert_grads = [None if p is None else grads[n].to(p.dtype) for n, p in params.items()]
     return (grad_x.to(x.dtype), *router_grads, *expert_grads, *shared_grads)
+
+
+def _balance_sizes(call: MoECall, num_tokens: int | None, num_sequences: int | None) -> tuple:
+    """The S and Q the balance losses average over: the call's balance scope's when it has one."""
+    scope = call.balance_scope
+    return (num_tokens, num_sequences) if scope is None else (scope.num_tokens, scope.num_sequences)
 
 
 def split_weights(config: MoEConfig, weights) -> tuple[tuple, tuple]:

@@ -6,6 +6,8 @@
   layer.aux_loss_scale           dL/d(aux_loss) that y's backward applies: 1.0 (default) trains
                                  L = f(y) + aux_loss; 1/N when f is divided by N (gradient
                                  accumulation); None: aux_loss is a graph node the caller adds
+  layer.balance_scope            None, or the whole batch the balance losses average over when a
+                                 forward sees a micro-batch of it (moe/function.py BalanceScope)
   layer.stats                    tokens_per_expert, selected_per_expert, dropped_tokens, capacity,
                                  workspace_bytes (resident bytes of the workspace)
   layer.workspace                the pool of large row buffers reused across steps
@@ -120,6 +122,8 @@ class MoE(nn.Module):
         self.reset_parameters()
         self.aux_loss: torch.Tensor | None = None
         self.aux_loss_scale = aux_loss_scale
+        # the whole batch the balance losses average over, set around micro-batches (function.BalanceScope)
+        self.balance_scope = None
         self.stats: dict = {}
         # the large row buffers of forward and backward, reused across steps (single process)
         self.workspace = Workspace()
@@ -221,10 +225,11 @@ class MoE(nn.Module):
 
     def moe_call(self, x: torch.Tensor, inputs: tuple) -> MoECall:
         """What the MoE operators (moe/ops.py) run this layer's forward and backward with: its config,
-        its gate as the router, its dispatcher and workspace, aux_loss_scale; the forward's statistics
-        land in self.stats (inside the operator, so they are current under torch.compile too)."""
+        its gate as the router, its dispatcher and workspace, aux_loss_scale and balance_scope; the
+        forward's statistics land in self.stats (inside the operator, so they are current under
+        torch.compile too)."""
         return MoECall(self.config, GateRouter(self.config), self.dispatcher, self.workspace, self._keep_stats,
-                       self.aux_loss_scale)
+                       self.aux_loss_scale, self.balance_scope)
 
     def _keep_stats(self, stats: dict) -> None:
         self.stats = stats
@@ -270,7 +275,7 @@ class MoE(nn.Module):
         starts as a layer that has not run a forward, aux_loss None and stats empty."""
         state = super().__getstate__()
         # a copy gets an empty pool of the same settings: blocks are this layer's scratch memory
-        state.update(aux_loss=None, stats={}, workspace=None if self.workspace is None else self.workspace.empty_copy())
+        state.update(aux_loss=None, stats={}, balance_scope=None, workspace=None if self.workspace is None else self.workspace.empty_copy())
         return state
 
     def __setstate__(self, state: dict) -> None:

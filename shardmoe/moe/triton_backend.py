@@ -16,13 +16,21 @@ backward reads the same context whichever path the forward took.
 
 Backward, same contract as moe.experts.expert_backward (dx rows [N, H], gate dots dw [N] in the
 acc dtype, {parameter: gradient}):
-  "glu"  stages 2 + 3 in one GEMM (dw_r = (g_r Wdown_e) . a_r in the epilogue of dA = w g Wdown_e,
-         so g Wdown is never stored), then stage 4 with dh formed in registers (fGETGrad)
+  "glu"  stages 2 + 3 in one GEMM (dw_r = (g_r Wdown_e) . a_r + g_r . bdown_e in the GEMM of
+         dA = w g Wdown_e, so g Wdown is never stored), then stage 4 with dh formed in registers
+         (fGETGrad); the biases' gradients dbdown = sum w g and dbgu = sum dh come from the tiles
+         of the weight-gradient GEMMs
   "mlp"  stages 1 + 2 in one pass over g (ge = w g and dw = g . act_out(z2)), then stages 3 and 4
          with act' applied in the GEMMs' prologues
 With row_index [N] (the fused layer), the gradient and input arguments are the token-order [S, H]
 tensors and the kernels read row r from row row_index[r]: grad_out[row_token] and x[row_token] are
 never copied. Expert parallelism passes already-dispatched rows and no row_index.
+
+Every expert kind the torch path runs runs here: "glu" with or without biases and with any
+activation, GPT-OSS's clamped SwiGLU included (a ClampedSwiGLU as `activation`, evaluated in the
+kernels' GLU epilogue and fGETGrad operand); "mlp" with or without biases. A shared expert
+(moe/shared_experts.py) is a dense GEMM pair over all tokens that moe/function.py runs beside the
+backend, on torch, whichever backend the routed experts take.
 
 What this path saves against the torch path: nothing more (the same h or z1, z2); what it avoids
 allocating: xs and y [N, H] in forward, grad_out[row_token] and xs [N, H] (plus g Wdown [N, F] for
@@ -39,20 +47,25 @@ from shardmoe.moe.experts import glu_activation
 from shardmoe.rows import Groups
 
 
-def expert_backward(expert: str, activation: str, output_activation: str, grad_rows: torch.Tensor,
+def expert_backward(expert: str, activation, output_activation: str, grad_rows: torch.Tensor,
                     weight_rows: torch.Tensor, xs: torch.Tensor, saved: tuple, params: dict, groups: Groups, *,
                     row_index: torch.Tensor | None = None):
     """Stages 1-4 with the fusions above: (dx rows [N, H], dw [N] acc dtype, {parameter: gradient}).
     The signature of moe.experts.expert_backward, plus row_index: grad_rows and xs are [N, H] rows,
-    or the [S, H] token-order tensors with row_index [N]."""
+    or the [S, H] token-order tensors with row_index [N]. "glu": the bias gradients come with
+    gate_up_proj_bias; the dots' bias term with down_proj_bias (expert tensor parallelism passes
+    it None and adds that term itself, after the psum over 't')."""
     if expert == "glu":
         (h,) = saved
+        has_bias = params.get("gate_up_proj_bias") is not None
         a, act_gate = glu_activation(h, activation)
-        grad_a, grad_down, grad_dots = kernel_experts.grad_gate_post_gemm_glu(
-            grad_rows, weight_rows, a, params["down_proj"], groups, row_index=row_index)
-        grad_xs, grad_gate_up = kernel_experts.grad_pre_gemm_glu(grad_a, h, act_gate, xs, params["gate_up_proj"],
-                                                                 groups, activation, row_index=row_index)
-        return grad_xs, grad_dots, {"gate_up_proj": grad_gate_up, "down_proj": grad_down}
+        grad_a, grad_down, grad_dots, grad_down_bias = kernel_experts.grad_gate_post_gemm_glu(
+            grad_rows, weight_rows, a, params["down_proj"], groups, params.get("down_proj_bias"), has_bias,
+            row_index=row_index)
+        grad_xs, grad_gate_up, grad_gate_up_bias = kernel_experts.grad_pre_gemm_glu(
+            grad_a, h, act_gate, xs, params["gate_up_proj"], groups, activation, has_bias, row_index=row_index)
+        return grad_xs, grad_dots, {"gate_up_proj": grad_gate_up, "gate_up_proj_bias": grad_gate_up_bias,
+                                    "down_proj": grad_down, "down_proj_bias": grad_down_bias}
     z1, z2 = saved
     has_bias = params["b1"] is not None
     grad_expert, grad_dots = kernel_combine.grad_combine_gate(grad_rows, z2, weight_rows,
@@ -66,9 +79,9 @@ def expert_backward(expert: str, activation: str, output_activation: str, grad_r
 
 
 class TritonBackend:
-    """The Backend protocol on the Triton kernels. The kernels take no glu biases (select() never
-    picks them for a biased glu), so the glu stage signatures' has_bias is always False here and
-    the bias gradient None; they allocate their own buffers (workspace None)."""
+    """The Backend protocol on the Triton kernels, for every expert kind and activation of the torch
+    backend (biased glu and the clamped SwiGLU included); the kernels allocate their own buffers
+    (workspace None)."""
 
     name = "triton"
     workspace = None
@@ -104,10 +117,10 @@ class TritonBackend:
         return kernel_combine.grad_input_combine(dx_rows, row_pair, num_tokens, top_k)
 
     def grad_post_gemm_glu(self, grad_rows, weight_rows, a, down_proj, groups, has_bias=False):
-        return (*kernel_experts.grad_post_gemm_glu(grad_rows, weight_rows, a, down_proj, groups), None)
+        return kernel_experts.grad_post_gemm_glu(grad_rows, weight_rows, a, down_proj, groups, has_bias)
 
     def grad_pre_gemm_glu(self, grad_a, h, act_gate, xs, gate_up_proj, groups, activation, has_bias=False):
-        return (*kernel_experts.grad_pre_gemm_glu(grad_a, h, act_gate, xs, gate_up_proj, groups, activation), None)
+        return kernel_experts.grad_pre_gemm_glu(grad_a, h, act_gate, xs, gate_up_proj, groups, activation, has_bias)
 
     def grad_post_gemm_mlp(self, grad_expert, z2, a1, w2, has_bias, groups, output_activation):
         return kernel_experts.grad_post_gemm_mlp(grad_expert, z2, a1, w2, has_bias, groups, output_activation)

@@ -78,7 +78,7 @@ def check_memory(config: TrainConfig) -> None:
 
     from shardmoe.model.transformer import Transformer
 
-    dtype = getattr(torch, config.dtype)
+    dtype = config.param_dtype
     with torch.device("meta"):
         model = Transformer(config.model, mesh=None, dtype=dtype, seed=config.seed)
     params = sum(p.numel() for p in model.parameters())
@@ -87,7 +87,7 @@ def check_memory(config: TrainConfig) -> None:
     if need > have:
         raise ValueError(f"model: expected a model that fits in this machine's {have / 2**30:.1f} GiB, got "
                          f"{params:,} parameters needing at least {need / 2**30:.1f} GiB for weights, gradients and "
-                         f"AdamW's two moments in {config.dtype}")
+                         f"AdamW's two moments in {dtype}")
 
 
 def validate_setup(config: TrainConfig, sizes: dict[str, int], world_size: int, out_dir: str, resume: bool,

@@ -25,10 +25,11 @@ from pathlib import Path
 
 from shardmoe.model.residuals import check_backward_mode
 from shardmoe.model.transformer import TransformerConfig
+from shardmoe.train.accumulate import BALANCE_OVER
 from shardmoe.train.data import VOCAB_SIZE
 from shardmoe.train.presets import DEFAULT_ARCH, check_arch, with_preset
 
-DTYPES = ("float32", "float64")
+DTYPES = ("float32", "float64", "bfloat16")
 # Settings a resumed run must share with the checkpoint: they fix the weights' shapes and the data
 # stream. Optimizer settings and `steps` may change on resume (docs/training.md).
 RESUME_IDENTITY = ("arch", "model", "dtype", "seq_len", "batch_size", "seed", "corpus", "val_fraction")
@@ -45,6 +46,12 @@ class TrainConfig:
     blank line. eval_batches: held-out batches scored at the end (and every eval_every steps if > 0).
     checkpoint_every: also save every so many steps (0: only at the end). health_every: run the
     gradient health report every so many steps and log flagged parameters (0: never).
+    dtype: "float32", "float64", or "bfloat16": float32 parameters (the master weights), gradients
+    and AdamW moments, every forward under torch.autocast(bfloat16) (param_dtype, autocast_dtype;
+    docs/training.md says why this and not bf16 parameters beside fp32 masters).
+    grad_accum_steps N: each step's batch runs as N micro-batches of batch_size / N rows, the same
+    update as the whole batch; balance_over: the balance losses per "microbatch" (averaged) or
+    over the "global" batch (train/accumulate.py).
     threads: torch intra-op threads per rank (0: torch's default). One, because on a shared CPU
     OpenMP threads spin-wait on each other: a step measured up to 10x slower with two threads here.
     timeout_minutes: how long a rank waits for its peers (process-group start-up and every
@@ -70,6 +77,8 @@ class TrainConfig:
     max_grad_norm: float = 1.0
     seed: int = 0
     dtype: str = "float32"
+    grad_accum_steps: int = 1
+    balance_over: str = "microbatch"
     backward: str = "explicit"
     corpus: str | None = None
     val_fraction: float = 0.05
@@ -89,7 +98,7 @@ class TrainConfig:
         if self.model.vocab_size < VOCAB_SIZE:
             raise ValueError(f"model.vocab_size: expected at least the byte tokenizer's {VOCAB_SIZE} ids, "
                              f"got {self.model.vocab_size}")
-        for name in ("steps", "batch_size", "seq_len"):
+        for name in ("steps", "batch_size", "seq_len", "grad_accum_steps"):
             _check_int(name, getattr(self, name), 1)
         for name in ("warmup_steps", "seed", "eval_every", "eval_batches", "checkpoint_every", "health_every",
                      "sample_bytes", "threads"):
@@ -109,9 +118,28 @@ class TrainConfig:
         _check_number("timeout_minutes", self.timeout_minutes, low=0.0, low_open=True)
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype: expected one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.balance_over not in BALANCE_OVER:
+            raise ValueError(f"balance_over: expected one of {', '.join(BALANCE_OVER)}, got {self.balance_over!r}")
+        if self.batch_size % self.grad_accum_steps:
+            raise ValueError(f"grad_accum_steps: expected a divisor of batch_size={self.batch_size}, "
+                             f"got {self.grad_accum_steps}")
         check_backward_mode(self.backward)
         if self.corpus is not None and not isinstance(self.corpus, str):
             raise ValueError(f"corpus: expected a file path or null, got {self.corpus!r}")
+
+    @property
+    def param_dtype(self):
+        """The parameters' (and gradients', optimizer moments', checkpoints') torch dtype."""
+        import torch
+
+        return torch.float64 if self.dtype == "float64" else torch.float32
+
+    @property
+    def autocast_dtype(self):
+        """The dtype forwards run under torch.autocast in, or None (no autocast)."""
+        import torch
+
+        return torch.bfloat16 if self.dtype == "bfloat16" else None
 
     def to_dict(self) -> dict:
         values = dataclasses.asdict(self)

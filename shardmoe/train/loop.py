@@ -4,6 +4,8 @@ One optimizer step n (1-based) on every rank of the mesh:
     batch      this rank's rows of global batch n ('B/d/e L'; t ranks share rows)
     losses     model(batch): cross-entropy (mean over the global batch) + MoE aux losses
     backward   from this rank's total; the dense layers reduce-scatter their gradients over d
+               (with grad_accum_steps N, forward and backward run over N micro-batches that add
+               up to the same update: train/accumulate.py)
     sync       model.sync_grads(): dense over e, MoE gate over (d, e), experts over d
     clip       the global gradient norm (all shards, each counted once) to max_grad_norm
     update     AdamW with the warm-up + cosine learning rate of step n, then each MoE correction
@@ -32,6 +34,7 @@ import torch
 
 from shardmoe.check.health import gradient_health
 from shardmoe.model.transformer import Transformer
+from shardmoe.train.accumulate import accumulate_step
 from shardmoe.train.checkpoint import checkpoint_path, load_checkpoint, save_checkpoint
 from shardmoe.train.config import TrainConfig
 from shardmoe.train.data import PackedBatches, load_corpus, split_documents
@@ -101,8 +104,7 @@ def train(config: TrainConfig, out_dir: str | Path | None, *, mesh=None, resume:
     token_shards = 1 if mesh is None else mesh.size(("d", "e"))
     token_rank = 0 if mesh is None else mesh.coord(("d", "e"))
     data, val = build_streams(config, token_rank, token_shards)
-    dtype = getattr(torch, config.dtype)
-    model = Transformer(config.model, mesh=mesh, backward=config.backward, dtype=dtype, seed=config.seed)
+    model = Transformer(config.model, mesh=mesh, backward=config.backward, dtype=config.param_dtype, seed=config.seed)
     optimizer = AdamW(model.named_parameters(), betas=(config.beta1, config.beta2), eps=config.adam_eps,
                       weight_decay=config.weight_decay)
 
@@ -116,7 +118,7 @@ def train(config: TrainConfig, out_dir: str | Path | None, *, mesh=None, resume:
         write_metrics(out_dir, history)  # drops rows logged after the checkpoint (or a fresh run's old rows)
 
     last = config.steps if stop_after is None else min(stop_after, config.steps)
-    result = RunResult(model, history, measure_peak_flops(dtype), start)
+    result = RunResult(model, history, measure_peak_flops(config.autocast_dtype or config.param_dtype), start)
     if start >= last:
         return result
     flops_per_step = train_flops_per_token(config.model, config.seq_len) * config.batch_size * config.seq_len
@@ -128,30 +130,31 @@ def train(config: TrainConfig, out_dir: str | Path | None, *, mesh=None, resume:
         for step in range(start + 1, last + 1):
             started = time.perf_counter()
             optimizer.zero_grad()
-            batch = next(data)
-            losses = model(batch.ids, batch.is_seq_start, batch.targets)
-            loads = load_columns([s["tokens_per_expert"] for s in model.moe_stats()])  # before evaluate() reroutes
-            losses.total.backward()
+            with _autocast(config):
+                step_losses = accumulate_step(model, next(data), config.grad_accum_steps, config.balance_over,
+                                              token_shards)
             model.sync_grads()
             grad_norm = global_grad_norm([(p.grad, model.replicas(n)) for n, p in params])
             flagged = _flagged(model, params, config, step, last)
             clip_grads([p.grad for _, p in params], grad_norm, config.max_grad_norm)
             lr = learning_rate(step, config.lr, config.warmup_steps, config.steps, config.min_lr_ratio)
             optimizer.step(lr)
-            model.update_correction_biases()  # from this step's global loads (DeepSeek-V3 bias balancing)
-            ce, aux = model.global_losses(losses)
+            # from this step's global loads (DeepSeek-V3 bias balancing)
+            model.update_correction_biases(step_losses.selected_per_expert)
+            ce, aux = step_losses.ce, step_losses.aux
             seconds = time.perf_counter() - started
             row = {"step": step, "loss": ce, "aux_loss": aux, "lr": lr, "grad_norm": grad_norm,
                    "tokens_per_s": config.batch_size * config.seq_len / seconds,
                    "mfu": flops_per_step / seconds / (result.peak_flops * world),
-                   "dropped_tokens": sum(int(s.get("dropped_tokens", 0)) for s in model.moe_stats()),
-                   "seconds": seconds, **loads}
+                   "dropped_tokens": step_losses.dropped_tokens, "seconds": seconds,
+                   **load_columns(step_losses.tokens_per_expert)}
             if flagged:
                 row["flagged"] = flagged
                 if bar is not None:
                     bar.write(f"step {step}: gradient health flags {', '.join(flagged)}")
             if config.eval_batches and (step == last or (config.eval_every and step % config.eval_every == 0)):
-                row["val_loss"] = evaluate(model, val, config.eval_batches)
+                with _autocast(config):
+                    row["val_loss"] = evaluate(model, val, config.eval_batches)
             result.metrics.append(row)
             if metrics_log is not None:
                 metrics_log.append(row)
@@ -189,6 +192,12 @@ def _flagged(model: Transformer, params, config: TrainConfig, step: int, last: i
     if not config.health_every or (step % config.health_every and step != last):
         return []
     return [f"{e.name}: {e.status}" for e in gradient_health(params, replicas=model.replicas).flagged]
+
+
+def _autocast(config: TrainConfig) -> torch.autocast:
+    """torch.autocast in config.autocast_dtype, or a disabled one (a no-op)."""
+    dtype = config.autocast_dtype
+    return torch.autocast("cpu", dtype=dtype, enabled=dtype is not None)
 
 
 def _progress_bar(enabled: bool, start: int, total: int):

@@ -11,11 +11,12 @@ if not triton_importable():
 from shardmoe.kernels import experts as kex  # noqa: E402
 from shardmoe.moe import combine as comb  # noqa: E402
 from shardmoe.moe import experts as ex  # noqa: E402
-from shardmoe.moe.activations import activate  # noqa: E402
+from shardmoe.moe.activations import ClampedSwiGLU, activate  # noqa: E402
 
 TOL = 1e-5
 F32 = torch.float32
 ACTIVATIONS = ["relu", "gelu", "gelu_tanh", "silu", "identity"]
+CLAMPED = ClampedSwiGLU(limit=0.5, alpha=1.702)  # both clamps act on these rows (h about unit variance)
 
 
 def groups_of(routed):
@@ -62,31 +63,47 @@ def _glu_saved(routed, params, activation):
     return xs, h, a, act_gate
 
 
-def test_grad_post_gemm_glu(routed, expert_params, rel_err):
+@pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
+def test_grad_post_gemm_glu(routed, expert_params, rel_err, bias):
+    """Stage 3 (dA, dWdown, g Wdown, dbdown), on rows and gathered; stages 2 + 3 fused, whose gate
+    dots gain g . bdown_e with the down bias (y = a Wdown_e^T + bdown_e)."""
     groups = groups_of(routed)
-    params = expert_params("glu", False, routed.x.device)
+    params = expert_params("glu", bias, routed.x.device)
     _, _, a, _ = _glu_saved(routed, params, "silu")
     grad_rows = routed.grad_out[routed.row_token]
-    expected = ex.grad_post_gemm_glu(grad_rows, routed.weight_rows, a, params["down_proj"], groups)[:3]  # [3]: the bias gradient, None here
+    expected = ex.grad_post_gemm_glu(grad_rows, routed.weight_rows, a, params["down_proj"], groups, bias)
+    assert (expected[3] is not None) == bias
     r32 = routed.cast(F32)
-    args = (r32.weight_rows, a.to(F32), params["down_proj"].to(F32), groups)
+    args = (r32.weight_rows, a.to(F32), params["down_proj"].to(F32), groups, bias)
     assert_all_close(kex.grad_post_gemm_glu(r32.grad_out[r32.row_token], *args), expected, rel_err)
     assert_all_close(kex.grad_post_gemm_glu(r32.grad_out, *args, row_index=r32.row_token), expected, rel_err)
 
-    grad_a, grad_down, g_down = expected
-    fused = kex.grad_gate_post_gemm_glu(r32.grad_out, *args, row_index=r32.row_token)
-    assert_all_close(fused, (grad_a, grad_down, comb.grad_gate_combine(g_down, a)), rel_err)
+    grad_a, grad_down, g_down, grad_down_bias = expected
+    dots = comb.grad_gate_combine(g_down, a)
+    down_bias = params["down_proj_bias"]
+    if bias:
+        dots = dots + comb.grad_gate_combine(grad_rows, down_bias[groups.row_expert()])
+        assert rel_err(dots, comb.grad_gate_combine(g_down, a)) > 1e-2  # the bias term is no round-off
+    fused = kex.grad_gate_post_gemm_glu(r32.grad_out, r32.weight_rows, a.to(F32), params["down_proj"].to(F32),
+                                        groups, None if down_bias is None else down_bias.to(F32), bias,
+                                        row_index=r32.row_token)
+    assert_all_close(fused, (grad_a, grad_down, dots, grad_down_bias), rel_err)
 
 
-@pytest.mark.parametrize("activation", ACTIVATIONS)
-def test_grad_pre_gemm_glu(routed, expert_params, rel_err, activation):
+@pytest.mark.parametrize("activation,bias", [(a, False) for a in ACTIVATIONS] + [("silu", True), (CLAMPED, False),
+                                                                                  (CLAMPED, True)],
+                         ids=[*ACTIVATIONS, "silu-bias", "clamped", "clamped-bias"])
+def test_grad_pre_gemm_glu(routed, expert_params, rel_err, activation, bias):
+    """Stage 4 (dx, dWgu, dbgu) with dh formed in registers: every activation, the clamped SwiGLU's
+    derivative (zero beyond its clamps) and the gate/up bias gradient."""
     groups = groups_of(routed)
-    params = expert_params("glu", False, routed.x.device)
+    params = expert_params("glu", bias, routed.x.device)
     xs, h, a, act_gate = _glu_saved(routed, params, activation)
     grad_a = random_like(a, seed=4)
-    expected = ex.grad_pre_gemm_glu(grad_a, h, act_gate, xs, params["gate_up_proj"], groups, activation)[:2]  # [2]: the bias gradient
+    expected = ex.grad_pre_gemm_glu(grad_a, h, act_gate, xs, params["gate_up_proj"], groups, activation, bias)
+    assert (expected[2] is not None) == bias
     got = kex.grad_pre_gemm_glu(grad_a.to(F32), h.to(F32), act_gate.to(F32), routed.x.to(F32),
-                                params["gate_up_proj"].to(F32), groups, activation, row_index=routed.row_token)
+                                params["gate_up_proj"].to(F32), groups, activation, bias, row_index=routed.row_token)
     assert_all_close(got, expected, rel_err)
 
 

@@ -10,6 +10,7 @@ if not triton_importable():
 from shardmoe.kernels import experts as kex  # noqa: E402
 from shardmoe.moe import combine as comb  # noqa: E402
 from shardmoe.moe import experts as ex  # noqa: E402
+from shardmoe.moe.activations import ClampedSwiGLU  # noqa: E402
 
 TOL = 1e-5
 F32, F64 = torch.float32, torch.float64
@@ -17,6 +18,10 @@ F32, F64 = torch.float32, torch.float64
 MLP_CASES = [("relu", "identity", True), ("gelu", "silu", False), ("gelu_tanh", "gelu_tanh", True),
              ("silu", "relu", True), ("identity", "gelu", False)]
 ACTIVATIONS = ["relu", "gelu", "gelu_tanh", "silu", "identity"]
+# GPT-OSS's clamped SwiGLU with a limit that h (about unit variance here) crosses on both halves
+CLAMPED = ClampedSwiGLU(limit=0.5, alpha=1.702)
+GLU_KINDS = [("silu", True), (CLAMPED, False), (CLAMPED, True)]
+GLU_KIND_IDS = ["silu-bias", "clamped", "clamped-bias"]
 
 
 def groups_of(routed):
@@ -52,6 +57,18 @@ def test_expert_forward_glu(routed, expert_params, cast, rel_err, activation):
     _check_expert_forward(routed, params, cast, rel_err, "glu", activation, "identity")
 
 
+@pytest.mark.parametrize("activation,bias", GLU_KINDS, ids=GLU_KIND_IDS)
+def test_expert_forward_glu_kinds(routed, expert_params, cast, rel_err, activation, bias):
+    """The glu biases in both GEMMs' epilogues and the clamped SwiGLU in the first one's."""
+    params = expert_params("glu", bias, routed.x.device)
+    if isinstance(activation, ClampedSwiGLU):  # both clamps act on these rows
+        _, (h,) = ex.expert_forward("glu", activation, "identity", routed.x[routed.row_token], params,
+                                    groups_of(routed))
+        gate, up = h.chunk(2, dim=1)
+        assert (gate > activation.limit).float().mean() > 0.1 and (up.abs() > activation.limit).float().mean() > 0.1
+    _check_expert_forward(routed, params, cast, rel_err, "glu", activation, "identity")
+
+
 @pytest.mark.parametrize("activation,output_activation,bias", MLP_CASES)
 def test_expert_forward_mlp(routed, expert_params, cast, rel_err, activation, output_activation, bias):
     params = expert_params("mlp", bias, routed.x.device)
@@ -70,8 +87,9 @@ def test_expert_forward_without_gather_matches_gathered(routed, expert_params, c
 
 @pytest.mark.parametrize("expert,activation,output_activation,bias,top_k,drop_every",
                          [("glu", "silu", "identity", False, 2, 7), ("mlp", "gelu", "silu", True, 2, 7),
-                          ("mlp", "relu", "identity", True, 1, 0), ("glu", "gelu_tanh", "identity", False, 1, 5)],
-                         ids=["glu-k2-drops", "mlp-k2-drops", "mlp-k1", "glu-k1-drops"])
+                          ("mlp", "relu", "identity", True, 1, 0), ("glu", "gelu_tanh", "identity", False, 1, 5),
+                          ("glu", CLAMPED, "identity", True, 2, 7)],
+                         ids=["glu-k2-drops", "mlp-k2-drops", "mlp-k1", "glu-k1-drops", "glu-clamped-bias-k2-drops"])
 def test_expert_forward_combine(device, make_routed_batch, expert_params, cast, rel_err,
                                 expert, activation, output_activation, bias, top_k, drop_every):
     routed = make_routed_batch(device, top_k=top_k, drop_every=drop_every)

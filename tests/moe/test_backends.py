@@ -32,12 +32,12 @@ def test_every_backend_implements_the_whole_protocol():
 
 
 @pytest.mark.skipif(not kernels.triton_importable(), reason="triton cannot be imported")
-def test_kernels_take_the_layer_unless_it_has_glu_biases():
+def test_kernels_take_every_layer_kind():
     x = torch.zeros(3, 8)
     with kernels.force_kernel_path():  # fused_path then accepts CPU tensors
         assert backends.select(MoEConfig(8, 6, 4, 2), x).name == "triton"
         assert backends.select(MoEConfig(8, 6, 4, 2, expert="mlp", bias=True), x).name == "triton"
-        assert backends.select(MoEConfig(8, 6, 4, 2, bias=True), x, Workspace()).name == "torch"
+        assert backends.select(MoEConfig(8, 6, 4, 2, bias=True), x, Workspace()).name == "triton"
     assert backends.select(MoEConfig(8, 6, 4, 2), x).name == "torch"
 
 

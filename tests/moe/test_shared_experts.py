@@ -143,11 +143,12 @@ def test_bad_shared_options_raise_value_error_naming_the_argument(options, match
         MoEConfig(H, F, E, K, **options)
 
 
-def test_kernel_path_is_refused_with_a_shared_expert():
-    """kernels.fused_path: the shared expert is not wired to the Triton kernels, so torch runs it."""
+def test_kernel_path_takes_a_layer_with_a_shared_expert():
+    """kernels.fused_path: the routed experts take the Triton kernels; the shared expert, a dense
+    FFN over every token, runs on torch beside them (moe/function.py)."""
     with force_kernel_path():
         assert fused_path(MoEConfig(H, F, E, K), torch.zeros(3, H)) is True
-        assert fused_path(MoEConfig(H, F, E, K, shared_ffn_size=4), torch.zeros(3, H)) is False
+        assert fused_path(MoEConfig(H, F, E, K, shared_ffn_size=4), torch.zeros(3, H)) is True
 
 
 def test_mixtral_exports_refuse_a_shared_expert():

@@ -8,8 +8,9 @@ dense-weight sums over e and of the MoE seam over t) and that full weights round
 the shards; the same for a DeepSeek-like router (sigmoid, groups, both biases, scaling, sequence-wise
 loss over the packed documents) with biased glu experts and a gated shared expert (sliced over t),
 whose correction biases after one update must equal the single-process ones (the clamped SwiGLU,
-which no family combines with shared experts, is covered by tests/parallel). A checkpoint written
-by the d = 2 run resumes on one process.
+which no family combines with shared experts, is covered by tests/parallel); and that router's step
+taken as 2 micro-batches with balance_over = "global" on the mesh equals one process's step on the
+whole batch. A checkpoint written by the d = 2 run resumes on one process.
 """
 import dataclasses
 import math
@@ -20,6 +21,7 @@ import torch
 from shardmoe.mesh import Mesh
 from shardmoe.model.transformer import Transformer, full_shapes
 from shardmoe.testing import run_distributed
+from shardmoe.train.accumulate import accumulate_step
 from shardmoe.train.loop import build_streams, train
 
 from .conftest import TINY_MODEL, tiny_train_config
@@ -37,12 +39,13 @@ def training_config():
     return tiny_train_config(steps=STEPS, eval_batches=0, health_every=0)
 
 
-def float64_gradients(mesh, model_config=TINY_MODEL):
+def float64_gradients(mesh, model_config=TINY_MODEL, micro_batches=0):
     """(loss, {name: full gradient, and each correction bias after its update}) of one float64
-    step on the first global batch."""
+    step on the first global batch; with micro_batches, of 8 rows taken in that many parts."""
     shards = 1 if mesh is None else mesh.size(("d", "e"))
     rank = 0 if mesh is None else mesh.coord(("d", "e"))
-    batch = next(build_streams(training_config(), rank, shards)[0])
+    config = tiny_train_config(batch_size=8) if micro_batches else training_config()
+    batch = next(build_streams(config, rank, shards)[0])
     model = Transformer(model_config, mesh=mesh, dtype=torch.float64, seed=3)
     with torch.no_grad():  # biases away from their zero init, so that they matter
         for name, p in model.named_parameters():
@@ -50,12 +53,17 @@ def float64_gradients(mesh, model_config=TINY_MODEL):
                 shape = full_shapes(model_config)[name]
                 full = torch.linspace(-0.5, 0.5, math.prod(shape), dtype=p.dtype).view(shape)
                 p.copy_(model.shard_full(name, full))
-    losses = model(batch.ids, batch.is_seq_start, batch.targets)
-    losses.total.backward()
-    model.sync_grads()
-    ce, aux = model.global_losses(losses)
+    if micro_batches:
+        step = accumulate_step(model, batch, micro_batches, "global", shards)
+        ce, aux, loads = step.ce, step.aux, step.selected_per_expert
+        model.sync_grads()
+    else:
+        losses = model(batch.ids, batch.is_seq_start, batch.targets)
+        losses.total.backward()
+        model.sync_grads()
+        (ce, aux), loads = model.global_losses(losses), None
     grads = {n: model.gather_full(n, p.grad) for n, p in model.named_parameters()}
-    model.update_correction_biases()
+    model.update_correction_biases(loads)
     grads.update({n: b for n, b in model.full_state_dict().items() if n.endswith("correction_bias")})
     return ce + aux, grads
 
@@ -63,6 +71,7 @@ def float64_gradients(mesh, model_config=TINY_MODEL):
 def run_layouts(layouts, checkpoint_dir=None):
     reference_loss, reference_grads = float64_gradients(None)
     router_loss, router_grads = float64_gradients(None, ROUTER_MODEL)
+    whole_loss, whole_grads = float64_gradients(None, ROUTER_MODEL, micro_batches=1)
     results = {}
     for d, e, t in layouts:
         mesh = Mesh(dp=d, ep=e, tp=t)
@@ -73,6 +82,10 @@ def run_layouts(layouts, checkpoint_dir=None):
         grad_errors.update({f"router {n}": ((g - router_grads[n]).norm() / router_grads[n].norm()).item()
                             for n, g in mesh_router_grads.items()})
         grad_errors["router loss"] = abs(mesh_router_loss - router_loss) / router_loss
+        parts_loss, parts_grads = float64_gradients(mesh, ROUTER_MODEL, micro_batches=2)
+        grad_errors.update({f"2 micro-batches {n}": ((g - whole_grads[n]).norm() / whole_grads[n].norm()).item()
+                            for n, g in parts_grads.items()})
+        grad_errors["2 micro-batches loss"] = abs(parts_loss - whole_loss) / whole_loss
         model = Transformer(TINY_MODEL, mesh=mesh, seed=5)
         expected = Transformer(TINY_MODEL, seed=5).full_state_dict()
         round_trip = all(torch.equal(w, expected[n]) for n, w in model.full_state_dict().items())
