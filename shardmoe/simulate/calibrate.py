@@ -84,7 +84,7 @@ def measure_rates(shape: ModelShape, ranks: int = 1) -> dict[str, float]:
     h, workspace = torch.randn(rows, 2 * F), Workspace()
     activation = _median_seconds(lambda: glu_activation(h, "silu", workspace=workspace))
     return {"peak_flops": flops / gemm, "copy_bandwidth": 2 * a.numel() * a.element_size() / copy,
-            "hbm_bandwidth": 4 * h.numel() * h.element_size() / activation}  # reads [n, 2F], writes 2 x [n, F]
+            "hbm_bandwidth": 2 * h.numel() * h.element_size() / activation}  # reads [n, 2F], writes 2 x [n, F]
 
 
 def predicted_phases(shape: ModelShape, hardware: Hardware, ranks: int,

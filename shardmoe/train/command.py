@@ -105,6 +105,9 @@ def validate_setup(config: TrainConfig, sizes: dict[str, int], world_size: int, 
     if config.batch_size % token_shards:
         raise ValueError(f"batch_size: expected a multiple of d*e = {token_shards} (rows are split over d and e), "
                          f"got {config.batch_size}")
+    if (config.batch_size // token_shards) % config.grad_accum_steps:
+        raise ValueError(f"grad_accum_steps: expected a divisor of the {config.batch_size // token_shards} rows per "
+                         f"rank (batch_size / (d*e)), got {config.grad_accum_steps}")
     build_streams(config)  # a missing or too small corpus
     check_memory(config)
     if resume:

@@ -46,6 +46,31 @@ def plot_loss_curve(metrics: list[dict], path: str | Path, title: str = "") -> P
     return path
 
 
+def plot_loss_comparison(runs: dict[str, list[dict]], path: str | Path, title: str = "") -> Path:
+    """PNG of several runs' training cross-entropy per step (held-out points as markers), one
+    colour per run; `runs` maps a label to the rows of its metrics.jsonl."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for i, (label, metrics) in enumerate(runs.items()):
+        colour = f"C{i}"
+        ax.plot([m["step"] for m in metrics], [m["loss"] for m in metrics], lw=1.0, color=colour, alpha=0.8,
+                label=f"{label} train")
+        evals = [m for m in metrics if "val_loss" in m]
+        ax.plot([m["step"] for m in evals], [m["val_loss"] for m in evals], "o", color=colour,
+                label=f"{label} held-out")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (nats / byte)")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    if title:
+        ax.set_title(title, fontsize=10)
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=DPI)
+    plt.close(fig)
+    return path
+
+
 def plot_expert_load(metrics: list[dict], path: str | Path, title: str = "") -> Path | None:
     """PNG heatmap of each MoE layer's load over the steps: one panel per layer (layer 0 on top),
     steps along x, experts along y, colour = expert_tokens[l][j] / mean_j expert_tokens[l][j]

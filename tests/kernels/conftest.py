@@ -1,7 +1,10 @@
-"""Kernel tests: compiled on a GPU when there is one, else on CPU in Triton's interpreter.
+"""Kernel tests: on CPU tensors in Triton's interpreter, or compiled on CUDA tensors with
+SHARDMOE_TEST_COMPILED=1 (python -m shardmoe.gpu_check's tests stage sets it; docs/gpu.md).
 
-The interpreter is chosen here, before any test module imports triton (triton.jit reads
-TRITON_INTERPRET when a kernel is decorated). Shapes are tiny but cover every masking
+The mode is chosen here, before any test module imports triton (triton.jit reads
+TRITON_INTERPRET when a kernel is decorated). In compiled mode test_layer_path.py is skipped: it
+feeds CPU tensors to the kernels through force_kernel_path(), which only the interpreter runs;
+the gpu_check parity stage runs its cases on CUDA tensors. Shapes are tiny but cover every masking
 path of the kernels' interpreter tiles (16-row tiles, 32-wide column and K tiles):
 uneven expert groups, empty experts (first and middle), a group spanning two row tiles,
 widths that are not multiples of 32, and a GLU gate/up boundary inside a tile.
@@ -13,8 +16,22 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+COMPILED = os.environ.get("SHARDMOE_TEST_COMPILED", "0")
+if COMPILED not in ("0", "1"):
+    raise pytest.UsageError(f"SHARDMOE_TEST_COMPILED: expected 0 (interpreter) or 1 (compiled on CUDA), "
+                            f"got {COMPILED!r}")
+COMPILED = COMPILED == "1"
+if COMPILED:
+    if not torch.cuda.is_available():
+        raise pytest.UsageError("SHARDMOE_TEST_COMPILED=1: expected a CUDA device (torch.cuda.is_available()), "
+                                "got none")
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        raise pytest.UsageError(f"SHARDMOE_TEST_COMPILED=1: expected TRITON_INTERPRET unset or 0, got "
+                                f"{os.environ['TRITON_INTERPRET']!r}")
+else:
+    os.environ["TRITON_INTERPRET"] = "1"
+# the interpreter's way to the kernels: CPU tensors through force_kernel_path() (see the docstring)
+INTERPRETER_ONLY = ("test_layer_path.py",)
 
 HIDDEN = 40  # H: one full and one partial 32-wide tile
 FFN = 24  # F or P: 2F = 48 puts the gate/up boundary inside the first 32-wide K tile
@@ -44,9 +61,19 @@ class Routed:
                       self.num_tokens, self.top_k)
 
 
+def pytest_collection_modifyitems(config, items):
+    if not COMPILED:
+        return
+    skip = pytest.mark.skip(reason="compiled mode: CPU tensors through force_kernel_path() run only in the "
+                                   "interpreter; python -m shardmoe.gpu_check --only parity runs these cases on CUDA")
+    for item in items:
+        if item.path.name in INTERPRETER_ONLY:
+            item.add_marker(skip)
+
+
 @pytest.fixture(scope="session")
 def device():
-    return "cuda" if torch.cuda.is_available() else "cpu"
+    return "cuda" if COMPILED else "cpu"
 
 
 def make_routed(device, *, top_k=TOP_K, drop_every=7, seed=0) -> Routed:
@@ -87,7 +114,8 @@ def make_params(expert: str, bias: bool, device, seed=1) -> dict:
 
     E, H, F = NUM_EXPERTS, HIDDEN, FFN
     if expert == "glu":
-        return {"gate_up_proj": rand(E, 2 * F, H), "down_proj": rand(E, H, F)}
+        return {"gate_up_proj": rand(E, 2 * F, H), "gate_up_proj_bias": rand(E, 2 * F) if bias else None,
+                "down_proj": rand(E, H, F), "down_proj_bias": rand(E, H) if bias else None}
     return {"w1": rand(E, F, H), "b1": rand(E, F) if bias else None,
             "w2": rand(E, H, F), "b2": rand(E, H) if bias else None}
 

@@ -1,0 +1,269 @@
+"""Stage bench: forward + backward of the layer in bf16 at SHAPES, against its anchors.
+
+Candidates, built by shardmoe.bench.candidates on the same weights and input (fixed routing):
+  dense           the GEMMs of a dropless MoE step as one expert, into preallocated buffers: the same
+                  FLOPs in the same operand shapes (dense_candidate): the ceiling
+  grouped_mm      transformers' MixtralSparseMoeBlock, experts_implementation="grouped_mm"
+  shardmoe        shardmoe.MoE.from_mixtral(that block): the Triton path (forced in a dry run)
+  shardmoe:torch  the same layer under shardmoe.settings.override(kernels=False)
+Without transformers the layer gets the same weights directly and grouped_mm is left out (noted).
+
+Timing: shardmoe.bench.timing.time_interleaved (rounds in rotating order, WARMUP rounds first, the
+first of them autotuning the kernels); inside each step CUDA events (perf_counter on CPU) mark the
+start, the end of the forward and the end of the backward, and the report gives their medians.
+  TFLOP/s          total_flops(shape) / median step (every GEMM of forward + backward, the router's
+                   too: shardmoe.bench.flops); forward 1/3 of them, backward 2/3
+  x dense          median(dense) / median: the fraction of the dense ceiling
+  vs grouped_mm    median(grouped_mm) / median: above 1, faster than transformers
+  peak GiB         torch.cuda.max_memory_allocated during one step, above what was allocated before it
+Before timing, one step of each is checked: the norm-relative error (bench.case.relative_error) of
+the output and every gradient between shardmoe, shardmoe:torch and grouped_mm must be within CHECK_TOL.
+SonicMoE's published H100 rates at the fine shape (SONICMOE) are printed beside shardmoe's, in
+expert GEMM FLOPs (expert_flops, without the router's).
+"""
+from __future__ import annotations
+
+import contextlib
+import gc
+import statistics
+import time
+from dataclasses import asdict, replace
+
+from shardmoe.bench.flops import Shape, expert_flops, router_flops, total_flops
+
+from .report import fmt, table
+
+SHAPES = {"mixtral": Shape(8192, 4096, 14336, 8, 2), "fine": Shape(24576, 1536, 256, 128, 8)}
+DRY_RUN_SHAPES = {"mixtral": Shape(64, 32, 48, 4, 2), "fine": Shape(48, 32, 16, 16, 4)}
+# SonicMoE (Guo et al., 2025), H100, bf16, S=24576 H=1536 F=256 E=128 k=8: forward / backward TFLOP/s
+SONICMOE = {"shape": "fine", "forward_tflops": 365.0, "backward_tflops": 405.0}
+WARMUP, REPEATS = 3, 10
+DRY_RUN_WARMUP, DRY_RUN_REPEATS = 0, 2  # the check step before the timing warms up
+CHECK_TOL = 2e-2  # bf16 norm-relative error between two implementations of the same step
+NAMES = {"transformers": "grouped_mm"}  # the bench's candidate name -> this report's
+
+
+class Clock:
+    """Marks in a CUDA stream (events) or on the host (perf_counter, where every op is synchronous)."""
+
+    def __init__(self, cuda: bool):
+        self.cuda = cuda
+
+    def mark(self):
+        import torch
+
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def ms(self, start, end) -> float:
+        return start.elapsed_time(end) if self.cuda else (end - start) * 1e3
+
+
+def _layer_candidate(s: Shape, dtype, device):
+    """The shardmoe candidate without transformers: shardmoe.MoE holding the bench's weights."""
+    import torch
+
+    import shardmoe
+    from shardmoe.bench.candidates import Candidate, _init_weights
+
+    router, gate_up, down = _init_weights(s, 0)
+    layer = shardmoe.MoE(s.hidden, s.ffn, s.experts, s.top_k, dtype=dtype, device=device)
+    with torch.no_grad():
+        layer.gate_weight.copy_(router.t())
+        layer.gate_up_proj.copy_(gate_up)
+        layer.down_proj.copy_(down)
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(1, s.tokens, s.hidden, generator=gen).to(device=device, dtype=dtype).requires_grad_()
+    grad = torch.randn(1, s.tokens, s.hidden, generator=gen).to(device=device, dtype=dtype)
+    params = (layer.gate_weight, layer.gate_up_proj, layer.down_proj)
+
+    def reset():
+        x.grad = None
+        for p in params:
+            p.grad = None
+
+    def grads():
+        return {"x": x.grad, "p0": params[0].grad.t(), "p1": params[1].grad, "p2": params[2].grad}
+
+    return Candidate("shardmoe", lambda: layer(x).backward(grad), reset, params, lambda: layer(x), grads, layer=layer)
+
+
+def build(s: Shape, dtype, device) -> tuple[dict, list[str]]:
+    """(the bench's candidates "dense", "transformers", "shardmoe"; notes on what could not be built)."""
+    from shardmoe.bench import candidates as bc
+
+    try:
+        cands, _ = bc.build_candidates(s, dtype, device, ("dense", "transformers", "shardmoe"))
+        return cands, []
+    except Exception as err:  # transformers absent, or its block API changed: time the rest
+        gc.collect()
+        note = f"grouped_mm left out: transformers' block could not be built ({type(err).__name__}: {err})"
+        return {"dense": bc.dense_candidate(s, dtype, device, True, "dense"),
+                "shardmoe": _layer_candidate(s, dtype, device)}, [note]
+
+
+def output(value):
+    """A block's output tensor (transformers blocks of some versions return (hidden, router logits))."""
+    return value[0] if isinstance(value, tuple) else value
+
+
+def split_timed(c, context, grad, clock: Clock):
+    """(a copy of candidate c whose step marks start / end of forward / end of backward, the marks)."""
+    marks = []
+
+    def step():
+        with context():
+            start = clock.mark()
+            if c.forward is None:  # dense: one block of GEMMs
+                c.step()
+                marks.append((start, None, clock.mark()))
+                return
+            out = output(c.forward())
+            middle = clock.mark()
+            out.backward(grad)
+            marks.append((start, middle, clock.mark()))
+
+    return replace(c, step=step), marks
+
+
+def measure(shape_name: str, s: Shape, ctx) -> dict:
+    import torch
+
+    from shardmoe.bench.case import relative_error
+    from shardmoe.bench.timing import time_interleaved
+    from shardmoe.moe import backends
+
+    from .parity import torch_context, triton_context
+
+    dtype, device, cuda = torch.bfloat16, ctx.device, ctx.device == "cuda"
+    warmup, repeats = (DRY_RUN_WARMUP, DRY_RUN_REPEATS) if ctx.dry_run else (WARMUP, REPEATS)
+    print(f"  {shape_name}: {s}, bf16, building the candidates", flush=True)
+    cands, notes = build(s, dtype, device)
+    gen = torch.Generator().manual_seed(11)
+    grad = (torch.randn(1, s.tokens, s.hidden, generator=gen) / s.hidden ** 0.5).to(device=device, dtype=dtype)
+    layer = cands["shardmoe"].layer
+    contexts = {"dense": contextlib.nullcontext, "transformers": contextlib.nullcontext,
+                "shardmoe": lambda: triton_context(ctx.dry_run), "shardmoe:torch": torch_context}
+    bases = {**cands, "shardmoe:torch": cands["shardmoe"]}
+    chosen = {}
+    for name in ("shardmoe", "shardmoe:torch"):
+        with contexts[name]():
+            chosen[name] = backends.select(layer.config, grad).name
+    outputs = {}
+    for name, c in bases.items():
+        if c.forward is None:
+            continue
+        c.reset()
+        with contexts[name]():
+            out = output(c.forward())
+            out.backward(grad)
+        outputs[name] = {"y": out.detach(), **c.grads()}
+        c.reset()
+    pairs = [("shardmoe", "shardmoe:torch"), ("shardmoe", "transformers"), ("shardmoe:torch", "transformers")]
+    errors = {f"{NAMES.get(a, a)} vs {NAMES.get(b, b)}": relative_error(outputs[a], outputs[b])
+              for a, b in pairs if a in outputs and b in outputs}
+    del outputs
+    clock = Clock(cuda)
+    timed, marks = {}, {}
+    for name, c in bases.items():
+        timed[name], marks[name] = split_timed(c, contexts[name], grad, clock)
+    times = time_interleaved(timed, warmup, repeats, device)
+    peaks = {}
+    if cuda:
+        for name, c in timed.items():
+            bases[name].reset()
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            before = torch.cuda.memory_allocated()
+            c.step()
+            torch.cuda.synchronize()
+            peaks[name] = (torch.cuda.max_memory_allocated() - before) / 2 ** 30
+            bases[name].reset()
+    flops = total_flops(s)
+    rows = []
+    for name in timed:
+        kept = marks[name][-len(times[name]):]  # the timed rounds' marks (warm-up rounds come first)
+        step_ms = [clock.ms(a, b) for a, _, b in kept]
+        forward_ms = [clock.ms(a, m) for a, m, _ in kept if m is not None]
+        backward_ms = [clock.ms(m, b) for _, m, b in kept if m is not None]
+        med = statistics.median(step_ms)
+        fwd = statistics.median(forward_ms) if forward_ms else None
+        bwd = statistics.median(backward_ms) if backward_ms else None
+        rows.append({"candidate": NAMES.get(name, name), "median_ms": med, "min_ms": min(step_ms),
+                     "forward_ms": fwd, "backward_ms": bwd, "repeats": len(step_ms),
+                     "tflops": flops / med / 1e9, "forward_tflops": None if fwd is None else flops / 3 / fwd / 1e9,
+                     "backward_tflops": None if bwd is None else 2 * flops / 3 / bwd / 1e9,
+                     "expert_forward_tflops": None if fwd is None else expert_flops(s) / 3 / fwd / 1e9,
+                     "expert_backward_tflops": None if bwd is None else 2 * expert_flops(s) / 3 / bwd / 1e9,
+                     "peak_gib": peaks.get(name)})
+    by_name = {r["candidate"]: r for r in rows}
+    for r in rows:
+        r["fraction_of_dense"] = by_name["dense"]["median_ms"] / r["median_ms"]
+        r["speedup_vs_grouped_mm"] = by_name["grouped_mm"]["median_ms"] / r["median_ms"] if "grouped_mm" in by_name \
+            else None
+    problems = [f"{pair}: error {err:.2e} > {CHECK_TOL:g}" for pair, err in errors.items() if err > CHECK_TOL]
+    problems += [f"{name}: expected the {want} backend, got {chosen[name]!r}"
+                 for name, want in (("shardmoe", "triton"), ("shardmoe:torch", "torch")) if chosen[name] != want]
+    result = {"shape_name": shape_name, "shape": asdict(s), "dtype": "bf16", "flops": flops,
+              "expert_flops": expert_flops(s), "router_flops": router_flops(s), "warmup": warmup, "repeats": repeats,
+              "timing": "CUDA events" if cuda else "perf_counter (CPU)", "backends": chosen, "errors": errors,
+              "rows": rows, "notes": notes, "problems": problems}
+    if shape_name == SONICMOE["shape"]:
+        result["sonicmoe"] = {**SONICMOE, "published_shape": asdict(SHAPES[SONICMOE["shape"]]),
+                              "same_shape": s == SHAPES[SONICMOE["shape"]],
+                              "shardmoe_forward_tflops": by_name["shardmoe"]["expert_forward_tflops"],
+                              "shardmoe_backward_tflops": by_name["shardmoe"]["expert_backward_tflops"]}
+    del cands, bases, timed, marks, layer
+    gc.collect()
+    if cuda:
+        torch.cuda.empty_cache()
+    return result
+
+
+def run(ctx) -> dict:
+    shapes = DRY_RUN_SHAPES if ctx.dry_run else SHAPES
+    cases, left_out = [], []
+    for name, s in shapes.items():
+        if ctx.out_of_time():
+            left_out.append(name)
+            continue
+        cases.append(measure(name, s, ctx))
+        for line in markdown({"cases": cases[-1:]})[2:]:
+            print("  " + line, flush=True)
+        ctx.progress({"cases": cases})
+    return {"cases": cases, "left_out": left_out, "passed": not any(c["problems"] for c in cases) and not left_out}
+
+
+def markdown(result: dict) -> list[str]:
+    lines = []
+    for c in result["cases"]:
+        s = Shape(**c["shape"])
+        lines += [f"### {c['shape_name']}: {s}, {c['dtype']}", "",
+                  f"GEMM FLOPs per step {c['flops'] / 1e12:.3f} T (experts {c['expert_flops'] / 1e12:.3f} T); "
+                  f"median of {c['repeats']} steps after {c['warmup']} warm-up, {c['timing']}; fixed routing.", ""]
+        lines += table(["candidate", "step ms", "fwd ms", "bwd ms", "TFLOP/s", "fwd TFLOP/s", "bwd TFLOP/s",
+                        "x dense", "vs grouped_mm", "peak GiB", "n"],
+                       [[r["candidate"], fmt(r["median_ms"], ".2f"), fmt(r["forward_ms"], ".2f"),
+                         fmt(r["backward_ms"], ".2f"), fmt(r["tflops"], ".1f"), fmt(r["forward_tflops"], ".1f"),
+                         fmt(r["backward_tflops"], ".1f"), fmt(r["fraction_of_dense"], ".2f"),
+                         fmt(r["speedup_vs_grouped_mm"], ".2f"), fmt(r["peak_gib"], ".2f"), r["repeats"]]
+                        for r in c["rows"]])
+        lines += ["", "Check before timing (norm-relative error, output and every gradient): "
+                  + ", ".join(f"{pair} {err:.1e}" for pair, err in c["errors"].items())
+                  + f"; backends {c['backends']}."]
+        sonic = c.get("sonicmoe")
+        if sonic:
+            caveat = "" if sonic["same_shape"] else " (this run's shape is not the published one: not comparable)"
+            lines += ["", f"SonicMoE, published (H100, {Shape(**sonic['published_shape'])}): forward "
+                      f"{sonic['forward_tflops']:g}, backward {sonic['backward_tflops']:g} TFLOP/s; shardmoe here: "
+                      f"forward {sonic['shardmoe_forward_tflops']:.1f}, backward "
+                      f"{sonic['shardmoe_backward_tflops']:.1f} TFLOP/s (expert GEMM FLOPs){caveat}."]
+        for note in c["notes"] + c["problems"]:
+            lines += ["", f"- {note}"]
+        lines.append("")
+    if result.get("left_out"):
+        lines += [f"Not run (budget spent): {', '.join(result['left_out'])}"]
+    return lines

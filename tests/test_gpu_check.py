@@ -1,0 +1,266 @@
+"""python -m shardmoe.gpu_check: its dry run end to end (CPU, tiny shapes, Triton's interpreter) into
+a temporary directory, the content of report.json and report.md for every stage, the argument
+errors, the runner's isolation of a failing stage, merging reports, and the compiled-mode switch
+of tests/kernels/conftest.py."""
+import json
+import os
+import subprocess
+import sys
+import tomllib
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+from shardmoe import gpu_check
+from shardmoe.gpu_check import bench, parity, pytest_stage, runner, sanitize, sanitizer
+
+ROOT = Path(__file__).resolve().parents[1]
+ENV = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
+
+
+@pytest.fixture(scope="module")
+def dry_run(tmp_path_factory):
+    """(exit code, output, report.json, report.md, the directory) of one dry run."""
+    out = tmp_path_factory.mktemp("gpu_check") / "report"
+    done = subprocess.run([sys.executable, "-m", "shardmoe.gpu_check", "--dry-run", "--out", str(out)], cwd=ROOT,
+                          env=ENV, capture_output=True, text=True, timeout=600)
+    report = json.loads((out / "report.json").read_text())
+    return done.returncode, done.stdout + done.stderr, report, (out / "report.md").read_text(), out
+
+
+def test_dry_run_passes_every_stage_and_skips_only_the_sanitizer(dry_run):
+    code, output, report, _, _ = dry_run
+    assert code == 0, output
+    assert list(report["stages"]) == list(gpu_check.STAGE_NAMES)
+    statuses = {name: entry["status"] for name, entry in report["stages"].items()}
+    assert statuses == {"env": "ok", "tests": "ok", "sanitizer": "skipped", "parity": "ok", "bench": "ok",
+                        "calibrate": "ok"}, output
+    assert report["runs"][0]["dry_run"] is True and report["runs"][0]["device"] == "cpu"
+    assert all(entry["error"] is None and entry["seconds"] > 0 for entry in report["stages"].values())
+
+
+def test_env_records_versions_and_the_interpreter(dry_run):
+    env = dry_run[2]["stages"]["env"]["result"]
+    assert env["torch"] == torch.__version__
+    assert env["python"] == ".".join(map(str, sys.version_info[:3]))
+    assert env["triton_interpret"] == "1" and env["device"] == "cpu" and env["cuda_available"] is False
+
+
+def test_tests_stage_ran_the_tiny_selection_in_the_interpreter(dry_run):
+    result = dry_run[2]["stages"]["tests"]["result"]
+    assert result["compiled"] is False
+    [group] = result["groups"]
+    assert group["paths"] == ["tests/kernels/test_fused_path.py", "tests/kernels/test_activations.py"]
+    assert group["returncode"] == 0 and group["failures"] == 0 and group["errors"] == 0
+    assert group["passed"] > 10 and result["totals"]["passed"] == group["passed"]
+    assert (dry_run[4] / group["log"]).exists()
+
+
+def test_sanitizer_stage_says_why_it_skipped_and_ran_its_workload(dry_run):
+    entry = dry_run[2]["stages"]["sanitizer"]
+    assert "no CUDA device" in entry["note"]
+    lines = entry["result"]["workload"]
+    assert len(lines) == len(sanitize.WORKLOAD)
+    assert all(": triton, " in line and line.endswith("gradients finite") for line in lines)
+
+
+def test_parity_table_has_every_case_and_dtype_within_tolerance(dry_run):
+    rows = dry_run[2]["stages"]["parity"]["result"]["rows"]
+    assert [(r["case"], r["dtype"]) for r in rows] == [(c, d) for c in parity.CASES for d in parity.DTYPES]
+    for r in rows:
+        tol_reference, tol_torch = parity.TOLERANCES[r["dtype"]]
+        assert r["passed"] and not r["problems"], r
+        assert r["backend"] == "triton"
+        assert {"out", "aux_loss", "x", "gate_weight"} <= set(r["errors"])
+        for key, err in r["errors"].items():
+            assert err["vs_reference"] <= tol_reference and err["vs_torch"] <= tol_torch, (r["case"], key, err)
+        case = parity.CASES[r["case"]]
+        if case.no_tokens:
+            assert r["tokens"] == 0
+        else:
+            assert r["tokens_per_expert"][parity.EMPTY] == 0 and sum(r["tokens_per_expert"]) > 0
+        if case.options.get("capacity_factor"):
+            assert r["dropped"] > 0
+    float32 = [err["vs_reference"] for r in rows if r["dtype"] == "float32" for err in r["errors"].values()]
+    assert max(float32) < 1e-5
+
+
+def test_bench_times_every_candidate_and_prints_sonicmoe_beside_ours(dry_run):
+    cases = dry_run[2]["stages"]["bench"]["result"]["cases"]
+    assert [c["shape_name"] for c in cases] == list(bench.DRY_RUN_SHAPES)
+    for c in cases:
+        rows = {r["candidate"]: r for r in c["rows"]}
+        assert set(rows) == {"dense", "grouped_mm", "shardmoe", "shardmoe:torch"}
+        assert rows["dense"]["fraction_of_dense"] == 1.0 and rows["grouped_mm"]["speedup_vs_grouped_mm"] == 1.0
+        for r in rows.values():
+            assert r["median_ms"] > 0 and r["tflops"] > 0 and r["repeats"] == bench.DRY_RUN_REPEATS
+        for name in ("grouped_mm", "shardmoe", "shardmoe:torch"):
+            assert rows[name]["forward_ms"] > 0 and rows[name]["backward_ms"] > 0
+        assert c["backends"] == {"shardmoe": "triton", "shardmoe:torch": "torch"}
+        assert set(c["errors"]) == {"shardmoe vs shardmoe:torch", "shardmoe vs grouped_mm",
+                                    "shardmoe:torch vs grouped_mm"}
+        assert max(c["errors"].values()) < bench.CHECK_TOL and not c["problems"]
+    sonic = cases[1]["sonicmoe"]
+    assert (sonic["forward_tflops"], sonic["backward_tflops"]) == (365.0, 405.0) and sonic["same_shape"] is False
+    assert sonic["shardmoe_forward_tflops"] > 0
+
+
+def test_calibrate_writes_constants_the_simulator_reads(dry_run):
+    from shardmoe.simulate.presets import resolve
+
+    result = dry_run[2]["stages"]["calibrate"]["result"]
+    toml = dry_run[4] / result["toml"]
+    assert tomllib.loads(toml.read_text())["hardware"]["gemm_efficiency"] == 1.0
+    hardware, _ = resolve("h100", "mixtral-8x7b", str(toml))
+    assert hardware.peak_flops == result["calibrated"]["peak_flops"] > 0
+    assert hardware.hbm_bandwidth == result["rates"]["copy_bandwidth"] > 0
+    assert [p["shape_name"] for p in result["predictions"]] == list(bench.DRY_RUN_SHAPES)
+    assert all(p["calibrated_ms"] > 0 and p["shardmoe_ms"] > 0 for p in result["predictions"])
+
+
+def test_report_markdown_has_every_stage_section_and_table(dry_run):
+    md = dry_run[3]
+    for name, status in (("env", "ok"), ("tests", "ok"), ("sanitizer", "skipped"), ("parity", "ok"),
+                         ("bench", "ok"), ("calibrate", "ok")):
+        assert f"## {name}: {status}" in md
+    assert "| glu-deepseek-router | bfloat16 | 3 | triton |" in md
+    assert "SonicMoE, published (H100, S=24576 H=1536 F=256 E=128 k=8): forward 365, backward 405 TFLOP/s" in md
+    assert "| shardmoe:torch |" in md and "| peak_flops |" in md
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--out", "{tmp}", "--only", "parity,bogus"],
+     "--only: expected comma-separated stage names among env, tests, sanitizer, parity, bench, calibrate, "
+     "got 'bogus' in 'parity,bogus'"),
+    (["--only", "parity"], "--out: expected a directory for report.md and report.json, got None"),
+    (["--out", "{tmp}", "--budget", "0"], "--budget: expected a number >= 1, got 0.0"),
+    (["--out", "{tmp}", "--merge", "{tmp}/missing.json"], "--merge: expected a report.json written by"),
+])
+def test_argument_errors_name_the_argument_expected_and_actual(tmp_path, capsys, argv, message):
+    assert gpu_check.main([a.format(tmp=tmp_path) for a in argv]) == 2
+    assert message.format(tmp=tmp_path) in capsys.readouterr().err
+    assert not (tmp_path / "report.json").exists()
+
+
+def test_a_full_run_without_cuda_is_refused(tmp_path, capsys):
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is present: a full run is valid here")
+    assert gpu_check.main(["--out", str(tmp_path), "--only", "parity"]) == 2
+    assert ("--dry-run: expected it on a machine without CUDA (torch.cuda.is_available() is False), got a full run "
+            "of env,parity") in capsys.readouterr().err
+
+
+def test_only_runs_env_first_and_stages_in_their_order():
+    assert gpu_check.parse_only("bench,parity", merging=False) == ["env", "parity", "bench"]
+    assert gpu_check.parse_only(None, merging=False) == list(gpu_check.STAGE_NAMES)
+    assert gpu_check.parse_only(None, merging=True) == []
+    assert tuple(runner.STAGES) == gpu_check.STAGE_NAMES
+
+
+def test_a_failing_stage_is_recorded_and_the_next_still_runs(tmp_path, monkeypatch):
+    def broken(ctx):
+        ctx.progress({"done": 1})
+        raise RuntimeError("stage broke")
+
+    fake = {"env": types.SimpleNamespace(run=broken, markdown=lambda r: ["partial"]),
+            "parity": types.SimpleNamespace(run=lambda ctx: {"passed": False, "rows": []}, markdown=lambda r: []),
+            "bench": types.SimpleNamespace(run=lambda ctx: {"cases": [1]}, markdown=lambda r: [f"cases {r['cases']}"])}
+    monkeypatch.setattr(runner, "STAGES", fake)
+    monkeypatch.setattr(runner, "MARKDOWN", {n: m.markdown for n, m in fake.items()})
+    assert runner.run(tmp_path, ["env", "parity", "bench"], True, None, [], ["test"]) == 1
+    stages = json.loads((tmp_path / "report.json").read_text())["stages"]
+    assert stages["env"]["status"] == "failed" and "RuntimeError: stage broke" in stages["env"]["error"]
+    assert stages["env"]["result"] == {"done": 1}  # the progress it reported before it raised
+    assert stages["parity"]["status"] == "failed" and stages["bench"]["status"] == "ok"
+    md = (tmp_path / "report.md").read_text()
+    assert "## env: failed" in md and "partial" in md and "cases [1]" in md
+
+
+def test_merge_combines_earlier_reports_without_running_stages(dry_run, tmp_path):
+    assert gpu_check.main(["--out", str(tmp_path), "--merge", str(dry_run[4] / "report.json")]) == 0
+    merged = json.loads((tmp_path / "report.json").read_text())
+    assert merged["stages"] == dry_run[2]["stages"] and merged["runs"] == dry_run[2]["runs"]
+    assert "## parity: ok" in (tmp_path / "report.md").read_text()
+
+
+def test_tests_stage_on_cuda_runs_every_kernel_file_compiled(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    todo = pytest_stage.groups(ROOT, dry_run=False)
+    kernel_files = sorted(p.stem for p in (ROOT / "tests" / "kernels").glob("test_*.py"))
+    assert [name for name, _ in todo] == kernel_files + ["moe"]
+    assert dict(todo)["moe"] and all((ROOT / path).exists() for _, paths in todo for path in paths)
+    env = pytest_stage.environment(ROOT, dry_run=False)
+    assert env["SHARDMOE_TEST_COMPILED"] == "1" and "TRITON_INTERPRET" not in env
+    assert env["PYTHONPATH"].split(os.pathsep)[0] == str(ROOT)
+
+
+def test_junit_counts_and_failures_are_parsed(tmp_path):
+    xml = tmp_path / "r.xml"
+    xml.write_text('<testsuites><testsuite tests="3" failures="1" errors="0" skipped="1">'
+                   '<testcase classname="tests.kernels.test_forward" name="test_a"/>'
+                   '<testcase classname="tests.kernels.test_forward" name="test_b">'
+                   '<failure message="AssertionError: 0.5 &lt; 1e-05">long traceback</failure></testcase>'
+                   '<testcase classname="tests.kernels.test_layer_path" name="test_c">'
+                   '<skipped message="compiled mode: CPU tensors"/></testcase></testsuite></testsuites>')
+    parsed = pytest_stage.parse_junit(xml)
+    assert (parsed["tests"], parsed["passed"], parsed["failures"], parsed["skipped"]) == (3, 1, 1, 1)
+    assert parsed["failing"] == [{"test": "tests.kernels.test_forward::test_b", "kind": "failure",
+                                  "message": "AssertionError: 0.5 < 1e-05"}]
+    assert parsed["skip_reasons"] == ["compiled mode: CPU tensors"]
+
+
+def test_sanitizer_summaries_are_parsed():
+    memcheck = "========= COMPUTE-SANITIZER\n========= Invalid __global__ read of size 2 bytes\n" \
+               "=========     at forward_gemm_kernel+0x1a0\n========= ERROR SUMMARY: 3 errors\n"
+    racecheck = "========= COMPUTE-SANITIZER\n========= RACECHECK SUMMARY: 0 hazards displayed (0 errors, 0 warnings)\n"
+    assert sanitizer.summary_errors(memcheck) == 3
+    assert sanitizer.summary_errors(racecheck) == 0
+    assert sanitizer.summary_errors("no summary") is None
+    assert sanitizer.error_lines(memcheck) == ["========= Invalid __global__ read of size 2 bytes",
+                                               "=========     at forward_gemm_kernel+0x1a0"]
+
+
+@pytest.mark.parametrize("errors", [0, 2])
+def test_sanitizer_stage_runs_the_workload_plain_then_under_each_tool(tmp_path, monkeypatch, errors):
+    """The CUDA flow with stand-ins: a workload that prints whether the caching allocator is off, and
+    a compute-sanitizer on PATH that runs it and prints a summary with `errors` errors."""
+    tools = tmp_path / "bin"
+    tools.mkdir()
+    fake = tools / "compute-sanitizer"
+    fake.write_text("#!/bin/sh\nwhile [ \"${1#--}\" != \"$1\" ]; do shift 2; done\n\"$@\"\n"
+                    f"[ {errors} -gt 0 ] && echo '========= Invalid __global__ write of size 4 bytes'\n"
+                    f"echo '========= ERROR SUMMARY: {errors} errors'\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tools}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(sanitizer, "WORKLOAD", ["-c", "import os; print('caching', os.environ.get("
+                                                      "'PYTORCH_NO_CUDA_MEMORY_CACHING', 'on')); "
+                                                      f"print({sanitize.DONE_LINE!r})"])
+    report = runner.Report(tmp_path, {"started": "now", "host": "test", "device": "cuda", "dry_run": False,
+                                      "argv": ["test"]})
+    ctx = runner.Context(tmp_path, False, "cuda", ROOT, None, report, "sanitizer")
+    result = sanitizer.run(ctx)
+    assert result["plain"]["completed"] and result["plain"]["returncode"] == 0
+    assert "caching on" in (tmp_path / "sanitizer-plain.log").read_text()
+    assert [t["tool"] for t in result["tools"]] == ["memcheck", "racecheck"]
+    for t in result["tools"]:
+        assert t["completed"] and t["returncode"] == 0 and t["errors"] == errors
+        assert "caching 1" in (tmp_path / t["log"]).read_text()
+        assert t["first_errors"] == (["========= Invalid __global__ write of size 4 bytes"] if errors else [])
+    assert result["passed"] is (errors == 0)
+
+
+@pytest.mark.parametrize("value, message", [
+    ("2", "SHARDMOE_TEST_COMPILED: expected 0 (interpreter) or 1 (compiled on CUDA), got '2'"),
+    ("1", "SHARDMOE_TEST_COMPILED=1: expected a CUDA device (torch.cuda.is_available()), got none"),
+])
+def test_compiled_switch_of_the_kernel_tests_refuses_what_it_cannot_do(value, message):
+    if value == "1" and torch.cuda.is_available():
+        pytest.skip("a CUDA device is present: compiled mode is valid here")
+    done = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--collect-only",
+                           "tests/kernels/test_fused_path.py"], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          env=dict(ENV, SHARDMOE_TEST_COMPILED=value))
+    assert done.returncode == 4, done.stdout + done.stderr
+    assert message in done.stdout + done.stderr
