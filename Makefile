@@ -1,5 +1,6 @@
 # `make run` and `make test` each create or reuse .venv by themselves.
-# torch is installed pinned first: an unpinned resolve pulls several GB of CUDA wheels.
+# torch (and on Linux triton) are installed pinned first, so every run gets the same versions:
+# an unpinned torch resolve pulls several GB of CUDA wheels, and pyproject.toml only bounds both.
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
@@ -7,13 +8,13 @@ STAMP  := $(VENV)/.installed
 # the architecture preset `make run` trains (shardmoe/train/presets.py): make run ARCH=NAME
 ARCH   ?= mixtral
 
-.PHONY: run test venv clean
+.PHONY: run test venv clean gpu-check
 
 venv: $(STAMP)
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --disable-pip-version-check torch==2.13.0
+	$(PY) -m pip install -q --disable-pip-version-check torch==2.13.0 "triton==3.9.0; platform_system == 'Linux'"
 	$(PY) -m pip install -q --disable-pip-version-check -e '.[dev]'
 	touch $(STAMP)
 
@@ -25,3 +26,10 @@ test: $(STAMP)
 
 clean:
 	rm -rf $(VENV) build *.egg-info
+
+# the GPU check (docs/gpu.md), run by the machine's own python without a venv (a lent GPU machine has
+# torch, triton and transformers installed and no network): make gpu-check OUT=DIR [ONLY=parity,bench]
+# [ARGS="--budget 540"]
+GPU_PYTHON ?= python
+gpu-check:
+	PYTHONPATH=. $(GPU_PYTHON) -m shardmoe.gpu_check $(if $(OUT),--out $(OUT)) $(if $(ONLY),--only $(ONLY)) $(ARGS)

@@ -1,14 +1,24 @@
 """Mesh: the ranks of a job laid out on the named axes d (data/FSDP), e (expert), t (tensor).
 
-The layout is row-major with t fastest::
+A Mesh is a torch ``DeviceMesh`` read through three named axes. Its ranks are numbered in the
+canonical row-major (d, e, t) order, t fastest: the mesh index of the rank at (d, e, t) is
 
-    rank = (d * ep + e) * tp + t
+    index = (d * ep + e) * tp + t
 
-so the ranks of one tensor-parallel group are adjacent (and, with tp <= ranks_per_node, on one
-node). The process groups come from ``torch.distributed.device_mesh.init_device_mesh`` with dim
-names ('d', 'e', 't'); groups over several axes (e.g. ('d', 'e') for reducing over all token
-shards) are built once, in the constructor, because creating a group is a collective that every
-rank must enter in the same order.
+and ``Mesh(dp, ep, tp)``, which lays the whole world out as one DeviceMesh with dim names
+('dp', 'ep', 'tp'), makes the index the global rank (so the ranks of one tensor-parallel group are
+adjacent and, with tp <= ranks_per_node, on one node). ``Mesh.from_device_mesh(dm)`` takes the
+DeviceMesh a job composed, or a sub-mesh of it (``job_mesh["ep"]``): its dim names are any of
+'dp', 'ep', 'tp' in any order (a missing axis has size 1), its ranks need not be the world, and
+the table of global ranks by mesh index comes from its ``mesh`` tensor permuted to (d, e, t)
+order. Every method speaks global ranks (``rank_at``, ``ranks_along``, ``coords(rank)``);
+``coord(MESH_AXES, rank)`` is a rank's mesh index, the row it owns in a table gathered over the
+whole mesh.
+
+The process groups are the DeviceMesh's own: one dim's group for one live axis, the DeviceMesh's
+flattened sub-mesh for several (the world group when they span every rank of the job). They are
+built once, in the constructor, because creating a group is a collective that every rank of the
+job must enter in the same order.
 
 A Mesh with dp = ep = tp = 1 also works without an initialised process group: every group is then
 None and every shardop is the identity, so single-process code and tests need no special case.
@@ -19,6 +29,7 @@ from __future__ import annotations
 import itertools
 import math
 import os
+import weakref
 from collections.abc import Iterable
 
 import torch.distributed as dist
@@ -27,44 +38,97 @@ from shardmoe.notation import MESH_AXES
 
 Axes = str | Iterable[str]
 
+# the DeviceMesh dim name of each mesh axis: the names torch users give data, expert and tensor parallelism
+DEVICE_MESH_NAMES = {"d": "dp", "e": "ep", "t": "tp"}
+
+# Mesh.from_device_mesh's Meshes by default process group, then (DeviceMesh, ranks_per_node), so
+# that layers built on one DeviceMesh (or on equal slices of it, which compare equal) share their
+# groups and exchanges. The default group is part of the key because a DeviceMesh built after the
+# process group is destroyed and initialised again compares equal to one built before it.
+_FROM_DEVICE_MESH: "weakref.WeakKeyDictionary[dist.ProcessGroup, dict]" = weakref.WeakKeyDictionary()
+
 
 class Mesh:
     """Named axes over the world: ``Mesh(dp=2, ep=1, tp=2)`` inside a 4-rank process group.
 
     ranks_per_node: ranks sharing a node (for P2P versus remote paths); None reads LOCAL_WORLD_SIZE
     (set by torchrun) and falls back to the world size (one node).
+
+    Attributes: axis_sizes {'d': dp, 'e': ep, 't': tp}; rank (this rank's global rank); world_size
+    (ranks of the whole job, which the mesh may be part of: size() counts the mesh's own);
+    ranks_per_node; device_mesh (the torch DeviceMesh, None without a process group).
     """
 
     def __init__(self, dp: int = 1, ep: int = 1, tp: int = 1, ranks_per_node: int | None = None):
         for name, value in (("dp", dp), ("ep", ep), ("tp", tp)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"Mesh: {name} must be a positive int, got {value!r}")
-        self.axis_sizes = {"d": dp, "e": ep, "t": tp}
-        # Everything below up to init_device_mesh is local: a bad layout fails on every rank alike,
+        # Everything up to init_device_mesh is local: a bad layout fails on every rank alike,
         # before any rank waits in a collective for the others.
         if dist.is_available() and dist.is_initialized():
-            self.world_size, self.rank = dist.get_world_size(), dist.get_rank()
+            world_size, rank = dist.get_world_size(), dist.get_rank()
         elif dp * ep * tp == 1:
-            self.world_size, self.rank = 1, 0
+            world_size, rank = 1, 0
         else:
             raise ValueError(
                 f"Mesh(dp={dp}, ep={ep}, tp={tp}) needs {dp * ep * tp} ranks: initialise torch.distributed "
                 "first (torchrun, or shardmoe.testing.run_distributed)"
             )
-        if dp * ep * tp != self.world_size:
+        if dp * ep * tp != world_size:
             raise ValueError(
-                f"Mesh(dp={dp}, ep={ep}, tp={tp}): dp*ep*tp = {dp * ep * tp} but the world size is {self.world_size}"
+                f"Mesh(dp={dp}, ep={ep}, tp={tp}): dp*ep*tp = {dp * ep * tp} but the world size is {world_size}"
             )
-        self.ranks_per_node = _ranks_per_node(ranks_per_node, self.world_size)
-        self._coords = self.coords(self.rank)
-
-        self.device_mesh = None
-        self._groups: dict[tuple[str, ...], dist.ProcessGroup | None] = {}
+        ranks_per_node = _ranks_per_node(ranks_per_node, world_size)
+        device_mesh = None
         if dist.is_available() and dist.is_initialized():
             from torch.distributed.device_mesh import init_device_mesh
 
             device_type = "cuda" if "nccl" in str(dist.get_backend()) else "cpu"
-            self.device_mesh = init_device_mesh(device_type, (dp, ep, tp), mesh_dim_names=MESH_AXES)
+            names = tuple(DEVICE_MESH_NAMES[a] for a in MESH_AXES)
+            device_mesh = init_device_mesh(device_type, (dp, ep, tp), mesh_dim_names=names)
+        self._setup({"d": dp, "e": ep, "t": tp}, list(range(world_size)), rank, world_size, ranks_per_node,
+                    device_mesh)
+
+    @classmethod
+    def from_device_mesh(cls, device_mesh, ranks_per_node: int | None = None) -> "Mesh":
+        """The Mesh of a torch DeviceMesh whose mesh_dim_names are drawn from 'dp', 'ep', 'tp' (any
+        subset, any order; a missing axis has size 1), e.g. a job mesh or its slice ``dm["ep"]``.
+
+        The groups are the DeviceMesh's (a flattened sub-mesh of it for several axes, built here:
+        every rank of the job calls this alike). One Mesh per DeviceMesh (equal slices count as
+        one) and ranks_per_node, so layers on it share their exchanges. ValueError, before any
+        communication, for other dim names, no names, or a DeviceMesh without this rank."""
+        names = device_mesh.mesh_dim_names
+        accepted = tuple(DEVICE_MESH_NAMES.values())
+        if not names or any(n not in accepted for n in names) or len(set(names)) != len(names):
+            raise ValueError(f"mesh: expected a DeviceMesh whose mesh_dim_names are distinct names among "
+                             f"{', '.join(map(repr, accepted))} (any subset, any order), got mesh_dim_names {names!r}")
+        world_size, rank = dist.get_world_size(), dist.get_rank()
+        ranks_per_node = _ranks_per_node(ranks_per_node, world_size)
+        meshes, key = _FROM_DEVICE_MESH.setdefault(dist.group.WORLD, {}), (device_mesh, ranks_per_node)
+        if key not in meshes:
+            if device_mesh.get_coordinate() is None:
+                raise ValueError(f"mesh: expected a DeviceMesh that holds this rank, got {device_mesh} "
+                                 f"without rank {rank}")
+            sizes = {a: device_mesh.size(names.index(n)) if n in names else 1 for a, n in DEVICE_MESH_NAMES.items()}
+            # the mesh tensor's dims permuted to canonical (d, e, t) order, absent axes of size 1
+            present = [names.index(DEVICE_MESH_NAMES[a]) for a in MESH_AXES if DEVICE_MESH_NAMES[a] in names]
+            table = device_mesh.mesh.permute(present).reshape(-1).tolist()
+            mesh = cls.__new__(cls)
+            mesh._setup(sizes, table, rank, world_size, ranks_per_node, device_mesh)
+            meshes[key] = mesh
+        return meshes[key]
+
+    def _setup(self, sizes: dict[str, int], table: list[int], rank: int, world_size: int, ranks_per_node: int,
+               device_mesh) -> None:
+        """table: the global rank at each mesh index (canonical row-major (d, e, t) order)."""
+        self.axis_sizes = sizes
+        self.world_size, self.rank, self.ranks_per_node = world_size, rank, ranks_per_node
+        self.device_mesh = device_mesh
+        self._table = table
+        self._index = {r: i for i, r in enumerate(table)}
+        self._coords = self.coords(rank)
+        self._groups: dict[tuple[str, ...], dist.ProcessGroup | None] = {}
         for count in range(1, len(MESH_AXES) + 1):
             for axes in itertools.combinations(MESH_AXES, count):
                 self._groups[axes] = self._make_group(axes)
@@ -75,10 +139,14 @@ class Mesh:
         if not live:
             return None
         if len(live) == 1:
-            return self.device_mesh.get_group(live[0])
+            return self.device_mesh.get_group(DEVICE_MESH_NAMES[live[0]])
         if math.prod(self.axis_sizes[a] for a in live) == self.world_size:
-            return dist.group.WORLD
-        return self.device_mesh[live]._flatten("_".join(live)).get_group()
+            return dist.group.WORLD  # the axes span every rank of the job
+        # slicing keeps the DeviceMesh's own dim order (torch refuses another); a group's membership
+        # does not depend on it, and shardops maps group ranks to blocks by coord()
+        names = self.device_mesh.mesh_dim_names
+        dims = tuple(n for n in names if n in {DEVICE_MESH_NAMES[a] for a in live})
+        return self.device_mesh[dims]._flatten().get_group()
 
     # -- sizes and coordinates ---------------------------------------------------------------
 
@@ -87,18 +155,19 @@ class Mesh:
         return math.prod(self.axis_sizes[a] for a in self._axes(axes))
 
     def coords(self, rank: int | None = None) -> dict[str, int]:
-        """Coordinates {'d': ., 'e': ., 't': .} of a global rank (default: this rank)."""
+        """Coordinates {'d': ., 'e': ., 't': .} of a global rank of the mesh (default: this rank)."""
         if rank is None:
             return dict(self._coords)
         self._check_rank(rank, "rank")
+        index = self._index[rank]
         ep, tp = self.axis_sizes["e"], self.axis_sizes["t"]
-        return {"d": rank // (ep * tp), "e": rank // tp % ep, "t": rank % tp}
+        return {"d": index // (ep * tp), "e": index // tp % ep, "t": index % tp}
 
     def coord(self, axes: Axes, rank: int | None = None) -> int:
         """Coordinate of a rank (default: this rank) along one axis or a tuple of axes.
 
         For a tuple the first axis is the major one: coord(('t', 'd')) = t * dp + d. This is the
-        block a dim sharded 'X/t/d' keeps on that rank.
+        block a dim sharded 'X/t/d' keeps on that rank; coord(MESH_AXES, rank) is its mesh index.
         """
         coords = self.coords(rank)
         index = 0
@@ -121,7 +190,8 @@ class Mesh:
         return self._rank_of(full)
 
     def ranks_along(self, axes: Axes, rank: int | None = None) -> list[int]:
-        """Global ranks of the group along ``axes`` through a rank, ordered by coord(axes)."""
+        """Global ranks of the group along ``axes`` through a rank, ordered by coord(axes).
+        ranks_along(MESH_AXES) lists the mesh's ranks by mesh index."""
         axes = self._axes(axes)
         base = self.coords(rank)
         ranks = []
@@ -135,8 +205,9 @@ class Mesh:
         """Process group over one axis or a tuple of axes (in any order) through this rank.
 
         None when the axes span one rank (all their sizes are 1): there is nothing to communicate.
-        Group ranks follow global rank order, which need not be coord(axes) order for a tuple in
-        non-canonical order such as ('t', 'd'); use coord(axes, global_rank) to map.
+        Group ranks follow global rank order, which need not be coord(axes) order (a tuple in
+        non-canonical order such as ('t', 'd'), or a DeviceMesh that numbers its ranks otherwise);
+        use coord(axes, global_rank) to map.
         """
         axes = self._axes(axes)
         return self._groups[tuple(a for a in MESH_AXES if a in axes)]
@@ -164,16 +235,31 @@ class Mesh:
         return axes
 
     def _rank_of(self, coords: dict[str, int]) -> int:
-        return (coords["d"] * self.axis_sizes["e"] + coords["e"]) * self.axis_sizes["t"] + coords["t"]
+        return self._table[(coords["d"] * self.axis_sizes["e"] + coords["e"]) * self.axis_sizes["t"] + coords["t"]]
 
     def _check_rank(self, rank: int, argument: str) -> None:
-        if not 0 <= rank < self.world_size:
-            raise ValueError(f"{argument} {rank} is outside 0..{self.world_size - 1}")
+        if rank not in self._index:
+            raise ValueError(f"{argument} {rank} is not a rank of this mesh; its ranks are "
+                             f"{', '.join(map(str, sorted(self._table)))}")
 
     def __repr__(self) -> str:
         dp, ep, tp = (self.axis_sizes[a] for a in MESH_AXES)
         layout = f"dp={dp}, ep={ep}, tp={tp}, ranks_per_node={self.ranks_per_node}"
         return f"Mesh({layout}; rank {self.rank} at {self._coords})"
+
+
+def as_mesh(mesh) -> Mesh | None:
+    """What a layer's ``mesh=`` argument names: None (one process), a Mesh, or a torch DeviceMesh
+    (Mesh.from_device_mesh) -> None or a Mesh. ValueError for anything else."""
+    if mesh is None or isinstance(mesh, Mesh):
+        return mesh
+    if dist.is_available():
+        from torch.distributed.device_mesh import DeviceMesh
+
+        if isinstance(mesh, DeviceMesh):
+            return Mesh.from_device_mesh(mesh)
+    raise ValueError(f"mesh: expected None, a shardmoe.Mesh or a torch.distributed.device_mesh.DeviceMesh, "
+                     f"got {type(mesh).__name__}")
 
 
 def _ranks_per_node(ranks_per_node: int | None, world_size: int) -> int:

@@ -40,7 +40,7 @@ def test_mesh_argument_errors():
         mesh.size("x")
     with pytest.raises(ValueError, match=r"rank_at: e=1 is outside 0..0"):
         mesh.rank_at(e=1)
-    with pytest.raises(ValueError, match=r"rank 1 is outside 0..0"):
+    with pytest.raises(ValueError, match=r"rank 1 is not a rank of this mesh; its ranks are 0"):
         mesh.node_of(1)
     with pytest.raises(ValueError, match="name an axis twice"):
         mesh.coord(("d", "d"))
@@ -72,6 +72,9 @@ def _check_world(layouts):
             "along_td": mesh.ranks_along(("t", "d")),
             "groups": groups,
         }
+    out["device_mesh_names"] = mesh.device_mesh.mesh_dim_names
+    if dist.get_world_size() == 8:
+        out["sub_mesh"] = _check_sub_mesh()
     if dist.get_world_size() != 4:
         return out
     # Topology, with the 4 ranks on 2 pretend nodes of 2.
@@ -90,6 +93,21 @@ def _check_world(layouts):
         out["bad_node"] = str(error)
     dist.barrier()
     return out
+
+
+def _check_sub_mesh() -> dict:
+    """The ('ep', 'tp') slice of a job DeviceMesh ('dp', 'ep', 'tp') of shape (2, 2, 2): 4 of the 8
+    ranks, whose ('e', 't') group is a flattened sub-mesh, not the world."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    job = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("dp", "ep", "tp"))
+    mesh = Mesh.from_device_mesh(job["ep", "tp"])
+    group = mesh.group(("e", "t"))
+    total = torch.tensor([float(dist.get_rank())])
+    dist.all_reduce(total, group=group)
+    return {"members": sorted(dist.get_process_group_ranks(group)), "total": total.item(),
+            "coords": mesh.coords(), "size": mesh.size(), "along_t": mesh.ranks_along("t"),
+            "all": mesh.ranks_along(("d", "e", "t")), "group_d": mesh.group("d")}
 
 
 @pytest.fixture(scope="module")
@@ -176,3 +194,18 @@ def test_parse_mesh_refuses_an_axis_given_twice():
     with pytest.raises(ValueError, match=r"--mesh: expected each axis at most once, got axis 'd' twice "
                                          r"\('d=2' and 'd=4'\) in 'd=2,e=2,d=4'"):
         parse_mesh("d=2,e=2,d=4")
+
+
+def test_mesh_names_its_device_mesh_dims_as_torch_users_do(layout_world):
+    _, world = layout_world
+    assert all(out["device_mesh_names"] == ("dp", "ep", "tp") for out in world)
+
+
+def test_sub_mesh_of_a_job_device_mesh(world8):
+    for rank, out in enumerate(world8):
+        sub, d = out["sub_mesh"], rank // 4
+        members = [4 * d + i for i in range(4)]
+        assert sub["members"] == members and sub["total"] == sum(members)
+        assert sub["coords"] == {"d": 0, "e": rank // 2 % 2, "t": rank % 2} and sub["size"] == 4
+        assert sub["all"] == members and sub["along_t"] == [rank - rank % 2, rank - rank % 2 + 1]
+        assert sub["group_d"] is None

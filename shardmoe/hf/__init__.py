@@ -8,8 +8,18 @@ shardmoe's fused expert stages (shardmoe/hf/experts.py); the family's router, sh
 the rest of the model stay the family's own. shardmoe.hf.convert(model) (shardmoe/hf/converted.py)
 swaps whole sparse blocks for shardmoe.MoE layers. docs/hf.md lists the families and their status.
 transformers is imported here, so nothing else in shardmoe imports this package at import time.
+transformers is an optional dependency (the "hf" extra): without it, importing this package raises
+a ModuleNotFoundError that says how to install it.
 """
 from __future__ import annotations
+
+try:
+    import transformers  # noqa: F401
+except ModuleNotFoundError as error:
+    if error.name != "transformers":  # transformers is there but one of its own imports failed
+        raise
+    raise ModuleNotFoundError("shardmoe.hf needs transformers>=5,<6, which is not installed: "
+                              "pip install 'shardmoe[hf]'", name="transformers") from None
 
 from transformers.integrations.moe import ExpertsInterface
 

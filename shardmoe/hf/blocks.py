@@ -145,12 +145,12 @@ def from_hf(cls, block, mesh=None, **overrides):
     layer = cls(H, two_f // 2, E, read.top_k, mesh=mesh, **options)
     with torch.no_grad():
         layer.gate_weight.copy_(read.gate_weight)
-        layer.gate_up_proj.copy_(etp.shard_expert_param("gate_up_proj", read.gate_up_proj, mesh))
-        layer.down_proj.copy_(etp.shard_expert_param("down_proj", read.down_proj, mesh))
+        layer.gate_up_proj.copy_(layer.placement.shard("gate_up_proj", read.gate_up_proj))
+        layer.down_proj.copy_(layer.placement.shard("down_proj", read.down_proj))
         if read.correction_bias is not None and layer.correction_bias is not None:
             layer.correction_bias.copy_(read.correction_bias)
         for name, whole in read.extra.items():  # the router bias is replicated, the rest sharded as experts
-            getattr(layer, name).copy_(whole if name == "gate_bias" else etp.shard_expert_param(name, whole, mesh))
+            getattr(layer, name).copy_(whole if name == "gate_bias" else layer.placement.shard(name, whole))
     return layer
 
 

@@ -203,14 +203,21 @@ def _no_owner() -> None:
     return None
 
 
-@torch.compiler.assume_constant_result
 def seam_handle(experts) -> int:
     """The MoE operators' handle of this experts module, made on its first forward (a constant of
     the module, so a compiled graph carries it as one)."""
     owner = experts.__dict__.get("_shardmoe_owner")
-    if owner is None:
-        owner = SeamOwner(experts, read_layout(experts))
-        experts.__dict__["_shardmoe_owner"] = owner
+    return _new_seam_handle(experts) if owner is None else owner.handle
+
+
+@torch.compiler.assume_constant_result
+def _new_seam_handle(experts) -> int:
+    """Makes the owner at the module's first forward; later forwards, traced or not, read it in
+    seam_handle. Marked constant so that a first forward traced by torch.compile makes it while
+    tracing (torch >= 2.13; torch 2.11 cannot pass a module to such a function, so there the first
+    forward must run eagerly, as a transformers model's must anyway: its hooks are not traceable)."""
+    owner = SeamOwner(experts, read_layout(experts))
+    experts.__dict__["_shardmoe_owner"] = owner
     return owner.handle
 
 

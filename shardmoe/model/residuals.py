@@ -13,6 +13,7 @@ from typing import NamedTuple
 
 import torch
 
+from shardmoe.moe.precision import autocast_available
 from shardmoe.shardops import Unreduced, UnreducedError
 
 BACKWARD_MODES = ("explicit", "autograd")
@@ -36,7 +37,7 @@ def save_residuals(ctx, residuals: NamedTuple) -> None:
     tensor_slots = [i for i, v in enumerate(fields) if isinstance(v, torch.Tensor)]
     ctx.save_for_backward(*(fields[i] for i in tensor_slots))
     device = fields[tensor_slots[0]].device.type if tensor_slots else "cpu"
-    autocast = torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device)
+    autocast = autocast_available(device) and torch.is_autocast_enabled(device)
     ctx.autocast = (device, autocast, torch.get_autocast_dtype(device) if autocast else None)
     ctx.residual_type = type(residuals)
     ctx.tensor_slots = tensor_slots

@@ -44,7 +44,7 @@ from torch import nn
 from shardmoe.moe import routers
 from shardmoe.moe import shared_experts as shared_ex
 from shardmoe.moe.config import MoEConfig
-from shardmoe.mesh import EXPERT, REPLICATED, mark_grad_sync
+from shardmoe.mesh import EXPERT, REPLICATED, as_mesh, mark_grad_sync
 from shardmoe.moe import ops, precision
 from shardmoe.moe.dispatch import placement
 from shardmoe.moe.function import MoECall, expert_param_names
@@ -88,6 +88,8 @@ class MoE(nn.Module):
                                 aux_loss_coef=aux_loss_coef, z_loss_coef=z_loss_coef, **router_options)
         if dtype is not None and dtype not in DTYPES:
             raise ValueError(f"dtype: expected None or one of {', '.join(map(str, DTYPES))}, got {dtype!r}")
+        # a torch DeviceMesh (a job's, or a slice of it) becomes the Mesh it names (shardmoe/mesh.py)
+        mesh = as_mesh(mesh)
         # the shards of the parameters and the dispatcher (moe/dispatch.py); checks the layout first
         self.placement = placement(self.config, mesh)
         self.mesh = mesh
@@ -128,6 +130,9 @@ class MoE(nn.Module):
         # the large row buffers of forward and backward, reused across steps (single process)
         self.workspace = Workspace()
         self._moe_handle = ops.register(self)  # the int the MoE operators name this layer by
+        # state dicts describe the whole logical expert tensors, whatever the mesh (_state_entries)
+        self.register_state_dict_post_hook(_state_entries)
+        self.register_load_state_dict_pre_hook(_shard_entries)
 
     @property
     def local_experts(self) -> range:
@@ -348,3 +353,30 @@ class MoE(nn.Module):
         return {"gate.weight": self.gate_weight.detach().t().contiguous(),
                 "experts.gate_up_proj": self.placement.gather("gate_up_proj", self.gate_up_proj.detach()).clone(),
                 "experts.down_proj": self.placement.gather("down_proj", self.down_proj.detach()).clone()}
+
+
+def _state_entries(layer: MoE, state_dict: dict, prefix: str, local_metadata) -> None:
+    """state_dict post-hook: each routed or shared expert parameter's entry is the whole logical
+    tensor, the same on every mesh (moe/dispatch.py Placement.state_entry): gate_up_proj as its
+    [E, 2, F, H] view ([E, 2, F] for its bias, [2, Fs, H] for the shared expert's), and with a mesh
+    that splits it a DTensor over the mesh's DeviceMesh (Shard(0) over 'ep' for the experts,
+    Shard on the F dim over 'tp', Replicate over 'dp') sharing this rank's shard, so that
+    torch.distributed.checkpoint saves and loads every expert once and reshards to any layout. The
+    router's tensors (replicated) stay plain."""
+    names = (*expert_param_names(layer.config), *shared_ex.shared_param_names(layer.config))
+    for name in names:
+        if prefix + name in state_dict:
+            state_dict[prefix + name] = layer.placement.state_entry(name, getattr(layer, name).detach())
+
+
+def _shard_entries(layer: MoE, state_dict: dict, prefix: str, *args) -> None:
+    """load_state_dict pre-hook: each expert parameter's entry becomes this rank's shard in the
+    parameter's shape (Placement.load_entry): a DTensor as _state_entries makes it on this mesh
+    gives its local shard; a whole tensor (plain, in the state-dict layout or the parameter's, or a
+    DTensor of another layout, gathered whole: a collective over its mesh) is cut to the shard.
+    Any other shape raises ValueError naming the key, the expected and the actual shape."""
+    names = (*expert_param_names(layer.config), *shared_ex.shared_param_names(layer.config))
+    for name in names:
+        key = prefix + name
+        if key in state_dict and getattr(layer, name) is not None:
+            state_dict[key] = layer.placement.load_entry(key, name, state_dict[key], layer._whole_shapes[name])

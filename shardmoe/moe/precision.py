@@ -26,6 +26,14 @@ AUTOCAST_DTYPES = (torch.bfloat16, torch.float16)
 CASTABLE = (torch.float32, torch.bfloat16, torch.float16)
 
 
+@torch.compiler.assume_constant_result
+def autocast_available(device_type: str) -> bool:
+    """torch.amp.is_autocast_available(device_type), which torch.compile takes as a constant of the
+    device type: torch 2.11's Dynamo cannot trace that builtin (a graph break, an error under
+    fullgraph=True)."""
+    return torch.amp.is_autocast_available(device_type)
+
+
 def autocast_dtype(x: torch.Tensor, param_dtype: torch.dtype) -> torch.dtype | None:
     """D, the dtype the experts compute in under an autocast enabled for x's device; None when
     there is none or the parameters are not castable (float64), so nothing is cast.
@@ -33,7 +41,7 @@ def autocast_dtype(x: torch.Tensor, param_dtype: torch.dtype) -> torch.dtype | N
     Raises ValueError for an autocast dtype the experts have no kernels for (float32 autocast
     or a float8 one, say), naming it, before any work."""
     device_type = x.device.type
-    if not torch.amp.is_autocast_available(device_type) or not torch.is_autocast_enabled(device_type) \
+    if not autocast_available(device_type) or not torch.is_autocast_enabled(device_type) \
             or param_dtype not in CASTABLE:
         return None
     dtype = torch.get_autocast_dtype(device_type)

@@ -86,7 +86,8 @@ def settings_words(settings: dict) -> torch.Tensor:
 
 
 def gather_table(row: torch.Tensor, mesh, what: str) -> torch.Tensor:
-    """All-gather one int64 row [C] from every rank of the mesh -> [W, C] in global rank order.
+    """All-gather one int64 row [C] from every rank of the mesh -> [W, C], row i from the rank of
+    mesh index i (coord(MESH_AXES, rank); the global rank for a Mesh(dp, ep, tp) of the world).
     Collective over all axes; every rank passes the same C."""
     spec = "R/" + "/".join(MESH_AXES) + " C -> R C"
     try:
@@ -96,15 +97,17 @@ def gather_table(row: torch.Tensor, mesh, what: str) -> torch.Tensor:
                             f"cause: {err}") from err
 
 
-def check_settings(table: torch.Tensor, names, what: str) -> None:
-    """table [W, 2 * len(names)]: every rank's settings_words. Raise RankMismatchError listing every
-    setting on which the ranks differ, e.g. 'top_k: rank 0 has 2, rank 1 has 3'."""
+def check_settings(table: torch.Tensor, names, what: str, mesh) -> None:
+    """table [W, 2 * len(names)]: every rank's settings_words (gather_table's rows). Raise
+    RankMismatchError listing every setting on which the ranks differ, e.g. 'top_k: rank 0 has 2,
+    rank 1 has 3' (global ranks)."""
     problems = []
+    ranks = mesh.ranks_along(MESH_AXES)  # the global rank of each row
     for i, name in enumerate(names):
         column = table[:, 2 * i : 2 * i + 2]
         if bool((column != column[0]).any()):
             values = [_decode(int(tag), int(payload)) for tag, payload in column.tolist()]
-            problems.append(f"{name}: {_by_value(values, range(len(values)))}")
+            problems.append(f"{name}: {_by_value(values, ranks)}")
     if problems:
         raise RankMismatchError(f"{what} differ across ranks (every rank must build the same model, from the same "
                                 "options and dtype, on the same mesh): " + "; ".join(problems))
@@ -115,7 +118,7 @@ def check_t_peers(table: torch.Tensor, mesh) -> None:
     its sequences and selections per expert. The ranks along 't' hold the same tokens and the same gate, so they
     must agree on all of it."""
     for group in _groups_along(mesh, "t"):
-        rows = table[group]
+        rows = table[_rows(mesh, group)]
         coords = mesh.coords(group[0])
         where = f"ranks {', '.join(map(str, group))} (coordinate d={coords['d']}, e={coords['e']})"
         if bool((rows[:, :2] != rows[0, :2]).any()):
@@ -136,7 +139,7 @@ def check_replicas(named: list[tuple[str, tuple[str, ...]]], table: torch.Tensor
     holds the same value. Raise RankMismatchError naming the first parameter and ranks that differ."""
     for i, (name, axes) in enumerate(named):
         for group in _groups_along(mesh, axes):
-            values = table[group, i]
+            values = table[_rows(mesh, group), i]
             if bool((values != values[0]).any()):
                 raise RankMismatchError(
                     f"{what}: parameter {name!r} must hold the same value on ranks {', '.join(map(str, group))} "
@@ -145,14 +148,19 @@ def check_replicas(named: list[tuple[str, tuple[str, ...]]], table: torch.Tensor
 
 
 def _groups_along(mesh, axes) -> list[list[int]]:
-    """The groups of global ranks that differ only in their coordinates along axes."""
+    """The groups of global ranks of the mesh that differ only in their coordinates along axes."""
     seen, groups = set(), []
-    for rank in range(mesh.size()):
+    for rank in mesh.ranks_along(MESH_AXES):
         if rank not in seen:
             group = mesh.ranks_along(axes, rank) if axes else [rank]
             seen.update(group)
             groups.append(group)
     return groups
+
+
+def _rows(mesh, ranks: list[int]) -> list[int]:
+    """The rows of a gathered table that global ranks own (their mesh indices)."""
+    return [mesh.coord(MESH_AXES, r) for r in ranks]
 
 
 def _by_value(values: list, ranks, noun: str = "") -> str:

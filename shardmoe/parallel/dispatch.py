@@ -110,10 +110,10 @@ def plan_dispatch(x: torch.Tensor, routing: Routing, config, mesh,
     mine = torch.cat([consistency.settings_words(settings), torch.tensor([num_tokens, *checksums, sequences]),
                       routing.selected_per_expert.cpu()]).to(routing.probs.device)
     full = consistency.gather_table(mine, mesh, "expert-parallel counts exchange")
-    consistency.check_settings(full[:, : 2 * len(settings)], list(settings), "MoE layer settings")
+    consistency.check_settings(full[:, : 2 * len(settings)], list(settings), "MoE layer settings", mesh)
     full = full[:, 2 * len(settings) :]
     consistency.check_t_peers(full, mesh)
-    # The token-parallel ranks (d, e) are the t = 0 rows (global rank order is d, e, t with t fastest).
+    # The token-parallel ranks (d, e) are the t = 0 rows (the table is in mesh index order, t fastest).
     plan = plan_from_table(full[:: mesh.size("t")].contiguous(), config, mesh)
     if plan.capacity is not None:
         # routing is dropless: row_pair already holds every pair grouped by expert, token order within

@@ -111,6 +111,9 @@ class RowExchange:
         self.any_p2p = any(any(row) for row in self.same_node)
         node = [q for q in range(size) if q == self.index or self.same_node[self.index][q]]
         self.heap = SymmetricHeap(self.ranks, self.index, node, self.group, timeout) if self.any_p2p else None
+        # the collective lays its splits out in group rank order (ascending global rank), which a
+        # DeviceMesh may number otherwise than the axis
+        self.group_order = sorted(range(size), key=lambda q: self.ranks[q])
         self.seq = 0
 
     @contextlib.contextmanager
@@ -151,7 +154,7 @@ class RowExchange:
         if self.any_remote or (self.any_p2p and not p2p):
             remote_out = self._collective(rows, counts, send_start, recv, p2p, seq)
 
-        pieces, remote_start = [], 0
+        pieces = []
         for s in range(size):
             if s == me:
                 pieces.append(rows[send_start[me] : send_start[me] + recv[me]])
@@ -160,8 +163,7 @@ class RowExchange:
                     offset = self._p2p_rows_into(me, counts, before=s) * width
                     pieces.append(self.heap.received(s, offset, recv[s] * width, seq).view(recv[s], width))
             else:
-                pieces.append(remote_out[remote_start : remote_start + recv[s]])
-                remote_start += recv[s]
+                pieces.append(remote_out[s])
         out = torch.cat(pieces) if pieces else rows.new_empty((0, width))
         if self.heap is not None:
             self.heap.done(seq)
@@ -172,23 +174,29 @@ class RowExchange:
         limit = len(self.ranks) if before is None else before
         return sum(counts[s][dest] for s in range(limit) if self.same_node[s][dest])
 
-    def _collective(self, rows, counts, send_start, recv, p2p: bool, seq: int) -> torch.Tensor:
-        me, size = self.index, len(self.ranks)
+    def _collective(self, rows, counts, send_start, recv, p2p: bool, seq: int) -> dict[int, torch.Tensor]:
+        """The all_to_all_single of the pairs the heap does not carry -> {source index: its rows}."""
+        me, size, order = self.index, len(self.ranks), self.group_order
         # Pairs the heap carries (and the self pair) travel as zero-length splits.
         carried = [q == me or (p2p and self.same_node[me][q]) for q in range(size)]
         send = [0 if carried[q] else counts[me][q] for q in range(size)]
         recv_remote = [0 if (s == me or (p2p and self.same_node[s][me])) else recv[s] for s in range(size)]
-        parts = [rows[send_start[q] : send_start[q] + send[q]] for q in range(size) if send[q]]
+        parts = [rows[send_start[q] : send_start[q] + send[q]] for q in order if send[q]]
         inp = torch.cat(parts) if parts else rows.new_empty((0, rows.shape[1]))
         out = rows.new_empty((sum(recv_remote), rows.shape[1]))
         try:
-            dist.all_to_all_single(out, inp, recv_remote, send, group=self.group)
+            dist.all_to_all_single(out, inp, [recv_remote[s] for s in order], [send[q] for q in order],
+                                   group=self.group)
         except RuntimeError as err:
             raise ExchangeError(
                 f"remote exchange {seq} over mesh axis {self.axis!r} (ranks {self.ranks}) failed on rank "
                 f"{self.ranks[me]}: a peer failed, hung or left; cause: {err}"
             ) from err
-        return out
+        received, start = {}, 0
+        for s in order:
+            received[s] = out[start : start + recv_remote[s]]
+            start += recv_remote[s]
+        return received
 
 
 def _exclusive_prefix(values: list[int]) -> list[int]:

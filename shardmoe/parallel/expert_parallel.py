@@ -45,7 +45,7 @@ import torch
 from shardmoe import shardops
 from shardmoe.moe.activations import activate
 from shardmoe.moe.config import MoEConfig
-from shardmoe.moe.dispatch import LOCAL
+from shardmoe.moe.dispatch import LOCAL, whole_entry
 from shardmoe.moe.routing import Routing
 from shardmoe.notation import MESH_AXES
 from shardmoe.parallel import consistency
@@ -96,7 +96,7 @@ class ExpertParallel:
         sums = torch.tensor([consistency.checksum(t) for _, t, _ in replicas])
         row = torch.cat([consistency.settings_words(settings), sums])
         table = consistency.gather_table(row.to(gate_weight.device), self.mesh, "MoE layer agreement check")
-        consistency.check_settings(table[:, : -len(replicas)], list(settings), "MoE layer settings")
+        consistency.check_settings(table[:, : -len(replicas)], list(settings), "MoE layer settings", self.mesh)
         consistency.check_replicas([(n, axes) for n, _, axes in replicas], table[:, -len(replicas):], self.mesh,
                                    "MoE layer")
         self.agreed = True
@@ -192,6 +192,15 @@ class MeshPlacement:
 
     def gather(self, name, local):
         return etp.gather_expert_param(name, local, self.mesh)
+
+    def state_entry(self, name, local):
+        return etp.state_entry(name, local, self.mesh)
+
+    def load_entry(self, key, name, value, shape):
+        """A DTensor of state_entry's layout gives its local shard as it is (no communication);
+        any other whole tensor is cut to this rank's shard (whole_entry)."""
+        own = etp.own_state_entry(name, value, shape, self.mesh)
+        return own if own is not None else self.shard(name, whole_entry(key, name, value, shape))
 
 
 @dataclasses.dataclass

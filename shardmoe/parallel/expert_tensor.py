@@ -31,12 +31,19 @@ the reduce_* functions below take only such Unreduced values, so their results r
 only through these psums and dropping one raises UnreducedError at the first use.
 The expert weight gradients (sums over this rank's rows) leave through autograd as partial sums
 over d, which sync_grads completes.
+
+The layer's state dict holds each shard as a DTensor of the whole tensor in the packed view above
+(state_entry: the shard spec's axes become Shard placements on the DeviceMesh's 'ep' and 'tp'
+dims), which torch.distributed.checkpoint saves once and reshards to any layout (docs/parallel.md).
 """
 from __future__ import annotations
 
 import torch
 
 from shardmoe import shardops
+from shardmoe.mesh import DEVICE_MESH_NAMES
+from shardmoe.moe.dispatch import packed, unpacked
+from shardmoe.notation import global_shape, parse_spec
 
 # parameter name -> (spec of the whole tensor, spec of this rank's shard); gate_up_proj (and its
 # bias) in its [E, 2, F, H] ([E, 2, F]) view so that 't' splits the gate and the up rows alike.
@@ -87,38 +94,69 @@ def shard_expert_param(name: str, whole: torch.Tensor, mesh) -> torch.Tensor:
     if not is_sharded(mesh):
         return whole
     source, target = SHARD_SPECS[name]
-    local = shardops.shard(f"{source} -> {target}", _packed(name, whole), mesh)
-    return _unpacked(name, local).contiguous()
+    local = shardops.shard(f"{source} -> {target}", packed(name, whole), mesh)
+    return unpacked(name, local).contiguous()
 
 
 def gather_expert_param(name: str, local: torch.Tensor, mesh) -> torch.Tensor:
-    """The whole expert parameter from every rank's shard. Collective over ('e', 't')."""
-    if not is_sharded(mesh):
-        return local
+    """The whole expert parameter from every rank's shard. Collective over ('e', 't') (none for a
+    parameter whole on every rank, shared_gate_weight)."""
     source, target = SHARD_SPECS[name]
-    whole = shardops.all_gather(f"{target} -> {source}", _packed(name, local), mesh)
-    return _unpacked(name, whole)
+    if not is_sharded(mesh) or source == target:
+        return local
+    whole = shardops.all_gather(f"{target} -> {source}", packed(name, local), mesh)
+    return unpacked(name, whole)
 
 
-def _packed(name: str, t: torch.Tensor) -> torch.Tensor:
-    """gate_up_proj [E, 2F, H] -> [E, 2, F, H], shared_gate_up_proj [2Fs, H] -> [2, Fs, H],
-    gate_up_proj_bias [E, 2F] -> [E, 2, F]; others as they are."""
-    if name in ("gate_up_proj", "shared_gate_up_proj"):
-        *lead, two_f, H = t.shape
-        return t.view(*lead, 2, two_f // 2, H)
-    if name == "gate_up_proj_bias":
-        E, two_f = t.shape
-        return t.view(E, 2, two_f // 2)
-    return t
+def state_entry(name: str, local: torch.Tensor, mesh) -> torch.Tensor:
+    """The state-dict entry of expert parameter `name` from this rank's shard `local`: its packed
+    view (moe/dispatch.py: gate_up_proj as [E, 2, F, H]), as a DTensor of the whole packed shape
+    over mesh.device_mesh with state_placements when the mesh shards it, else the plain view (a
+    distributed checkpoint takes a plain tensor for a replicated one). Shares local's storage."""
+    view = packed(name, local)
+    placements = state_placements(name, mesh)
+    if placements is None:
+        return view
+    from torch.distributed.tensor import DTensor
+
+    whole = global_shape(SHARD_SPECS[name][1], view.shape, mesh)
+    stride = torch.empty(whole, device="meta").stride()
+    return DTensor.from_local(view, mesh.device_mesh, placements, run_check=False, shape=whole, stride=stride)
 
 
-def _unpacked(name: str, t: torch.Tensor) -> torch.Tensor:
-    """Inverse of _packed (a copy if t is a strided shard)."""
-    if name in ("gate_up_proj", "shared_gate_up_proj"):
-        return t.reshape(*t.shape[:-3], -1, t.shape[-1])
-    if name == "gate_up_proj_bias":
-        return t.reshape(t.shape[0], -1)
-    return t
+def state_placements(name: str, mesh) -> list | None:
+    """DTensor placements, one per dim of mesh.device_mesh, of `name`'s packed shard spec: Shard(i)
+    on the dim of the axis that splits tensor dim i, Replicate on the others ('E/e 2 F/t H' on
+    ('dp', 'ep', 'tp'): Replicate, Shard(0), Shard(2)); None when no axis of more than one rank
+    splits it."""
+    spec = parse_spec(SHARD_SPECS[name][1])
+    if mesh.device_mesh is None or all(mesh.size(a) == 1 for a in spec.axes):
+        return None
+    from torch.distributed.tensor import Replicate, Shard
+
+    axis_of = {n: a for a, n in DEVICE_MESH_NAMES.items()}
+    placements = []
+    for dim_name in mesh.device_mesh.mesh_dim_names:
+        dims = [i for i, dim in enumerate(spec.dims) if axis_of[dim_name] in dim.axes]
+        placements.append(Shard(dims[0]) if dims else Replicate())
+    return placements
+
+
+def own_state_entry(name: str, value, shape: tuple[int, ...], mesh) -> torch.Tensor | None:
+    """This rank's shard, in the parameter's shape, when `value` is a DTensor of the whole parameter
+    `name` (whole shape `shape`) laid out as state_entry lays it out on this mesh (what a distributed
+    checkpoint loaded into); else None."""
+    placements = state_placements(name, mesh)
+    if placements is None:
+        return None
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(value, DTensor) or value.device_mesh != mesh.device_mesh:
+        return None
+    whole = tuple(packed(name, torch.empty(shape, device="meta")).shape)
+    if tuple(value.placements) != tuple(placements) or tuple(value.shape) != whole:
+        return None
+    return unpacked(name, value.to_local())
 
 
 def reduce_expert_output(partial: shardops.Unreduced, mesh) -> torch.Tensor:

@@ -75,7 +75,7 @@ def check_replicas(module: torch.nn.Module, mesh) -> None:
     shape = {"number of parameters": len(named), "CRC-32 of the parameter names and axes": zlib.crc32(layout.encode())}
     device = next(module.parameters(), torch.empty(0)).device
     table = consistency.gather_table(consistency.settings_words(shape).to(device), mesh, "sync_grads parameter check")
-    consistency.check_settings(table, list(shape), f"the parameters of {type(module).__name__}")
+    consistency.check_settings(table, list(shape), f"the parameters of {type(module).__name__}", mesh)
     checksums = torch.tensor([consistency.checksum(p) for _, p in module.named_parameters()], dtype=torch.int64)
     table = consistency.gather_table(checksums.to(device), mesh, "sync_grads parameter check")
     consistency.check_replicas(named, table, mesh, "sync_grads")

@@ -2,11 +2,11 @@
 model's parameters stay float32 and get float32 gradients, as transformers' grouped_mm does."""
 import torch
 
-import shardmoe.hf  # noqa: F401  (registers the "shardmoe" experts implementation)
-from transformers import MixtralConfig, MixtralForCausalLM
-
 
 def _step(implementation):
+    import shardmoe.hf  # noqa: F401  (registers "shardmoe"; not at collection: tests/hf/conftest.py)
+    from transformers import MixtralConfig, MixtralForCausalLM
+
     torch.manual_seed(0)
     cfg = MixtralConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                         num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,

@@ -10,11 +10,11 @@ grouped_mm and with shardmoe alike (docs/hf.md); the test pins that it stays tra
 import pytest
 import torch
 
-import shardmoe.hf
-from transformers import MixtralConfig, MixtralForCausalLM
-
 
 def _model(implementation, convert):
+    import shardmoe.hf  # not at collection: tests/hf/conftest.py says why
+    from transformers import MixtralConfig, MixtralForCausalLM
+
     torch.manual_seed(0)
     cfg = MixtralConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                         num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
