@@ -44,7 +44,7 @@ from torch import nn
 from shardmoe.moe import routers
 from shardmoe.moe import shared_experts as shared_ex
 from shardmoe.moe.config import MoEConfig
-from shardmoe.mesh import EXPERT, REPLICATED, as_mesh, mark_grad_sync
+from shardmoe.mesh import EXPERT, GRAD_SYNC_ATTRIBUTE, REPLICATED, as_mesh, mark_grad_sync
 from shardmoe.moe import ops, precision
 from shardmoe.moe.dispatch import placement
 from shardmoe.moe.function import MoECall, expert_param_names
@@ -184,6 +184,27 @@ class MoE(nn.Module):
             raise ValueError(f"aux_loss_scale: expected None or a finite number, got {scale!r}")
         self._aux_loss_scale = None if scale is None else float(scale)
 
+    def _check_own_shards(self) -> None:
+        """Refuse, on a layer sharded over 'e' or 't', shards that are not the parameters it made (their
+        grad-sync mark is gone). torch.distributed.fsdp.fully_shard puts parameters of its own in
+        their place: it takes this rank's shard of the experts for a whole parameter, shards it
+        again over FSDP's ranks and all-gathers it in forward, which mixes the ranks' experts (two
+        ranks of an ep=2 layer both held experts [0, 3]), a silently wrong model; so this raises
+        before any work. Replicated parameters (the gate; the shared expert unless t splits it) keep
+        their values under FSDP and are not checked."""
+        axes = [a for a in ("e", "t") if self.mesh.size(a) > 1]
+        sharded = (*expert_param_names(self.config), *(shared_ex.shared_param_names(self.config) if "t" in axes else ()))
+        for name in sharded:
+            param = getattr(self, name)
+            if param is not None and not hasattr(param, GRAD_SYNC_ATTRIBUTE):
+                raise ValueError(
+                    f"{name}: expected the parameter this layer made (this rank's shard over mesh axes {axes}, "
+                    f"marked for sync_grads), got another in its place ({type(param).__name__} of shape "
+                    f"{list(param.shape)}, unmarked). torch.distributed.fsdp.fully_shard does that, and takes "
+                    "the shard for a whole parameter, mixing the ranks' experts. Leave the expert parameters "
+                    "out of fully_shard (its ignored_params) and reduce their "
+                    "gradients with shardmoe's sync_grads (docs/parallel.md)")
+
     def _check_input(self, x: torch.Tensor, autocast: torch.dtype | None) -> None:
         H = self.config.hidden_size
         if x.dim() < 1 or x.shape[-1] != H:
@@ -214,6 +235,8 @@ class MoE(nn.Module):
             raise ValueError(f"x: expected a torch.Tensor, got {type(x).__name__}")
         autocast = precision.autocast_dtype(x, self.gate_weight.dtype)
         self._check_input(x, autocast)
+        if self.placement.sharded:
+            self._check_own_shards()
         token_sequence = self.token_sequence(x, sequence_starts)
         # the router's tensors keep their dtype (it computes in float32); x and the experts take autocast's
         x, *experts = precision.cast((x, *self.expert_parameters()), autocast)

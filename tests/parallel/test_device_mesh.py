@@ -149,6 +149,23 @@ def _checkpoints(tmp: str) -> dict:
     return out
 
 
+def _fully_shard_refusals(job) -> dict:
+    """fully_shard over an expert-parallel layer, over every rank and over 'dp' alone: the forward's
+    message, or None if it ran (it used to train silently on mixed experts)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    refusals = {}
+    for label, fsdp_mesh in (("every rank", init_device_mesh("cpu", (4,))), ("dp", job["dp"])):
+        layer = fully_shard(_layer(job, 5), mesh=fsdp_mesh)
+        try:
+            layer(torch.randn(3, H, dtype=torch.float64))
+            refusals[label] = None
+        except ValueError as err:
+            refusals[label] = str(err)
+    return refusals
+
+
 def _world(tmp: str) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -175,6 +192,7 @@ def _world(tmp: str) -> dict:
                      and first.placement.dispatcher.exchange is second.placement.dispatcher.exchange)
     out["device_mesh_names"] = Mesh(dp=2, ep=2).device_mesh["dp"].mesh_dim_names
     out["checkpoints"] = _checkpoints(tmp)
+    out["fully_shard"] = _fully_shard_refusals(job)
     return out
 
 
@@ -209,6 +227,16 @@ def test_layers_on_a_device_mesh_compute_the_single_process_layer(world):
         for label, errors in out["errors"].items():
             bad = {k: v for k, v in errors.items() if not v <= TOL}
             assert not bad, (out["rank"], label, bad)
+
+
+def test_fully_shard_over_the_experts_is_refused_not_trained(world):
+    for out in world:
+        for label, message in out["fully_shard"].items():
+            assert message is not None, (out["rank"], label)
+            assert message.startswith("gate_up_proj: expected the parameter this layer made (this rank's shard "
+                                      "over mesh axes ['e'], marked for sync_grads), got another in its place "
+                                      "(Parameter of shape"), message
+            assert "out of fully_shard (its ignored_params)" in message
 
 
 def test_layers_on_one_device_mesh_share_its_mesh_and_exchange(world):
