@@ -131,7 +131,9 @@ class MoECall:
     loss_scale: dL/d(loss) that backward adds to the loss's own incoming gradient, so the balance
     losses reach the router through the output's graph (None or 0: only the incoming one);
     balance_scope: the whole batch the balance losses average over, when it is more than this
-    forward's tokens (None: this forward's, global over the mesh)."""
+    forward's tokens (None: this forward's, global over the mesh);
+    reduce_replicated: applied in place to the gradients of the replicated tensors (the router's and
+    the shared expert's) before backward returns them (None: left to the caller, sync_grads)."""
 
     config: MoEConfig
     router: object
@@ -140,6 +142,7 @@ class MoECall:
     stats: Callable[[dict], None] | None = None
     loss_scale: float | None = None
     balance_scope: BalanceScope | None = None
+    reduce_replicated: Callable[[list[torch.Tensor]], None] | None = None
 
     def moe_call(self, x: torch.Tensor, tensors) -> "MoECall":
         """As an owner of ops.fused_moe: itself, whatever the inputs."""
@@ -282,6 +285,8 @@ def moe_backward(call: MoECall, x: torch.Tensor, tensors, made: Made, grad_out: 
                 grad_x = grad_x + grad_x_shared
                 shared_grads = [named[n] for n in shared]
     expert_grads = [None if p is None else grads[n].to(p.dtype) for n, p in params.items()]
+    if call.reduce_replicated is not None:
+        call.reduce_replicated([g for g in (*router_grads, *shared_grads) if g is not None])
     return (grad_x.to(x.dtype), *router_grads, *expert_grads, *shared_grads)
 
 

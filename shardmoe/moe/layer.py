@@ -36,9 +36,11 @@ registers (moe/dispatch.py), so this package imports nothing of it.
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from shardmoe.moe import routers
@@ -126,6 +128,8 @@ class MoE(nn.Module):
         self.aux_loss_scale = aux_loss_scale
         # the whole batch the balance losses average over, set around micro-batches (function.BalanceScope)
         self.balance_scope = None
+        # fully_shard over the 'd' ranks: gradients take FSDP's mean convention (_fsdp_over_d)
+        self._fsdp_over_d = False
         self.stats: dict = {}
         # the large row buffers of forward and backward, reused across steps (single process)
         self.workspace = Workspace()
@@ -184,6 +188,39 @@ class MoE(nn.Module):
             raise ValueError(f"aux_loss_scale: expected None or a finite number, got {scale!r}")
         self._aux_loss_scale = None if scale is None else float(scale)
 
+    def _fully_sharded_over_d(self) -> bool:
+        """True when torch.distributed.fsdp.fully_shard was applied to this layer over exactly the
+        ranks along its mesh's 'd' axis (this rank's data-parallel replicas, which hold the same
+        experts), torchtitan's composition. Its gradients then follow FSDP's mean convention, each
+        rank's loss being the mean over its own tokens plus aux_loss: FSDP sums over 'd' and divides
+        by the token shards d e (set here, once); the replicated gradients (router, shared expert)
+        are summed over 'e' in backward, before FSDP's reduce-scatter; and the balance losses' scale
+        is multiplied by d e, as each rank's aux_loss is its share of the batch's.
+          replicated  sum over (d, e) / (d e)
+          experts     sum over d / (d e)  (an expert's gradient on a rank covers every 'e' rank's tokens
+                                           of its d slice, each a mean over its own tokens)
+        fully_shard over other ranks (every rank: it would take the expert shards for whole
+        parameters and mix the ranks' experts) raises ValueError naming both sets of ranks."""
+        from torch.distributed.fsdp import FSDPModule
+
+        if self.mesh is None or not isinstance(self, FSDPModule):
+            return False
+        group = self._get_fsdp_state()._fsdp_param_group
+        if group is None:
+            return False
+        fsdp_ranks = sorted(group.mesh_info.mesh.mesh.flatten().tolist())
+        d_ranks = sorted(self.mesh.ranks_along("d"))
+        if fsdp_ranks != d_ranks:
+            raise ValueError(f"fully_shard: expected this layer sharded over the ranks along its mesh's 'd' axis, "
+                             f"{d_ranks} (the ranks that hold this rank's experts), got ranks {fsdp_ranks}: FSDP "
+                             "would take each rank's shard of the experts for a whole parameter and mix the "
+                             "ranks' experts. Pass fully_shard the 'dp' dimension of the layer's mesh "
+                             "(docs/parallel.md)")
+        if not getattr(self, "_fsdp_divide_factor_set", False):
+            self.set_gradient_divide_factor(float(self.mesh.size(("d", "e"))))
+            self._fsdp_divide_factor_set = True
+        return True
+
     def _check_own_shards(self) -> None:
         """Refuse, on a layer sharded over 'e' or 't', shards that are not the parameters it made (their
         grad-sync mark is gone). torch.distributed.fsdp.fully_shard puts parameters of its own in
@@ -235,7 +272,8 @@ class MoE(nn.Module):
             raise ValueError(f"x: expected a torch.Tensor, got {type(x).__name__}")
         autocast = precision.autocast_dtype(x, self.gate_weight.dtype)
         self._check_input(x, autocast)
-        if self.placement.sharded:
+        self._fsdp_over_d = self._fully_sharded_over_d()
+        if self.placement.sharded and not self._fsdp_over_d:
             self._check_own_shards()
         token_sequence = self.token_sequence(x, sequence_starts)
         # the router's tensors keep their dtype (it computes in float32); x and the experts take autocast's
@@ -256,8 +294,13 @@ class MoE(nn.Module):
         its gate as the router, its dispatcher and workspace, aux_loss_scale and balance_scope; the
         forward's statistics land in self.stats (inside the operator, so they are current under
         torch.compile too)."""
+        scale, reduce = self.aux_loss_scale, None
+        if self._fsdp_over_d:  # FSDP's mean convention (_fully_sharded_over_d)
+            scale = None if scale is None else scale * self.mesh.size(("d", "e"))
+            if self.mesh.size("e") > 1:
+                reduce = functools.partial(_sum_over, self.mesh.group("e"))
         return MoECall(self.config, GateRouter(self.config), self.dispatcher, self.workspace, self._keep_stats,
-                       self.aux_loss_scale, self.balance_scope)
+                       scale, self.balance_scope, reduce)
 
     def _keep_stats(self, stats: dict) -> None:
         self.stats = stats
@@ -403,3 +446,13 @@ def _shard_entries(layer: MoE, state_dict: dict, prefix: str, *args) -> None:
         key = prefix + name
         if key in state_dict and getattr(layer, name) is not None:
             state_dict[key] = layer.placement.load_entry(key, name, state_dict[key], layer._whole_shapes[name])
+
+
+def _sum_over(group, grads: list[torch.Tensor]) -> None:
+    """Sum the gradients over a process group, in place (one all-reduce of them flattened)."""
+    if not grads:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=group)
+    for g, part in zip(grads, flat.split([g.numel() for g in grads])):
+        g.copy_(part.view_as(g))

@@ -10,7 +10,9 @@ Nothing is summed over 't': its ranks hold the same tokens, so a replicated para
 is already whole there.
 
 A parameter declares its axes with mark_grad_sync(param, axes); unmarked parameters count as
-replicated. A parameter that is sharded and reduced by its own layer (FSDP) is marked with ().
+replicated. sync_grads is for modules FSDP does not manage: a DTensor parameter (what
+torch.distributed.fsdp.fully_shard makes) is refused by name, as FSDP reduces its gradient itself
+(a MoE layer fully_shard-ed over 'd' then sums its replicated gradients over 'e' in backward).
 Gradients are bucketed by (axes, dtype, device) and summed with one psum per bucket.
 
 A summed gradient belongs to one model only if the ranks along a parameter's axes hold the same
@@ -41,6 +43,13 @@ def sync_grads(module: torch.nn.Module, mesh) -> None:
     so every rank contributes the same buckets."""
     if mesh is None or mesh.size(REPLICATED) == 1:
         return
+    from torch.distributed.tensor import DTensor
+
+    for name, param in module.named_parameters():
+        if isinstance(param, DTensor):
+            raise ValueError(f"sync_grads: expected parameters that shardmoe reduces, got {name!r} as a DTensor "
+                             "(torch.distributed.fsdp.fully_shard manages it and reduces its gradient itself): "
+                             "call sync_grads only on modules FSDP does not manage (docs/parallel.md)")
     if module not in _REPLICAS_CHECKED:
         check_replicas(module, mesh)
         _REPLICAS_CHECKED.add(module)

@@ -153,16 +153,19 @@ def _checkpoints(tmp: str) -> dict:
 
 
 def _fully_shard_refusals(job) -> dict:
-    """fully_shard over an expert-parallel layer, over every rank and over 'dp' alone: the forward's
-    message, or None if it ran (it used to train silently on mixed experts)."""
+    """fully_shard over an expert-parallel layer's shards where it cannot be right: on the layer over
+    every rank, and on a module holding the layer over every rank. The forward's message, or None if
+    it ran (it used to train silently on mixed experts). Over 'dp' it composes: tests/parallel/test_fsdp.py."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
+    every = init_device_mesh("cpu", (4,))
     refusals = {}
-    for label, fsdp_mesh in (("every rank", init_device_mesh("cpu", (4,))), ("dp", job["dp"])):
-        layer = fully_shard(_layer(job, 5), mesh=fsdp_mesh)
+    for label in ("layer over every rank", "parent over every rank"):
+        layer = _layer(job, 5)
+        module = fully_shard(layer if label.startswith("layer") else torch.nn.Sequential(layer), mesh=every)
         try:
-            layer(torch.randn(3, H, dtype=torch.float64))
+            module(torch.randn(3, H, dtype=torch.float64))
             refusals[label] = None
         except ValueError as err:
             refusals[label] = str(err)
@@ -248,12 +251,15 @@ def test_expert_parallel_layer_under_autocast_computes_the_single_process_layer(
 
 def test_fully_shard_over_the_experts_is_refused_not_trained(world):
     for out in world:
-        for label, message in out["fully_shard"].items():
-            assert message is not None, (out["rank"], label)
-            assert message.startswith("gate_up_proj: expected the parameter this layer made (this rank's shard "
-                                      "over mesh axes ['e'], marked for sync_grads), got another in its place "
-                                      "(Parameter of shape"), message
-            assert "out of fully_shard (its ignored_params)" in message
+        layer, parent = out["fully_shard"]["layer over every rank"], out["fully_shard"]["parent over every rank"]
+        d_ranks = [0, 2] if out["rank"] % 2 == 0 else [1, 3]  # ("dp", "ep") (2, 2): d varies slowest
+        assert layer == (f"fully_shard: expected this layer sharded over the ranks along its mesh's 'd' axis, "
+                         f"{d_ranks} (the ranks that hold this rank's experts), got ranks [0, 1, 2, 3]: FSDP would "
+                         "take each rank's shard of the experts for a whole parameter and mix the ranks' experts. "
+                         "Pass fully_shard the 'dp' dimension of the layer's mesh (docs/parallel.md)"), layer
+        assert parent is not None and parent.startswith(
+            "gate_up_proj: expected the parameter this layer made (this rank's shard over mesh axes ['e'], marked "
+            "for sync_grads), got another in its place (Parameter of shape"), parent
 
 
 def test_layers_on_one_device_mesh_share_its_mesh_and_exchange(world):
