@@ -6,16 +6,16 @@
 
 Modules: dispatch (counts, global capacity, splits), exchange (rows over 'e': P2P shared memory
 within a node, collectives across nodes), symmetric_heap (the shared memory), expert_parallel
-(the expert-parallel dispatcher and placement), expert_tensor (shards and psums over 't'), sync (sync_grads),
+(the expert-parallel dispatcher and placement), expert_tensor (shards and psums over 't'), sync (sync_grads, clip_grad_norm_),
 consistency (ranks that must agree: settings, t-peers' tokens, replicated parameters), bench (the
 distributed benchmark). docs/parallel.md has the decisions.
 """
 from shardmoe.moe.dispatch import register_mesh_placement
 from shardmoe.parallel.consistency import RankMismatchError
 from shardmoe.parallel.expert_parallel import ExpertParallel, MeshPlacement
-from shardmoe.parallel.sync import mark_grad_sync, sync_grads
+from shardmoe.parallel.sync import clip_grad_norm_, mark_grad_sync, sync_grads
 
 # shardmoe.MoE(mesh=...) places its parameters and picks its dispatcher through this
 register_mesh_placement(MeshPlacement)
 
-__all__ = ["ExpertParallel", "RankMismatchError", "mark_grad_sync", "sync_grads"]
+__all__ = ["ExpertParallel", "RankMismatchError", "clip_grad_norm_", "mark_grad_sync", "sync_grads"]

@@ -28,6 +28,7 @@ import zlib
 from collections import defaultdict
 
 import torch
+import torch.distributed as dist
 
 from shardmoe import shardops
 from shardmoe.mesh import EXPERT, GRAD_SYNC_ATTRIBUTE, REPLICATED, mark_grad_sync  # noqa: F401  (this module's API)
@@ -88,3 +89,52 @@ def check_replicas(module: torch.nn.Module, mesh) -> None:
     checksums = torch.tensor([consistency.checksum(p) for _, p in module.named_parameters()], dtype=torch.int64)
     table = consistency.gather_table(checksums.to(device), mesh, "sync_grads parameter check")
     consistency.check_replicas(named, table, mesh, "sync_grads")
+
+
+@torch.no_grad()
+def clip_grad_norm_(module: torch.nn.Module, max_norm: float) -> float:
+    """The gradient norm of the whole model, sqrt(sum over parameters of ||g||^2 over the WHOLE
+    tensor), equal on every rank; the gradients scaled in place by max_norm / (norm + 1e-6) when
+    that is below 1, as torch.nn.utils.clip_grad_norm_ scales them. For models that FSDP shards: torch.nn.utils.clip_grad_norm_ refuses DTensors on
+    several meshes (the dense parameters' and each MoE layer's 'dp' mesh), and a MoE layer's
+    experts, FSDP's DTensors over 'dp' only, are besides split over 'e' (and 't') by the layer,
+    which no DTensor placement says. Each rank adds ||local g||^2 / replicas, the ranks holding
+    the same block of a parameter being
+        replicas = world / (holders * split)
+    holders: the ranks of the gradient's DTensor mesh (1 for a plain tensor); split: ep * tp for a
+    MoE layer's expert parameters, tp for its shared expert's, else 1. One all-reduce over the
+    world sums them (float64). Collective: every rank calls it after the same backward. Plain
+    tensors outside MoE layers count as replicated on every rank: the sharded transformer, whose
+    dense weights are plain shards, has its own (shardmoe/train/optim.py global_grad_norm)."""
+    from torch.distributed.tensor import DTensor
+
+    from shardmoe.moe import shared_experts
+    from shardmoe.moe.function import expert_param_names
+    from shardmoe.moe.layer import MoE
+
+    if not isinstance(max_norm, (int, float)) or isinstance(max_norm, bool) or not max_norm > 0:
+        raise ValueError(f"max_norm: expected a number > 0, got {max_norm!r}")
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    grads, total = [], torch.zeros((), dtype=torch.float64)
+    for layer in module.modules():
+        split = {}
+        if isinstance(layer, MoE) and layer.mesh is not None:
+            split = dict.fromkeys(expert_param_names(layer.config), layer.mesh.size(("e", "t")))
+            split.update(dict.fromkeys(shared_experts.shared_param_names(layer.config), layer.mesh.size("t")))
+        for name, param in layer.named_parameters(recurse=False):
+            grad = param.grad
+            if grad is None:
+                continue
+            local = grad.to_local() if isinstance(grad, DTensor) else grad
+            holders = grad.device_mesh.size() if isinstance(grad, DTensor) else 1
+            total += local.double().square().sum().cpu() / (world / (holders * split.get(name, 1)))
+            grads.append(local)
+    if world > 1:
+        total = total.to(grads[0].device if grads else "cpu")
+        dist.all_reduce(total)
+    norm = float(total.sqrt())
+    coef = max_norm / (norm + 1e-6)  # torch.nn.utils.clip_grad_norm_'s epsilon, so both clip alike
+    if coef < 1:
+        for local in grads:
+            local.mul_(coef)
+    return norm

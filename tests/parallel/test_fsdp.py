@@ -78,7 +78,8 @@ def _world() -> dict:
 
     # a DTensor gathered over FSDP's ranks (the MoE's experts: this rank's 'ep' shard)
     first, after = _train(model, x_all[rows], g_all[rows], lambda t: t.full_tensor().clone())
-    ref_first, ref_after = _train(Toy(None), x_all, g_all, lambda t: t.clone())
+    reference = Toy(None)
+    ref_first, ref_after = _train(reference, x_all, g_all, lambda t: t.clone())
     placement = model.moe.placement
     errors = {"output": _rel(first, ref_first[rows])}
     for step, (mine, theirs) in enumerate(zip(after, ref_after), start=1):
@@ -90,6 +91,19 @@ def _world() -> dict:
                 expected = placement.shard(short, expected)
             errors[f"step {step} {name}"] = _rel(value, expected)
     out = {"rank": dist.get_rank(), "errors": errors}
+    # one more backward of the trained models, then the whole model's gradient norm, clipped to 0.05
+    for net, xs, gs in ((model, x_all[rows], g_all[rows]), (reference, x_all, g_all)):
+        net.zero_grad()
+        ((net(xs) * gs).sum() / (xs.numel() // H) + net.moe.aux_loss).backward()
+    want = float(torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.05))
+    got = shardmoe.parallel.clip_grad_norm_(model, 0.05)
+    out["norm"] = (got, want)
+    for name, p in model.named_parameters():
+        expected = reference.get_parameter(name).grad
+        short = name.removeprefix("moe.")
+        if name.startswith("moe.") and short not in ("gate_weight", "gate_bias") and not short.startswith("shared"):
+            expected = placement.shard(short, expected)
+        errors[f"clipped grad {name}"] = _rel(p.grad.full_tensor(), expected)
     try:
         shardmoe.parallel.sync_grads(model.moe, mesh)
         out["sync_grads"] = None
@@ -111,7 +125,17 @@ def test_fsdp_over_dp_with_experts_over_ep_trains_as_one_process(world):
     for out in world:
         bad = {k: v for k, v in out["errors"].items() if not v <= TOL}
         assert not bad, (out["rank"], bad)
-        assert len(out["errors"]) == 1 + STEPS * (2 * 8 + 1)  # output; 8 parameters: gradient, value; the bias
+        # output; per step 8 parameters' gradient and value, the bias; the clipped gradients
+        assert len(out["errors"]) == 1 + STEPS * (2 * 8 + 1) + 8
+
+
+def test_clip_grad_norm_gives_the_whole_models_norm(world):
+    """torch.nn.utils.clip_grad_norm_ refuses DTensors on two meshes; shardmoe.parallel's counts each
+    block of every parameter once, experts split over 'ep' included (the clipped gradients are in
+    the test above)."""
+    for out in world:
+        got, want = out["norm"]
+        assert want > 0.05 and abs(got - want) <= 1e-12 * want, out["norm"]
 
 
 def test_sync_grads_refuses_parameters_fsdp_manages(world):
