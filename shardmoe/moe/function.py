@@ -132,8 +132,9 @@ class MoECall:
     losses reach the router through the output's graph (None or 0: only the incoming one);
     balance_scope: the whole batch the balance losses average over, when it is more than this
     forward's tokens (None: this forward's, global over the mesh);
-    reduce_replicated: applied in place to the gradients of the replicated tensors (the router's and
-    the shared expert's) before backward returns them (None: left to the caller, sync_grads)."""
+    reduce_grads: applied in place to the parameter gradients before backward returns them, as
+    reduce_grads(replicated, experts): the router's and the shared expert's, then the routed
+    experts' (None: left to the caller, sync_grads)."""
 
     config: MoEConfig
     router: object
@@ -142,7 +143,7 @@ class MoECall:
     stats: Callable[[dict], None] | None = None
     loss_scale: float | None = None
     balance_scope: BalanceScope | None = None
-    reduce_replicated: Callable[[list[torch.Tensor]], None] | None = None
+    reduce_grads: Callable[[list[torch.Tensor], list[torch.Tensor]], None] | None = None
 
     def moe_call(self, x: torch.Tensor, tensors) -> "MoECall":
         """As an owner of ops.fused_moe: itself, whatever the inputs."""
@@ -285,8 +286,9 @@ def moe_backward(call: MoECall, x: torch.Tensor, tensors, made: Made, grad_out: 
                 grad_x = grad_x + grad_x_shared
                 shared_grads = [named[n] for n in shared]
     expert_grads = [None if p is None else grads[n].to(p.dtype) for n, p in params.items()]
-    if call.reduce_replicated is not None:
-        call.reduce_replicated([g for g in (*router_grads, *shared_grads) if g is not None])
+    if call.reduce_grads is not None:
+        call.reduce_grads([g for g in (*router_grads, *shared_grads) if g is not None],
+                          [g for g in expert_grads if g is not None])
     return (grad_x.to(x.dtype), *router_grads, *expert_grads, *shared_grads)
 
 

@@ -192,13 +192,15 @@ class MoE(nn.Module):
         """True when torch.distributed.fsdp.fully_shard was applied to this layer over exactly the
         ranks along its mesh's 'd' axis (this rank's data-parallel replicas, which hold the same
         experts), torchtitan's composition. Its gradients then follow FSDP's mean convention, each
-        rank's loss being the mean over its own tokens plus aux_loss: FSDP sums over 'd' and divides
-        by the token shards d e (set here, once); the replicated gradients (router, shared expert)
-        are summed over 'e' in backward, before FSDP's reduce-scatter; and the balance losses' scale
-        is multiplied by d e, as each rank's aux_loss is its share of the batch's.
+        rank's loss being the mean over its own tokens plus aux_loss: FSDP averages over 'd' (its
+        default); the layer's backward, before FSDP's reduce-scatter, sums the replicated gradients
+        (router, shared expert) over 'e' and divides all its gradients by e; and the balance
+        losses' scale is multiplied by d e, as each rank's aux_loss is its share of the batch's.
           replicated  sum over (d, e) / (d e)
           experts     sum over d / (d e)  (an expert's gradient on a rank covers every 'e' rank's tokens
                                            of its d slice, each a mean over its own tokens)
+        (FSDP's own divide factor could carry the 1/e, but torch 2.13 divides twice by a custom
+        factor on a one-rank mesh in float64 and float16: the ep4 test caught it.)
         fully_shard over other ranks (every rank: it would take the expert shards for whole
         parameters and mix the ranks' experts) raises ValueError naming both sets of ranks."""
         from torch.distributed.fsdp import FSDPModule
@@ -216,9 +218,6 @@ class MoE(nn.Module):
                              "would take each rank's shard of the experts for a whole parameter and mix the "
                              "ranks' experts. Pass fully_shard the 'dp' dimension of the layer's mesh "
                              "(docs/parallel.md)")
-        if not getattr(self, "_fsdp_divide_factor_set", False):
-            self.set_gradient_divide_factor(float(self.mesh.size(("d", "e"))))
-            self._fsdp_divide_factor_set = True
         return True
 
     def _check_own_shards(self) -> None:
@@ -298,7 +297,7 @@ class MoE(nn.Module):
         if self._fsdp_over_d:  # FSDP's mean convention (_fully_sharded_over_d)
             scale = None if scale is None else scale * self.mesh.size(("d", "e"))
             if self.mesh.size("e") > 1:
-                reduce = functools.partial(_sum_over, self.mesh.group("e"))
+                reduce = functools.partial(_mean_over_e, self.mesh.group("e"), self.mesh.size("e"))
         return MoECall(self.config, GateRouter(self.config), self.dispatcher, self.workspace, self._keep_stats,
                        scale, self.balance_scope, reduce)
 
@@ -448,11 +447,13 @@ def _shard_entries(layer: MoE, state_dict: dict, prefix: str, *args) -> None:
             state_dict[key] = layer.placement.load_entry(key, name, state_dict[key], layer._whole_shapes[name])
 
 
-def _sum_over(group, grads: list[torch.Tensor]) -> None:
-    """Sum the gradients over a process group, in place (one all-reduce of them flattened)."""
-    if not grads:
-        return
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat, group=group)
-    for g, part in zip(grads, flat.split([g.numel() for g in grads])):
-        g.copy_(part.view_as(g))
+def _mean_over_e(group, size: int, replicated: list[torch.Tensor], experts: list[torch.Tensor]) -> None:
+    """In place: the replicated gradients summed over the 'e' group (one all-reduce of them
+    flattened), then every gradient divided by its size e (MoE._fully_sharded_over_d)."""
+    if replicated:
+        flat = torch.cat([g.reshape(-1) for g in replicated])
+        dist.all_reduce(flat, group=group)
+        for g, part in zip(replicated, flat.split([g.numel() for g in replicated])):
+            g.copy_(part.view_as(g))
+    for g in (*replicated, *experts):
+        g.div_(size)

@@ -1,9 +1,9 @@
 """FSDP2 composed with expert parallelism the way torchtitan composes it, on gloo, float64.
 
-One 4-rank job mesh ("dp", "ep") of shape (2, 2). A toy model: a dense nn.Linear, fully_shard-ed
-over all four ranks, then a shardmoe.MoE on the job mesh (experts split over 'ep', aux, z and
-sequence-wise losses, a router bias, a correction bias, a shared expert), fully_shard-ed over
-'dp'. Each rank holds an equal share of the batch and its loss is the mean over its own tokens
+One 4-rank world, three job meshes ("dp", "ep", "tp"): dp2 x ep2, ep2 x tp2 and ep4. A toy model: a dense nn.Linear, fully_shard-ed
+over all four ranks, then a shardmoe.MoE on the job mesh (experts split over 'ep' and sliced over 'tp', aux,
+z and sequence-wise losses, a router bias, a correction bias, a shared expert), fully_shard-ed
+over 'dp' (one rank in the last two). Each rank holds an equal share of the batch and its loss is the mean over its own tokens
 plus layer.aux_loss; torch.optim.AdamW steps the DTensor parameters; the correction bias moves
 from the global loads. Three steps equal one process on the whole batch (loss = mean over every
 token + aux) to 1e-10: outputs, and every parameter after each step, with no gradient rescaling
@@ -63,11 +63,19 @@ def _train(model, x, g, whole):
     return first, after
 
 
+LAYOUTS = {"dp2 x ep2": (2, 2, 1), "ep2 x tp2": (1, 2, 2), "ep4": (1, 4, 1)}
+
+
 def _world() -> dict:
+    return {label: _layout(sizes) for label, sizes in LAYOUTS.items()}
+
+
+def _layout(sizes) -> dict:
+    """Train on the job mesh ("dp", "ep", "tp") of these sizes against one process."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    job = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "ep"))
+    job = init_device_mesh("cpu", sizes, mesh_dim_names=("dp", "ep", "tp"))
     model = Toy(job)
     fully_shard(model.moe, mesh=job["dp"])
     fully_shard(model, mesh=init_device_mesh("cpu", (4,)))
@@ -80,17 +88,18 @@ def _world() -> dict:
     first, after = _train(model, x_all[rows], g_all[rows], lambda t: t.full_tensor().clone())
     reference = Toy(None)
     ref_first, ref_after = _train(reference, x_all, g_all, lambda t: t.clone())
-    placement = model.moe.placement
+    def local(name, whole):
+        """This rank's block of the single process's tensor: the MoE's shards over 'ep' and 'tp'."""
+        short = name.removeprefix("grad ").removeprefix("moe.")
+        if "moe." in name and short in model.moe._whole_shapes and short not in ("gate_weight", "gate_bias"):
+            return model.moe.placement.shard(short, whole)
+        return whole
+
     errors = {"output": _rel(first, ref_first[rows])}
     for step, (mine, theirs) in enumerate(zip(after, ref_after), start=1):
         for name, value in mine.items():
-            expected = theirs[name]
-            short = name.removeprefix("grad ").removeprefix("moe.")
-            if "moe." in name and short in model.moe._whole_shapes and short not in ("gate_weight", "gate_bias") \
-                    and not short.startswith("shared"):
-                expected = placement.shard(short, expected)
-            errors[f"step {step} {name}"] = _rel(value, expected)
-    out = {"rank": dist.get_rank(), "errors": errors}
+            errors[f"step {step} {name}"] = _rel(value, local(name, theirs[name]))
+    out = {"errors": errors}
     # one more backward of the trained models, then the whole model's gradient norm, clipped to 0.05
     for net, xs, gs in ((model, x_all[rows], g_all[rows]), (reference, x_all, g_all)):
         net.zero_grad()
@@ -99,11 +108,7 @@ def _world() -> dict:
     got = shardmoe.parallel.clip_grad_norm_(model, 0.05)
     out["norm"] = (got, want)
     for name, p in model.named_parameters():
-        expected = reference.get_parameter(name).grad
-        short = name.removeprefix("moe.")
-        if name.startswith("moe.") and short not in ("gate_weight", "gate_bias") and not short.startswith("shared"):
-            expected = placement.shard(short, expected)
-        errors[f"clipped grad {name}"] = _rel(p.grad.full_tensor(), expected)
+        errors[f"clipped grad {name}"] = _rel(p.grad.full_tensor(), local(name, reference.get_parameter(name).grad))
     try:
         shardmoe.parallel.sync_grads(model.moe, mesh)
         out["sync_grads"] = None
@@ -121,26 +126,30 @@ def world():
     return run_distributed(_world, 4, timeout=240, collective_timeout=60)
 
 
-def test_fsdp_over_dp_with_experts_over_ep_trains_as_one_process(world):
-    for out in world:
-        bad = {k: v for k, v in out["errors"].items() if not v <= TOL}
-        assert not bad, (out["rank"], bad)
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_fsdp_over_dp_with_experts_over_ep_trains_as_one_process(world, layout):
+    for rank, outs in enumerate(world):
+        errors = outs[layout]["errors"]
+        bad = {k: v for k, v in errors.items() if not v <= TOL}
+        assert not bad, (rank, sorted(bad.items())[:40])
         # output; per step 8 parameters' gradient and value, the bias; the clipped gradients
-        assert len(out["errors"]) == 1 + STEPS * (2 * 8 + 1) + 8
+        assert len(errors) == 1 + STEPS * (2 * 8 + 1) + 8
 
 
-def test_clip_grad_norm_gives_the_whole_models_norm(world):
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_clip_grad_norm_gives_the_whole_models_norm(world, layout):
     """torch.nn.utils.clip_grad_norm_ refuses DTensors on two meshes; shardmoe.parallel's counts each
-    block of every parameter once, experts split over 'ep' included (the clipped gradients are in
-    the test above)."""
-    for out in world:
-        got, want = out["norm"]
-        assert want > 0.05 and abs(got - want) <= 1e-12 * want, out["norm"]
+    block of every parameter once, experts split over 'ep' and 'tp' included (the clipped gradients
+    are in the test above)."""
+    for outs in world:
+        got, want = outs[layout]["norm"]
+        assert want > 0.05 and abs(got - want) <= 1e-12 * want, (layout, got, want)
 
 
-def test_sync_grads_refuses_parameters_fsdp_manages(world):
-    for out in world:
-        assert out["sync_grads"] == (
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_sync_grads_refuses_parameters_fsdp_manages(world, layout):
+    for outs in world:
+        assert outs[layout]["sync_grads"] == (
             "sync_grads: expected parameters that shardmoe reduces, got 'gate_weight' as a DTensor "
             "(torch.distributed.fsdp.fully_shard manages it and reduces its gradient itself): call sync_grads only "
             "on modules FSDP does not manage (docs/parallel.md)")
