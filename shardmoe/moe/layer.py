@@ -427,11 +427,17 @@ def _state_entries(layer: MoE, state_dict: dict, prefix: str, local_metadata) ->
     that splits it a DTensor over the mesh's DeviceMesh (Shard(0) over 'ep' for the experts,
     Shard on the F dim over 'tp', Replicate over 'dp') sharing this rank's shard, so that
     torch.distributed.checkpoint saves and loads every expert once and reshards to any layout. The
-    router's tensors (replicated) stay plain."""
+    router's tensors (replicated) stay plain. Under fully_shard over 'd' a parameter is FSDP's
+    DTensor, whose whole tensor is this rank's shard of the layer's: it is gathered over 'd' (a
+    copy, and a collective, as FSDP's state dicts are) and presented the same way."""
+    from torch.distributed.tensor import DTensor
+
     names = (*expert_param_names(layer.config), *shared_ex.shared_param_names(layer.config))
     for name in names:
         if prefix + name in state_dict:
-            state_dict[prefix + name] = layer.placement.state_entry(name, getattr(layer, name).detach())
+            param = getattr(layer, name).detach()
+            local = param.full_tensor() if isinstance(param, DTensor) else param
+            state_dict[prefix + name] = layer.placement.state_entry(name, local)
 
 
 def _shard_entries(layer: MoE, state_dict: dict, prefix: str, *args) -> None:
@@ -439,12 +445,21 @@ def _shard_entries(layer: MoE, state_dict: dict, prefix: str, *args) -> None:
     parameter's shape (Placement.load_entry): a DTensor as _state_entries makes it on this mesh
     gives its local shard; a whole tensor (plain, in the state-dict layout or the parameter's, or a
     DTensor of another layout, gathered whole: a collective over its mesh) is cut to the shard.
-    Any other shape raises ValueError naming the key, the expected and the actual shape."""
+    Any other shape raises ValueError naming the key, the expected and the actual shape. Under
+    fully_shard over 'd', each entry of the layer's own parameters then becomes FSDP's DTensor of
+    it (every 'd' rank holds the same shard: each keeps its block, no communication)."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
     names = (*expert_param_names(layer.config), *shared_ex.shared_param_names(layer.config))
     for name in names:
         key = prefix + name
         if key in state_dict and getattr(layer, name) is not None:
             state_dict[key] = layer.placement.load_entry(key, name, state_dict[key], layer._whole_shapes[name])
+    for name, param in layer.named_parameters(recurse=False):
+        value = state_dict.get(prefix + name)
+        if isinstance(param, DTensor) and isinstance(value, torch.Tensor) and not isinstance(value, DTensor):
+            state_dict[prefix + name] = distribute_tensor(value.to(param.dtype), param.device_mesh, param.placements,
+                                                          src_data_rank=None)
 
 
 def _mean_over_e(group, size: int, replicated: list[torch.Tensor], experts: list[torch.Tensor]) -> None:

@@ -11,7 +11,6 @@ by the user (the layer sets FSDP's divide factor and sums its replicated gradien
 """
 import pytest
 import torch
-import torch.distributed as dist
 
 import shardmoe
 from shardmoe.mesh import Mesh
@@ -66,11 +65,11 @@ def _train(model, x, g, whole):
 LAYOUTS = {"dp2 x ep2": (2, 2, 1), "ep2 x tp2": (1, 2, 2), "ep4": (1, 4, 1)}
 
 
-def _world() -> dict:
-    return {label: _layout(sizes) for label, sizes in LAYOUTS.items()}
+def _world(tmp: str) -> dict:
+    return {label: _layout(sizes, f"{tmp}/{label.replace(' ', '')}") for label, sizes in LAYOUTS.items()}
 
 
-def _layout(sizes) -> dict:
+def _layout(sizes, checkpoint: str) -> dict:
     """Train on the job mesh ("dp", "ep", "tp") of these sizes against one process."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -109,6 +108,24 @@ def _layout(sizes) -> dict:
     out["norm"] = (got, want)
     for name, p in model.named_parameters():
         errors[f"clipped grad {name}"] = _rel(p.grad.full_tensor(), local(name, reference.get_parameter(name).grad))
+    # torch.distributed.checkpoint of the FSDP model, loaded into the single-process model on every rank
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save(model.state_dict(), checkpoint_id=checkpoint)
+    loaded = Toy(None)
+    state = loaded.state_dict()
+    dcp.load(state, checkpoint_id=checkpoint)
+    loaded.load_state_dict(state)
+    out["checkpoint"] = {n: _rel(p.detach(), reference.get_parameter(n).detach()) for n, p in loaded.named_parameters()}
+    # and back into a fresh FSDP model of this layout
+    again = Toy(job)
+    fully_shard(again.moe, mesh=job["dp"])
+    fully_shard(again, mesh=init_device_mesh("cpu", (4,)))
+    state = again.state_dict()
+    dcp.load(state, checkpoint_id=checkpoint)
+    again.load_state_dict(state)
+    out["checkpoint"].update({f"back {n}": _rel(p.full_tensor(), q.full_tensor()) for (n, p), q in
+                              zip(again.named_parameters(), model.parameters())})
     try:
         shardmoe.parallel.sync_grads(model.moe, mesh)
         out["sync_grads"] = None
@@ -122,8 +139,8 @@ def _rel(actual, expected) -> float:
 
 
 @pytest.fixture(scope="module")
-def world():
-    return run_distributed(_world, 4, timeout=240, collective_timeout=60)
+def world(tmp_path_factory):
+    return run_distributed(_world, 4, args=(str(tmp_path_factory.mktemp("dcp")),), timeout=240, collective_timeout=60)
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
@@ -134,6 +151,17 @@ def test_fsdp_over_dp_with_experts_over_ep_trains_as_one_process(world, layout):
         assert not bad, (rank, sorted(bad.items())[:40])
         # output; per step 8 parameters' gradient and value, the bias; the clipped gradients
         assert len(errors) == 1 + STEPS * (2 * 8 + 1) + 8
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_distributed_checkpoint_of_the_fsdp_model_reshards_exactly(world, layout):
+    """dcp.save of the trained FSDP model; dcp.load into the single-process model (equal to the
+    single process's own trained weights) and into a fresh FSDP model of the layout (equal to the
+    saved one), bit for bit."""
+    for rank, outs in enumerate(world):
+        errors = outs[layout]["checkpoint"]
+        assert len(errors) == 16 and not {k: v for k, v in errors.items() if v > 1e-12}, (rank, errors)
+        assert all(v == 0 for k, v in errors.items() if k.startswith("back")), (rank, errors)
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
