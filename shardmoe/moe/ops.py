@@ -105,7 +105,15 @@ def _moe_forward(handle: int, x: torch.Tensor, present: list[torch.Tensor],
     call = _call(handle, tokens, inputs)
     with torch.autocast(x.device.type, enabled=False):
         out, loss, made = moe_forward(call, tokens, inputs)
-    return out.view(x.shape), loss, _fresh(made.flat(_routing_inputs(call, inputs)), (x, *present))
+    return _shaped(out, x.shape), loss, _fresh(made.flat(_routing_inputs(call, inputs)), (x, *present))
+
+
+def _shaped(out: torch.Tensor, shape) -> torch.Tensor:
+    """out [S, H] as a tensor of `shape` [..., H] that is not a view: one that shares out's storage
+    (out itself is dropped). A view would be the caller's output too, and an in-place op on it can
+    cut the graph of the hooks FSDP2 puts on a module's output (it warns about one)."""
+    out = out.contiguous()
+    return out.new_empty(0).set_(out.untyped_storage(), out.storage_offset(), shape, out.view(shape).stride())
 
 
 @_moe_forward.register_fake
@@ -114,7 +122,7 @@ def _moe_forward_fake(handle, x, present, absent):
     tokens = x.reshape(-1, x.shape[-1])
     call = _call(handle, tokens, inputs)
     out, loss, made = moe_fake_forward(call, tokens, inputs, torch.library.get_ctx().new_dynamic_size)
-    return out.view(x.shape), loss, list(made.flat(_routing_inputs(call, inputs)))
+    return out.new_empty(x.shape), loss, list(made.flat(_routing_inputs(call, inputs)))
 
 
 def _routing_inputs(call: MoECall, inputs) -> dict:
