@@ -40,14 +40,13 @@ import functools
 import math
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from shardmoe.moe import routers
 from shardmoe.moe import shared_experts as shared_ex
 from shardmoe.moe.config import MoEConfig
-from shardmoe.mesh import EXPERT, GRAD_SYNC_ATTRIBUTE, REPLICATED, as_mesh, mark_grad_sync
-from shardmoe.moe import ops, precision
+from shardmoe.mesh import EXPERT, REPLICATED, as_mesh, mark_grad_sync
+from shardmoe.moe import composition, ops, precision
 from shardmoe.moe.dispatch import placement
 from shardmoe.moe.function import MoECall, expert_param_names
 from shardmoe.moe.routing import GateRouter
@@ -128,15 +127,15 @@ class MoE(nn.Module):
         self.aux_loss_scale = aux_loss_scale
         # the whole batch the balance losses average over, set around micro-batches (function.BalanceScope)
         self.balance_scope = None
-        # fully_shard over the 'd' ranks: gradients take FSDP's mean convention (_fsdp_over_d)
+        # fully_shard over the 'd' ranks: gradients take FSDP's mean convention (moe/composition.py)
         self._fsdp_over_d = False
         self.stats: dict = {}
         # the large row buffers of forward and backward, reused across steps (single process)
         self.workspace = Workspace()
         self._moe_handle = ops.register(self)  # the int the MoE operators name this layer by
-        # state dicts describe the whole logical expert tensors, whatever the mesh (_state_entries)
-        self.register_state_dict_post_hook(_state_entries)
-        self.register_load_state_dict_pre_hook(_shard_entries)
+        # state dicts describe the whole logical expert tensors, whatever the mesh (moe/composition.py)
+        self.register_state_dict_post_hook(composition.state_entries)
+        self.register_load_state_dict_pre_hook(composition.shard_entries)
 
     @property
     def local_experts(self) -> range:
@@ -188,59 +187,6 @@ class MoE(nn.Module):
             raise ValueError(f"aux_loss_scale: expected None or a finite number, got {scale!r}")
         self._aux_loss_scale = None if scale is None else float(scale)
 
-    def _fully_sharded_over_d(self) -> bool:
-        """True when torch.distributed.fsdp.fully_shard was applied to this layer over exactly the
-        ranks along its mesh's 'd' axis (this rank's data-parallel replicas, which hold the same
-        experts), torchtitan's composition. Its gradients then follow FSDP's mean convention, each
-        rank's loss being the mean over its own tokens plus aux_loss: FSDP averages over 'd' (its
-        default); the layer's backward, before FSDP's reduce-scatter, sums the replicated gradients
-        (router, shared expert) over 'e' and divides all its gradients by e; and the balance
-        losses' scale is multiplied by d e, as each rank's aux_loss is its share of the batch's.
-          replicated  sum over (d, e) / (d e)
-          experts     sum over d / (d e)  (an expert's gradient on a rank covers every 'e' rank's tokens
-                                           of its d slice, each a mean over its own tokens)
-        (FSDP's own divide factor could carry the 1/e, but torch 2.13 divides twice by a custom
-        factor on a one-rank mesh in float64 and float16: the ep4 test caught it.)
-        fully_shard over other ranks (every rank: it would take the expert shards for whole
-        parameters and mix the ranks' experts) raises ValueError naming both sets of ranks."""
-        from torch.distributed.fsdp import FSDPModule
-
-        if self.mesh is None or not isinstance(self, FSDPModule):
-            return False
-        group = self._get_fsdp_state()._fsdp_param_group
-        if group is None:
-            return False
-        fsdp_ranks = sorted(group.mesh_info.mesh.mesh.flatten().tolist())
-        d_ranks = sorted(self.mesh.ranks_along("d"))
-        if fsdp_ranks != d_ranks:
-            raise ValueError(f"fully_shard: expected this layer sharded over the ranks along its mesh's 'd' axis, "
-                             f"{d_ranks} (the ranks that hold this rank's experts), got ranks {fsdp_ranks}: FSDP "
-                             "would take each rank's shard of the experts for a whole parameter and mix the "
-                             "ranks' experts. Pass fully_shard the 'dp' dimension of the layer's mesh "
-                             "(docs/parallel.md)")
-        return True
-
-    def _check_own_shards(self) -> None:
-        """Refuse, on a layer sharded over 'e' or 't', shards that are not the parameters it made (their
-        grad-sync mark is gone). torch.distributed.fsdp.fully_shard puts parameters of its own in
-        their place: it takes this rank's shard of the experts for a whole parameter, shards it
-        again over FSDP's ranks and all-gathers it in forward, which mixes the ranks' experts (two
-        ranks of an ep=2 layer both held experts [0, 3]), a silently wrong model; so this raises
-        before any work. Replicated parameters (the gate; the shared expert unless t splits it) keep
-        their values under FSDP and are not checked."""
-        axes = [a for a in ("e", "t") if self.mesh.size(a) > 1]
-        sharded = (*expert_param_names(self.config), *(shared_ex.shared_param_names(self.config) if "t" in axes else ()))
-        for name in sharded:
-            param = getattr(self, name)
-            if param is not None and not hasattr(param, GRAD_SYNC_ATTRIBUTE):
-                raise ValueError(
-                    f"{name}: expected the parameter this layer made (this rank's shard over mesh axes {axes}, "
-                    f"marked for sync_grads), got another in its place ({type(param).__name__} of shape "
-                    f"{list(param.shape)}, unmarked). torch.distributed.fsdp.fully_shard does that, and takes "
-                    "the shard for a whole parameter, mixing the ranks' experts. Leave the expert parameters "
-                    "out of fully_shard (its ignored_params) and reduce their "
-                    "gradients with shardmoe's sync_grads (docs/parallel.md)")
-
     def _check_input(self, x: torch.Tensor, autocast: torch.dtype | None) -> None:
         H = self.config.hidden_size
         if x.dim() < 1 or x.shape[-1] != H:
@@ -271,9 +217,9 @@ class MoE(nn.Module):
             raise ValueError(f"x: expected a torch.Tensor, got {type(x).__name__}")
         autocast = precision.autocast_dtype(x, self.gate_weight.dtype)
         self._check_input(x, autocast)
-        self._fsdp_over_d = self._fully_sharded_over_d()
+        self._fsdp_over_d = composition.fully_sharded_over_d(self)
         if self.placement.sharded and not self._fsdp_over_d:
-            self._check_own_shards()
+            composition.check_own_shards(self)
         token_sequence = self.token_sequence(x, sequence_starts)
         # the router's tensors keep their dtype (it computes in float32); x and the experts take autocast's
         x, *experts = precision.cast((x, *self.expert_parameters()), autocast)
@@ -294,10 +240,10 @@ class MoE(nn.Module):
         forward's statistics land in self.stats (inside the operator, so they are current under
         torch.compile too)."""
         scale, reduce = self.aux_loss_scale, None
-        if self._fsdp_over_d:  # FSDP's mean convention (_fully_sharded_over_d)
+        if self._fsdp_over_d:  # FSDP's mean convention (composition.fully_sharded_over_d)
             scale = None if scale is None else scale * self.mesh.size(("d", "e"))
             if self.mesh.size("e") > 1:
-                reduce = functools.partial(_mean_over_e, self.mesh.group("e"), self.mesh.size("e"))
+                reduce = functools.partial(composition.mean_over_e, self.mesh.group("e"), self.mesh.size("e"))
         return MoECall(self.config, GateRouter(self.config), self.dispatcher, self.workspace, self._keep_stats,
                        scale, self.balance_scope, reduce)
 
@@ -418,57 +364,3 @@ class MoE(nn.Module):
         return {"gate.weight": self.gate_weight.detach().t().contiguous(),
                 "experts.gate_up_proj": self.placement.gather("gate_up_proj", self.gate_up_proj.detach()).clone(),
                 "experts.down_proj": self.placement.gather("down_proj", self.down_proj.detach()).clone()}
-
-
-def _state_entries(layer: MoE, state_dict: dict, prefix: str, local_metadata) -> None:
-    """state_dict post-hook: each routed or shared expert parameter's entry is the whole logical
-    tensor, the same on every mesh (moe/dispatch.py Placement.state_entry): gate_up_proj as its
-    [E, 2, F, H] view ([E, 2, F] for its bias, [2, Fs, H] for the shared expert's), and with a mesh
-    that splits it a DTensor over the mesh's DeviceMesh (Shard(0) over 'ep' for the experts,
-    Shard on the F dim over 'tp', Replicate over 'dp') sharing this rank's shard, so that
-    torch.distributed.checkpoint saves and loads every expert once and reshards to any layout. The
-    router's tensors (replicated) stay plain. Under fully_shard over 'd' a parameter is FSDP's
-    DTensor, whose whole tensor is this rank's shard of the layer's: it is gathered over 'd' (a
-    copy, and a collective, as FSDP's state dicts are) and presented the same way."""
-    from torch.distributed.tensor import DTensor
-
-    names = (*expert_param_names(layer.config), *shared_ex.shared_param_names(layer.config))
-    for name in names:
-        if prefix + name in state_dict:
-            param = getattr(layer, name).detach()
-            local = param.full_tensor() if isinstance(param, DTensor) else param
-            state_dict[prefix + name] = layer.placement.state_entry(name, local)
-
-
-def _shard_entries(layer: MoE, state_dict: dict, prefix: str, *args) -> None:
-    """load_state_dict pre-hook: each expert parameter's entry becomes this rank's shard in the
-    parameter's shape (Placement.load_entry): a DTensor as _state_entries makes it on this mesh
-    gives its local shard; a whole tensor (plain, in the state-dict layout or the parameter's, or a
-    DTensor of another layout, gathered whole: a collective over its mesh) is cut to the shard.
-    Any other shape raises ValueError naming the key, the expected and the actual shape. Under
-    fully_shard over 'd', each entry of the layer's own parameters then becomes FSDP's DTensor of
-    it (every 'd' rank holds the same shard: each keeps its block, no communication)."""
-    from torch.distributed.tensor import DTensor, distribute_tensor
-
-    names = (*expert_param_names(layer.config), *shared_ex.shared_param_names(layer.config))
-    for name in names:
-        key = prefix + name
-        if key in state_dict and getattr(layer, name) is not None:
-            state_dict[key] = layer.placement.load_entry(key, name, state_dict[key], layer._whole_shapes[name])
-    for name, param in layer.named_parameters(recurse=False):
-        value = state_dict.get(prefix + name)
-        if isinstance(param, DTensor) and isinstance(value, torch.Tensor) and not isinstance(value, DTensor):
-            state_dict[prefix + name] = distribute_tensor(value.to(param.dtype), param.device_mesh, param.placements,
-                                                          src_data_rank=None)
-
-
-def _mean_over_e(group, size: int, replicated: list[torch.Tensor], experts: list[torch.Tensor]) -> None:
-    """In place: the replicated gradients summed over the 'e' group (one all-reduce of them
-    flattened), then every gradient divided by its size e (MoE._fully_sharded_over_d)."""
-    if replicated:
-        flat = torch.cat([g.reshape(-1) for g in replicated])
-        dist.all_reduce(flat, group=group)
-        for g, part in zip(replicated, flat.split([g.numel() for g in replicated])):
-            g.copy_(part.view_as(g))
-    for g in (*replicated, *experts):
-        g.div_(size)
