@@ -29,7 +29,7 @@ clean:
 
 # the GPU check (docs/gpu.md), run by the machine's own python without a venv (a lent GPU machine has
 # torch, triton and transformers installed and no network): make gpu-check OUT=DIR [ONLY=parity,bench]
-# [ARGS="--budget 540"]
+# [ARGS="--budget 480"]
 GPU_PYTHON ?= python
 gpu-check:
 	PYTHONPATH=. $(GPU_PYTHON) -m shardmoe.gpu_check $(if $(OUT),--out $(OUT)) $(if $(ONLY),--only $(ONLY)) $(ARGS)

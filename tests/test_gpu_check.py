@@ -87,13 +87,35 @@ def test_parity_table_has_every_case_and_dtype_within_tolerance(dry_run):
     assert max(float32) < 1e-5
 
 
+@pytest.mark.parametrize("value", [float("nan"), 1e-2])
+def test_a_wrong_kernel_output_fails_its_row(monkeypatch, value):
+    """The row fails when the kernel path's output is off by 1e-2 relative or NaN (a NaN compared
+    below every tolerance before: NaN > tol is False)."""
+    real = parity.forward_backward
+    calls = []
+
+    def corrupted(layer, x, grad_out, context):
+        backend, tensors, stats = real(layer, x, grad_out, context)
+        if not calls:  # the first run is the kernel path's
+            out = tensors["out"]
+            tensors["out"] = out + value * out.abs().max() if value == value else torch.full_like(out, value)
+        calls.append(backend)
+        return backend, tensors, stats
+
+    monkeypatch.setattr(parity, "forward_backward", corrupted)
+    name = "glu-softmax-aux-z"
+    row = parity.check_case(name, parity.CASES[name], "float32", "cpu", parity.DRY_RUN_SIZES, dry_run=True)
+    assert calls == ["triton", "torch"] and not row["passed"]
+    assert row["worst"]["vs_reference"][0] == "out" and row["worst"]["vs_reference"][1] >= 1e-2
+    assert any(p.startswith("out: error vs float64") for p in row["problems"]), row["problems"]
+
+
 def test_bench_times_every_candidate_and_prints_sonicmoe_beside_ours(dry_run):
     cases = dry_run[2]["stages"]["bench"]["result"]["cases"]
     assert [c["shape_name"] for c in cases] == list(bench.DRY_RUN_SHAPES)
     for c in cases:
         rows = {r["candidate"]: r for r in c["rows"]}
         assert set(rows) == {"dense", "grouped_mm", "shardmoe", "shardmoe:torch"}
-        assert rows["dense"]["fraction_of_dense"] == 1.0 and rows["grouped_mm"]["speedup_vs_grouped_mm"] == 1.0
         for r in rows.values():
             assert r["median_ms"] > 0 and r["tflops"] > 0 and r["repeats"] == bench.DRY_RUN_REPEATS
         for name in ("grouped_mm", "shardmoe", "shardmoe:torch"):
@@ -103,8 +125,7 @@ def test_bench_times_every_candidate_and_prints_sonicmoe_beside_ours(dry_run):
                                     "shardmoe:torch vs grouped_mm"}
         assert max(c["errors"].values()) < bench.CHECK_TOL and not c["problems"]
     sonic = cases[1]["sonicmoe"]
-    assert (sonic["forward_tflops"], sonic["backward_tflops"]) == (365.0, 405.0) and sonic["same_shape"] is False
-    assert sonic["shardmoe_forward_tflops"] > 0
+    assert sonic["same_shape"] is False and sonic["shardmoe_forward_tflops"] > 0
 
 
 def test_calibrate_writes_constants_the_simulator_reads(dry_run):

@@ -7,6 +7,7 @@ error of outputs and gradients against transformers.
 """
 from __future__ import annotations
 
+import math
 import statistics
 from dataclasses import asdict, dataclass, field
 
@@ -82,14 +83,16 @@ class CaseResult:
 
 
 def relative_error(a: dict, b: dict) -> float:
-    """max over the shared keys of ||a - b||_2 / ||b||_2 (float64 norms)."""
+    """max over the shared keys of ||a - b||_2 / ||b||_2 (float64 norms); inf when one is not finite
+    (max(worst, nan) keeps worst: a NaN would have read as agreement)."""
     worst = 0.0
     for key, va in a.items():
         vb = b.get(key)
         if va is None or vb is None:
             continue
         va, vb = va.double(), vb.double()
-        worst = max(worst, ((va - vb).norm() / vb.norm().clamp_min(1e-300)).item())
+        error = ((va - vb).norm() / vb.norm().clamp_min(1e-300)).item()
+        worst = max(worst, error if math.isfinite(error) else math.inf)
     return worst
 
 

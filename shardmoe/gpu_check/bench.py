@@ -185,7 +185,8 @@ def measure(shape_name: str, s: Shape, ctx) -> dict:
     flops = total_flops(s)
     rows = []
     for name in timed:
-        kept = marks[name][-len(times[name]):]  # the timed rounds' marks (warm-up rounds come first)
+        # the timed rounds' marks: warm-up rounds come first, the peak-memory step (CUDA) after
+        kept = marks[name][warmup:warmup + len(times[name])]
         step_ms = [clock.ms(a, b) for a, _, b in kept]
         forward_ms = [clock.ms(a, m) for a, m, _ in kept if m is not None]
         backward_ms = [clock.ms(m, b) for _, m, b in kept if m is not None]

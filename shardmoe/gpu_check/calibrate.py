@@ -56,6 +56,7 @@ def measure_rates(device: str, dry_run: bool, glu_rows: int, glu_ffn: int) -> di
     import torch
 
     from shardmoe.moe.experts import glu_activation
+    from shardmoe.simulate.calibrate import glu_pass_bytes
     from shardmoe.moe.workspace import Workspace
 
     cuda = device == "cuda"
@@ -84,8 +85,8 @@ def measure_rates(device: str, dry_run: bool, glu_rows: int, glu_ffn: int) -> di
         tiny.item()
         reads.append(time.perf_counter() - start)
     return {"copy_bandwidth": 2 * a.numel() * a.element_size() / (copy_ms / 1e3),
-            # the model's charge for the pass: read [n, 2F], write a [n, F] (baseline.py)
-            "glu_bandwidth": 3 * glu_rows * glu_ffn * h.element_size() / (glu_ms / 1e3),
+            # counted as the simulator's own calibration counts the pass
+            "glu_bandwidth": glu_pass_bytes(h) / (glu_ms / 1e3),
             "glu_shape": [glu_rows, 2 * glu_ffn], "kernel_launch": launch, "host_sync": statistics.median(reads)}
 
 

@@ -73,14 +73,20 @@ def parse_junit(path: Path) -> dict:
             "failing": failing, "skip_reasons": skipped}
 
 
-def run_group(root: Path, out: Path, name: str, paths: list[str], env: dict, limit: float) -> dict:
+def run_group(ctx, out: Path, name: str, paths: list[str], env: dict, seconds: float) -> dict:
+    """One pytest process, limited to `seconds` or the budget's remainder at its start (a queued
+    process does not start once the budget is spent: its entry says so, as a timeout)."""
     xml, log = out / f"{name}.xml", out / f"{name}.log"
+    if ctx.out_of_time():
+        return {"name": name, "paths": paths, "returncode": None, "timed_out": True, "seconds": 0.0,
+                "log": str(log.relative_to(out.parent)), "tail": "not started: the budget was spent"}
+    limit = ctx.limit(seconds)
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfEs", f"--junitxml={xml}", *paths]
     start = time.monotonic()
     timed_out = False
     with open(log, "w") as sink:
         try:
-            returncode = subprocess.run(command, cwd=root, env=env, stdout=sink, stderr=subprocess.STDOUT,
+            returncode = subprocess.run(command, cwd=ctx.root, env=env, stdout=sink, stderr=subprocess.STDOUT,
                                         timeout=limit).returncode
         except subprocess.TimeoutExpired:
             returncode, timed_out = None, True
@@ -98,12 +104,12 @@ def run(ctx) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     todo = groups(ctx.root, ctx.dry_run)
     env = environment(ctx.root, ctx.dry_run)
-    limit = ctx.limit(DRY_RUN_LIMIT_S if ctx.dry_run else LIMIT_S)
+    seconds = DRY_RUN_LIMIT_S if ctx.dry_run else LIMIT_S
     workers = max(1, min(len(todo), (os.cpu_count() or 2) // 2))
-    print(f"  {len(todo)} pytest processes, {workers} at a time, {limit:.0f} s each at most", flush=True)
+    print(f"  {len(todo)} pytest processes, {workers} at a time, {ctx.limit(seconds):.0f} s each at most", flush=True)
     entries = []
     with concurrent.futures.ThreadPoolExecutor(workers) as pool:
-        futures = [pool.submit(run_group, ctx.root, out, name, paths, env, limit) for name, paths in todo]
+        futures = [pool.submit(run_group, ctx, out, name, paths, env, seconds) for name, paths in todo]
         for future in concurrent.futures.as_completed(futures):
             entries.append(future.result())
             e = entries[-1]

@@ -20,9 +20,9 @@ import torch
 from shardmoe.settings import SETTINGS
 
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)
-KERNEL_EXPERTS = ("glu", "mlp")
-KERNEL_ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "silu", "identity")  # activations.activation's branches
-KERNEL_GLU_ACTIVATIONS = KERNEL_ACTIVATIONS + ("clamped_swiglu",)  # activations.glu's: "glu" experts only
+# activations.activation's branches: every activation the layer has (moe/config.py ACTIVATIONS; a
+# test holds the two equal), and for "glu" the clamped SwiGLU besides (activations.glu)
+KERNEL_ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "silu", "identity")
 
 _forced_on_cpu = False  # set only by force_kernel_path(), a test switch
 
@@ -73,18 +73,11 @@ def fused_path(config, x: torch.Tensor) -> bool:
     """The one predicate for "does the fused kernel path take this layer?".
 
     True when x is a kernel dtype on CUDA (or on CPU inside force_kernel_path()), triton is
-    importable and SETTINGS.kernels is on, for any layer the torch path runs: the kernels implement
-    both expert kinds (KERNEL_EXPERTS), their biases, every activation (KERNEL_ACTIVATIONS, and for
-    "glu" the clamped SwiGLU: KERNEL_GLU_ACTIVATIONS) and capacity drops. The router (every score
-    function, bias and loss) and a shared expert (a dense GEMM pair over all tokens,
-    moe/shared_experts.py) run in torch beside the backend on every path, so their options do
-    not matter here. A config option the kernels do not implement would fall back to torch by
-    adding one condition here.
+    importable and SETTINGS.kernels is on, whatever the layer: the kernels implement every expert
+    kind, bias, activation (the clamped SwiGLU included) and capacity drop that MoEConfig accepts.
+    The router (every score function, bias and loss) and a shared expert (a dense GEMM pair over
+    all tokens, moe/shared_experts.py) run in torch beside the backend on every path. A config
+    option the kernels do not implement would fall back to torch by adding one condition on
+    `config` here.
     """
-    activations = KERNEL_GLU_ACTIVATIONS if config.expert == "glu" else KERNEL_ACTIVATIONS
-    return (
-        config.expert in KERNEL_EXPERTS
-        and config.activation in activations
-        and config.output_activation in KERNEL_ACTIVATIONS
-        and (available(x) or (_forced_on_cpu and available(x, cuda_only=False)))
-    )
+    return available(x) or (_forced_on_cpu and available(x, cuda_only=False))

@@ -74,7 +74,7 @@ def sigmoid(z):
 def activation(z, ACT: tl.constexpr):
     """act(z), elementwise."""
     if ACT == "relu":
-        out = tl.maximum(z, 0.0)
+        out = tl.maximum(z, 0.0, propagate_nan=tl.PropagateNan.ALL)  # NaN stays NaN, as torch.relu
     elif ACT == "gelu":
         out = 0.5 * z * (1.0 + tl.math.erf(z * 0.7071067811865476))
     elif ACT == "gelu_tanh":
@@ -107,11 +107,19 @@ def activation_grad(z, ACT: tl.constexpr):
 
 
 @triton.jit
+def clamped(gate, up, limit):
+    """(min(hg, L), clamp(hu, -L, L)) of the clamped SwiGLU, NaN propagating as torch.clamp does
+    (triton's min/max default drops a NaN operand on compiled code)."""
+    gc = tl.minimum(gate, limit, propagate_nan=tl.PropagateNan.ALL)
+    uc = tl.clamp(up, -limit, limit, propagate_nan=tl.PropagateNan.ALL)
+    return gc, uc
+
+
+@triton.jit
 def glu(gate, up, limit, alpha, ACT: tl.constexpr):
     """a from the halves hg = gate, hu = up of one tile (same shape)."""
     if ACT == "clamped_swiglu":
-        gc = tl.minimum(gate, limit)
-        uc = tl.minimum(tl.maximum(up, -limit), limit)
+        gc, uc = clamped(gate, up, limit)
         out = (uc + 1.0) * (gc * sigmoid(alpha * gc))
     else:
         out = activation(gate, ACT) * up
@@ -122,8 +130,7 @@ def glu(gate, up, limit, alpha, ACT: tl.constexpr):
 def glu_grad(grad, gate, up, limit, alpha, ACT: tl.constexpr):
     """(dhg, dhu) for dA = grad and the halves hg = gate, hu = up of one tile (same shape)."""
     if ACT == "clamped_swiglu":
-        gc = tl.minimum(gate, limit)
-        uc = tl.minimum(tl.maximum(up, -limit), limit)
+        gc, uc = clamped(gate, up, limit)
         s = sigmoid(alpha * gc)
         slope = s * (1.0 + alpha * gc * (1.0 - s))
         # the clamps pass the gradient on their closed ranges only

@@ -75,13 +75,14 @@ def expert_forward(expert: str, activation, output_activation: str, xs: torch.Te
     "mlp": z1 = x W1_e^T + b1, a1 = act(z1) in one GEMM; z2 = a1 W2_e^T + b2 and
            y = act_out(z2) in the next (y is z2 itself for an identity act_out)."""
     pre, act = _expert_up(expert, activation, xs, params, groups, row_index)
+    bias = _down_bias(expert, params)
     if expert == "glu":
-        return forward_gemm(act, params["down_proj"], groups, bias=params.get("down_proj_bias")), (pre,)
+        return forward_gemm(act, params["down_proj"], groups, bias=bias), (pre,)
     if output_activation == "identity":
-        z2 = forward_gemm(act, params["w2"], groups, bias=params["b2"])
+        z2 = forward_gemm(act, params["w2"], groups, bias=bias)
         return z2, (pre, z2)
     y = act.new_empty((act.shape[0], params["w2"].shape[1]))
-    z2 = forward_gemm(act, params["w2"], groups, bias=params["b2"], activation=output_activation, post=y)
+    z2 = forward_gemm(act, params["w2"], groups, bias=bias, activation=output_activation, post=y)
     return y, (pre, z2)
 
 

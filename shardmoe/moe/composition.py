@@ -36,9 +36,11 @@ def fully_sharded_over_d(layer) -> bool:
     factor on a one-rank mesh in float64 and float16: the ep4 test caught it.)
     fully_shard over other ranks (every rank: it would take the expert shards for whole
     parameters and mix the ranks' experts) raises ValueError naming both sets of ranks."""
+    if layer.mesh is None:
+        return False
     from torch.distributed.fsdp import FSDPModule
 
-    if layer.mesh is None or not isinstance(layer, FSDPModule):
+    if not isinstance(layer, FSDPModule):
         return False
     group = layer._get_fsdp_state()._fsdp_param_group
     if group is None:
@@ -88,8 +90,7 @@ def state_entries(layer, state_dict: dict, prefix: str, local_metadata) -> None:
     copy, and a collective, as FSDP's state dicts are) and presented the same way."""
     from torch.distributed.tensor import DTensor
 
-    names = (*expert_param_names(layer.config), *shared_ex.shared_param_names(layer.config))
-    for name in names:
+    for name in _sharded_names(layer):
         if prefix + name in state_dict:
             param = getattr(layer, name).detach()
             local = param.full_tensor() if isinstance(param, DTensor) else param
@@ -106,8 +107,7 @@ def shard_entries(layer, state_dict: dict, prefix: str, *args) -> None:
     it (every 'd' rank holds the same shard: each keeps its block, no communication)."""
     from torch.distributed.tensor import DTensor, distribute_tensor
 
-    names = (*expert_param_names(layer.config), *shared_ex.shared_param_names(layer.config))
-    for name in names:
+    for name in _sharded_names(layer):
         key = prefix + name
         if key in state_dict and getattr(layer, name) is not None:
             state_dict[key] = layer.placement.load_entry(key, name, state_dict[key], layer._whole_shapes[name])
@@ -116,6 +116,12 @@ def shard_entries(layer, state_dict: dict, prefix: str, *args) -> None:
         if isinstance(param, DTensor) and isinstance(value, torch.Tensor) and not isinstance(value, DTensor):
             state_dict[prefix + name] = distribute_tensor(value.to(param.dtype), param.device_mesh, param.placements,
                                                           src_data_rank=None)
+
+
+def _sharded_names(layer) -> tuple[str, ...]:
+    """The parameters the placement shards and the state-dict hooks present whole: the routed
+    experts', then the shared expert's."""
+    return (*expert_param_names(layer.config), *shared_ex.shared_param_names(layer.config))
 
 
 def mean_over_e(group, size: int, replicated: list[torch.Tensor], experts: list[torch.Tensor]) -> None:

@@ -221,12 +221,10 @@ def moe_forward(call: MoECall, x: torch.Tensor, tensors) -> tuple[torch.Tensor, 
                 out = out + shared_out  # both in the acc dtype: one rounding below
             out = out.to(x.dtype)
         with dispatcher.timed(state, "combine"):
-            loss_routing, num_tokens, num_sequences = dispatcher.loss_scope(routing, state)
-            own = BalanceScope(loss_routing.selected_per_expert, x.shape[0] if num_tokens is None else num_tokens,
-                               routing.sequence_tokens.numel() if num_sequences is None else num_sequences)
-            if call.balance_scope is not None:
-                loss_routing = dataclasses.replace(loss_routing, selected_per_expert=call.balance_scope.selected)
-            num_tokens, num_sequences = _balance_sizes(call, num_tokens, num_sequences)
+            scope = dispatcher.loss_scope(routing, state)
+            own = BalanceScope(scope[0].selected_per_expert, x.shape[0] if scope[1] is None else scope[1],
+                               routing.sequence_tokens.numel() if scope[2] is None else scope[2])
+            loss_routing, num_tokens, num_sequences = _with_balance_scope(call, *scope)
             loss = router.loss(loss_routing, num_tokens, num_sequences)
             if call.stats is not None:
                 stats = dispatcher.stats(config, routing, state, x.shape[0])
@@ -268,8 +266,8 @@ def moe_backward(call: MoECall, x: torch.Tensor, tensors, made: Made, grad_out: 
         grad_x, grad_dots, grads = dispatcher.backward(backend, config, grad_out, x, routing, state,
                                                        made.dispatched, params)
         with dispatcher.timed(state, "route"):  # stage 6, from dL/dw [S, k] (zero for dropped pairs)
-            # the saved routing already holds the scope's counts (forward saved the loss's routing)
-            num_tokens, num_sequences = _balance_sizes(call, *dispatcher.loss_scope(routing, state)[1:])
+            # the saved routing is the loss's: it already holds the balance scope's counts
+            _, num_tokens, num_sequences = _with_balance_scope(call, *dispatcher.loss_scope(routing, state))
             S, k = x.shape[0], config.top_k
             grad_weight = x.new_zeros(S * k, dtype=accumulation_dtype(x.dtype))
             grad_weight[routing.row_pair] = grad_dots
@@ -292,10 +290,14 @@ def moe_backward(call: MoECall, x: torch.Tensor, tensors, made: Made, grad_out: 
     return (grad_x.to(x.dtype), *router_grads, *expert_grads, *shared_grads)
 
 
-def _balance_sizes(call: MoECall, num_tokens: int | None, num_sequences: int | None) -> tuple:
-    """The S and Q the balance losses average over: the call's balance scope's when it has one."""
+def _with_balance_scope(call: MoECall, routing: Routing, num_tokens: int | None, num_sequences: int | None) -> tuple:
+    """dispatcher.loss_scope's (routing, S, Q), with the call's balance scope in their place when it
+    has one: its selection counts, tokens and sequences."""
     scope = call.balance_scope
-    return (num_tokens, num_sequences) if scope is None else (scope.num_tokens, scope.num_sequences)
+    if scope is None:
+        return routing, num_tokens, num_sequences
+    return (dataclasses.replace(routing, selected_per_expert=scope.selected), scope.num_tokens,
+            scope.num_sequences)
 
 
 def split_weights(config: MoEConfig, weights) -> tuple[tuple, tuple]:

@@ -127,8 +127,6 @@ class MoE(nn.Module):
         self.aux_loss_scale = aux_loss_scale
         # the whole batch the balance losses average over, set around micro-batches (function.BalanceScope)
         self.balance_scope = None
-        # fully_shard over the 'd' ranks: gradients take FSDP's mean convention (moe/composition.py)
-        self._fsdp_over_d = False
         self.stats: dict = {}
         # the large row buffers of forward and backward, reused across steps (single process)
         self.workspace = Workspace()
@@ -217,8 +215,7 @@ class MoE(nn.Module):
             raise ValueError(f"x: expected a torch.Tensor, got {type(x).__name__}")
         autocast = precision.autocast_dtype(x, self.gate_weight.dtype)
         self._check_input(x, autocast)
-        self._fsdp_over_d = composition.fully_sharded_over_d(self)
-        if self.placement.sharded and not self._fsdp_over_d:
+        if self.placement.sharded and not composition.fully_sharded_over_d(self):
             composition.check_own_shards(self)
         token_sequence = self.token_sequence(x, sequence_starts)
         # the router's tensors keep their dtype (it computes in float32); x and the experts take autocast's
@@ -240,7 +237,7 @@ class MoE(nn.Module):
         forward's statistics land in self.stats (inside the operator, so they are current under
         torch.compile too)."""
         scale, reduce = self.aux_loss_scale, None
-        if self._fsdp_over_d:  # FSDP's mean convention (composition.fully_sharded_over_d)
+        if composition.fully_sharded_over_d(self):  # FSDP's mean convention
             scale = None if scale is None else scale * self.mesh.size(("d", "e"))
             if self.mesh.size("e") > 1:
                 reduce = functools.partial(composition.mean_over_e, self.mesh.group("e"), self.mesh.size("e"))

@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from shardmoe import shardops
+from shardmoe.notation import parse_spec
 from shardmoe.mesh import EXPERT, GRAD_SYNC_ATTRIBUTE, REPLICATED, mark_grad_sync  # noqa: F401  (this module's API)
 from shardmoe.parallel import consistency
 from shardmoe.parallel.exchange import ExchangeError
@@ -95,22 +96,22 @@ def check_replicas(module: torch.nn.Module, mesh) -> None:
 def clip_grad_norm_(module: torch.nn.Module, max_norm: float) -> float:
     """The gradient norm of the whole model, sqrt(sum over parameters of ||g||^2 over the WHOLE
     tensor), equal on every rank; the gradients scaled in place by max_norm / (norm + 1e-6) when
-    that is below 1, as torch.nn.utils.clip_grad_norm_ scales them. For models that FSDP shards: torch.nn.utils.clip_grad_norm_ refuses DTensors on
-    several meshes (the dense parameters' and each MoE layer's 'dp' mesh), and a MoE layer's
-    experts, FSDP's DTensors over 'dp' only, are besides split over 'e' (and 't') by the layer,
-    which no DTensor placement says. Each rank adds ||local g||^2 / replicas, the ranks holding
-    the same block of a parameter being
+    that is below 1, as torch.nn.utils.clip_grad_norm_ scales them. For models that FSDP shards:
+    torch.nn.utils.clip_grad_norm_ refuses DTensors on several meshes (the dense parameters' and
+    each MoE layer's 'dp' mesh), and a MoE layer's experts, FSDP's DTensors over 'dp' only, are
+    besides split over 'e' (and 't') by the layer, which no DTensor placement says. Each rank adds
+    ||local g||^2 / replicas, the ranks holding the same block of a parameter being
         replicas = world / (holders * split)
-    holders: the ranks of the gradient's DTensor mesh (1 for a plain tensor); split: ep * tp for a
-    MoE layer's expert parameters, tp for its shared expert's, else 1. One all-reduce over the
-    world sums them (float64). Collective: every rank calls it after the same backward. Plain
+    holders: the ranks of the gradient's DTensor mesh (1 for a plain tensor); split: for a MoE
+    layer's expert and shared-expert parameters, the ranks its shard spec splits it over
+    (expert_tensor.SHARD_SPECS: 'E/e 2 F/t H' is split ep * tp ways, down_proj_bias 'E/e H' ep
+    ways, shared_gate_weight not at all), else 1. One all-reduce over the world sums them (float64). Collective: every rank calls it after the same backward. Plain
     tensors outside MoE layers count as replicated on every rank: the sharded transformer, whose
     dense weights are plain shards, has its own (shardmoe/train/optim.py global_grad_norm)."""
     from torch.distributed.tensor import DTensor
 
-    from shardmoe.moe import shared_experts
-    from shardmoe.moe.function import expert_param_names
     from shardmoe.moe.layer import MoE
+    from shardmoe.parallel.expert_tensor import SHARD_SPECS
 
     if not isinstance(max_norm, (int, float)) or isinstance(max_norm, bool) or not max_norm > 0:
         raise ValueError(f"max_norm: expected a number > 0, got {max_norm!r}")
@@ -119,8 +120,7 @@ def clip_grad_norm_(module: torch.nn.Module, max_norm: float) -> float:
     for layer in module.modules():
         split = {}
         if isinstance(layer, MoE) and layer.mesh is not None:
-            split = dict.fromkeys(expert_param_names(layer.config), layer.mesh.size(("e", "t")))
-            split.update(dict.fromkeys(shared_experts.shared_param_names(layer.config), layer.mesh.size("t")))
+            split = {name: layer.mesh.size(parse_spec(local).axes) for name, (_, local) in SHARD_SPECS.items()}
         for name, param in layer.named_parameters(recurse=False):
             grad = param.grad
             if grad is None:

@@ -84,7 +84,13 @@ def measure_rates(shape: ModelShape, ranks: int = 1) -> dict[str, float]:
     h, workspace = torch.randn(rows, 2 * F), Workspace()
     activation = _median_seconds(lambda: glu_activation(h, "silu", workspace=workspace))
     return {"peak_flops": flops / gemm, "copy_bandwidth": 2 * a.numel() * a.element_size() / copy,
-            "hbm_bandwidth": 2 * h.numel() * h.element_size() / activation}  # reads [n, 2F], writes 2 x [n, F]
+            "hbm_bandwidth": glu_pass_bytes(h) / activation}
+
+
+def glu_pass_bytes(h) -> int:
+    """Bytes the SiLU GLU pass (experts.glu_activation) moves for h [n, 2F]: it reads h and writes
+    a and act(gate), two [n, F]: 2 h.numel() elements."""
+    return 2 * h.numel() * h.element_size()
 
 
 def predicted_phases(shape: ModelShape, hardware: Hardware, ranks: int,

@@ -18,6 +18,7 @@ With N = 1 both settings are the plain step. Loads and dropped tokens are summed
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -60,24 +61,19 @@ def accumulate_step(model: Transformer, batch: Batch, count: int, balance_over: 
     scopes = [None] * len(layers)
     if share:
         with torch.no_grad():
+            counted = []
             for part in parts:
                 model(part.ids, part.is_seq_start, part.targets, num_tokens)
-                scopes = [_add(s, layer.stats["balance_scope"]) for s, layer in zip(scopes, layers)]
+                counted.append([layer.stats["balance_scope"] for layer in layers])
+        scopes = [functools.reduce(_add, per_layer) for per_layer in zip(*counted)]
+    ce = aux = 0.0
+    stats = []  # [part][layer] each micro-batch's routing statistics
     try:
-        for i, layer in enumerate(layers):
-            layer.balance_scope = scopes[i]
-            layer.aux_loss_scale = 1.0 if share else 1.0 / count
-        ce = aux = 0.0
-        tokens = selected = None
-        dropped = 0
+        for layer, scope in zip(layers, scopes):
+            layer.balance_scope, layer.aux_loss_scale = scope, 1.0 if share else 1.0 / count
         for part in parts:
             losses = model(part.ids, part.is_seq_start, part.targets, num_tokens)
-            stats = model.moe_stats()
-            part_tokens = [s["tokens_per_expert"] for s in stats]
-            part_selected = [s["selected_per_expert"] for s in stats]
-            tokens = part_tokens if tokens is None else [a + b for a, b in zip(tokens, part_tokens)]
-            selected = part_selected if selected is None else [a + b for a, b in zip(selected, part_selected)]
-            dropped += sum(int(s.get("dropped_tokens", 0)) for s in stats)
+            stats.append(model.moe_stats())
             losses.total.backward()
             part_ce, part_aux = model.global_losses(losses)
             ce += part_ce
@@ -85,10 +81,11 @@ def accumulate_step(model: Transformer, batch: Batch, count: int, balance_over: 
     finally:
         for layer in layers:
             layer.balance_scope, layer.aux_loss_scale = None, 1.0
-    return StepLosses(ce, aux, tokens, selected, dropped)
+    per_layer = list(zip(*stats))
+    return StepLosses(ce, aux, [sum(s["tokens_per_expert"] for s in layer) for layer in per_layer],
+                      [sum(s["selected_per_expert"] for s in layer) for layer in per_layer],
+                      sum(int(s.get("dropped_tokens", 0)) for part in stats for s in part))
 
 
-def _add(a: BalanceScope | None, b: BalanceScope) -> BalanceScope:
-    if a is None:
-        return b
+def _add(a: BalanceScope, b: BalanceScope) -> BalanceScope:
     return BalanceScope(a.selected + b.selected, a.num_tokens + b.num_tokens, a.num_sequences + b.num_sequences)

@@ -1,6 +1,8 @@
 """Whole (shape, dtype) cases on tiny shapes: every anchor, fresh routing."""
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -71,3 +73,12 @@ def test_the_pool_counts_against_the_saved_bytes_once():
     workspace = moe.workspace_bytes_per_token * s.tokens
     assert workspace > 0 and workspace < held < workspace + moe.saved_bytes
     assert r.targets()["saved + workspace vs transformers (one layer)"][0] == moe.footprint_vs_transformers
+
+
+def test_a_non_finite_disagreement_is_infinite_not_zero():
+    """max(worst, nan) keeps worst: a NaN output read as agreement (0.0) before."""
+    from shardmoe.bench.case import relative_error
+
+    ones = torch.ones(3)
+    assert relative_error({"y": ones}, {"y": ones}) == 0.0
+    assert relative_error({"y": torch.tensor([1.0, float("nan"), 1.0]), "g": ones}, {"y": ones, "g": ones}) == math.inf

@@ -1,10 +1,10 @@
 """Kernel tests: on CPU tensors in Triton's interpreter, or compiled on CUDA tensors with
 SHARDMOE_TEST_COMPILED=1 (python -m shardmoe.gpu_check's tests stage sets it; docs/gpu.md).
 
-The mode is chosen here, before any test module imports triton (triton.jit reads
-TRITON_INTERPRET when a kernel is decorated). In compiled mode test_layer_path.py is skipped: it
-feeds CPU tensors to the kernels through force_kernel_path(), which only the interpreter runs;
-the gpu_check parity stage runs its cases on CUDA tensors. Shapes are tiny but cover every masking
+tests/conftest.py chooses the mode before any test module imports triton. In compiled mode
+test_layer_path.py and test_hf_path.py are skipped: they feed CPU tensors to the kernels through
+force_kernel_path(), which only the interpreter runs; the gpu_check parity stage runs such cases
+on CUDA tensors. Shapes are tiny but cover every masking
 path of the kernels' interpreter tiles (16-row tiles, 32-wide column and K tiles):
 uneven expert groups, empty experts (first and middle), a group spanning two row tiles,
 widths that are not multiples of 32, and a GLU gate/up boundary inside a tile.
@@ -12,26 +12,14 @@ widths that are not multiples of 32, and a GLU gate/up boundary inside a tile.
 import math
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
 
-COMPILED = os.environ.get("SHARDMOE_TEST_COMPILED", "0")
-if COMPILED not in ("0", "1"):
-    raise pytest.UsageError(f"SHARDMOE_TEST_COMPILED: expected 0 (interpreter) or 1 (compiled on CUDA), "
-                            f"got {COMPILED!r}")
-COMPILED = COMPILED == "1"
-if COMPILED:
-    if not torch.cuda.is_available():
-        raise pytest.UsageError("SHARDMOE_TEST_COMPILED=1: expected a CUDA device (torch.cuda.is_available()), "
-                                "got none")
-    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
-        raise pytest.UsageError(f"SHARDMOE_TEST_COMPILED=1: expected TRITON_INTERPRET unset or 0, got "
-                                f"{os.environ['TRITON_INTERPRET']!r}")
-else:
-    os.environ["TRITON_INTERPRET"] = "1"
+COMPILED = os.environ.get("SHARDMOE_TEST_COMPILED", "0") == "1"  # checked by tests/conftest.py
 # the interpreter's way to the kernels: CPU tensors through force_kernel_path() (see the docstring)
-INTERPRETER_ONLY = ("test_layer_path.py",)
+INTERPRETER_ONLY = ("test_layer_path.py", "test_hf_path.py")
 
 HIDDEN = 40  # H: one full and one partial 32-wide tile
 FFN = 24  # F or P: 2F = 48 puts the gate/up boundary inside the first 32-wide K tile
@@ -67,7 +55,7 @@ def pytest_collection_modifyitems(config, items):
     skip = pytest.mark.skip(reason="compiled mode: CPU tensors through force_kernel_path() run only in the "
                                    "interpreter; python -m shardmoe.gpu_check --only parity runs these cases on CUDA")
     for item in items:
-        if item.path.name in INTERPRETER_ONLY:
+        if item.path.parent == Path(__file__).parent and item.path.name in INTERPRETER_ONLY:
             item.add_marker(skip)
 
 

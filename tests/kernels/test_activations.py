@@ -65,9 +65,10 @@ def _run_glu(activation, gate, up, grad):
 
 @pytest.mark.parametrize("limit", [7.0, 0.5])
 def test_clamped_swiglu_matches_the_torch_path(device, limit):
-    """GPT-OSS's clamped SwiGLU (glu, glu_grad with ACT "clamped_swiglu") against the torch path's
-    ClampedSwiGLU in float64 on the same float32 inputs, the clamps' edges included: the gradient
-    passes at hg == L and hu == +-L exactly and is exactly 0 beyond."""
+    """GPT-OSS's clamped SwiGLU (glu, glu_grad with ACT "clamped_swiglu") against float64 autograd of
+    (clamp(hu, -L, L) + 1) min(hg, L) sigmoid(alpha min(hg, L)) (torch.clamp's gradient passes on the
+    closed range) and the torch path's ClampedSwiGLU, on the same float32 inputs, the clamps' edges
+    included: the gradient passes at hg == L and hu == +-L exactly and is exactly 0 beyond."""
     clamped = ClampedSwiGLU(limit, 1.702)
     values = torch.cat([torch.linspace(-20, 20, 9), torch.linspace(-3, 3, 7),
                         torch.tensor([limit, -limit, limit + 0.25, -limit - 0.25, limit - 0.25])])
@@ -76,13 +77,19 @@ def test_clamped_swiglu_matches_the_torch_path(device, limit):
     gate, up, grad = (t.float().to(device) for t in (gate, up, grad))
     a, grad_gate, grad_up = _run_glu(clamped, gate, up, grad)
 
-    g64, u64, d64 = gate.double(), up.double(), grad.double()
-    expected_a, act_gate = clamped.forward(g64, u64)
-    expected_gate, expected_up = torch.empty_like(g64), torch.empty_like(g64)
-    clamped.backward(d64, g64, u64, act_gate, expected_gate, expected_up)
-    torch.testing.assert_close(a.double(), expected_a, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(grad_gate.double(), expected_gate, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(grad_up.double(), expected_up, rtol=1e-5, atol=1e-6)
+    g64, u64, d64 = (t.double().cpu().requires_grad_(t is not grad) for t in (gate, up, grad))
+    gc = g64.clamp(max=limit)
+    expected_a = (u64.clamp(-limit, limit) + 1) * gc * torch.sigmoid(1.702 * gc)
+    expected_a.backward(d64)
+    torch.testing.assert_close(a.double().cpu(), expected_a.detach(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(grad_gate.double().cpu(), g64.grad, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(grad_up.double().cpu(), u64.grad, rtol=1e-5, atol=1e-6)
+    torch_a, act_gate = clamped.forward(g64.detach(), u64.detach())  # and the torch path agrees
+    torch_gate, torch_up = torch.empty_like(torch_a), torch.empty_like(torch_a)
+    clamped.backward(d64, g64.detach(), u64.detach(), act_gate, torch_gate, torch_up)
+    torch.testing.assert_close(torch_a, expected_a.detach(), rtol=1e-14, atol=1e-15)
+    torch.testing.assert_close(torch_gate, g64.grad, rtol=1e-14, atol=1e-15)
+    torch.testing.assert_close(torch_up, u64.grad, rtol=1e-14, atol=1e-15)
     # where each clamp cuts the gradient, exactly
     assert torch.all(grad_gate[gate > limit] == 0) and torch.all(grad_up[up.abs() > limit] == 0)
     at_edge = (gate == limit) & (up.clamp(-limit, limit) != -1)  # (uc + 1) = 0 would zero it anyway

@@ -125,17 +125,22 @@ def test_layer_forward_backward_bf16(device, routed, expert_params, cast, rel_er
     if config.activation == "clamped_swiglu":
         # Its derivative jumps at the limit: bfloat16's rounding of h moves elements across it, where
         # the float64 layer's derivative differs by O(1) (the torch path in bfloat16 is ~3e-2 from it
-        # on these shapes too). Its reference is the torch path in bfloat16, which rounds h alike.
+        # on these shapes too). Its reference is the torch path in bfloat16, whose backward reads the
+        # same saved bf16 h (the forward computes a from float32 in the kernel, from bf16 h in torch):
+        # two bf16 computations rounding in different places, measured 3.5e-3 (output) and 7.3e-3
+        # (gradients) apart, held to 1e-2.
         with settings.override(kernels=False):
             expected = fused_operator(*cast((x, gate_weight, params), bf16), config, grad_out, grad_loss.to(F32))
-    else:
+        bound = 1e-2
+    else:  # measured at most 3.6e-3 (output) and 1.1e-2 (gradients) from float64
         expected = fused_operator(x, gate_weight, params, config, grad_out.to(F64), grad_loss)
+        bound = 2e-2
     got = kernel_moe(*cast((x, gate_weight, params), bf16), config, grad_out, grad_loss.to(F32))
 
     assert torch.equal(got[3].row_pair, expected[3].row_pair)
-    assert got[0].dtype == F32 and rel_err(got[0], expected[0]) < 2e-2
+    assert got[0].dtype == F32 and rel_err(got[0], expected[0]) < bound
     for name, grad in expected[2].items():
         if grad is not None and name not in ("x", "gate_weight"):  # those two come back in float32
             assert got[2][name].dtype == bf16, name
         if grad is not None:
-            assert rel_err(got[2][name], grad) < 2e-2, name
+            assert rel_err(got[2][name], grad) < bound, name

@@ -2,8 +2,9 @@
 import pytest
 import torch
 
-from shardmoe.kernels import available, force_kernel_path, fused_path
-from shardmoe.moe.config import MoEConfig
+from shardmoe.kernels import KERNEL_ACTIVATIONS, available, force_kernel_path, fused_path
+from shardmoe.kernels.activations import activation_args
+from shardmoe.moe.config import ACTIVATIONS, EXPERT_KINDS, GLU_ACTIVATIONS, MoEConfig
 from shardmoe.settings import SETTINGS
 
 
@@ -20,16 +21,16 @@ def test_cpu_tensors_refused_unless_forced():
     assert fused_path(_config(), x) is False
 
 
-@pytest.mark.parametrize("overrides", [
-    {"expert": "glu", "capacity_factor": 1.0}, {"expert": "mlp", "bias": True}, {"expert": "glu", "bias": True},
-    {"expert": "glu", "activation": "clamped_swiglu", "swiglu_limit": 3.0, "bias": True},
-    {"expert": "glu", "shared_ffn_size": 8, "shared_gate": True}, {"expert": "mlp", "shared_ffn_size": 8},
-], ids=["glu-capacity", "mlp-bias", "glu-bias", "clamped-swiglu-bias", "glu-shared-gated", "mlp-shared"])
-def test_every_expert_kind_accepted(overrides):
-    """Every expert kind the torch path runs: biases, the clamped SwiGLU, shared experts (on torch beside)."""
-    with force_kernel_path():
-        assert fused_path(_config(**overrides), torch.zeros(3, 8)) is True
-        assert fused_path(_config(**overrides), torch.zeros(3, 8, dtype=torch.bfloat16)) is True
+@pytest.mark.parametrize("expert", EXPERT_KINDS)
+def test_kernels_have_a_branch_for_every_activation_the_layer_has(expert):
+    """fused_path takes every layer MoEConfig accepts, so the kernels must have every activation it
+    accepts: one added to the config without a kernel branch fails here, not on a GPU."""
+    assert KERNEL_ACTIVATIONS == ACTIVATIONS
+    for name in GLU_ACTIVATIONS if expert == "glu" else ACTIVATIONS:
+        config = _config(expert=expert, activation=name)
+        args = activation_args(config.expert_activation, glu=expert == "glu")
+        assert args["ACT"] == name
+        activation_args(config.output_activation, glu=False)
 
 
 def test_refusals_fall_back_to_torch(monkeypatch):

@@ -18,6 +18,8 @@ pytestmark = pytest.mark.skipif(not kernels.triton_importable(),
                                 reason="triton cannot be imported; install triton==3.9.0 to run the kernel tests")
 transformers = pytest.importorskip("transformers")
 
+# float32 through two layers and the model around them: the seam's own torch path in float32 is up to
+# 8.8e-6 from float64 here, the kernels up to 6.5e-6 (measured); twice the torch path's, rounded up
 TOL = 2e-5
 NUM_LAYERS = 2
 

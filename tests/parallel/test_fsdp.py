@@ -18,8 +18,11 @@ from shardmoe.testing import run_distributed
 
 H, F, E, K = 8, 12, 8, 2
 ROWS, T = 2, 3  # rows per rank, tokens per row: each row is a sequence of the sequence-wise loss
+# every kind of parameter: biased glu experts (down_proj_bias is whole over 'tp'), the router's bias,
+# a gated shared expert (its gate weight is whole over 'tp')
 OPTIONS = dict(aux_loss_coef=0.05, z_loss_coef=0.01, seq_aux_loss_coef=0.1, router_bias=True, correction_bias=True,
-               bias_update_rate=0.01, shared_ffn_size=6, dtype=torch.float64)
+               bias_update_rate=0.01, bias=True, shared_ffn_size=6, shared_gate=True, dtype=torch.float64)
+NUM_PARAMS = 11  # proj weight and bias; gate weight and bias; 4 expert tensors; 3 shared-expert tensors
 STEPS = 3
 TOL = 1e-10
 
@@ -149,8 +152,8 @@ def test_fsdp_over_dp_with_experts_over_ep_trains_as_one_process(world, layout):
         errors = outs[layout]["errors"]
         bad = {k: v for k, v in errors.items() if not v <= TOL}
         assert not bad, (rank, sorted(bad.items())[:40])
-        # output; per step 8 parameters' gradient and value, the bias; the clipped gradients
-        assert len(errors) == 1 + STEPS * (2 * 8 + 1) + 8
+        # output; per step every parameter's gradient and value, the bias; the clipped gradients
+        assert len(errors) == 1 + STEPS * (2 * NUM_PARAMS + 1) + NUM_PARAMS
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
@@ -160,7 +163,7 @@ def test_distributed_checkpoint_of_the_fsdp_model_reshards_exactly(world, layout
     saved one), bit for bit."""
     for rank, outs in enumerate(world):
         errors = outs[layout]["checkpoint"]
-        assert len(errors) == 16 and not {k: v for k, v in errors.items() if v > 1e-12}, (rank, errors)
+        assert len(errors) == 2 * NUM_PARAMS and not {k: v for k, v in errors.items() if v > 1e-12}, (rank, errors)
         assert all(v == 0 for k, v in errors.items() if k.startswith("back")), (rank, errors)
 
 
