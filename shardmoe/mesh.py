@@ -129,6 +129,7 @@ class Mesh:
         self._index = {r: i for i, r in enumerate(table)}
         self._coords = self.coords(rank)
         self._groups: dict[tuple[str, ...], dist.ProcessGroup | None] = {}
+        self._ordered: dict[tuple[str, ...], object] = {}
         for count in range(1, len(MESH_AXES) + 1):
             for axes in itertools.combinations(MESH_AXES, count):
                 self._groups[axes] = self._make_group(axes)
@@ -200,6 +201,20 @@ class Mesh:
         return ranks
 
     # -- process groups ----------------------------------------------------------------------
+
+    def ordered_device_mesh(self, order: tuple[str, ...]):
+        """A DeviceMesh over the same ranks as device_mesh with its dims in `order` (axes among d, e,
+        t that device_mesh has; names 'dp', 'ep', 'tp'), for DTensors that cut one tensor dim over
+        several axes in that order (shardmoe/parallel/dtensors.py). Built once per order; building
+        it makes process groups, a collective: every rank of the job asks alike."""
+        if order not in self._ordered:
+            from torch.distributed.device_mesh import DeviceMesh
+
+            names = self.device_mesh.mesh_dim_names
+            permutation = [names.index(DEVICE_MESH_NAMES[a]) for a in order]
+            self._ordered[order] = DeviceMesh(self.device_mesh.device_type, self.device_mesh.mesh.permute(permutation),
+                                              mesh_dim_names=tuple(DEVICE_MESH_NAMES[a] for a in order))
+        return self._ordered[order]
 
     def group(self, axes: Axes) -> dist.ProcessGroup | None:
         """Process group over one axis or a tuple of axes (in any order) through this rank.

@@ -47,6 +47,7 @@ from shardmoe.moe.config import MoEConfig
 from shardmoe.moe.layer import ROUTER_OPTIONS, SHARED_OPTIONS, MoE
 from shardmoe.moe.workspace import share as share_workspace
 from shardmoe.notation import MESH_AXES, parse_spec
+from shardmoe.parallel import dtensors
 from shardmoe.parallel import expert_tensor as etp
 from shardmoe.parallel.sync import mark_grad_sync, sync_grads
 
@@ -259,6 +260,9 @@ class Transformer(nn.Module):
         for name, param in self.named_parameters():
             if self._kind(name) == "dense":
                 mark_grad_sync(param, DENSE_GRAD_SYNC)
+        dtensors.prepare(self.specs.values(), mesh)  # a collective: the DeviceMeshes state_dict() needs
+        self.register_state_dict_post_hook(_whole_dense_entries)
+        self.register_load_state_dict_pre_hook(_local_dense_entries)
         self.load_full_state_dict(init_full_weights(config, seed, dtype))
 
     # -- layout ------------------------------------------------------------------------------
@@ -306,6 +310,17 @@ class Transformer(nn.Module):
             return etp.gather_expert_param(name.rsplit(".", 1)[-1], local, self.mesh)
         spec = self.specs[name]
         return shardops.all_gather(f"{spec} -> {_unsharded(spec)}", local.contiguous(), self.mesh)
+
+    def whole_entry(self, name: str, local: Tensor) -> Tensor:
+        """The whole tensor of which `local` is this rank's shard laid out like parameter `name`, as
+        state_dict() presents it: a DTensor sharing local's storage when the mesh splits it
+        (shardmoe/parallel/dtensors.py; an expert's in the MoE layer's packed view), else local.
+        No communication: a distributed checkpoint saves and loads through it."""
+        kind = self._kind(name)
+        if kind == "expert":
+            module, short = name.rsplit(".", 1)
+            return self.get_submodule(module).placement.state_entry(short, local)
+        return local if kind == "gate" else dtensors.whole(self.specs[name], local, self.mesh)
 
     def _correction_biases(self) -> dict[str, Tensor]:
         return {name: b for name, b in self.named_buffers() if name.endswith(".correction_bias")}
@@ -400,6 +415,27 @@ class Transformer(nn.Module):
             if self.mesh.size(("d", "e")) > 1:
                 aux = shardops.psum("1 -> 1", aux, self.mesh, axes=("d", "e"))
         return ce.item(), aux.item()
+
+
+def _whole_dense_entries(model: Transformer, state_dict: dict, prefix: str, local_metadata) -> None:
+    """state_dict post-hook: each dense parameter's entry is its whole tensor (Transformer.whole_entry),
+    as the MoE layers' hooks present their experts, so that a distributed checkpoint of
+    model.state_dict() saves every block once (a plain shard would pass for a replicated tensor)."""
+    for name, spec in model.specs.items():
+        if model._kind(name) == "dense" and prefix + name in state_dict:
+            state_dict[prefix + name] = dtensors.whole(spec, state_dict[prefix + name].detach(), model.mesh)
+
+
+def _local_dense_entries(model: Transformer, state_dict: dict, prefix: str, *args) -> None:
+    """load_state_dict pre-hook: each dense parameter's entry (whole: a DTensor or a plain tensor)
+    becomes this rank's shard (dtensors.local_shard; ValueError naming the key for another shape)."""
+    if model.mesh is None:
+        return
+    params = dict(model.named_parameters())
+    for name, spec in model.specs.items():
+        if model._kind(name) == "dense" and prefix + name in state_dict:
+            key = prefix + name
+            state_dict[key] = dtensors.local_shard(key, spec, state_dict[key], params[name].shape, model.mesh)
 
 
 def _unsharded(spec: str) -> str:

@@ -7,6 +7,8 @@
                                 over 'e', every gradient divided by e
   state_entries / shard_entries the state-dict hooks: whole logical tensors (DTensors over the
                                 mesh) out, this rank's shards (FSDP's DTensors under FSDP) in
+  local_tokens(layer, x)        a DTensor input's local tokens, when its blocks are the layer's
+  check_plain_parameters(layer) refuse parameters that someone made DTensors
 
 docs/parallel.md ("A torch DeviceMesh as the mesh", "Distributed checkpoints", "FSDP2") has the
 decisions and the tests.
@@ -16,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from shardmoe.mesh import GRAD_SYNC_ATTRIBUTE
+from shardmoe.mesh import DEVICE_MESH_NAMES, GRAD_SYNC_ATTRIBUTE
 from shardmoe.moe import shared_experts as shared_ex
 from shardmoe.moe.function import expert_param_names
 
@@ -134,3 +136,62 @@ def mean_over_e(group, size: int, replicated: list[torch.Tensor], experts: list[
             g.copy_(part.view_as(g))
     for g in (*replicated, *experts):
         g.div_(size)
+
+
+def is_dtensor(t) -> bool:
+    if not dist.is_available():
+        return False
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
+def local_tokens(layer, x) -> torch.Tensor:
+    """The local tensor of a DTensor input x [..., H] whose blocks are the tokens this rank gives
+    the layer: Shard(0) over each of the layer's mesh axes 'dp' and 'ep' that has more than one
+    rank (along the same ranks, 'dp' before 'ep', so that the blocks concatenate in the layer's
+    token order, 'B/d/e'), Replicate over its 'tp', and over any other dim Replicate or a Shard
+    that leaves H whole (ranks the layer treats as separate replicas, as for a plain tensor). The
+    layer is not linear in x and mixes H, so a Partial placement or a split H is refused, like any
+    other layout: ValueError naming the dims, the placements and what each needs; nothing runs."""
+    mesh, device_mesh, placements = layer.mesh, x.device_mesh, tuple(x.placements)
+    names = device_mesh.mesh_dim_names or tuple(f"dim {i}" for i in range(device_mesh.ndim))
+    coordinate = device_mesh.get_coordinate()
+    live = {DEVICE_MESH_NAMES[a]: a for a in ("d", "e", "t") if mesh is not None and mesh.size(a) > 1}
+    problems = []
+    for i, (name, placement) in enumerate(zip(names, placements)):
+        if placement.is_partial():
+            problems.append(f"{name}: Partial, but the layer is not linear in x")
+        elif placement.is_shard() and placement.dim % x.dim() == x.dim() - 1:
+            problems.append(f"{name}: {placement!r} splits H, which the router and the experts need whole")
+        elif live.get(name) in ("d", "e"):
+            along = device_mesh.mesh[tuple(coordinate[:i]) + (slice(None),) + tuple(coordinate[i + 1:])].tolist()
+            if not (placement.is_shard() and placement.dim == 0):
+                problems.append(f"{name}: {placement!r}, expected Shard(0) (the layer's ranks along "
+                                f"'{live[name]}' hold different tokens)")
+            elif along != mesh.ranks_along(live[name]):
+                problems.append(f"{name}: ranks {along}, but the layer's '{live[name]}' ranks are "
+                                f"{mesh.ranks_along(live[name])}")
+        elif live.get(name) == "t" and not placement.is_replicate():
+            problems.append(f"{name}: {placement!r}, expected Replicate() (the layer's 't' ranks share their tokens)")
+    missing = [n for n, a in live.items() if a in ("d", "e") and n not in names]
+    problems += [f"{n}: absent, expected Shard(0) over the layer's '{live[n]}' ranks" for n in missing]
+    if not missing and all(n in names for n in ("dp", "ep")) and {"dp", "ep"} <= set(live) and \
+            names.index("dp") > names.index("ep"):
+        problems.append("ep before dp: the blocks would concatenate e-major, the layer's tokens are d-major")
+    if problems:
+        raise ValueError(f"x: expected a DTensor whose blocks are the layer's tokens, got placements "
+                         f"{list(placements)} on mesh dims {list(names)}: " + "; ".join(problems))
+    return x.to_local()
+
+
+def check_plain_parameters(layer) -> None:
+    """Refuse a parameter that is a DTensor when the forward runs (FSDP2 hands the forward plain
+    unsharded tensors; a DTensor here was put in place by other code, e.g. distribute_module): the
+    layer computes on its own shards, laid out over its mesh, and state_dict() presents them as
+    DTensors of the whole tensors."""
+    for name, param in layer.named_parameters(recurse=False):
+        if is_dtensor(param):
+            raise ValueError(f"{name}: expected a plain tensor (this rank's shard, laid out by the layer over its "
+                             f"mesh=; state_dict() gives the whole tensor as a DTensor), got a DTensor with "
+                             f"placements {list(param.placements)} on mesh dims {param.device_mesh.mesh_dim_names}")

@@ -213,6 +213,11 @@ class MoE(nn.Module):
         sequences of the sequence-wise loss begin (routers.token_sequence_ids)."""
         if not isinstance(x, torch.Tensor):
             raise ValueError(f"x: expected a torch.Tensor, got {type(x).__name__}")
+        if composition.is_dtensor(x):  # the same tokens as its local blocks; the output laid out as x
+            out = self.forward(composition.local_tokens(self, x), sequence_starts)
+            return type(x).from_local(out, x.device_mesh, x.placements, run_check=False, shape=x.shape,
+                                      stride=x.stride())
+        composition.check_plain_parameters(self)
         autocast = precision.autocast_dtype(x, self.gate_weight.dtype)
         self._check_input(x, autocast)
         if self.placement.sharded and not composition.fully_sharded_over_d(self):

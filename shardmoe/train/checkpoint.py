@@ -22,6 +22,11 @@ on d=2 x e=2 resumes on one process and vice versa. Rank 0 writes DIR/checkpoint
 and then os.replace()s it over the old file: a crash mid-write leaves the previous checkpoint
 intact. Gathering is collective: every rank calls save_checkpoint.
 
+Several ranks write sharded checkpoints instead (TrainConfig.checkpoint_format,
+shardmoe/train/sharded_checkpoint.py: torch.distributed.checkpoint, nothing gathered) and this
+single file once more at the run's last step, as its export. A resume reads the newest of the two
+(latest_checkpoint); check_resumable and load_checkpoint take either.
+
 Integrity: loading reads the whole file and compares every tensor's sha256 with the stored one
 before any weight is used; a flipped byte raises ValueError naming the file and the tensor (a
 corrupt header already fails to parse). Format 1 files carry no checksums and are refused.
@@ -40,6 +45,7 @@ from safetensors.torch import save_file
 from shardmoe.model.transformer import Transformer, full_shapes
 from shardmoe.train.presets import DEFAULT_ARCH
 
+from . import sharded_checkpoint
 from .optim import AdamW
 
 FILE_NAME = "checkpoint.safetensors"
@@ -49,6 +55,20 @@ MOMENTS = ("exp_avg", "exp_avg_sq")
 
 def checkpoint_path(out_dir: str | Path) -> Path:
     return Path(out_dir) / FILE_NAME
+
+
+def latest_checkpoint(out_dir: str | Path) -> Path:
+    """The checkpoint a resume of DIR reads: the newer (by step) of DIR/checkpoint.safetensors and the
+    sharded checkpoint DIR/checkpoint.dcp/LATEST names; on a tie (a sharded run's last step writes
+    both, with the same state) the sharded one. The file's path when DIR holds neither (so that
+    check_resumable names it). ValueError when one of them is unreadable."""
+    single, sharded = checkpoint_path(out_dir), sharded_checkpoint.latest(out_dir)
+    if sharded is None:
+        return single
+    if not single.is_file():
+        return sharded
+    single_step = int(read_metadata(single)["step"])
+    return single if single_step > int(sharded_checkpoint.read_metadata(sharded)["step"]) else sharded
 
 
 def save_checkpoint(out_dir: str | Path, model: Transformer, optimizer: AdamW, step: int, config: dict,
@@ -128,10 +148,15 @@ def check_resumable(path: str | Path, identity: dict) -> int:
     with the same identity settings; returns its step. Needs no process group, so a launcher calls
     it before creating one."""
     path = Path(path)
-    if not path.is_file():
-        raise ValueError(f"--resume: no checkpoint at {path}")
-    _, metadata = read_verified(path)
-    saved = json.loads(metadata["identity"])
+    if path.is_dir():  # a sharded checkpoint's step directory
+        metadata = sharded_checkpoint.read_verified(path)
+        saved = metadata["identity"]
+    elif path.is_file():
+        _, metadata = read_verified(path)
+        saved = json.loads(metadata["identity"])
+    else:
+        raise ValueError(f"--resume: no checkpoint at {path} (nor a sharded one in "
+                         f"{sharded_checkpoint.checkpoint_root(path.parent)})")
     saved.setdefault("arch", DEFAULT_ARCH)  # written before presets existed: the defaults, i.e. mixtral
     differences = _differences(saved, json.loads(json.dumps(identity)))
     if differences:
@@ -140,9 +165,12 @@ def check_resumable(path: str | Path, identity: dict) -> int:
     return int(metadata["step"])
 
 
-def load_checkpoint(path: str | Path, model: Transformer, optimizer: AdamW) -> tuple[int, dict]:
+def load_checkpoint(path: str | Path, model: Transformer, optimizer: AdamW, mesh=None) -> tuple[int, dict]:
     """Load weights and optimizer moments (keeping this rank's shards) and the RNG state;
-    returns (step, data state dict). Every rank reads (and verifies) the file itself: no communication."""
+    returns (step, data state dict). The single file: every rank reads (and verifies) it itself, no
+    communication; a sharded checkpoint's step directory: sharded_checkpoint.load (collective)."""
+    if Path(path).is_dir():
+        return sharded_checkpoint.load(path, model, optimizer, mesh)
     tensors, metadata = read_verified(path)
     buffers = persistent_buffers(model)
     saved = {k[len("buffer."):]: v for k, v in tensors.items() if k.startswith("buffer.")}

@@ -93,7 +93,7 @@ def check_memory(config: TrainConfig) -> None:
 def validate_setup(config: TrainConfig, sizes: dict[str, int], world_size: int, out_dir: str, resume: bool,
                    overwrite: bool = False) -> None:
     """Every check that needs no process group; raises ValueError with one clear message."""
-    from shardmoe.train.checkpoint import check_resumable, checkpoint_path
+    from shardmoe.train.checkpoint import check_resumable, latest_checkpoint
     from shardmoe.train.loop import build_streams
     from shardmoe.train.rundir import check_unclaimed
 
@@ -112,7 +112,7 @@ def validate_setup(config: TrainConfig, sizes: dict[str, int], world_size: int, 
     check_memory(config)
     if resume:
         check_unclaimed(out_dir)  # a run writing out_dir may be replacing its checkpoint right now
-        check_resumable(checkpoint_path(out_dir), config.resume_identity())
+        check_resumable(latest_checkpoint(out_dir), config.resume_identity())
     ranks = sizes["d"] * sizes["e"] * sizes["t"]
     if ranks != world_size:
         launch = f"torchrun --nproc-per-node {ranks} -m shardmoe train ..." if ranks > 1 else "one process"

@@ -30,6 +30,7 @@ from shardmoe.train.data import VOCAB_SIZE
 from shardmoe.train.presets import DEFAULT_ARCH, check_arch, with_preset
 
 DTYPES = ("float32", "float64", "bfloat16")
+CHECKPOINT_FORMATS = ("auto", "safetensors", "dcp")
 # Settings a resumed run must share with the checkpoint: they fix the weights' shapes and the data
 # stream. Optimizer settings and `steps` may change on resume (docs/training.md).
 RESUME_IDENTITY = ("arch", "model", "dtype", "seq_len", "batch_size", "seed", "corpus", "val_fraction")
@@ -44,7 +45,10 @@ class TrainConfig:
     max_grad_norm: clip the global gradient norm (over all shards) to this; 0 disables clipping.
     corpus: None for the embedded KJV text, or a UTF-8 file whose documents are separated by a
     blank line. eval_batches: held-out batches scored at the end (and every eval_every steps if > 0).
-    checkpoint_every: also save every so many steps (0: only at the end). health_every: run the
+    checkpoint_every: also save every so many steps (0: only at the end). checkpoint_format:
+    "safetensors" (one file, the whole state gathered), "dcp" (sharded, every rank writing its own
+    blocks; the single file is still written at the last step, as the run's export) or "auto"
+    (dcp on several ranks, safetensors on one); a resume reads either. health_every: run the
     gradient health report every so many steps and log flagged parameters (0: never).
     dtype: "float32", "float64", or "bfloat16": float32 parameters (the master weights), gradients
     and AdamW moments, every forward under torch.autocast(bfloat16) (param_dtype, autocast_dtype;
@@ -85,6 +89,7 @@ class TrainConfig:
     eval_every: int = 100
     eval_batches: int = 8
     checkpoint_every: int = 100
+    checkpoint_format: str = "auto"
     health_every: int = 50
     sample_bytes: int = 160
     sample_temperature: float = 0.8
@@ -118,6 +123,9 @@ class TrainConfig:
         _check_number("timeout_minutes", self.timeout_minutes, low=0.0, low_open=True)
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype: expected one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.checkpoint_format not in CHECKPOINT_FORMATS:
+            raise ValueError(f"checkpoint_format: expected one of {', '.join(CHECKPOINT_FORMATS)}, "
+                             f"got {self.checkpoint_format!r}")
         if self.balance_over not in BALANCE_OVER:
             raise ValueError(f"balance_over: expected one of {', '.join(BALANCE_OVER)}, got {self.balance_over!r}")
         if self.batch_size % self.grad_accum_steps:
@@ -133,6 +141,10 @@ class TrainConfig:
         import torch
 
         return torch.float64 if self.dtype == "float64" else torch.float32
+
+    def sharded_checkpoints(self, world_size: int) -> bool:
+        """Whether a run on world_size ranks writes sharded (dcp) checkpoints."""
+        return self.checkpoint_format == "dcp" or (self.checkpoint_format == "auto" and world_size > 1)
 
     @property
     def autocast_dtype(self):

@@ -35,7 +35,8 @@ import torch
 from shardmoe.check.health import gradient_health
 from shardmoe.model.transformer import Transformer
 from shardmoe.train.accumulate import accumulate_step
-from shardmoe.train.checkpoint import checkpoint_path, load_checkpoint, save_checkpoint
+from shardmoe.train import sharded_checkpoint
+from shardmoe.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from shardmoe.train.config import TrainConfig
 from shardmoe.train.data import PackedBatches, load_corpus, split_documents
 from shardmoe.train.flops import measure_peak_flops, train_flops_per_token
@@ -110,7 +111,7 @@ def train(config: TrainConfig, out_dir: str | Path | None, *, mesh=None, resume:
 
     start, history = 0, []
     if resume:
-        start, data_state = load_checkpoint(checkpoint_path(out_dir), model, optimizer)
+        start, data_state = load_checkpoint(latest_checkpoint(out_dir), model, optimizer, mesh)
         data.load_state_dict(data_state)
         history = read_metrics(out_dir, up_to=start)
     if out_dir is not None and rank0:
@@ -123,6 +124,7 @@ def train(config: TrainConfig, out_dir: str | Path | None, *, mesh=None, resume:
         return result
     flops_per_step = train_flops_per_token(config.model, config.seq_len) * config.batch_size * config.seq_len
     world = 1 if mesh is None else mesh.world_size
+    sharded = config.sharded_checkpoints(world)
     params = list(model.named_parameters())
     bar = _progress_bar(progress and rank0, start, last)
     metrics_log = MetricsLog(out_dir) if out_dir is not None and rank0 else None
@@ -166,8 +168,11 @@ def train(config: TrainConfig, out_dir: str | Path | None, *, mesh=None, resume:
                                    "lower lr or raise warmup_steps")
             periodic = config.checkpoint_every and step % config.checkpoint_every == 0
             if out_dir is not None and (step == last or periodic):
-                save_checkpoint(out_dir, model, optimizer, step, config.to_dict(), config.resume_identity(),
-                                data.state_dict(), write=rank0)
+                saved = (out_dir, model, optimizer, step, config.to_dict(), config.resume_identity(), data.state_dict())
+                if sharded:
+                    sharded_checkpoint.save(*saved, mesh)
+                if not sharded or step == config.steps:  # a sharded run's export: the single file
+                    save_checkpoint(*saved, write=rank0)
     finally:
         if bar is not None:
             bar.close()

@@ -5,7 +5,7 @@ fcntl.flock on DIR/.lock, held until release(). The OS drops a flock when its pr
 crashed or killed run leaves no stale lock: the file stays, the lock does not. Under the lock:
 
     resume            DIR must hold the earlier run (the checkpoint is checked elsewhere)
-    overwrite         the files an earlier run wrote (RUN_FILES) are deleted first
+    overwrite         the files an earlier run wrote (RUN_FILES, the sharded checkpoint directory) are deleted first
     neither           DIR must be empty (but for .lock): a fresh run into an old run's directory
                       would rewrite metrics.jsonl at once yet keep the old checkpoint until its
                       own first one, and a later --resume would splice the two runs
@@ -16,10 +16,12 @@ from __future__ import annotations
 
 import fcntl
 import os
+import shutil
 from pathlib import Path
 
 from shardmoe.train.checkpoint import FILE_NAME as CHECKPOINT_FILE
 from shardmoe.train.metrics import METRICS_FILE
+from shardmoe.train.sharded_checkpoint import DIR_NAME as SHARDED_CHECKPOINT_DIR
 
 LOCK_FILE = ".lock"
 CURVE_FILE = "loss_curve.png"
@@ -94,6 +96,7 @@ def _check_contents(out: Path, resume: bool, overwrite: bool) -> None:
     if overwrite:
         for name in RUN_FILES:
             (out / name).unlink(missing_ok=True)
+        shutil.rmtree(out / SHARDED_CHECKPOINT_DIR, ignore_errors=True)
         return
     held = sorted(p.name for p in out.iterdir() if p.name != LOCK_FILE)
     if held:

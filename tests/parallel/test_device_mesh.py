@@ -13,6 +13,10 @@ One spawned 4-rank gloo world carries every distributed check (spawning costs se
               ep2 x tp2 -> unsharded; a whole plain state dict into ep2 x tp2; wrong shapes.
   numbering   a DeviceMesh whose 'e' groups list their ranks in descending order, all pairs on the
               remote path: the exchange lays out the collective's splits in group rank order.
+  DTensors    an input DTensor Shard(0) over the job mesh: the output is the DTensor of the plain
+              call's output and x's gradient the plain call's, bit for bit; inputs laid out
+              otherwise (Replicate over 'ep', H split, the ep-major mesh) and a parameter made a
+              DTensor are refused with messages, before any work.
 Single process: the refusals of DeviceMeshes with other dim names, and the state dict's layout.
 """
 import re
@@ -172,6 +176,41 @@ def _fully_shard_refusals(job) -> dict:
     return refusals
 
 
+def _dtensor_inputs(job, ep_major) -> dict:
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+    out = {}
+    gen = torch.Generator().manual_seed(11 + dist.get_rank())
+    x, g = (torch.randn(3, 2, H, generator=gen, dtype=torch.float64) for _ in range(2))
+    plain_x, dtensor_x = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    first, second = _layer(job, 5), _layer(job, 5)  # alive until their backward
+    plain = first(plain_x)
+    (plain * g).sum().backward()
+    whole = DTensor.from_local(dtensor_x, job, [Shard(0), Shard(0)], run_check=False)
+    y = second(whole)
+    (y.to_local() * g).sum().backward()
+    out["dtensor out"] = (type(y).__name__, tuple(y.shape), list(y.placements))
+    out["dtensor same"] = torch.equal(y.to_local(), plain) and torch.equal(dtensor_x.grad, plain_x.grad)
+    refusals = {}
+    for label, mesh, placements in (("replicate over ep", job, [Shard(0), Replicate()]),
+                                    ("split H", job, [Shard(0), Shard(2)]),
+                                    ("ep-major mesh", ep_major, [Shard(0), Shard(0)])):
+        try:
+            _layer(job, 5)(DTensor.from_local(x, mesh, placements, run_check=False))
+            refusals[label] = None
+        except ValueError as err:
+            refusals[label] = str(err)
+    layer = _layer(None, 5)
+    layer.gate_weight = torch.nn.Parameter(distribute_tensor(layer.gate_weight.detach(), job, [Replicate()] * 2))
+    try:
+        layer(x)
+        refusals["dtensor parameter"] = None
+    except ValueError as err:
+        refusals["dtensor parameter"] = str(err)
+    out["dtensor refusals"] = refusals
+    return out
+
+
 def _world(tmp: str) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -203,6 +242,7 @@ def _world(tmp: str) -> dict:
     out["device_mesh_names"] = Mesh(dp=2, ep=2).device_mesh["dp"].mesh_dim_names
     out["checkpoints"] = _checkpoints(tmp)
     out["fully_shard"] = _fully_shard_refusals(job)
+    out.update(_dtensor_inputs(job, ep_major))
     return out
 
 
@@ -260,6 +300,28 @@ def test_fully_shard_over_the_experts_is_refused_not_trained(world):
         assert parent is not None and parent.startswith(
             "gate_up_proj: expected the parameter this layer made (this rank's shard over mesh axes ['e'], marked "
             "for sync_grads), got another in its place (Parameter of shape"), parent
+
+
+def test_a_dtensor_input_is_its_local_tokens_and_other_layouts_are_refused(world):
+    from torch.distributed.tensor import Shard
+
+    for out in world:
+        assert out["dtensor out"] == ("DTensor", (12, 2, H), [Shard(0), Shard(0)])
+        assert out["dtensor same"]
+        refusals = out["dtensor refusals"]
+        prefix = "x: expected a DTensor whose blocks are the layer's tokens, got placements "
+        assert refusals["replicate over ep"] == (
+            prefix + "[Shard(dim=0), Replicate()] on mesh dims ['dp', 'ep']: ep: Replicate(), expected Shard(0) "
+            "(the layer's ranks along 'e' hold different tokens)")
+        assert refusals["split H"] == (
+            prefix + "[Shard(dim=0), Shard(dim=2)] on mesh dims ['dp', 'ep']: ep: Shard(dim=2) splits H, which the "
+            "router and the experts need whole")
+        assert refusals["ep-major mesh"].startswith(prefix + "[Shard(dim=0), Shard(dim=0)] on mesh dims ['ep', 'dp']")
+        assert "ep before dp" in refusals["ep-major mesh"]
+        assert refusals["dtensor parameter"] == (
+            "gate_weight: expected a plain tensor (this rank's shard, laid out by the layer over its mesh=; "
+            "state_dict() gives the whole tensor as a DTensor), got a DTensor with placements "
+            "[Replicate(), Replicate()] on mesh dims ('dp', 'ep')")
 
 
 def test_layers_on_one_device_mesh_share_its_mesh_and_exchange(world):

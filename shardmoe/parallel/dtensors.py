@@ -1,0 +1,104 @@
+"""A rank's shard, named by its spec, as a DTensor of the whole tensor (and back).
+
+shardmoe keeps parameters as plain local shards and names their layout with a spec ('V/t M/d':
+rows split over t, columns over d; shardmoe/notation.py). A DTensor names the same block as a
+piece of the whole tensor: on a DeviceMesh whose dims are the mesh axes (names 'dp', 'ep', 'tp'),
+Shard(i) on the dim of each axis that splits tensor dim i and Replicate on the others:
+
+    'V/t M/d' on ('dp', 'ep', 'tp')  ->  [Shard(1), Replicate(), Shard(0)]
+
+That is what torch.distributed.checkpoint needs to save every block once and to load any layout
+into any other, and what `full_tensor()` gathers.
+
+A dim split over two axes ('M/t/d': t major, d minor) is cut by DTensor in the order of the
+DeviceMesh's dims, so it needs a DeviceMesh with 'tp' before 'dp'; Mesh.ordered_device_mesh gives
+one over the same ranks (its groups are built when it is first asked for, a collective, so
+`prepare` asks for every order a model's specs need while the model is built on every rank).
+"""
+from __future__ import annotations
+
+import torch
+
+from shardmoe import shardops
+from shardmoe.mesh import DEVICE_MESH_NAMES
+from shardmoe.notation import global_shape, parse_spec
+
+AXIS_OF = {name: axis for axis, name in DEVICE_MESH_NAMES.items()}
+
+
+def _live_axes(spec: str, mesh) -> list[tuple[str, ...]]:
+    """Per tensor dim, the axes of more than one rank that split it, major first."""
+    return [tuple(a for a in dim.axes if mesh.size(a) > 1) for dim in parse_spec(spec).dims]
+
+
+def device_mesh_for(spec: str, mesh):
+    """A DeviceMesh over `mesh`'s ranks whose dim order cuts every dim of `spec` major axis first:
+    the mesh's own when its order does, else Mesh.ordered_device_mesh; None when no axis of more
+    than one rank splits the spec (the shard is the whole tensor)."""
+    per_dim = _live_axes(spec, mesh)
+    if not any(per_dim) or mesh.device_mesh is None:
+        return None
+    own = mesh.device_mesh
+    order = [AXIS_OF[n] for n in own.mesh_dim_names]
+    if all(list(axes) == sorted(axes, key=order.index) for axes in per_dim):
+        return own
+    # the axes that split one dim keep their major-first order; the others go after them
+    wanted = [a for axes in per_dim if len(axes) > 1 for a in axes]
+    return mesh.ordered_device_mesh(tuple(wanted + [a for a in order if a not in wanted]))
+
+
+def placements(spec: str, device_mesh, mesh) -> list:
+    """One placement per dim of device_mesh: Shard(i) where its axis splits tensor dim i (by a
+    live axis), else Replicate()."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    per_dim = _live_axes(spec, mesh)
+    out = []
+    for name in device_mesh.mesh_dim_names:
+        dims = [i for i, axes in enumerate(per_dim) if AXIS_OF[name] in axes]
+        out.append(Shard(dims[0]) if dims else Replicate())
+    return out
+
+
+def prepare(specs, mesh) -> None:
+    """Build, on every rank alike, the DeviceMeshes that `whole` will need for these specs."""
+    if mesh is not None:
+        for spec in specs:
+            device_mesh_for(spec, mesh)
+
+
+def whole(spec: str, local: torch.Tensor, mesh) -> torch.Tensor:
+    """The whole tensor whose shard under `spec` this rank holds: a DTensor sharing local's storage
+    (a distributed checkpoint loads into it in place), or local itself when nothing splits it."""
+    device_mesh = None if mesh is None else device_mesh_for(spec, mesh)
+    if device_mesh is None:
+        return local
+    from torch.distributed.tensor import DTensor
+
+    shape = global_shape(spec, local.shape, mesh)
+    stride = torch.empty(shape, device="meta").stride()
+    return DTensor.from_local(local, device_mesh, placements(spec, device_mesh, mesh), run_check=False,
+                              shape=shape, stride=stride)
+
+
+def local_shard(key: str, spec: str, value: torch.Tensor, local_shape: tuple[int, ...], mesh) -> torch.Tensor:
+    """This rank's shard (shape local_shape) of a state-dict entry `key`: a DTensor as `whole` lays
+    it out gives its local tensor (no communication); any other DTensor is gathered whole (a
+    collective over its mesh) and cut; a plain tensor must be the whole tensor. ValueError naming
+    the key and both shapes otherwise."""
+    from torch.distributed.tensor import DTensor
+
+    expected = tuple(local_shape) if mesh is None else global_shape(spec, local_shape, mesh)
+    if tuple(value.shape) != expected:
+        raise ValueError(f"state dict: {key} has shape {list(value.shape)}, expected the whole tensor's "
+                         f"{list(expected)}")
+    if isinstance(value, DTensor):
+        device_mesh = None if mesh is None else device_mesh_for(spec, mesh)
+        if device_mesh is not None and value.device_mesh == device_mesh and \
+                list(value.placements) == placements(spec, device_mesh, mesh):
+            return value.to_local()
+        value = value.full_tensor()
+    if mesh is None:
+        return value
+    names = " ".join(parse_spec(spec).names)
+    return shardops.shard(f"{names} -> {spec}", value, mesh)

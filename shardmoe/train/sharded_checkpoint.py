@@ -1,0 +1,172 @@
+"""Sharded checkpoints: torch.distributed.checkpoint (DCP), every rank writing its own shards.
+
+    DIR/checkpoint.dcp/LATEST              the name of the newest complete step directory
+    DIR/checkpoint.dcp/step_000020/        one checkpoint
+        .metadata, __R_0.distcp            DCP's files: every block of every tensor once
+          model.<param>                    the whole logical tensors (Transformer.whole_entry:
+                                           DTensors over the mesh), persistent buffers as they are
+          optim.exp_avg.<param>, optim.exp_avg_sq.<param>   AdamW's moments, laid out the same way
+        shardmoe.json                      format, step, config, identity, the batch stream's
+                                           state, rank 0's torch RNG state, and the sha256 of every
+                                           DCP file of the directory
+
+Nothing is gathered: a rank saves the blocks it holds and, on load, DCP reads the blocks that make
+up its own shards, whatever layout wrote them, so a checkpoint of d=2 x e=2 resumes on one process
+(into plain whole tensors) and one of one process on any mesh. Loading is in place into the
+model's parameters and the optimizer's moments (whole_entry shares their storage).
+
+Atomicity: rank 0 writes shardmoe.json once DCP has written every rank's files (dcp.save returns on
+rank 0 after every rank's writes are done), then points LATEST at the directory (os.replace), then
+deletes older step directories, while the other ranks wait in a barrier; a crash leaves LATEST at
+the previous complete checkpoint. Integrity:
+check_resumable compares every file's sha256 with shardmoe.json before any weight is used, as the
+single-file checkpoint does. The directory must be on a filesystem every rank sees.
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from shardmoe.model.transformer import Transformer
+from shardmoe.notation import MESH_AXES
+
+from .optim import AdamW
+
+DIR_NAME = "checkpoint.dcp"
+LATEST = "LATEST"
+META_FILE = "shardmoe.json"
+FORMAT = "shardmoe-dcp/1"
+MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+def checkpoint_root(out_dir: str | Path) -> Path:
+    return Path(out_dir) / DIR_NAME
+
+
+def _state(model: Transformer, optimizer: AdamW) -> dict:
+    """What DCP saves and loads in place: the model's state dict and the moments, as whole tensors."""
+    optim = optimizer.state_dict()
+    return {"model": model.state_dict(),
+            "optim": {key: {name: model.whole_entry(name, local) for name, local in optim[key].items()}
+                      for key in MOMENTS}}
+
+
+def _process_group(mesh):
+    return None if mesh is None else mesh.group(MESH_AXES)
+
+
+def save(out_dir: str | Path, model: Transformer, optimizer: AdamW, step: int, config: dict, identity: dict,
+         data_state: dict, mesh) -> None:
+    """Write step `step`'s checkpoint (collective: every rank of the mesh calls it)."""
+    import torch.distributed.checkpoint as dcp
+
+    rank0 = mesh is None or mesh.rank == 0
+    root = checkpoint_root(out_dir)
+    path = root / f"step_{step:06d}"
+    if rank0:
+        shutil.rmtree(path, ignore_errors=True)  # an incomplete directory of a run that crashed here
+        path.mkdir(parents=True)
+    group = _process_group(mesh)
+    if group is not None:
+        dist.barrier(group=group)  # no rank writes into the directory before it is fresh
+    with torch.no_grad(), _one_process_is_intended():
+        dcp.save(_state(model, optimizer), storage_writer=dcp.FileSystemWriter(str(path)), process_group=group,
+                 no_dist=group is None)
+    if rank0:
+        meta = {"format": FORMAT, "step": step, "config": config, "identity": identity, "data": data_state,
+                "rng": torch.get_rng_state().numpy().tobytes().hex(),
+                "checksums": {p.name: _file_checksum(p) for p in sorted(path.iterdir())}}
+        _write_atomically(path / META_FILE, json.dumps(meta, sort_keys=True))
+        _write_atomically(root / LATEST, path.name)
+        for old in root.iterdir():
+            if old.is_dir() and old.name != path.name:
+                shutil.rmtree(old, ignore_errors=True)
+    if group is not None:
+        dist.barrier(group=group)  # every rank returns with the checkpoint complete and LATEST at it
+
+
+def latest(out_dir: str | Path) -> Path | None:
+    """The step directory LATEST names, or None when DIR holds no sharded checkpoint."""
+    pointer = checkpoint_root(out_dir) / LATEST
+    if not pointer.is_file():
+        return None
+    return checkpoint_root(out_dir) / pointer.read_text().strip()
+
+
+def read_metadata(path: str | Path) -> dict:
+    """shardmoe.json of a step directory; ValueError if missing, unreadable or of another format."""
+    try:
+        meta = json.loads((Path(path) / META_FILE).read_text())
+    except (OSError, ValueError) as err:
+        raise ValueError(f"checkpoint {path}: no readable {META_FILE} ({err})") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        found = meta.get("format") if isinstance(meta, dict) else None
+        raise ValueError(f"checkpoint {path}: format {found!r}, expected {FORMAT!r}")
+    return meta
+
+
+def read_verified(path: str | Path) -> dict:
+    """The metadata once every DCP file of the directory matches its stored sha256; otherwise
+    ValueError naming the directory and the first file that does not."""
+    path = Path(path)
+    meta = read_metadata(path)
+    stored = meta["checksums"]
+    present = {p.name for p in path.iterdir() if p.name != META_FILE}
+    if present != set(stored):
+        raise ValueError(f"checkpoint {path}: corrupt: files {sorted(present ^ set(stored))} are in the "
+                         f"directory or in its checksum list but not both")
+    for name in sorted(stored):
+        actual = _file_checksum(path / name)
+        if actual != stored[name]:
+            raise ValueError(f"checkpoint {path}: corrupt: file {name!r} has sha256 {actual[:16]}..., its "
+                             f"checksum says {stored[name][:16]}...")
+    return meta
+
+
+def load(path: str | Path, model: Transformer, optimizer: AdamW, mesh) -> tuple[int, dict]:
+    """Load weights, buffers and moments in place (this rank's shards, from whatever layout wrote
+    them) and rank 0's RNG state; returns (step, data state). Collective under a mesh. The caller
+    has verified the directory (check_resumable)."""
+    import torch.distributed.checkpoint as dcp
+
+    meta = read_metadata(path)
+    state = _state(model, optimizer)
+    group = _process_group(mesh)
+    with torch.no_grad(), _one_process_is_intended():
+        dcp.load(state, storage_reader=dcp.FileSystemReader(str(path)), process_group=group, no_dist=group is None)
+    model.load_state_dict(state["model"])  # in place already; this checks every key and shape
+    optimizer.step_count = int(meta["step"])
+    rng = bytearray.fromhex(meta["rng"])
+    torch.set_rng_state(torch.frombuffer(rng, dtype=torch.uint8).clone())
+    return int(meta["step"]), meta["data"]
+
+
+@contextlib.contextmanager
+def _one_process_is_intended():
+    """DCP warns that it assumes one process whenever no process group is initialised, even when
+    told so (no_dist=True); a run on one process is exactly that."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        yield
+
+
+def _file_checksum(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)

@@ -1,0 +1,182 @@
+"""Sharded (torch.distributed.checkpoint) checkpoints of the training run, in one spawned world of 4.
+
+- the model's state_dict() holds whole logical tensors: on d=2 x t=2 (norm gains cut over t, then
+  d) and d=2 x e=2 every entry's full_tensor() is the one-process full state dict, bit for bit;
+  a dcp.save at d=2 x t=2 loads exactly at d=2 x e=2 and into one process;
+- train() on d=2 x e=2 interrupted at step 3 writes checkpoint.dcp/ (no single file) and resumes
+  on the same layout to the uninterrupted run's losses bitwise;
+- `shardmoe train --mesh d=2,e=2` on 4 ranks writes a sharded checkpoint that a one-process
+  `--resume` reads (the tie with the last step's single-file export goes to the sharded one):
+  its losses continue within 1e-6 of the 4-rank continuation; and the reverse, a one-process run
+  with checkpoint_format "dcp" resumed on 4 ranks;
+- a corrupt file of the sharded checkpoint is named before any weight is loaded, and --overwrite
+  deletes the sharded directory.
+"""
+import json
+import os
+import shutil
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from shardmoe.cli import main
+from shardmoe.mesh import Mesh
+from shardmoe.model.transformer import Transformer
+from shardmoe.testing import run_distributed
+from shardmoe.train import checkpoint as ckpt
+from shardmoe.train import sharded_checkpoint
+from shardmoe.train.loop import train
+
+from .conftest import TINY_MODEL, tiny_train_config
+
+STEPS, MORE = 6, 8
+
+
+def cli_config(tmp: Path, **changes) -> str:
+    """The tiny config as a file of its own per rank (ranks writing one file race)."""
+    path = tmp / f"config-{os.environ.get('RANK', 'parent')}-{'-'.join(f'{k}{v}' for k, v in changes.items()) or 'default'}.json"
+    path.write_text(json.dumps(tiny_train_config(steps=STEPS, checkpoint_every=3, eval_batches=0, sample_bytes=0,
+                                                 health_every=0, **changes).to_dict()))
+    return str(path)
+
+
+def losses(out: Path, steps) -> list[float]:
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [r["loss"] for r in rows if r["step"] in steps]
+
+
+def _state_dict_checks(tmp: str) -> dict:
+    """Whole tensors from d2 x t2 and d2 x e2; a dcp.save at d2 x t2 loaded at d2 x e2 and on one process."""
+    import torch.distributed.checkpoint as dcp
+
+    results = {}
+    expected = Transformer(TINY_MODEL, seed=5).full_state_dict()
+    for layout in ((2, 1, 2), (2, 2, 1)):
+        model = Transformer(TINY_MODEL, mesh=Mesh(*layout), seed=5)
+        state = model.state_dict()
+        results[f"whole {layout}"] = sorted(
+            name for name, value in state.items() if name in expected and not torch.equal(
+                value.full_tensor() if hasattr(value, "full_tensor") else value,
+                expected[name].view(value.shape)))
+    saved = Transformer(TINY_MODEL, mesh=Mesh(2, 1, 2), seed=5)
+    dcp.save(saved.state_dict(), checkpoint_id=f"{tmp}/d2t2")
+    loaded = Transformer(TINY_MODEL, mesh=Mesh(2, 2, 1), seed=6)
+    state = loaded.state_dict()
+    dcp.load(state, checkpoint_id=f"{tmp}/d2t2")
+    loaded.load_state_dict(state)
+    results["d2t2 -> d2e2"] = sorted(n for n, t in loaded.full_state_dict().items() if not torch.equal(t, expected[n]))
+    if dist.get_rank() == 0:  # one process: plain whole tensors, no process group used
+        single = Transformer(TINY_MODEL, seed=6)
+        state = single.state_dict()
+        dcp.load(state, checkpoint_id=f"{tmp}/d2t2", no_dist=True)
+        single.load_state_dict(state)
+        results["d2t2 -> 1"] = sorted(n for n, t in single.full_state_dict().items() if not torch.equal(t, expected[n]))
+    return results
+
+
+def _all_ranks_done(tmp: Path, name: str, world: int = 4) -> None:
+    """A barrier without a process group (the command destroys its own): each rank leaves a file
+    and waits for the others', so that no rank starts the next command while rank 0 still holds
+    --out's lock (it plots after the others have returned)."""
+    import time
+
+    (tmp / f"{name}-{os.environ['RANK']}").touch()
+    deadline = time.monotonic() + 120
+    while not all((tmp / f"{name}-{r}").exists() for r in range(world)):
+        assert time.monotonic() < deadline, f"{name}: a rank did not finish"
+        time.sleep(0.05)
+
+
+def _world(tmp: str) -> dict:
+    tmp = Path(tmp)
+    torch.set_num_threads(1)
+    out = _state_dict_checks(str(tmp))
+    mesh = Mesh(dp=2, ep=2)
+    config = tiny_train_config(steps=STEPS, eval_batches=0, sample_bytes=0, health_every=0)
+    whole = train(config, None, mesh=mesh, progress=False)
+    train(config, tmp / "api", mesh=mesh, stop_after=3, progress=False)
+    out["files after the interruption"] = sorted(p.name for p in (tmp / "api").iterdir())
+    out["step directories"] = sorted(p.name for p in (tmp / "api" / "checkpoint.dcp").iterdir())
+    resumed = train(config, tmp / "api", mesh=mesh, resume=True, progress=False)
+    out["resume bitwise"] = [r["loss"] for r in resumed.metrics] == [r["loss"] for r in whole.metrics]
+
+    # the command line, on fresh process groups of its own
+    ports = [None]
+    if dist.get_rank() == 0:
+        sockets = [socket.socket() for _ in range(3)]
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        ports = [[s.getsockname()[1] for s in sockets]]
+        for s in sockets:
+            s.close()
+    dist.broadcast_object_list(ports, src=0)
+    dist.destroy_process_group()
+    common = ["--mesh", "d=2,e=2", "--no-progress"]
+    os.environ["MASTER_PORT"] = str(ports[0][0])
+    out["cli run"] = main(["train", "--config", cli_config(tmp), "--out", str(tmp / "four")] + common)
+    if int(os.environ["RANK"]) == 0:
+        shutil.copytree(tmp / "four", tmp / "four-then-one")
+    _all_ranks_done(tmp, "run")
+    os.environ["MASTER_PORT"] = str(ports[0][1])
+    out["cli resume"] = main(["train", "--config", cli_config(tmp), "--out", str(tmp / "four"), "--resume",
+                              "--steps", str(MORE)] + common)
+    _all_ranks_done(tmp, "resume")
+    os.environ["MASTER_PORT"] = str(ports[0][2])
+    out["cli resume of one process's run"] = main(
+        ["train", "--config", cli_config(tmp, checkpoint_format="dcp"), "--out", str(tmp / "one-then-four"),
+         "--resume", "--steps", str(MORE)] + common)
+    return out
+
+
+@pytest.fixture
+def one_process_env(monkeypatch):
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+
+
+def test_sharded_checkpoints_resume_across_layouts(tmp_path, one_thread, one_process_env, capsys):
+    # a one-process run writing sharded checkpoints, resumed by the world below and here
+    one = ["--config", cli_config(tmp_path, checkpoint_format="dcp"), "--no-progress"]
+    assert main(["train", *one, "--out", str(tmp_path / "one")]) == 0
+    assert (tmp_path / "one" / "checkpoint.dcp" / "step_000006" / "shardmoe.json").is_file()
+    shutil.copytree(tmp_path / "one", tmp_path / "one-then-four")
+
+    rank0 = run_distributed(_world, 4, args=(str(tmp_path),), timeout=300)[0]
+
+    assert rank0["whole (2, 1, 2)"] == [] and rank0["whole (2, 2, 1)"] == []
+    assert rank0["d2t2 -> d2e2"] == [] and rank0["d2t2 -> 1"] == []
+    assert rank0["files after the interruption"] == ["checkpoint.dcp", "metrics.jsonl"]
+    assert rank0["step directories"] == ["LATEST", "step_000003"]
+    assert rank0["resume bitwise"]
+    assert rank0["cli run"] == rank0["cli resume"] == rank0["cli resume of one process's run"] == 0
+
+    # 4 ranks -> one process: the sharded checkpoint at step 6 (tied with the export) is the one read
+    four_then_one = tmp_path / "four-then-one"
+    assert ckpt.latest_checkpoint(four_then_one) == four_then_one / "checkpoint.dcp" / "step_000006"
+    assert main(["train", "--config", cli_config(tmp_path), "--out", str(four_then_one), "--resume",
+                 "--steps", str(MORE), "--no-progress"]) == 0
+    continued = range(STEPS + 1, MORE + 1)
+    for mine, theirs in zip(losses(four_then_one, continued), losses(tmp_path / "four", continued), strict=True):
+        assert abs(mine - theirs) <= 1e-6 * abs(theirs), (mine, theirs)
+
+    # one process -> 4 ranks
+    assert main(["train", *one, "--out", str(tmp_path / "one"), "--resume", "--steps", str(MORE)]) == 0
+    for mine, theirs in zip(losses(tmp_path / "one-then-four", continued), losses(tmp_path / "one", continued),
+                            strict=True):
+        assert abs(mine - theirs) <= 1e-6 * abs(theirs), (mine, theirs)
+
+    # a flipped byte in a shard file is named before anything loads; --overwrite clears the directory
+    step_dir = sharded_checkpoint.latest(tmp_path / "one")
+    shard = next(p for p in step_dir.iterdir() if p.suffix == ".distcp")
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 1
+    shard.write_bytes(bytes(data))
+    (tmp_path / "one" / "checkpoint.safetensors").unlink()
+    capsys.readouterr()
+    assert main(["train", *one, "--out", str(tmp_path / "one"), "--resume", "--steps", str(MORE + 1)]) == 2
+    assert f"corrupt: file {shard.name!r} has sha256" in capsys.readouterr().err
+    assert main(["train", *one, "--out", str(tmp_path / "one"), "--overwrite", "--steps", "1"]) == 0
+    assert not (tmp_path / "one" / "checkpoint.dcp" / "step_000006").exists()
