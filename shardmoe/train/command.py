@@ -44,7 +44,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, metavar="N", help="optimizer steps (also the cosine schedule's length)")
     parser.add_argument("--out", default=DEFAULT_OUT, metavar="DIR", help=f"output directory (default {DEFAULT_OUT})")
     parser.add_argument("--seed", type=int, metavar="S", help="seed of the initial weights and the data order")
-    parser.add_argument("--resume", action="store_true", help="continue from DIR/checkpoint.safetensors")
+    parser.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in DIR (checkpoint.safetensors or checkpoint.dcp/)")
     parser.add_argument("--overwrite", action="store_true",
                         help="start a new run in DIR even though it holds one (its files are deleted)")
     parser.add_argument("--mesh", default="", metavar="d=2,e=2",
