@@ -1,6 +1,7 @@
 """FSDP2 composed with expert parallelism the way torchtitan composes it, on gloo, float64.
 
-One 4-rank world, three job meshes ("dp", "ep", "tp"): dp2 x ep2, ep2 x tp2 and ep4. A toy model: a dense nn.Linear, fully_shard-ed
+A 2-rank world (job mesh ep2) and a 4-rank world (dp2 x ep2, ep2 x tp2 and ep4), job meshes
+("dp", "ep", "tp"). A toy model: a dense nn.Linear, fully_shard-ed
 over all four ranks, then a shardmoe.MoE on the job mesh (experts split over 'ep' and sliced over 'tp', aux,
 z and sequence-wise losses, a router bias, a correction bias, a shared expert), fully_shard-ed
 over 'dp' (one rank in the last two). Each rank holds an equal share of the batch and its loss is the mean over its own tokens
@@ -9,8 +10,11 @@ from the global loads. Three steps equal one process on the whole batch (loss = 
 token + aux) to 1e-10: outputs, and every parameter after each step, with no gradient rescaling
 by the user (the layer sets FSDP's divide factor and sums its replicated gradients over 'e').
 """
+import math
+
 import pytest
 import torch
+import torch.distributed as dist
 
 import shardmoe
 from shardmoe.mesh import Mesh
@@ -65,11 +69,11 @@ def _train(model, x, g, whole):
     return first, after
 
 
-LAYOUTS = {"dp2 x ep2": (2, 2, 1), "ep2 x tp2": (1, 2, 2), "ep4": (1, 4, 1)}
+LAYOUTS = {"ep2": (1, 2, 1), "dp2 x ep2": (2, 2, 1), "ep2 x tp2": (1, 2, 2), "ep4": (1, 4, 1)}
 
 
-def _world(tmp: str) -> dict:
-    return {label: _layout(sizes, f"{tmp}/{label.replace(' ', '')}") for label, sizes in LAYOUTS.items()}
+def _world(tmp: str, labels: list[str]) -> dict:
+    return {label: _layout(LAYOUTS[label], f"{tmp}/{label.replace(' ', '')}") for label in labels}
 
 
 def _layout(sizes, checkpoint: str) -> dict:
@@ -80,7 +84,8 @@ def _layout(sizes, checkpoint: str) -> dict:
     job = init_device_mesh("cpu", sizes, mesh_dim_names=("dp", "ep", "tp"))
     model = Toy(job)
     fully_shard(model.moe, mesh=job["dp"])
-    fully_shard(model, mesh=init_device_mesh("cpu", (4,)))
+    every_rank = init_device_mesh("cpu", (dist.get_world_size(),))
+    fully_shard(model, mesh=every_rank)
     mesh = Mesh.from_device_mesh(job)
     token_rank = mesh.coord(("d", "e"))
     x_all, g_all = _batch(mesh.size(("d", "e")))
@@ -123,7 +128,7 @@ def _layout(sizes, checkpoint: str) -> dict:
     # and back into a fresh FSDP model of this layout
     again = Toy(job)
     fully_shard(again.moe, mesh=job["dp"])
-    fully_shard(again, mesh=init_device_mesh("cpu", (4,)))
+    fully_shard(again, mesh=every_rank)
     state = again.state_dict()
     dcp.load(state, checkpoint_id=checkpoint)
     again.load_state_dict(state)
@@ -143,12 +148,27 @@ def _rel(actual, expected) -> float:
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
-    return run_distributed(_world, 4, args=(str(tmp_path_factory.mktemp("dcp")),), timeout=240, collective_timeout=60)
+    """Per rank of the larger world, {layout: results}; the 2-rank world's ranks merged into ranks 0, 1."""
+    tmp = str(tmp_path_factory.mktemp("dcp"))
+    outs = run_distributed(_world, 4, args=(tmp, [k for k, v in LAYOUTS.items() if math.prod(v) == 4]), timeout=240,
+                           collective_timeout=60)
+    pair = run_distributed(_world, 2, args=(tmp, [k for k, v in LAYOUTS.items() if math.prod(v) == 2]), timeout=120,
+                           collective_timeout=60)
+    for rank, results in enumerate(pair):
+        outs[rank].update(results)
+    return outs
+
+
+def _ranks_of(world, layout) -> list:
+    """(rank, results) of the ranks that ran `layout`: all of its world's."""
+    ranks = [(rank, outs) for rank, outs in enumerate(world) if layout in outs]
+    assert len(ranks) == math.prod(LAYOUTS[layout]), (layout, len(ranks))
+    return ranks
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_fsdp_over_dp_with_experts_over_ep_trains_as_one_process(world, layout):
-    for rank, outs in enumerate(world):
+    for rank, outs in _ranks_of(world, layout):
         errors = outs[layout]["errors"]
         bad = {k: v for k, v in errors.items() if not v <= TOL}
         assert not bad, (rank, sorted(bad.items())[:40])
@@ -161,7 +181,7 @@ def test_distributed_checkpoint_of_the_fsdp_model_reshards_exactly(world, layout
     """dcp.save of the trained FSDP model; dcp.load into the single-process model (equal to the
     single process's own trained weights) and into a fresh FSDP model of the layout (equal to the
     saved one), bit for bit."""
-    for rank, outs in enumerate(world):
+    for rank, outs in _ranks_of(world, layout):
         errors = outs[layout]["checkpoint"]
         assert len(errors) == 2 * NUM_PARAMS and not {k: v for k, v in errors.items() if v > 1e-12}, (rank, errors)
         assert all(v == 0 for k, v in errors.items() if k.startswith("back")), (rank, errors)
@@ -172,14 +192,14 @@ def test_clip_grad_norm_gives_the_whole_models_norm(world, layout):
     """torch.nn.utils.clip_grad_norm_ refuses DTensors on two meshes; shardmoe.parallel's counts each
     block of every parameter once, experts split over 'ep' and 'tp' included (the clipped gradients
     are in the test above)."""
-    for outs in world:
+    for _, outs in _ranks_of(world, layout):
         got, want = outs[layout]["norm"]
         assert want > 0.05 and abs(got - want) <= 1e-12 * want, (layout, got, want)
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_sync_grads_refuses_parameters_fsdp_manages(world, layout):
-    for outs in world:
+    for _, outs in _ranks_of(world, layout):
         assert outs[layout]["sync_grads"] == (
             "sync_grads: expected parameters that shardmoe reduces, got 'gate_weight' as a DTensor "
             "(torch.distributed.fsdp.fully_shard manages it and reduces its gradient itself): call sync_grads only "
