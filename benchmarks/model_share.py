@@ -20,7 +20,7 @@ import time
 import torch
 
 import shardmoe.hf  # noqa: F401  (registers "shardmoe")
-from shardmoe.hf.model_bench import DEFAULTS, FAMILY_DEFAULTS, build_model
+from shardmoe.bench.hf_model import DEFAULTS, FAMILY_DEFAULTS, build_model
 
 
 def experts_modules(model):

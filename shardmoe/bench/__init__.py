@@ -66,13 +66,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hf", metavar="FAMILY", default=None,
                         help="time one sparse MoE block of a transformers family (mixtral, qwen2_moe, qwen3_moe, "
                              "olmoe, deepseek_v3, gpt_oss, or all) with experts 'shardmoe' vs 'grouped_mm' vs "
-                             "'eager' (shardmoe/hf/bench.py); with --model, the family's whole causal LM")
+                             "'eager' (shardmoe/bench/hf_block.py); with --model, the family's whole causal LM")
     model = parser.add_argument_group(
         "whole-model mode (--hf FAMILY --model)",
         "one training step (forward with labels, loss.backward(), new random token ids every step) of the "
         "family's ForCausalLM built from its config, its experts run by 'shardmoe', 'grouped_mm' and 'eager' "
         "on one model, and a deep copy through shardmoe.hf.convert ('convert'); checked against eager (loss, "
-        "gradients) before the interleaved timing (shardmoe/hf/model_bench.py). Defaults B=4 L=512 H=512, "
+        "gradients) before the interleaved timing (shardmoe/bench/hf_model.py). Defaults B=4 L=512 H=512, "
         "2 layers, vocab 4096; mixtral-like experts F=1024 E=8 k=2 (qwen3_moe: F=128 E=64 k=8); "
         "--hidden/--ffn/--experts/--top-k override them, --tokens is refused (use --batch and --seq-len); "
         "--quick: B=2 L=16 H=64 F=32 vocab 128, 1 timed step")
@@ -133,12 +133,12 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if args.hf is not None:
         if args.model:
-            from shardmoe.hf import model_bench
+            from shardmoe.bench import hf_model
 
-            return model_bench.run(args)
-        from shardmoe.hf import bench as hf_bench
+            return hf_model.run(args)
+        from shardmoe.bench import hf_block
 
-        return hf_bench.run(args)
+        return hf_block.run(args)
     if _distributed_requested(args):
         from shardmoe.parallel.bench import run_distributed
 

@@ -20,7 +20,7 @@ def test_bench_family_row(capsys, hf):
 
 @pytest.mark.parametrize("family", ["qwen2_moe", "gpt_oss"])  # gpt_oss: its block returns (out, router scores)
 def test_bench_checks_shardmoe_and_grouped_mm_against_eager(family, hf):
-    from shardmoe.hf import bench as hf_bench
+    from shardmoe.bench import hf_block as hf_bench
 
     result = hf_bench.run_family(family, "fp32", tokens=24, hidden=16, ffn=8, experts=4, top_k=2, warmup=0,
                                  repeats=1)

@@ -47,7 +47,7 @@ def test_model_bench_rows(family, capsys, hf, keep_threads):
 @pytest.mark.parametrize("family", ["deepseek_v3", "gpt_oss"])  # shared experts; interleaved, transposed weights
 def test_model_bench_maps_converted_gradients_to_the_family(family, hf):
     """convert's gradients are compared under the family's names: a name left unmapped would be nan."""
-    from shardmoe.hf import model_bench
+    from shardmoe.bench import hf_model as model_bench
 
     sizes = {**model_bench.DEFAULTS, **model_bench.QUICK}
     result = model_bench.run_model(family, "fp32", **sizes)

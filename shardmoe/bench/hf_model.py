@@ -26,7 +26,7 @@ import sys
 
 from shardmoe.bench.candidates import Candidate
 from shardmoe.bench.timing import time_interleaved
-from shardmoe.hf.bench import refusal, worst_relative_error
+from shardmoe.bench.hf_block import refusal, worst_relative_error
 from shardmoe.hf.families import FAMILIES, small_config
 
 IMPLEMENTATIONS = ("shardmoe", "grouped_mm", "eager")

@@ -8,7 +8,7 @@ single-process bench's: interleaved rounds with a rotating order (shardmoe/bench
 The first pass checks the output and every gradient of "shardmoe" and "grouped_mm" against
 "eager" (relative error, float norms). Reported: median ms per step and the ratios
 median(other) / median(shardmoe) (above 1: shardmoe is faster).
-With --model the family's whole causal LM is timed instead: shardmoe/hf/model_bench.py.
+With --model the family's whole causal LM is timed instead: shardmoe/bench/hf_model.py.
 """
 from __future__ import annotations
 
@@ -128,7 +128,7 @@ HEADER = (f"{'family':<12} {'dtype':<5} {'shardmoe':>9} {'grouped_mm':>10} {'eag
 
 def refusal(args) -> str | None:
     """Why the --hf options cannot run (an unknown family, a device other than cpu), or None;
-    shared with the whole-model mode (model_bench.py)."""
+    shared with the whole-model mode (hf_model.py)."""
     if args.hf != "all" and args.hf not in FAMILIES:
         return f"--hf: expected one of {', '.join(FAMILIES)} or all, got {args.hf!r}"
     if args.device != "cpu":
