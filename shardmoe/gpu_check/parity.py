@@ -91,7 +91,6 @@ def build(case: Case, dtype_name: str, device: str, sizes: Sizes, seed: int = 0)
     import torch
 
     import shardmoe
-    from shardmoe.moe.layer import BIAS_NAMES
 
     dtype = getattr(torch, dtype_name)
     H = sizes.hidden
@@ -105,7 +104,7 @@ def build(case: Case, dtype_name: str, device: str, sizes: Sizes, seed: int = 0)
                 value[range(E), range(E)] = 1.0
             elif name == "gate_bias":
                 value = torch.tensor(GATE_BIAS, dtype=torch.float64)
-            elif name in BIAS_NAMES:
+            elif name in layer.config.kind.bias_names:
                 value = 0.1 * torch.randn(p.shape, generator=gen, dtype=torch.float64)
             else:
                 value = torch.randn(p.shape, generator=gen, dtype=torch.float64) / math.sqrt(p.shape[-1])

@@ -20,7 +20,7 @@ import torch
 from shardmoe.settings import SETTINGS
 
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)
-# activations.activation's branches: every activation the layer has (moe/config.py ACTIVATIONS; a
+# activations.activation's branches: every activation the layer has (expert_kinds.py ACTIVATIONS; a
 # test holds the two equal), and for "glu" the clamped SwiGLU besides (activations.glu)
 KERNEL_ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "silu", "identity")
 

@@ -16,12 +16,15 @@ accumulation inside), as in the torch path.
 
 Every expert kind of the torch path runs here: "glu" with or without its biases
 (gate_up_proj_bias [E, 2F], down_proj_bias [E, H]) and with an activation name or a
-clamped SwiGLU (activations.activation_args), "mlp" with or without b1, b2.
+clamped SwiGLU (activations.activation_args), "mlp" with or without b1, b2. The entry points
+take the kind (shardmoe/expert_kinds.py, a leaf), which names the parameters and says what the
+forward saves.
 """
 from __future__ import annotations
 
 import torch
 
+from shardmoe.expert_kinds import ExpertKind
 from shardmoe.kernels.forward_gemm import forward_gemm
 from shardmoe.kernels.grad_gemm import grad_gemm
 from shardmoe.kernels.weight_grad import bias_grad, weight_grad
@@ -48,45 +51,33 @@ def grouped_bias_grad(grad_rows: torch.Tensor, groups) -> torch.Tensor:
     return bias_grad(grad_rows, groups)
 
 
-def _expert_up(expert, activation, xs, params, groups, row_index):
+def _expert_up(kind, activation, xs, params, groups, row_index):
     """First GEMM with the bias and the activation in its epilogue: (saved pre-activation, activation)."""
-    num_rows = sum(groups.sizes)
-    if expert == "glu":
-        a = xs.new_empty((num_rows, params["down_proj"].shape[2]))
-        h = forward_gemm(xs, params["gate_up_proj"], groups, a_index=row_index, bias=params.get("gate_up_proj_bias"),
-                         activation=activation, glu=True, post=a)
-        return h, a
-    a1 = xs.new_empty((num_rows, params["w1"].shape[1]))
-    z1 = forward_gemm(xs, params["w1"], groups, a_index=row_index, bias=params["b1"], activation=activation, post=a1)
-    return z1, a1
+    act = xs.new_empty((sum(groups.sizes), params[kind.down].shape[2]))
+    pre = forward_gemm(xs, params[kind.up], groups, a_index=row_index, bias=params.get(kind.up_bias),
+                       activation=activation, glu=kind.gated, post=act)
+    return pre, act
 
 
-def _down_bias(expert, params):
-    """The second GEMM's bias: down_proj_bias ("glu") or b2 ("mlp"), None when absent."""
-    return params.get("down_proj_bias") if expert == "glu" else params["b2"]
-
-
-def expert_forward(expert: str, activation, output_activation: str, xs: torch.Tensor,
+def expert_forward(kind: ExpertKind, activation, output_activation: str, xs: torch.Tensor,
                    params: dict[str, torch.Tensor | None], groups, *, row_index=None):
-    """y [N, H] and the tensors backward keeps ("glu": (h,); "mlp": (z1, z2)).
+    """y [N, H] and the tensors backward keeps, kind.saved(pre, z2) (GLU: (h,); MLP: (z1, z2)).
 
-    "glu": h = x Wgu_e^T + bgu_e and a = act(hg) hu (or the clamped SwiGLU's a) in one GEMM;
-           y = a Wdown_e^T + bdown_e.
-    "mlp": z1 = x W1_e^T + b1, a1 = act(z1) in one GEMM; z2 = a1 W2_e^T + b2 and
-           y = act_out(z2) in the next (y is z2 itself for an identity act_out)."""
-    pre, act = _expert_up(expert, activation, xs, params, groups, row_index)
-    bias = _down_bias(expert, params)
-    if expert == "glu":
-        return forward_gemm(act, params["down_proj"], groups, bias=bias), (pre,)
+    GLU: h = x Wgu_e^T + bgu_e and a = act(hg) hu (or the clamped SwiGLU's a) in one GEMM;
+         y = a Wdown_e^T + bdown_e.
+    MLP: z1 = x W1_e^T + b1, a1 = act(z1) in one GEMM; z2 = a1 W2_e^T + b2 and
+         y = act_out(z2) in the next (y is z2 itself for an identity act_out, as GLU's always is)."""
+    pre, act = _expert_up(kind, activation, xs, params, groups, row_index)
+    down, bias = params[kind.down], params.get(kind.down_bias)
     if output_activation == "identity":
-        z2 = forward_gemm(act, params["w2"], groups, bias=bias)
-        return z2, (pre, z2)
-    y = act.new_empty((act.shape[0], params["w2"].shape[1]))
-    z2 = forward_gemm(act, params["w2"], groups, bias=bias, activation=output_activation, post=y)
-    return y, (pre, z2)
+        z2 = forward_gemm(act, down, groups, bias=bias)
+        return z2, kind.saved(pre, z2)
+    y = act.new_empty((act.shape[0], down.shape[1]))
+    z2 = forward_gemm(act, down, groups, bias=bias, activation=output_activation, post=y)
+    return y, kind.saved(pre, z2)
 
 
-def expert_forward_combine(expert: str, activation, output_activation: str, x: torch.Tensor,
+def expert_forward_combine(kind: ExpertKind, activation, output_activation: str, x: torch.Tensor,
                            row_token: torch.Tensor, weight_rows: torch.Tensor, row_pair: torch.Tensor,
                            params: dict[str, torch.Tensor | None], groups, top_k: int):
     """The whole expert forward and combine: (out [S, H] acc dtype, saved as expert_forward).
@@ -95,17 +86,18 @@ def expert_forward_combine(expert: str, activation, output_activation: str, x: t
     The first GEMM gathers x rows by row_token itself; the second writes w_r y_r of each
     kept pair into its slot t * k + j of an [S * k, H] float32 buffer, once, without
     atomics, and the k slots of a token are summed afterwards (a plain reduction over a
-    contiguous axis). For top-1 routing the slot buffer is the output.
+    contiguous axis). For top-1 routing the slot buffer is the output. z2 is stored only
+    for a kind that saves it (MLP).
     """
     num_tokens = x.shape[0]
-    pre, act = _expert_up(expert, activation, x, params, groups, row_token)
-    down = params["down_proj"] if expert == "glu" else params["w2"]
+    pre, act = _expert_up(kind, activation, x, params, groups, row_token)
+    down = params[kind.down]
     fill = torch.zeros if row_pair.numel() < num_tokens * top_k else torch.empty  # dropped slots stay 0
     slots = fill((num_tokens * top_k, down.shape[1]), dtype=accumulation_dtype(x.dtype), device=x.device)
-    z2 = forward_gemm(act, down, groups, bias=_down_bias(expert, params), activation=output_activation,
-                      store_pre=expert == "mlp", post=slots, scale=weight_rows, dest=row_pair)
+    z2 = forward_gemm(act, down, groups, bias=params.get(kind.down_bias), activation=output_activation,
+                      store_pre=kind.keeps_z2, post=slots, scale=weight_rows, dest=row_pair)
     out = slots if top_k == 1 else slots.view(num_tokens, top_k, down.shape[1]).sum(1)  # S = 0 works too
-    return out, ((pre,) if expert == "glu" else (pre, z2))
+    return out, kind.saved(pre, z2)
 
 
 def grad_post_gemm_glu(grad_rows: torch.Tensor, weight_rows: torch.Tensor, a: torch.Tensor,

@@ -32,6 +32,7 @@ from typing import Protocol
 import torch
 
 from shardmoe import kernels
+from shardmoe.expert_kinds import ExpertKind
 from shardmoe.moe import combine as comb
 from shardmoe.moe import experts as ex
 from shardmoe.moe.activations import ClampedSwiGLU
@@ -44,28 +45,29 @@ Activation = str | ClampedSwiGLU
 
 class Backend(Protocol):
     """What the MoE Function and the dispatchers call. Shapes: S tokens, N dispatched rows, H
-    hidden; `saved` is what the forward entry points return for backward ("glu": (h [N, 2F],);
-    "mlp": (z1 [N, P], z2 [N, H])); gradients come as {parameter name: gradient}."""
+    hidden; `kind` is the expert kind (shardmoe/expert_kinds.py: GLU or MLP); `saved` is what the
+    forward entry points return for backward, kind.saved(...) (GLU: (h [N, 2F],); MLP:
+    (z1 [N, P], z2 [N, H])); gradients come as {parameter name: gradient}."""
 
     name: str
     workspace: Workspace | None
 
-    def expert_forward(self, expert: str, activation: Activation, output_activation: str, xs: torch.Tensor,
+    def expert_forward(self, kind: ExpertKind, activation: Activation, output_activation: str, xs: torch.Tensor,
                        params: dict, groups: Groups) -> tuple[torch.Tensor, tuple]:
         """y [N, H] for rows xs [N, H], and saved."""
 
-    def expert_backward(self, expert: str, activation: Activation, output_activation: str, grad_rows: torch.Tensor,
-                        weight_rows: torch.Tensor, xs: torch.Tensor, saved: tuple, params: dict,
+    def expert_backward(self, kind: ExpertKind, activation: Activation, output_activation: str,
+                        grad_rows: torch.Tensor, weight_rows: torch.Tensor, xs: torch.Tensor, saved: tuple, params: dict,
                         groups: Groups) -> tuple[torch.Tensor, torch.Tensor, dict]:
         """Stages 1-4 on rows: (dx rows [N, H], gate dots dw [N] acc dtype, gradients)."""
 
-    def gathered_forward(self, expert: str, activation: Activation, output_activation: str, x: torch.Tensor,
+    def gathered_forward(self, kind: ExpertKind, activation: Activation, output_activation: str, x: torch.Tensor,
                          row_token: torch.Tensor, weight_rows: torch.Tensor, row_pair: torch.Tensor, top_k: int,
                          params: dict, groups: Groups) -> tuple[torch.Tensor, tuple]:
         """out [S, H] acc dtype = sum over kept pairs of w_r y(x[row_token[r]]), and saved."""
 
-    def gathered_backward(self, expert: str, activation: Activation, output_activation: str, grad_out: torch.Tensor,
-                          weight_rows: torch.Tensor, x: torch.Tensor, row_token: torch.Tensor, saved: tuple,
+    def gathered_backward(self, kind: ExpertKind, activation: Activation, output_activation: str,
+                          grad_out: torch.Tensor, weight_rows: torch.Tensor, x: torch.Tensor, row_token: torch.Tensor, saved: tuple,
                           params: dict, groups: Groups) -> tuple[torch.Tensor, torch.Tensor, dict]:
         """Stages 1-4 with grad_out [S, H] and x [S, H] read through row_token [N]: as expert_backward."""
 
@@ -106,23 +108,23 @@ class TorchBackend:
     def __init__(self, workspace: Workspace | None = None):
         self.workspace = workspace
 
-    def expert_forward(self, expert, activation, output_activation, xs, params, groups):
-        return ex.expert_forward(expert, activation, output_activation, xs, params, groups, workspace=self.workspace)
+    def expert_forward(self, kind, activation, output_activation, xs, params, groups):
+        return ex.expert_forward(kind, activation, output_activation, xs, params, groups, workspace=self.workspace)
 
-    def expert_backward(self, expert, activation, output_activation, grad_rows, weight_rows, xs, saved, params,
+    def expert_backward(self, kind, activation, output_activation, grad_rows, weight_rows, xs, saved, params,
                         groups):
-        return ex.expert_backward(expert, activation, output_activation, grad_rows, weight_rows, xs, saved, params,
+        return ex.expert_backward(kind, activation, output_activation, grad_rows, weight_rows, xs, saved, params,
                                   groups, stages=self, workspace=self.workspace, one_pass=True)
 
-    def gathered_forward(self, expert, activation, output_activation, x, row_token, weight_rows, row_pair, top_k,
+    def gathered_forward(self, kind, activation, output_activation, x, row_token, weight_rows, row_pair, top_k,
                          params, groups):
-        y, saved = self.expert_forward(expert, activation, output_activation,
+        y, saved = self.expert_forward(kind, activation, output_activation,
                                        gather_rows(x, row_token, self.workspace), params, groups)
         return self.combine(y, weight_rows, row_pair, x.shape[0], top_k), saved
 
-    def gathered_backward(self, expert, activation, output_activation, grad_out, weight_rows, x, row_token, saved,
+    def gathered_backward(self, kind, activation, output_activation, grad_out, weight_rows, x, row_token, saved,
                           params, groups):
-        return self.expert_backward(expert, activation, output_activation,
+        return self.expert_backward(kind, activation, output_activation,
                                     gather_rows(grad_out, row_token, self.workspace), weight_rows,
                                     gather_rows(x, row_token, self.workspace), saved, params, groups)
 

@@ -8,11 +8,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from shardmoe.expert_kinds import ACTIVATIONS, EXPERT_KINDS, GLU, ExpertKind, expert_kind
 from shardmoe.moe.activations import ClampedSwiGLU
 
-EXPERT_KINDS = ("glu", "mlp")
-ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "silu", "identity")
-GLU_ACTIVATIONS = ACTIVATIONS + ("clamped_swiglu",)  # expert="glu" only: (clamp(hu) + 1) f(min(hg, L))
+GLU_ACTIVATIONS = GLU.activations  # every activation name: ACTIVATIONS and the clamped SwiGLU
 SCORE_FUNCS = ("softmax", "sigmoid")
 
 
@@ -91,9 +90,10 @@ class MoEConfig:
         _check_int("num_experts", self.num_experts, 1)
         _check_int("top_k", self.top_k, 1, self.num_experts)
         _check_choice("expert", self.expert, EXPERT_KINDS)
-        if self.activation == "clamped_swiglu" and self.expert != "glu":
+        kind = self.kind
+        if self.activation == "clamped_swiglu" and self.activation not in kind.activations:
             raise ValueError(f"activation: 'clamped_swiglu' expects expert='glu', got expert={self.expert!r}")
-        _check_choice("activation", self.activation, GLU_ACTIVATIONS if self.expert == "glu" else ACTIVATIONS)
+        _check_choice("activation", self.activation, kind.activations)
         for name, default in (("swiglu_limit", 7.0), ("swiglu_alpha", 1.702)):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
@@ -102,8 +102,9 @@ class MoEConfig:
                 raise ValueError(f"{name}: expected the default {default} with activation={self.activation!r} "
                                  f"(only 'clamped_swiglu' uses it), got {v!r}")
         _check_choice("output_activation", self.output_activation, ACTIVATIONS)
-        if self.expert == "glu" and self.output_activation != "identity":
-            raise ValueError(f"output_activation: expected 'identity' for expert='glu', got {self.output_activation!r}")
+        if self.output_activation not in kind.output_activations:
+            raise ValueError(f"output_activation: expected {' or '.join(map(repr, kind.output_activations))} for "
+                             f"expert={self.expert!r}, got {self.output_activation!r}")
         if self.capacity_factor is not None:
             cf = self.capacity_factor
             if isinstance(cf, bool) or not isinstance(cf, (int, float)) or not math.isfinite(cf) or cf <= 0:
@@ -142,6 +143,11 @@ class MoEConfig:
         if reachable < self.top_k:
             raise ValueError(f"topk_group: expected topk_group * experts per group >= top_k={self.top_k}, got "
                              f"{self.topk_group} * {self.num_experts // self.n_group} = {reachable}")
+
+    @property
+    def kind(self) -> ExpertKind:
+        """The expert kind `expert` names (shardmoe/expert_kinds.py): GLU or MLP."""
+        return expert_kind(self.expert)
 
     @property
     def expert_activation(self) -> str | ClampedSwiGLU:

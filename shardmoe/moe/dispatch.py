@@ -93,10 +93,8 @@ def expert_groups(counts: torch.Tensor, dtype: torch.dtype, workspace: Workspace
 def expert_saved_like(config: MoEConfig, x: torch.Tensor, num_rows, width_split: int = 1) -> tuple:
     """Uninitialised tensors shaped as what the expert forward saves for num_rows rows of x's dtype,
     the intermediate dim split `width_split` ways: "glu" (h [N, 2F],), "mlp" (z1 [N, P], z2 [N, H])."""
-    F, H = config.ffn_size // width_split, config.hidden_size
-    if config.expert == "glu":
-        return (x.new_empty(num_rows, 2 * F),)
-    return x.new_empty(num_rows, F), x.new_empty(num_rows, H)
+    widths = config.kind.saved_widths(config.ffn_size // width_split, config.hidden_size)
+    return tuple(x.new_empty(num_rows, width) for width in widths)
 
 
 def _identity(t: torch.Tensor) -> torch.Tensor:
@@ -125,14 +123,14 @@ class LocalDispatcher:
     def forward(self, backend, config, x, routing, state, params):
         row_token, weight_rows = routing.rows(config.top_k)
         groups = expert_groups(routing.kept_per_expert, x.dtype, backend.workspace)
-        return backend.gathered_forward(config.expert, config.expert_activation, config.output_activation, x,
+        return backend.gathered_forward(config.kind, config.expert_activation, config.output_activation, x,
                                         row_token, weight_rows, routing.row_pair, config.top_k, params, groups)
 
     def backward(self, backend, config, grad_out, x, routing, state, saved, params):
         row_token, weight_rows = routing.rows(config.top_k)
         groups = expert_groups(routing.kept_per_expert, x.dtype, backend.workspace)
         grad_xs, grad_dots, grads = backend.gathered_backward(
-            config.expert, config.expert_activation, config.output_activation, grad_out, weight_rows, x, row_token,
+            config.kind, config.expert_activation, config.output_activation, grad_out, weight_rows, x, row_token,
             saved, params, groups)
         return backend.grad_input_combine(grad_xs, routing.row_pair, x.shape[0], config.top_k), grad_dots, grads
 

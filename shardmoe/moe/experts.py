@@ -7,6 +7,8 @@ Rows [N, .] are grouped by expert (Groups). Parameters, per expert e:
           (activation a ClampedSwiGLU: a = (clamp(hu, -L, L) + 1) f(min(hg, L)), moe/activations.py)
   "mlp":  w1 [E, P, H], b1 [E, P], w2 [E, H, P], b2 [E, H]
           z1 = x W1_e^T + b1_e;  a1 = act(z1);  z2 = a1 W2_e^T + b2_e;  y = act_out(z2)
+pre_gemm, post_gemm, expert_forward and expert_backward take the kind (shardmoe/expert_kinds.py:
+GLU or MLP) and run its body here; stages 3 and 4 are a function per kind (grad_post_gemm_glu, ...).
 
 The stage functions below are the torch backend (shardmoe/moe/backends.py picks the backend once
 per forward; the Triton kernels of shardmoe/kernels provide the same names). GEMMs use
@@ -23,6 +25,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from shardmoe.expert_kinds import GLU, MLP, ExpertKind
 from shardmoe.moe import cpu_gemm, elementwise
 from shardmoe.moe.activations import ClampedSwiGLU, activate, activate_backward
 from shardmoe.moe.combine import grad_combine, row_chunks
@@ -148,38 +151,54 @@ def _glu(h: torch.Tensor, activation: str | ClampedSwiGLU, act_gate: torch.Tenso
     return a
 
 
-def pre_gemm(expert: str, activation: str | ClampedSwiGLU, xs: torch.Tensor,
+def pre_gemm(kind: ExpertKind, activation: str | ClampedSwiGLU, xs: torch.Tensor,
              params: dict[str, torch.Tensor | None], groups: Groups, *,
              workspace: Workspace | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The expert's first GEMM and activation, (a, z) for dispatched rows xs [N, H]:
-      "glu": z = h = xs Wgu_e^T + bgu_e [N, 2F], a = act(hg) * hu [N, F]
-      "mlp": z = z1 = xs W1_e^T + b1_e [N, P], a = act(z1)      [N, P]
-    A tile task passes the weight rows of its columns (both halves for "glu") and gets those columns."""
-    if expert == "glu":
-        h = grouped_linear(xs, params["gate_up_proj"], groups, params.get("gate_up_proj_bias"), workspace=workspace)
-        return _glu(h, activation, workspace=workspace), h
+      GLU: z = h = xs Wgu_e^T + bgu_e [N, 2F], a = act(hg) * hu [N, F]
+      MLP: z = z1 = xs W1_e^T + b1_e [N, P], a = act(z1)      [N, P]
+    A tile task passes the weight rows of its columns (both halves for GLU) and gets those columns."""
+    return _PRE_GEMM[kind](activation, xs, params, groups, workspace)
+
+
+def post_gemm(kind: ExpertKind, output_activation: str, a: torch.Tensor, params: dict[str, torch.Tensor | None],
+              groups: Groups, *, workspace: Workspace | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The expert's second GEMM and output activation, (y, z2) [N, H] each:
+      GLU: y = z2 = a Wdown_e^T + bdown_e;  MLP: z2 = a W2_e^T + b2_e, y = act_out(z2)."""
+    return _POST_GEMM[kind](output_activation, a, params, groups, workspace)
+
+
+def expert_forward(kind: ExpertKind, activation: str | ClampedSwiGLU, output_activation: str, xs: torch.Tensor,
+                   params: dict[str, torch.Tensor | None], groups: Groups, *, workspace: Workspace | None = None):
+    """y [N, H] for dispatched rows xs [N, H] (pre_gemm then post_gemm), and the tensors backward
+    keeps, kind.saved(z, z2): GLU (h,) with h [N, 2F];  MLP (z1, z2) with z1 [N, P], z2 [N, H]."""
+    a, z = pre_gemm(kind, activation, xs, params, groups, workspace=workspace)
+    y, z2 = post_gemm(kind, output_activation, a, params, groups, workspace=workspace)
+    return y, kind.saved(z, z2)
+
+
+def _glu_pre_gemm(activation, xs, params, groups, workspace):
+    h = grouped_linear(xs, params["gate_up_proj"], groups, params.get("gate_up_proj_bias"), workspace=workspace)
+    return _glu(h, activation, workspace=workspace), h
+
+
+def _mlp_pre_gemm(activation, xs, params, groups, workspace):
     z1 = grouped_linear(xs, params["w1"], groups, params["b1"])
     return activate(activation, z1), z1
 
 
-def post_gemm(expert: str, output_activation: str, a: torch.Tensor, params: dict[str, torch.Tensor | None],
-              groups: Groups, *, workspace: Workspace | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The expert's second GEMM and output activation, (y, z2) [N, H] each:
-      "glu": y = z2 = a Wdown_e^T + bdown_e;  "mlp": z2 = a W2_e^T + b2_e, y = act_out(z2)."""
-    if expert == "glu":
-        y = grouped_linear(a, params["down_proj"], groups, params.get("down_proj_bias"), workspace=workspace)
-        return y, y
+def _glu_post_gemm(output_activation, a, params, groups, workspace):
+    y = grouped_linear(a, params["down_proj"], groups, params.get("down_proj_bias"), workspace=workspace)
+    return y, y
+
+
+def _mlp_post_gemm(output_activation, a, params, groups, workspace):
     z2 = grouped_linear(a, params["w2"], groups, params["b2"])
     return activate(output_activation, z2), z2
 
 
-def expert_forward(expert: str, activation: str | ClampedSwiGLU, output_activation: str, xs: torch.Tensor,
-                   params: dict[str, torch.Tensor | None], groups: Groups, *, workspace: Workspace | None = None):
-    """y [N, H] for dispatched rows xs [N, H] (pre_gemm then post_gemm), and the tensors backward
-    keeps: "glu": (h,) with h [N, 2F];  "mlp": (z1, z2) with z1 [N, P], z2 [N, H]."""
-    a, z = pre_gemm(expert, activation, xs, params, groups, workspace=workspace)
-    y, z2 = post_gemm(expert, output_activation, a, params, groups, workspace=workspace)
-    return y, ((z,) if expert == "glu" else (z, z2))
+_PRE_GEMM = {GLU: _glu_pre_gemm, MLP: _mlp_pre_gemm}
+_POST_GEMM = {GLU: _glu_post_gemm, MLP: _mlp_post_gemm}
 
 
 def grad_post_gemm_glu(grad_rows: torch.Tensor, weight_rows: torch.Tensor, a: torch.Tensor,
@@ -243,36 +262,45 @@ def grad_pre_gemm_mlp(grad_a1: torch.Tensor, z1: torch.Tensor, xs: torch.Tensor,
     return grouped_linear_t(grad_z1, w1, groups), grouped_weight_grad(grad_z1, xs, groups), grad_b1
 
 
-def expert_backward(expert: str, activation: str | ClampedSwiGLU, output_activation: str, grad_rows: torch.Tensor,
-                    weight_rows: torch.Tensor, xs: torch.Tensor, saved: tuple, params: dict, groups: Groups, *,
-                    stages, workspace: Workspace | None = None, one_pass: bool = False):
+def expert_backward(kind: ExpertKind, activation: str | ClampedSwiGLU, output_activation: str,
+                    grad_rows: torch.Tensor, weight_rows: torch.Tensor, xs: torch.Tensor, saved: tuple, params: dict,
+                    groups: Groups, *, stages, workspace: Workspace | None = None, one_pass: bool = False):
     """Stages 1-4 on dispatched rows, given the unscaled output gradient g [N, H], the combine
     weights w [N], the rows xs [N, H] and what expert_forward saved.
 
     `stages` is the backend whose stage functions run (moe/backends.py); `workspace` supplies the
-    row buffers. With one_pass (the torch backend) "glu" runs the elementwise work of stages 2-4
+    row buffers. With one_pass (the torch backend) GLU runs the elementwise work of stages 2-4
     as one pass where the CPU kernels take the rows (_glu_backward_one_pass); otherwise, and where
     they do not, the backend's own stage functions (_glu_backward_by_stage).
 
     Returns (dx rows [N, H], gate dots dw [N] in the acc dtype, {parameter name: gradient}).
-    "glu" takes the gate dot over F, as (g Wdown) . a: with F sharded that is a partial sum.
+    GLU takes the gate dot over F, as (g Wdown) . a: with F sharded that is a partial sum.
     """
-    if expert == "glu":
-        (h,) = saved
-        has_bias = params.get("gate_up_proj_bias") is not None
-        if one_pass and isinstance(activation, str) and elementwise.available(
-                grad_rows, h, activation=activation, extra=(weight_rows,)):
-            grad_xs, grad_dots, grads = _glu_backward_one_pass(activation, grad_rows, weight_rows, xs, h, params,
-                                                               groups, has_bias, workspace)
-        else:
-            grad_xs, grad_dots, grads = _glu_backward_by_stage(stages, activation, grad_rows, weight_rows, xs, h,
-                                                               params, groups, has_bias, workspace)
-        # y = a Wdown_e^T + bdown_e, so g . y gains g . bdown_e; expert TP passes down_proj_bias None
-        # (it adds the term once, after the psum of the partial dots over t) but still wants dbdown
-        if params.get("down_proj_bias") is not None:
-            row_bias = params["down_proj_bias"][groups.row_expert(grad_rows.device)]
-            grad_dots = grad_dots + stages.grad_gate_combine(grad_rows, row_bias)
-        return grad_xs, grad_dots, grads
+    return _BACKWARD[kind](activation, output_activation, grad_rows, weight_rows, xs, saved, params, groups,
+                           stages=stages, workspace=workspace, one_pass=one_pass)
+
+
+def _glu_backward(activation, output_activation, grad_rows, weight_rows, xs, saved, params, groups, *, stages,
+                  workspace, one_pass):
+    (h,) = saved
+    has_bias = params.get("gate_up_proj_bias") is not None
+    if one_pass and isinstance(activation, str) and elementwise.available(
+            grad_rows, h, activation=activation, extra=(weight_rows,)):
+        grad_xs, grad_dots, grads = _glu_backward_one_pass(activation, grad_rows, weight_rows, xs, h, params,
+                                                           groups, has_bias, workspace)
+    else:
+        grad_xs, grad_dots, grads = _glu_backward_by_stage(stages, activation, grad_rows, weight_rows, xs, h,
+                                                           params, groups, has_bias, workspace)
+    # y = a Wdown_e^T + bdown_e, so g . y gains g . bdown_e; expert TP passes down_proj_bias None
+    # (it adds the term once, after the psum of the partial dots over t) but still wants dbdown
+    if params.get("down_proj_bias") is not None:
+        row_bias = params["down_proj_bias"][groups.row_expert(grad_rows.device)]
+        grad_dots = grad_dots + stages.grad_gate_combine(grad_rows, row_bias)
+    return grad_xs, grad_dots, grads
+
+
+def _mlp_backward(activation, output_activation, grad_rows, weight_rows, xs, saved, params, groups, *, stages,
+                  workspace, one_pass):
     z1, z2 = saved
     has_bias = params["b1"] is not None
     grad_dots = stages.grad_gate_combine(grad_rows, activate(output_activation, z2))
@@ -281,6 +309,9 @@ def expert_backward(expert: str, activation: str | ClampedSwiGLU, output_activat
                                                           output_activation)
     grad_xs, grad_w1, grad_b1 = stages.grad_pre_gemm_mlp(grad_a1, z1, xs, params["w1"], has_bias, groups, activation)
     return grad_xs, grad_dots, {"w1": grad_w1, "b1": grad_b1, "w2": grad_w2, "b2": grad_b2}
+
+
+_BACKWARD = {GLU: _glu_backward, MLP: _mlp_backward}
 
 
 def _glu_backward_by_stage(stages, activation: str | ClampedSwiGLU, grad_rows: torch.Tensor,

@@ -42,6 +42,7 @@ from typing import Callable
 import torch
 from torch.utils import _pytree as pytree
 
+from shardmoe.expert_kinds import expert_kind
 from shardmoe.moe import backends, routers
 from shardmoe.moe import shared_experts as shared_ex
 from shardmoe.moe.config import MoEConfig
@@ -52,16 +53,13 @@ from shardmoe.rows import accumulation_dtype
 
 def expert_param_names(config: MoEConfig) -> tuple[str, ...]:
     """Names of the expert parameters, in the order the MoE operators take them."""
-    return param_names(config.expert, config.bias)
+    return config.kind.param_names(config.bias)
 
 
 def param_names(expert: str, bias: bool) -> tuple[str, ...]:
-    """The expert parameters of a kind, in the MoE operators' order: the glu biases only with bias;
-    the "mlp" b1, b2 always (None without bias)."""
-    if expert == "glu":
-        return ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias") if bias \
-            else ("gate_up_proj", "down_proj")
-    return ("w1", "b1", "w2", "b2")
+    """The expert parameters of the kind named `expert`, in the MoE operators' order: the glu biases
+    only with bias; the "mlp" b1, b2 always (None without bias)."""
+    return expert_kind(expert).param_names(bias)
 
 
 class _SecondDerivative(torch.autograd.Function):

@@ -63,8 +63,6 @@ SHARED_OPTIONS = ("shared_ffn_size", "shared_gate")
 
 # the dtypes the layer computes in (float16 runs, but fp16 matmul ran at ~1 GFLOP/s on the CPUs measured)
 DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
-# the expert parameters that exist only with bias=True
-BIAS_NAMES = ("b1", "b2", "gate_up_proj_bias", "down_proj_bias")
 
 
 class MoE(nn.Module):
@@ -96,12 +94,7 @@ class MoE(nn.Module):
         self.mesh = mesh
         kw = {"dtype": dtype, "device": device}
         H, F, E = hidden_size, ffn_size, num_experts
-        self._whole_shapes = {"gate_weight": (H, E)}
-        if expert == "glu":
-            self._whole_shapes.update(gate_up_proj=(E, 2 * F, H), gate_up_proj_bias=(E, 2 * F),
-                                      down_proj=(E, H, F), down_proj_bias=(E, H))
-        else:
-            self._whole_shapes.update(w1=(E, F, H), w2=(E, H, F), b1=(E, F), b2=(E, H))
+        self._whole_shapes = {"gate_weight": (H, E), **self.config.kind.whole_shapes(H, F, E)}
         self.gate_weight = nn.Parameter(torch.empty(H, E, **kw))
         mark_grad_sync(self.gate_weight, REPLICATED)
         self.gate_bias = nn.Parameter(torch.empty(E, **kw)) if self.config.router_bias else None
@@ -112,7 +105,7 @@ class MoE(nn.Module):
                              if self.config.correction_bias else None)
         for name, shape in list(self._whole_shapes.items())[1:]:
             param = None
-            if bias or name not in BIAS_NAMES:
+            if bias or name not in self.config.kind.bias_names:
                 param = nn.Parameter(torch.empty(self.placement.shard_shape(name, shape), **kw))
                 mark_grad_sync(param, EXPERT)
             setattr(self, name, param)
@@ -158,7 +151,7 @@ class MoE(nn.Module):
                     continue
                 shape = self._whole_shapes[name]
                 whole = torch.empty(shape, dtype=p.dtype, device=p.device) if sharded and p.shape != shape else p
-                if name in BIAS_NAMES:
+                if name in self.config.kind.bias_names:
                     nn.init.zeros_(whole)
                 else:
                     fan_in = shape[0] if name in ("gate_weight", shared_ex.GATE_NAME) else shape[-1]

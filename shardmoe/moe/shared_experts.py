@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import torch
 
+from shardmoe.expert_kinds import GLU
 from shardmoe.moe import experts as ex
 from shardmoe.moe.combine import grad_gate_combine, scale_rows
 from shardmoe.moe.config import MoEConfig
@@ -74,8 +75,8 @@ def shared_forward(x: torch.Tensor, params: dict, activation: str) -> tuple[torc
     sum over 't' when the intermediate dim is sharded."""
     groups = _one_group(x.shape[0], x.device)
     gate_up, down = params["shared_gate_up_proj"][None], params["shared_down_proj"][None]
-    a, h = ex.pre_gemm("glu", activation, x, {"gate_up_proj": gate_up}, groups)
-    z, _ = ex.post_gemm("glu", "identity", a, {"down_proj": down}, groups)
+    a, h = ex.pre_gemm(GLU, activation, x, {"gate_up_proj": gate_up}, groups)
+    z, _ = ex.post_gemm(GLU, "identity", a, {"down_proj": down}, groups)
     return z, h
 
 

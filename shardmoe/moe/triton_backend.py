@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import torch
 
+from shardmoe.expert_kinds import GLU, MLP, ExpertKind
 from shardmoe.kernels import combine as kernel_combine
 from shardmoe.kernels import experts as kernel_experts
 from shardmoe.moe.activations import activate
@@ -47,25 +48,32 @@ from shardmoe.moe.experts import glu_activation
 from shardmoe.rows import Groups
 
 
-def expert_backward(expert: str, activation, output_activation: str, grad_rows: torch.Tensor,
+def expert_backward(kind: ExpertKind, activation, output_activation: str, grad_rows: torch.Tensor,
                     weight_rows: torch.Tensor, xs: torch.Tensor, saved: tuple, params: dict, groups: Groups, *,
                     row_index: torch.Tensor | None = None):
     """Stages 1-4 with the fusions above: (dx rows [N, H], dw [N] acc dtype, {parameter: gradient}).
     The signature of moe.experts.expert_backward, plus row_index: grad_rows and xs are [N, H] rows,
-    or the [S, H] token-order tensors with row_index [N]. "glu": the bias gradients come with
+    or the [S, H] token-order tensors with row_index [N]. GLU: the bias gradients come with
     gate_up_proj_bias; the dots' bias term with down_proj_bias (expert tensor parallelism passes
     it None and adds that term itself, after the psum over 't')."""
-    if expert == "glu":
-        (h,) = saved
-        has_bias = params.get("gate_up_proj_bias") is not None
-        a, act_gate = glu_activation(h, activation)
-        grad_a, grad_down, grad_dots, grad_down_bias = kernel_experts.grad_gate_post_gemm_glu(
-            grad_rows, weight_rows, a, params["down_proj"], groups, params.get("down_proj_bias"), has_bias,
-            row_index=row_index)
-        grad_xs, grad_gate_up, grad_gate_up_bias = kernel_experts.grad_pre_gemm_glu(
-            grad_a, h, act_gate, xs, params["gate_up_proj"], groups, activation, has_bias, row_index=row_index)
-        return grad_xs, grad_dots, {"gate_up_proj": grad_gate_up, "gate_up_proj_bias": grad_gate_up_bias,
-                                    "down_proj": grad_down, "down_proj_bias": grad_down_bias}
+    return _BACKWARD[kind](activation, output_activation, grad_rows, weight_rows, xs, saved, params, groups,
+                           row_index)
+
+
+def _glu_backward(activation, output_activation, grad_rows, weight_rows, xs, saved, params, groups, row_index):
+    (h,) = saved
+    has_bias = params.get("gate_up_proj_bias") is not None
+    a, act_gate = glu_activation(h, activation)
+    grad_a, grad_down, grad_dots, grad_down_bias = kernel_experts.grad_gate_post_gemm_glu(
+        grad_rows, weight_rows, a, params["down_proj"], groups, params.get("down_proj_bias"), has_bias,
+        row_index=row_index)
+    grad_xs, grad_gate_up, grad_gate_up_bias = kernel_experts.grad_pre_gemm_glu(
+        grad_a, h, act_gate, xs, params["gate_up_proj"], groups, activation, has_bias, row_index=row_index)
+    return grad_xs, grad_dots, {"gate_up_proj": grad_gate_up, "gate_up_proj_bias": grad_gate_up_bias,
+                                "down_proj": grad_down, "down_proj_bias": grad_down_bias}
+
+
+def _mlp_backward(activation, output_activation, grad_rows, weight_rows, xs, saved, params, groups, row_index):
     z1, z2 = saved
     has_bias = params["b1"] is not None
     grad_expert, grad_dots = kernel_combine.grad_combine_gate(grad_rows, z2, weight_rows,
@@ -78,6 +86,9 @@ def expert_backward(expert: str, activation, output_activation: str, grad_rows: 
     return grad_xs, grad_dots, {"w1": grad_w1, "b1": grad_b1, "w2": grad_w2, "b2": grad_b2}
 
 
+_BACKWARD = {GLU: _glu_backward, MLP: _mlp_backward}
+
+
 class TritonBackend:
     """The Backend protocol on the Triton kernels, for every expert kind and activation of the torch
     backend (biased glu and the clamped SwiGLU included); the kernels allocate their own buffers
@@ -86,22 +97,22 @@ class TritonBackend:
     name = "triton"
     workspace = None
 
-    def expert_forward(self, expert, activation, output_activation, xs, params, groups):
-        return kernel_experts.expert_forward(expert, activation, output_activation, xs, params, groups)
+    def expert_forward(self, kind, activation, output_activation, xs, params, groups):
+        return kernel_experts.expert_forward(kind, activation, output_activation, xs, params, groups)
 
-    def expert_backward(self, expert, activation, output_activation, grad_rows, weight_rows, xs, saved, params,
+    def expert_backward(self, kind, activation, output_activation, grad_rows, weight_rows, xs, saved, params,
                         groups):
-        return expert_backward(expert, activation, output_activation, grad_rows, weight_rows, xs, saved, params,
+        return expert_backward(kind, activation, output_activation, grad_rows, weight_rows, xs, saved, params,
                                groups)
 
-    def gathered_forward(self, expert, activation, output_activation, x, row_token, weight_rows, row_pair, top_k,
+    def gathered_forward(self, kind, activation, output_activation, x, row_token, weight_rows, row_pair, top_k,
                          params, groups):
-        return kernel_experts.expert_forward_combine(expert, activation, output_activation, x, row_token,
+        return kernel_experts.expert_forward_combine(kind, activation, output_activation, x, row_token,
                                                      weight_rows, row_pair, params, groups, top_k)
 
-    def gathered_backward(self, expert, activation, output_activation, grad_out, weight_rows, x, row_token, saved,
+    def gathered_backward(self, kind, activation, output_activation, grad_out, weight_rows, x, row_token, saved,
                           params, groups):
-        return expert_backward(expert, activation, output_activation, grad_out, weight_rows, x, saved, params,
+        return expert_backward(kind, activation, output_activation, grad_out, weight_rows, x, saved, params,
                                groups, row_index=row_token)
 
     def combine(self, expert_out, weight_rows, row_pair, num_tokens, top_k):

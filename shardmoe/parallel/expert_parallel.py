@@ -240,46 +240,39 @@ def _psum_t(spec: str, reduce, mesh):
     return lambda t: reduce(shardops.unreduced(spec, t, "t"), mesh)
 
 
-def _down_bias_once(config: MoEConfig, mesh, params) -> bool:
-    """Whether the glu's down_proj_bias (whole on every t rank) must be added after the psums over
-    't' rather than inside each rank's partial sum, which would count it t times."""
-    return config.expert == "glu" and mesh.size("t") > 1 and params.get("down_proj_bias") is not None
-
-
 def _experts_forward(backend, config: MoEConfig, mesh, xs, params, groups):
     """y 'N H' (whole over 't') for rows xs of the local experts, and what backward keeps:
     "glu": (h,) with h 'N 2F/t'; "mlp": (z1, z2) with z1 'N P/t' and z2 'N H' (whole)."""
-    if config.expert == "glu" or mesh.size("t") == 1:
-        # the glu's bdown is whole on every t rank: kept out of the row-parallel partials, added once after the psum
-        once = _down_bias_once(config, mesh, params)
-        y, saved = backend.expert_forward(config.expert, config.expert_activation, config.output_activation, xs,
-                                          {**params, "down_proj_bias": None} if once else params, groups)
-        y = etp.reduce_expert_output(shardops.unreduced("N H", y, "t"), mesh)  # Wdown contracts F/t
-        if once:
-            y = y + params["down_proj_bias"][groups.row_expert(y.device)]
-        return y, saved
-    # b2 and act_out need the whole z2: run the GEMMs without b2, psum, then add b2 once.
-    z2_partial, (z1, _) = backend.expert_forward("mlp", config.expert_activation, "identity", xs,
-                                                 {**params, "b2": None}, groups)
+    kind = config.kind
+    if mesh.size("t") == 1:
+        y, saved = backend.expert_forward(kind, config.expert_activation, config.output_activation, xs, params,
+                                          groups)
+        return etp.reduce_expert_output(shardops.unreduced("N H", y, "t"), mesh), saved  # Wdown contracts F/t
+    # The down bias (whole on every t rank) and act_out need the whole z2: run the GEMMs without
+    # the bias, psum, then add the bias once and apply act_out.
+    z2_partial, saved = backend.expert_forward(kind, config.expert_activation, "identity", xs,
+                                               {**params, kind.down_bias: None}, groups)
     z2 = etp.reduce_expert_output(shardops.unreduced("N H", z2_partial, "t"), mesh)
-    if params["b2"] is not None:
-        z2 = z2 + params["b2"][groups.row_expert(z2.device)]
-    return activate(config.output_activation, z2), (z1, z2)
+    if params.get(kind.down_bias) is not None:
+        z2 = z2 + params[kind.down_bias][groups.row_expert(z2.device)]
+    return activate(config.output_activation, z2), kind.saved(saved[0], z2)
 
 
 def _experts_backward(backend, config: MoEConfig, mesh, grad_rows, weight_rows, xs, saved, params, groups):
     """Stages 1-4 on the expert side: (dx rows 'N H', gate dots dw 'N', expert shard gradients).
-    With F split over 't' the glu dots (taken over F) and the input-gradient rows are partial sums;
-    the glu dot's bias term g . bdown is whole on every t rank, so it is added once, after the psum
-    (dbdown = sum ge needs no reduce: ge is the same on every t rank)."""
-    once = _down_bias_once(config, mesh, params)
-    grad_xs, grad_dots, grads = backend.expert_backward(config.expert, config.expert_activation,
-                                                        config.output_activation, grad_rows, weight_rows, xs, saved,
-                                                        {**params, "down_proj_bias": None} if once else params, groups)
-    if config.expert == "glu":
+    With F split over 't' the input-gradient rows are partial sums, and so are the glu dots (taken
+    over F, kind.partial_gate_dot); the glu dot's bias term g . bdown is whole on every t rank, so
+    it is added once, after the psum (dbdown = sum ge needs no reduce: ge is the same on every t
+    rank)."""
+    kind = config.kind
+    once = kind.partial_gate_dot and mesh.size("t") > 1 and params.get(kind.down_bias) is not None
+    grad_xs, grad_dots, grads = backend.expert_backward(kind, config.expert_activation, config.output_activation,
+                                                        grad_rows, weight_rows, xs, saved,
+                                                        {**params, kind.down_bias: None} if once else params, groups)
+    if kind.partial_gate_dot:
         grad_dots = etp.reduce_gate_dot(shardops.unreduced("N", grad_dots, "t"), mesh)
     if once:
-        row_bias = params["down_proj_bias"][groups.row_expert(grad_rows.device)]
+        row_bias = params[kind.down_bias][groups.row_expert(grad_rows.device)]
         grad_dots = grad_dots + backend.grad_gate_combine(grad_rows, row_bias)
     return etp.reduce_input_grad(shardops.unreduced("N H", grad_xs, "t"), mesh), grad_dots, grads
 

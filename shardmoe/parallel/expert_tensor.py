@@ -41,21 +41,16 @@ from __future__ import annotations
 import torch
 
 from shardmoe import shardops
-from shardmoe.mesh import DEVICE_MESH_NAMES
+from shardmoe.expert_kinds import GLU, MLP
 from shardmoe.moe.dispatch import packed, unpacked
-from shardmoe.notation import global_shape, parse_spec
+from shardmoe.parallel import dtensors
 
-# parameter name -> (spec of the whole tensor, spec of this rank's shard); gate_up_proj (and its
-# bias) in its [E, 2, F, H] ([E, 2, F]) view so that 't' splits the gate and the up rows alike.
+# parameter name -> (spec of the whole tensor, spec of this rank's shard): each expert kind's own
+# (gate_up_proj and its bias in their [E, 2, F, H], [E, 2, F] views so that 't' splits the gate and
+# the up rows alike), then the shared expert's
 SHARD_SPECS = {
-    "gate_up_proj": ("E 2 F H", "E/e 2 F/t H"),
-    "down_proj": ("E H F", "E/e H F/t"),
-    "gate_up_proj_bias": ("E 2 F", "E/e 2 F/t"),
-    "down_proj_bias": ("E H", "E/e H"),
-    "w1": ("E P H", "E/e P/t H"),
-    "b1": ("E P", "E/e P/t"),
-    "w2": ("E H P", "E/e H P/t"),
-    "b2": ("E H", "E/e H"),
+    **GLU.shard_specs,
+    **MLP.shard_specs,
     # the shared expert is dense: one expert's layout, replicated over 'e', sliced over 't'
     "shared_gate_up_proj": ("2 F H", "2 F/t H"),
     "shared_down_proj": ("H F", "H F/t"),
@@ -110,51 +105,24 @@ def gather_expert_param(name: str, local: torch.Tensor, mesh) -> torch.Tensor:
 
 def state_entry(name: str, local: torch.Tensor, mesh) -> torch.Tensor:
     """The state-dict entry of expert parameter `name` from this rank's shard `local`: its packed
-    view (moe/dispatch.py: gate_up_proj as [E, 2, F, H]), as a DTensor of the whole packed shape
-    over mesh.device_mesh with state_placements when the mesh shards it, else the plain view (a
-    distributed checkpoint takes a plain tensor for a replicated one). Shares local's storage."""
-    view = packed(name, local)
-    placements = state_placements(name, mesh)
-    if placements is None:
-        return view
-    from torch.distributed.tensor import DTensor
-
-    whole = global_shape(SHARD_SPECS[name][1], view.shape, mesh)
-    stride = torch.empty(whole, device="meta").stride()
-    return DTensor.from_local(view, mesh.device_mesh, placements, run_check=False, shape=whole, stride=stride)
-
-
-def state_placements(name: str, mesh) -> list | None:
-    """DTensor placements, one per dim of mesh.device_mesh, of `name`'s packed shard spec: Shard(i)
-    on the dim of the axis that splits tensor dim i, Replicate on the others ('E/e 2 F/t H' on
-    ('dp', 'ep', 'tp'): Replicate, Shard(0), Shard(2)); None when no axis of more than one rank
-    splits it."""
-    spec = parse_spec(SHARD_SPECS[name][1])
-    if mesh.device_mesh is None or all(mesh.size(a) == 1 for a in spec.axes):
-        return None
-    from torch.distributed.tensor import Replicate, Shard
-
-    axis_of = {n: a for a, n in DEVICE_MESH_NAMES.items()}
-    placements = []
-    for dim_name in mesh.device_mesh.mesh_dim_names:
-        dims = [i for i, dim in enumerate(spec.dims) if axis_of[dim_name] in dim.axes]
-        placements.append(Shard(dims[0]) if dims else Replicate())
-    return placements
+    view (moe/dispatch.py: gate_up_proj as [E, 2, F, H]) as the whole tensor of its packed shard
+    spec, a DTensor when the mesh splits it (shardmoe/parallel/dtensors.py), else the plain view
+    (a distributed checkpoint takes a plain tensor for a replicated one). Shares local's storage."""
+    return dtensors.whole(SHARD_SPECS[name][1], packed(name, local), mesh)
 
 
 def own_state_entry(name: str, value, shape: tuple[int, ...], mesh) -> torch.Tensor | None:
     """This rank's shard, in the parameter's shape, when `value` is a DTensor of the whole parameter
     `name` (whole shape `shape`) laid out as state_entry lays it out on this mesh (what a distributed
     checkpoint loaded into); else None."""
-    placements = state_placements(name, mesh)
-    if placements is None:
-        return None
     from torch.distributed.tensor import DTensor
 
-    if not isinstance(value, DTensor) or value.device_mesh != mesh.device_mesh:
+    spec = SHARD_SPECS[name][1]
+    device_mesh = dtensors.device_mesh_for(spec, mesh)
+    if device_mesh is None or not isinstance(value, DTensor) or value.device_mesh != device_mesh:
         return None
     whole = tuple(packed(name, torch.empty(shape, device="meta")).shape)
-    if tuple(value.placements) != tuple(placements) or tuple(value.shape) != whole:
+    if list(value.placements) != dtensors.placements(spec, device_mesh, mesh) or tuple(value.shape) != whole:
         return None
     return unpacked(name, value.to_local())
 

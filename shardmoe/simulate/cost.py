@@ -51,7 +51,7 @@ class CostScheduler(Scheduler):
         self.plan, self.hw, self.gpus, self.scale = plan, hardware, gpus, token_scale
         config = plan.config
         self.H, self.F, self.E = config.hidden_size, config.ffn_size, config.num_experts
-        self.up_width = 2 * self.F if config.expert == "glu" else self.F
+        self.up_width = config.kind.up_width(self.F)
         self.sms_per_processor = gpus * hardware.sms / processors
         self.flops = 0.0  # useful FLOPs (real rows, no padding)
         self.busy = defaultdict(float)  # device -> processor-seconds

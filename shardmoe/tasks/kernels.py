@@ -33,6 +33,7 @@ from typing import Callable
 
 import torch
 
+from shardmoe.expert_kinds import GLU, MLP
 from shardmoe.moe import combine as comb
 from shardmoe.moe import experts as ex
 from shardmoe.moe.activations import activate
@@ -66,6 +67,16 @@ def _bias(ctx: KernelContext, name: str, expert: int, cols: slice) -> torch.Tens
     return None if bias is None else bias[expert:expert + 1, cols]
 
 
+def _expert_rows(weight: torch.Tensor | None, expert: int, parts: tuple[slice, ...]) -> torch.Tensor | None:
+    """Rows `parts` of expert `expert`'s weight [E, U, ...] (or bias [E, U]) as a one-expert
+    [1, rows, ...] tensor: a view of one part, a copy of several joined (a glu's two halves)."""
+    if weight is None:
+        return None
+    if len(parts) == 1:
+        return weight[expert:expert + 1, parts[0]]
+    return torch.cat([weight[expert:expert + 1, part] for part in parts], dim=1)
+
+
 def _write_rows_and_expert_grads(ctx: KernelContext, op: dict[str, Ref], cols: slice, rows: torch.Tensor,
                                  local_expert: int, grads: list) -> Commit:
     """The commit of gradPostGEMM and gradPreGEMM: their rows go to columns `cols` of op["out"], and
@@ -78,21 +89,15 @@ def _write_rows_and_expert_grads(ctx: KernelContext, op: dict[str, Ref], cols: s
     return commit
 
 
-# --- forward -----------------------------------------------------------------------------------
+# --- forward ---------------------------------------------------------------------------------------
 def pre_gemm(task: Task, ctx: KernelContext) -> Commit:
     cfg, tile, mem, op = ctx.plan.config, ctx.plan.row_tile_of(task), ctx.memory, task.operands
     cols = ctx.plan.columns(task.tile_idx, cfg.ffn_size)
-    e, ffn = tile.expert, cfg.ffn_size
-    if cfg.expert == "glu":  # the tile's columns of both halves, [hg | hu]
-        both = torch.cat([torch.arange(ffn)[cols], ffn + torch.arange(ffn)[cols]])
-        bias = ctx.params.get("gate_up_proj_bias")
-        params = {"gate_up_proj": ctx.params["gate_up_proj"][e:e + 1, both],
-                  "gate_up_proj_bias": None if bias is None else bias[e:e + 1, both]}
-        z_cols = [cols, slice(ffn + cols.start, ffn + cols.stop)]
-    else:
-        params = {"w1": ctx.params["w1"][e:e + 1, cols], "b1": _bias(ctx, "b1", e, cols)}
-        z_cols = [cols]
-    a, z = ex.pre_gemm(cfg.expert, cfg.expert_activation, mem[op["x"]], params, _one_expert(tile.size))
+    kind, e = cfg.kind, tile.expert
+    z_cols = kind.up_columns(cols, cfg.ffn_size)  # the tile's columns of each half ("glu": [hg | hu])
+    params = {kind.up: _expert_rows(ctx.params[kind.up], e, z_cols),
+              kind.up_bias: _expert_rows(ctx.params.get(kind.up_bias), e, z_cols)}
+    a, z = ex.pre_gemm(kind, cfg.expert_activation, mem[op["x"]], params, _one_expert(tile.size))
 
     def commit():
         for part, dest in zip(z.chunk(len(z_cols), dim=1), z_cols):
@@ -104,13 +109,9 @@ def pre_gemm(task: Task, ctx: KernelContext) -> Commit:
 def post_gemm(task: Task, ctx: KernelContext) -> Commit:
     cfg, tile, mem, op = ctx.plan.config, ctx.plan.row_tile_of(task), ctx.memory, task.operands
     cols = ctx.plan.columns(task.tile_idx, cfg.hidden_size)
-    e = tile.expert
-    if cfg.expert == "glu":
-        params = {"down_proj": ctx.params["down_proj"][e:e + 1, cols],
-                  "down_proj_bias": _bias(ctx, "down_proj_bias", e, cols)}
-    else:
-        params = {"w2": ctx.params["w2"][e:e + 1, cols], "b2": _bias(ctx, "b2", e, cols)}
-    y, z2 = ex.post_gemm(cfg.expert, cfg.output_activation, mem[op["a"]], params, _one_expert(tile.size))
+    kind, e = cfg.kind, tile.expert
+    params = {kind.down: ctx.params[kind.down][e:e + 1, cols], kind.down_bias: _bias(ctx, kind.down_bias, e, cols)}
+    y, z2 = ex.post_gemm(kind, cfg.output_activation, mem[op["a"]], params, _one_expert(tile.size))
 
     def commit():
         mem[op["z2"]][:, cols] = z2
@@ -157,45 +158,46 @@ def grad_gate_combine(task: Task, ctx: KernelContext) -> Commit:
 def grad_post_gemm(task: Task, ctx: KernelContext) -> Commit:
     cfg, tile, mem, op = ctx.plan.config, ctx.plan.row_tile_of(task), ctx.memory, task.operands
     cols = ctx.plan.columns(task.tile_idx, cfg.ffn_size)
-    e, le, groups = tile.expert, tile.local_expert, _one_expert(tile.size)
-    ge, a = mem[op["ge"]], mem[op["a"]][:, cols]
-    if cfg.expert == "glu":
-        # ge already carries w, so the stage function gets unit weights: w (g Wdown) = (w g) Wdown.
-        has_bias = ctx.params.get("down_proj_bias") is not None and task.tile_idx == 0
-        grad_a, grad_down, _, grad_bias = ex.grad_post_gemm_glu(ge, ge.new_ones(tile.size), a,
-                                                                ctx.params["down_proj"][e:e + 1, :, cols], groups,
-                                                                has_bias)
-        grads = [("down_proj", (slice(None), cols), grad_down[0])]
-        grads += [("down_proj_bias", slice(None), grad_bias[0])] if has_bias else []
-    else:
-        has_bias = ctx.params["b2"] is not None and task.tile_idx == 0
-        grad_a, grad_w2, grad_b2 = ex.grad_post_gemm_mlp(ge, mem[op["z2"]], a, ctx.params["w2"][e:e + 1, :, cols],
-                                                         has_bias, groups, cfg.output_activation)
-        grads = [("w2", (slice(None), cols), grad_w2[0])] + ([("b2", slice(None), grad_b2[0])] if has_bias else [])
-
+    kind, e, le, groups = cfg.kind, tile.expert, tile.local_expert, _one_expert(tile.size)
+    has_bias = ctx.params.get(kind.down_bias) is not None and task.tile_idx == 0
+    grad_a, grad_down, grad_bias = _GRAD_POST_GEMM[kind](mem[op["ge"]], mem[op["z2"]], mem[op["a"]][:, cols],
+                                                         ctx.params[kind.down][e:e + 1, :, cols], has_bias, groups,
+                                                         cfg.output_activation)
+    grads = [(kind.down, (slice(None), cols), grad_down[0])]
+    grads += [(kind.down_bias, slice(None), grad_bias[0])] if has_bias else []
     return _write_rows_and_expert_grads(ctx, op, cols, grad_a, le, grads)
 
 
 def grad_pre_gemm(task: Task, ctx: KernelContext) -> Commit:
     cfg, tile, mem, op = ctx.plan.config, ctx.plan.row_tile_of(task), ctx.memory, task.operands
     cols = ctx.plan.columns(task.tile_idx, cfg.hidden_size)
-    e, le, groups = tile.expert, tile.local_expert, _one_expert(tile.size)
-    grad_a, z, xs = mem[op["grad"]], mem[op["z"]], mem[op["x"]][:, cols]
-    if cfg.expert == "glu":
-        has_bias = ctx.params.get("gate_up_proj_bias") is not None and task.tile_idx == 0
-        _, act_gate = ex.glu_activation(z, cfg.expert_activation)
-        grad_x, grad_gu, grad_bias = ex.grad_pre_gemm_glu(grad_a, z, act_gate, xs,
-                                                          ctx.params["gate_up_proj"][e:e + 1, :, cols], groups,
-                                                          cfg.expert_activation, has_bias)
-        grads = [("gate_up_proj", (slice(None), cols), grad_gu[0])]
-        grads += [("gate_up_proj_bias", slice(None), grad_bias[0])] if has_bias else []
-    else:
-        has_bias = ctx.params["b1"] is not None and task.tile_idx == 0
-        grad_x, grad_w1, grad_b1 = ex.grad_pre_gemm_mlp(grad_a, z, xs, ctx.params["w1"][e:e + 1, :, cols], has_bias,
-                                                        groups, cfg.activation)
-        grads = [("w1", (slice(None), cols), grad_w1[0])] + ([("b1", slice(None), grad_b1[0])] if has_bias else [])
-
+    kind, e, le, groups = cfg.kind, tile.expert, tile.local_expert, _one_expert(tile.size)
+    has_bias = ctx.params.get(kind.up_bias) is not None and task.tile_idx == 0
+    grad_x, grad_up, grad_bias = _GRAD_PRE_GEMM[kind](mem[op["grad"]], mem[op["z"]], mem[op["x"]][:, cols],
+                                                      ctx.params[kind.up][e:e + 1, :, cols], has_bias, groups,
+                                                      cfg.expert_activation)
+    grads = [(kind.up, (slice(None), cols), grad_up[0])]
+    grads += [(kind.up_bias, slice(None), grad_bias[0])] if has_bias else []
     return _write_rows_and_expert_grads(ctx, op, cols, grad_x, le, grads)
+
+
+def _glu_grad_post_gemm(ge, z2, a, down_proj, has_bias, groups, output_activation):
+    """Stage 3 for "glu" in grad_post_gemm_mlp's signature: (dA, dWdown, dbdown or None) from ge.
+    ge already carries w, so the stage function gets unit weights: w (g Wdown) = (w g) Wdown."""
+    grad_a, grad_down, _, grad_bias = ex.grad_post_gemm_glu(ge, ge.new_ones(ge.shape[0]), a, down_proj, groups,
+                                                            has_bias)
+    return grad_a, grad_down, grad_bias
+
+
+def _glu_grad_pre_gemm(grad_a, h, xs, gate_up_proj, has_bias, groups, activation):
+    """Stage 4 for "glu" in grad_pre_gemm_mlp's signature: (dx, dWgu, dbgu or None), act(hg) from h."""
+    _, act_gate = ex.glu_activation(h, activation)
+    return ex.grad_pre_gemm_glu(grad_a, h, act_gate, xs, gate_up_proj, groups, activation, has_bias)
+
+
+# a tile's stage 3 and stage 4 for each kind, in grad_post_gemm_mlp's and grad_pre_gemm_mlp's signatures
+_GRAD_POST_GEMM = {GLU: _glu_grad_post_gemm, MLP: ex.grad_post_gemm_mlp}
+_GRAD_PRE_GEMM = {GLU: _glu_grad_pre_gemm, MLP: ex.grad_pre_gemm_mlp}
 
 
 def grad_input_combine(task: Task, ctx: KernelContext) -> Commit:

@@ -90,7 +90,7 @@ class ForwardProtocol(Protocol):
     def start(self, x: torch.Tensor) -> None:
         plan, mem = self.plan, self.memory
         P, H = plan.config.ffn_size, plan.config.hidden_size
-        z1_width = 2 * P if plan.config.expert == "glu" else P
+        z1_width = plan.config.kind.up_width(P)
         for d in range(plan.peers):
             lo, hi = plan.token_range[d]
             mem[Ref(d, "x")] = x[lo:hi]

@@ -8,6 +8,7 @@ from shardmoe.kernels import triton_importable
 if not triton_importable():
     pytest.skip("triton cannot be imported; install triton==3.9.0 to run the kernel tests", allow_module_level=True)
 
+from shardmoe.expert_kinds import GLU, MLP  # noqa: E402
 from shardmoe.kernels import experts as kex  # noqa: E402
 from shardmoe.moe import combine as comb  # noqa: E402
 from shardmoe.moe import experts as ex  # noqa: E402
@@ -58,7 +59,7 @@ def _glu_saved(routed, params, activation):
     """(xs, h, a, act_gate) of the float64 forward."""
     groups = groups_of(routed)
     xs = routed.x[routed.row_token]
-    _, (h,) = ex.expert_forward("glu", activation, "identity", xs, params, groups)
+    _, (h,) = ex.expert_forward(GLU, activation, "identity", xs, params, groups)
     a, act_gate = ex.glu_activation(h, activation)
     return xs, h, a, act_gate
 
@@ -111,7 +112,7 @@ def test_grad_pre_gemm_glu(routed, expert_params, rel_err, activation, bias):
 def test_grad_post_gemm_mlp(routed, expert_params, cast, rel_err, output_activation, bias):
     groups = groups_of(routed)
     params = expert_params("mlp", bias, routed.x.device)
-    _, (z1, z2) = ex.expert_forward("mlp", "gelu", output_activation, routed.x[routed.row_token], params, groups)
+    _, (z1, z2) = ex.expert_forward(MLP, "gelu", output_activation, routed.x[routed.row_token], params, groups)
     a1 = activate("gelu", z1)
     grad_expert = random_like(z2, seed=5)
     expected = ex.grad_post_gemm_mlp(grad_expert, z2, a1, params["w2"], bias, groups, output_activation)
@@ -124,7 +125,7 @@ def test_grad_pre_gemm_mlp(routed, expert_params, cast, rel_err, activation, bia
     groups = groups_of(routed)
     params = expert_params("mlp", bias, routed.x.device)
     xs = routed.x[routed.row_token]
-    _, (z1, _) = ex.expert_forward("mlp", activation, "identity", xs, params, groups)
+    _, (z1, _) = ex.expert_forward(MLP, activation, "identity", xs, params, groups)
     grad_a1 = random_like(z1, seed=6)
     expected = ex.grad_pre_gemm_mlp(grad_a1, z1, xs, params["w1"], bias, groups, activation)
     got = kex.grad_pre_gemm_mlp(*cast((grad_a1, z1, routed.x, params["w1"]), F32), bias, groups, activation,

@@ -37,10 +37,10 @@ def kernel_moe(x, gate_weight, params, config: MoEConfig, grad_out, grad_loss):
     groups = Groups.from_counts(routing.kept_per_expert)
     row_token, weight_rows = routing.rows(k)
     activation = config.expert_activation  # the name, or a ClampedSwiGLU
-    out, saved = kex.expert_forward_combine(config.expert, activation, config.output_activation, x, row_token,
+    out, saved = kex.expert_forward_combine(config.kind, activation, config.output_activation, x, row_token,
                                             weight_rows, routing.row_pair, params, groups, k)
     loss = balance_loss(routing, config)
-    grad_xs, grad_weight_rows, expert_grads = expert_backward(config.expert, activation,
+    grad_xs, grad_weight_rows, expert_grads = expert_backward(config.kind, activation,
                                                               config.output_activation, grad_out, weight_rows, x,
                                                               saved, params, groups, row_index=row_token)
     grads = {n: expert_grads[n] for n in expert_param_names(config)}  # the glu's bias keys only with bias

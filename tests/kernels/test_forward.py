@@ -7,6 +7,7 @@ from shardmoe.kernels import triton_importable
 if not triton_importable():
     pytest.skip("triton cannot be imported; install triton==3.9.0 to run the kernel tests", allow_module_level=True)
 
+from shardmoe.expert_kinds import GLU, expert_kind  # noqa: E402
 from shardmoe.kernels import experts as kex  # noqa: E402
 from shardmoe.moe import combine as comb  # noqa: E402
 from shardmoe.moe import experts as ex  # noqa: E402
@@ -41,9 +42,9 @@ def test_grouped_linear(routed, expert_params, rel_err, gather):
 
 
 def _check_expert_forward(routed, params, cast, rel_err, expert, act, act_out):
-    groups = groups_of(routed)
-    y_ref, saved_ref = ex.expert_forward(expert, act, act_out, routed.x[routed.row_token], params, groups)
-    y, saved = kex.expert_forward(expert, act, act_out, routed.x.to(F32), cast(params, F32), groups,
+    groups, kind = groups_of(routed), expert_kind(expert)
+    y_ref, saved_ref = ex.expert_forward(kind, act, act_out, routed.x[routed.row_token], params, groups)
+    y, saved = kex.expert_forward(kind, act, act_out, routed.x.to(F32), cast(params, F32), groups,
                                   row_index=routed.row_token)
     assert y.dtype == F32 and len(saved) == len(saved_ref)
     assert rel_err(y, y_ref) < TOL
@@ -62,7 +63,7 @@ def test_expert_forward_glu_kinds(routed, expert_params, cast, rel_err, activati
     """The glu biases in both GEMMs' epilogues and the clamped SwiGLU in the first one's."""
     params = expert_params("glu", bias, routed.x.device)
     if isinstance(activation, ClampedSwiGLU):  # both clamps act on these rows
-        _, (h,) = ex.expert_forward("glu", activation, "identity", routed.x[routed.row_token], params,
+        _, (h,) = ex.expert_forward(GLU, activation, "identity", routed.x[routed.row_token], params,
                                     groups_of(routed))
         gate, up = h.chunk(2, dim=1)
         assert (gate > activation.limit).float().mean() > 0.1 and (up.abs() > activation.limit).float().mean() > 0.1
@@ -80,8 +81,8 @@ def test_expert_forward_without_gather_matches_gathered(routed, expert_params, c
     groups = groups_of(routed)
     params = cast(expert_params("glu", False, routed.x.device), F32)
     x = routed.x.to(F32)
-    y_rows, _ = kex.expert_forward("glu", "silu", "identity", x[routed.row_token], params, groups)
-    y_gathered, _ = kex.expert_forward("glu", "silu", "identity", x, params, groups, row_index=routed.row_token)
+    y_rows, _ = kex.expert_forward(GLU, "silu", "identity", x[routed.row_token], params, groups)
+    y_gathered, _ = kex.expert_forward(GLU, "silu", "identity", x, params, groups, row_index=routed.row_token)
     torch.testing.assert_close(y_rows, y_gathered, rtol=0, atol=0)
 
 
@@ -93,13 +94,13 @@ def test_expert_forward_without_gather_matches_gathered(routed, expert_params, c
 def test_expert_forward_combine(device, make_routed_batch, expert_params, cast, rel_err,
                                 expert, activation, output_activation, bias, top_k, drop_every):
     routed = make_routed_batch(device, top_k=top_k, drop_every=drop_every)
-    groups = groups_of(routed)
+    groups, kind = groups_of(routed), expert_kind(expert)
     params = expert_params(expert, bias, device)
-    y_ref, saved_ref = ex.expert_forward(expert, activation, output_activation, routed.x[routed.row_token],
+    y_ref, saved_ref = ex.expert_forward(kind, activation, output_activation, routed.x[routed.row_token],
                                          params, groups)
     out_ref = comb.combine(y_ref, routed.weight_rows, routed.row_pair, routed.num_tokens, top_k)
     r32 = routed.cast(F32)
-    out, saved = kex.expert_forward_combine(expert, activation, output_activation, r32.x, r32.row_token,
+    out, saved = kex.expert_forward_combine(kind, activation, output_activation, r32.x, r32.row_token,
                                             r32.weight_rows, r32.row_pair, cast(params, F32), groups, top_k)
     assert out.dtype == F32 and out.shape == (routed.num_tokens, routed.x.shape[1])
     assert rel_err(out, out_ref) < TOL
@@ -113,6 +114,6 @@ def test_no_kept_rows(device, expert_params, cast):
     none = torch.zeros(0, dtype=torch.int64, device=device)
     x = torch.randn(5, 40, device=device)
     params = cast(expert_params("glu", False, device), F32)
-    out, (h,) = kex.expert_forward_combine("glu", "silu", "identity", x, none, none.to(F32), none, params, groups, 2)
+    out, (h,) = kex.expert_forward_combine(GLU, "silu", "identity", x, none, none.to(F32), none, params, groups, 2)
     assert torch.equal(out, torch.zeros(5, 40, device=device))
     assert h.shape == (0, 2 * params["down_proj"].shape[2])
