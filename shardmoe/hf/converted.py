@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from shardmoe.hf.blocks import read_block
+from shardmoe.moe.hf_convert import read_block
 from shardmoe.moe.layer import MoE
 from shardmoe.moe.workspace import share as share_workspace
 

@@ -43,7 +43,7 @@ from shardmoe.moe.config import MoEConfig
 from shardmoe.moe import ops, precision
 from shardmoe.moe.dispatch import LOCAL
 from shardmoe.moe.function import MoECall, param_names
-from shardmoe.moe.hf_blocks import MIXTRAL_ACTIVATIONS, family_name
+from shardmoe.moe.hf_blocks import act_fn_class_names, experts_activation, family_name, gate_up_halves
 from shardmoe.moe.routing import GivenRouting
 from shardmoe.moe.workspace import Workspace
 
@@ -75,17 +75,11 @@ def _refuse(experts, feature: str) -> ValueError:
                       f"({type(experts).__name__}): {feature}")
 
 
-def experts_activation(experts) -> str:
-    """shardmoe's name for experts.act_fn, read off the module's class (the config field that
-    names it differs by family: hidden_act, mlp_hidden_act, ...)."""
-    from transformers.activations import ACT2FN  # experts is a transformers module: it is imported
-
-    by_class = {type(ACT2FN[hf]): name for name, hf in [*MIXTRAL_ACTIVATIONS.items(), ("silu", "swish")]}
-    act_fn = getattr(experts, "act_fn", None)
-    if type(act_fn) not in by_class:
-        raise _refuse(experts, f"activation: expected act_fn one of {sorted(c.__name__ for c in by_class)}, "
-                               f"got {type(act_fn).__name__}")
-    return by_class[type(act_fn)]
+def _activation(experts) -> str:
+    name = experts_activation(experts)
+    if name is None:
+        raise _refuse(experts, f"activation: expected act_fn one of {act_fn_class_names()}, got {type(experts.act_fn).__name__}")
+    return name
 
 
 def read_layout(experts) -> ExpertsLayout:
@@ -117,20 +111,8 @@ def read_layout(experts) -> ExpertsLayout:
     missing = [n for n in names if n is not None and not isinstance(getattr(experts, n, None), torch.Tensor)]
     if missing:
         raise _refuse(experts, f"expert layout: expected the tensors {[n for n in names if n]}, missing {missing}")
-    return ExpertsLayout(family_name(experts), expert, activation or experts_activation(experts), names,
+    return ExpertsLayout(family_name(experts), expert, activation or _activation(experts), names,
                          bool(experts.is_transposed), interleaved)
-
-
-def gate_up_halves(t: torch.Tensor) -> torch.Tensor:
-    """Interleaved rows [g0, u0, g1, u1, ...] of gate_up [E, 2F, ...] -> [gate | up] (an autograd copy)."""
-    E, two_f, *rest = t.shape
-    return t.unflatten(1, (two_f // 2, 2)).transpose(1, 2).reshape(E, two_f, *rest)
-
-
-def gate_up_interleaved(t: torch.Tensor) -> torch.Tensor:
-    """[gate | up] rows of [E, 2F, ...] -> interleaved [g0, u0, g1, u1, ...] (inverse of gate_up_halves)."""
-    E, two_f, *rest = t.shape
-    return t.unflatten(1, (2, two_f // 2)).transpose(1, 2).reshape(E, two_f, *rest)
 
 
 def stage_parameters(layout: ExpertsLayout, tensors: list[torch.Tensor | None]) -> list[torch.Tensor | None]:

@@ -165,3 +165,36 @@ def _activation(block) -> str:
         raise _refuse(block, f"activation: expected hidden_act in {sorted(by_hf_name)} (act_fn of that kind), "
                              f"got {act!r} ({type(getattr(experts, 'act_fn', None)).__name__})")
     return by_hf_name[act]
+
+
+# -- layouts shared by MoE.from_hf (moe/hf_convert.py) and the experts seam (shardmoe/hf/experts.py)
+
+
+def _act_fn_names() -> dict:
+    from transformers.activations import ACT2FN  # called on transformers modules: it is imported
+
+    return {type(ACT2FN[hf]): name for name, hf in [*MIXTRAL_ACTIVATIONS.items(), ("silu", "swish")]}
+
+
+def act_fn_class_names() -> list[str]:
+    """The act_fn classes experts_activation knows, by name."""
+    return sorted(c.__name__ for c in _act_fn_names())
+
+
+def experts_activation(module) -> str | None:
+    """shardmoe's name for module.act_fn (an experts module or an MLP), read off its class (the config
+    field that names it differs by family: hidden_act, mlp_hidden_act, ...); None when it is none
+    of MIXTRAL_ACTIVATIONS' (the caller refuses, naming what it was reading)."""
+    return _act_fn_names().get(type(getattr(module, "act_fn", None)))
+
+
+def gate_up_halves(t: torch.Tensor) -> torch.Tensor:
+    """Interleaved rows [g0, u0, g1, u1, ...] of gate_up [E, 2F, ...] -> [gate | up] (an autograd copy)."""
+    E, two_f, *rest = t.shape
+    return t.unflatten(1, (two_f // 2, 2)).transpose(1, 2).reshape(E, two_f, *rest)
+
+
+def gate_up_interleaved(t: torch.Tensor) -> torch.Tensor:
+    """[gate | up] rows of [E, 2F, ...] -> interleaved [g0, u0, g1, u1, ...] (inverse of gate_up_halves)."""
+    E, two_f, *rest = t.shape
+    return t.unflatten(1, (2, two_f // 2)).transpose(1, 2).reshape(E, two_f, *rest)

@@ -51,6 +51,7 @@ from shardmoe.moe.dispatch import placement
 from shardmoe.moe.function import MoECall, expert_param_names
 from shardmoe.moe.routing import GateRouter
 from shardmoe.moe.workspace import Workspace
+from shardmoe.moe import hf_convert
 from shardmoe.moe.hf_blocks import MIXTRAL_ACTIVATIONS, mixtral_semantics
 
 # MoEConfig's router fields, which MoE takes as keyword options
@@ -331,20 +332,16 @@ class MoE(nn.Module):
         """A MoE computing what a transformers sparse MoE block computes: the Mixtral-like
         families (as from_mixtral), Qwen2-MoE (gated shared expert), DeepSeek-V3 (sigmoid,
         group-limited, corrected, scaled router; shared experts) and GPT-OSS (router bias, biased
-        clamped-SwiGLU experts) (shardmoe/hf/blocks.py, docs/hf.md). A feature the layer cannot express raises
+        clamped-SwiGLU experts) (moe/hf_convert.py, docs/hf.md). A feature the layer cannot express raises
         ValueError naming the family and the feature before anything is built. With a mesh, the
         layer holds this rank's expert shard; `overrides` replace constructor options."""
-        from shardmoe.hf import blocks  # imports transformers: only when asked
-
-        return blocks.from_hf(cls, block, mesh, **overrides)
+        return hf_convert.from_hf(cls, block, mesh, **overrides)
 
     def to_hf_state_dict(self) -> dict[str, torch.Tensor]:
         """The router, experts and shared-expert entries of the equivalent block's state dict
-        ('gate.*' or GPT-OSS's 'router.*', 'experts.*', 'shared_expert(s).*'; hf/blocks.py);
+        ('gate.*' or GPT-OSS's 'router.*', 'experts.*', 'shared_expert(s).*'; moe/hf_convert.py);
         gathered whole with a sharded mesh (collective over ('e', 't'))."""
-        from shardmoe.hf import blocks
-
-        return blocks.to_hf_state_dict(self)
+        return hf_convert.to_hf_state_dict(self)
 
     def to_mixtral_state_dict(self) -> dict[str, torch.Tensor]:
         """State dict of the equivalent MixtralSparseMoeBlock ('gate.weight', 'experts.*').

@@ -32,9 +32,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from shardmoe.hf.experts import experts_activation, gate_up_halves, gate_up_interleaved
-from shardmoe.moe.hf_blocks import family_name, mixtral_semantics
-from shardmoe.parallel import expert_tensor as etp
+from shardmoe.moe.hf_blocks import (act_fn_class_names, experts_activation, family_name, gate_up_halves,
+                                    gate_up_interleaved, mixtral_semantics)
 
 
 @dataclass(frozen=True)
@@ -56,6 +55,14 @@ def _refuse(block, feature: str) -> ValueError:
                       f"({type(block).__name__}): {feature}")
 
 
+def _activation(block, module) -> str:
+    name = experts_activation(module)
+    if name is None:
+        raise _refuse(block, f"activation: expected act_fn one of {act_fn_class_names()}, got "
+                             f"{type(getattr(module, 'act_fn', None)).__name__}")
+    return name
+
+
 def _deepseek_v3(block) -> BlockImport:
     router, experts, shared = block.gate, block.experts, block.shared_experts
     expected = ("DeepseekV3TopkRouter", "DeepseekV3Experts")
@@ -63,7 +70,7 @@ def _deepseek_v3(block) -> BlockImport:
         raise _refuse(block, f"expected router and experts {expected}, got "
                              f"{(type(router).__name__, type(experts).__name__)}")
     normalize = bool(router.norm_topk_prob)
-    activation = experts_activation(experts)
+    activation = _activation(block, experts)
     options = dict(expert="glu", activation=activation, score_func="sigmoid", correction_bias=True,
                    n_group=int(router.num_group), topk_group=int(router.topk_group), renormalize=normalize,
                    renormalize_epsilon=1e-20 if normalize else 0.0,
@@ -80,8 +87,8 @@ def _shared_mlp(block, mlp, activation: str) -> dict[str, torch.Tensor]:
     """shared_gate_up_proj [2Fs, H] = [gate_proj; up_proj] and shared_down_proj [H, Fs] of a
     family's dense GLU MLP (gate_proj, up_proj, down_proj, act_fn), refused unless it computes
     act(x Wg^T) * (x Wu^T) Wd^T with the routed experts' activation and no biases."""
-    if experts_activation(mlp) != activation:
-        raise _refuse(block, f"shared experts with activation {experts_activation(mlp)!r}, the routed "
+    if _activation(block, mlp) != activation:
+        raise _refuse(block, f"shared experts with activation {_activation(block, mlp)!r}, the routed "
                              f"experts' is {activation!r} (MoE's shared expert uses the layer's)")
     if any(getattr(mlp, p).bias is not None for p in ("gate_proj", "up_proj", "down_proj")):
         raise _refuse(block, "shared experts with biases")
@@ -97,7 +104,7 @@ def _qwen2_moe(block) -> BlockImport:
         raise _refuse(block, f"expected router, experts and shared expert {expected}, got {got}")
     if gate.bias is not None or gate.out_features != 1:
         raise _refuse(block, f"shared_expert_gate: expected Linear(H, 1) without bias, got {gate}")
-    activation = experts_activation(experts)
+    activation = _activation(block, experts)
     options = dict(expert="glu", activation=activation, renormalize=bool(router.norm_topk_prob),
                    shared_ffn_size=shared.gate_proj.out_features, shared_gate=True)
     params = dict(_shared_mlp(block, shared, activation), shared_gate_weight=gate.weight[0])
@@ -177,14 +184,14 @@ def to_hf_state_dict(layer) -> dict[str, torch.Tensor]:
     if layer.correction_bias is not None:
         state["gate.e_score_correction_bias"] = layer.correction_bias.detach().clone()
     for name in ("gate_up_proj", "down_proj"):
-        state[f"experts.{name}"] = etp.gather_expert_param(name, getattr(layer, name).detach(), layer.mesh).clone()
+        state[f"experts.{name}"] = layer.placement.gather(name, getattr(layer, name).detach()).clone()
     if c.shared_ffn_size:  # gated: Qwen2-MoE's shared_expert (+ shared_expert_gate); else DeepSeek-V3's
         prefix = "shared_expert." if c.shared_gate else "shared_experts."
-        gate_up = etp.gather_expert_param("shared_gate_up_proj", layer.shared_gate_up_proj.detach(), layer.mesh)
+        gate_up = layer.placement.gather("shared_gate_up_proj", layer.shared_gate_up_proj.detach())
         state[prefix + "gate_proj.weight"] = gate_up[:c.shared_ffn_size].clone()
         state[prefix + "up_proj.weight"] = gate_up[c.shared_ffn_size:].clone()
-        state[prefix + "down_proj.weight"] = etp.gather_expert_param(
-            "shared_down_proj", layer.shared_down_proj.detach(), layer.mesh).clone()
+        state[prefix + "down_proj.weight"] = layer.placement.gather(
+            "shared_down_proj", layer.shared_down_proj.detach()).clone()
         if c.shared_gate:
             state["shared_expert_gate.weight"] = layer.shared_gate_weight.detach()[None].clone()
     return state
@@ -228,7 +235,7 @@ def _gpt_oss_state_dict(layer) -> dict[str, torch.Tensor]:
                          f"expert and router biases, softmax top-k renormalised, dropless; got {', '.join(unsupported)}")
 
     def whole(name):
-        return etp.gather_expert_param(name, getattr(layer, name).detach(), layer.mesh)
+        return layer.placement.gather(name, getattr(layer, name).detach())
 
     return {"router.weight": layer.gate_weight.detach().t().contiguous(),
             "router.bias": layer.gate_bias.detach().clone(),
