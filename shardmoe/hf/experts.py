@@ -38,6 +38,7 @@ from dataclasses import dataclass
 
 import torch
 
+from shardmoe.expert_kinds import expert_kind
 from shardmoe.moe.activations import ClampedSwiGLU
 from shardmoe.moe.config import MoEConfig
 from shardmoe.moe import ops, precision
@@ -65,9 +66,7 @@ class ExpertsLayout:
 
     @property
     def stage_names(self) -> tuple[str, ...]:
-        if self.expert == "glu":
-            return ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias")
-        return ("w1", "b1", "w2", "b2")
+        return expert_kind(self.expert).param_names(bias=True)
 
 
 def _refuse(experts, feature: str) -> ValueError:
