@@ -18,7 +18,9 @@ whole mesh.
 The process groups are the DeviceMesh's own: one dim's group for one live axis, the DeviceMesh's
 flattened sub-mesh for several (the world group when they span every rank of the job). They are
 built once, in the constructor, because creating a group is a collective that every rank of the
-job must enter in the same order.
+job must enter in the same order. The one exception, ordered_device_mesh (a DeviceMesh of the same
+ranks in another dim order, for DTensors of specs like 'M/t/d'), is built on first request: its
+callers ask while every rank builds the same model (shardmoe/parallel/dtensors.py prepare).
 
 A Mesh with dp = ep = tp = 1 also works without an initialised process group: every group is then
 None and every shardop is the identity, so single-process code and tests need no special case.

@@ -77,7 +77,7 @@ def _refuse(experts, feature: str) -> ValueError:
 def _activation(experts) -> str:
     name = experts_activation(experts)
     if name is None:
-        raise _refuse(experts, f"activation: expected act_fn one of {act_fn_class_names()}, got {type(experts.act_fn).__name__}")
+        raise _refuse(experts, f"activation: expected act_fn one of {act_fn_class_names()}, got {type(getattr(experts, 'act_fn', None)).__name__}")
     return name
 
 

@@ -131,6 +131,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     import torch
     import torch.distributed as dist
+    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an OSError
 
     from shardmoe.train.loop import TrainingDiverged
 
@@ -159,8 +160,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"shardmoe train: rank {rank}: lost contact with the other ranks (a peer hung or died; "
               f"timeout_minutes={config.timeout_minutes:g}): {_first_line(err)}", file=sys.stderr)
         return 1
-    except OSError as err:  # a failed metrics or checkpoint write (the error names the file)
-        print(f"shardmoe train: rank {rank}: {err}", file=sys.stderr)
+    except (OSError, CheckpointException) as err:  # a failed metrics or checkpoint write (it names the file)
+        print(f"shardmoe train: rank {rank}: {_first_line(err)}", file=sys.stderr)
         return 1
 
 

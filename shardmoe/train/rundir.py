@@ -96,7 +96,8 @@ def _check_contents(out: Path, resume: bool, overwrite: bool) -> None:
     if overwrite:
         for name in RUN_FILES:
             (out / name).unlink(missing_ok=True)
-        shutil.rmtree(out / SHARDED_CHECKPOINT_DIR, ignore_errors=True)
+        if (out / SHARDED_CHECKPOINT_DIR).exists():  # a failure is reported: its LATEST must not survive
+            shutil.rmtree(out / SHARDED_CHECKPOINT_DIR)
         return
     held = sorted(p.name for p in out.iterdir() if p.name != LOCK_FILE)
     if held:

@@ -17,10 +17,11 @@ model's parameters and the optimizer's moments (whole_entry shares their storage
 
 Atomicity: rank 0 writes shardmoe.json once DCP has written every rank's files (dcp.save returns on
 rank 0 after every rank's writes are done), then points LATEST at the directory (os.replace), then
-deletes older step directories, while the other ranks wait in a barrier; a crash leaves LATEST at
+deletes older step directories, while the other ranks wait for its outcome (an error there is
+raised on every rank); a crash leaves LATEST at
 the previous complete checkpoint. Integrity:
-check_resumable compares every file's sha256 with shardmoe.json before any weight is used, as the
-single-file checkpoint does. The directory must be on a filesystem every rank sees.
+check_resumable (before any process group) and load (rank 0, its verdict broadcast) compare every
+file's sha256 with shardmoe.json before any weight is used, as the single-file checkpoint does. The directory must be on a filesystem every rank sees.
 """
 from __future__ import annotations
 
@@ -65,32 +66,58 @@ def _process_group(mesh):
 
 def save(out_dir: str | Path, model: Transformer, optimizer: AdamW, step: int, config: dict, identity: dict,
          data_state: dict, mesh) -> None:
-    """Write step `step`'s checkpoint (collective: every rank of the mesh calls it)."""
+    """Write step `step`'s checkpoint (collective: every rank of the mesh calls it). A failure of
+    rank 0's own work (clearing the directory, writing shardmoe.json and LATEST) is raised on
+    every rank as OSError, so no rank waits for it."""
     import torch.distributed.checkpoint as dcp
 
-    rank0 = mesh is None or mesh.rank == 0
+    rank = 0 if mesh is None else mesh.rank
     root = checkpoint_root(out_dir)
     path = root / f"step_{step:06d}"
-    if rank0:
-        shutil.rmtree(path, ignore_errors=True)  # an incomplete directory of a run that crashed here
-        path.mkdir(parents=True)
     group = _process_group(mesh)
-    if group is not None:
-        dist.barrier(group=group)  # no rank writes into the directory before it is fresh
+
+    def fresh_directory():
+        if path.exists():
+            shutil.rmtree(path)  # an incomplete directory of a run that crashed here
+        path.mkdir(parents=True)
+
+    _on_rank0_for_all(rank, group, fresh_directory)  # no rank writes into the directory before it is fresh
     with torch.no_grad(), _one_process_is_intended():
         dcp.save(_state(model, optimizer), storage_writer=dcp.FileSystemWriter(str(path)), process_group=group,
                  no_dist=group is None)
-    if rank0:
+    # each rank hashes the files it wrote (DCP names them __<rank>_<n>.distcp), rank 0 the rest
+    checksums = {p.name: _file_checksum(p) for p in sorted(path.glob(f"__{rank}_*.distcp"))}
+    if group is not None:
+        parts = [None] * dist.get_world_size(group)
+        dist.all_gather_object(parts, checksums, group=group)
+        checksums = {name: digest for part in parts for name, digest in part.items()}
+
+    def complete():
+        checksums.update({p.name: _file_checksum(p) for p in sorted(path.iterdir()) if p.name not in checksums})
         meta = {"format": FORMAT, "step": step, "config": config, "identity": identity, "data": data_state,
-                "rng": torch.get_rng_state().numpy().tobytes().hex(),
-                "checksums": {p.name: _file_checksum(p) for p in sorted(path.iterdir())}}
+                "rng": torch.get_rng_state().numpy().tobytes().hex(), "checksums": checksums}
         _write_atomically(path / META_FILE, json.dumps(meta, sort_keys=True))
         _write_atomically(root / LATEST, path.name)
         for old in root.iterdir():
             if old.is_dir() and old.name != path.name:
-                shutil.rmtree(old, ignore_errors=True)
+                shutil.rmtree(old, ignore_errors=True)  # superseded: LATEST no longer names it
+
+    _on_rank0_for_all(rank, group, complete)  # every rank returns with LATEST at a complete checkpoint
+
+
+def _on_rank0_for_all(rank: int, group, work) -> None:
+    """Run `work` on rank 0 and raise its OSError on every rank of `group` (a broadcast of the
+    outcome in place of a barrier: the others neither hang nor report a lost peer)."""
+    outcome = [None]
+    if rank == 0:
+        try:
+            work()
+        except OSError as err:
+            outcome = [str(err)]
     if group is not None:
-        dist.barrier(group=group)  # every rank returns with the checkpoint complete and LATEST at it
+        dist.broadcast_object_list(outcome, src=dist.get_global_rank(group, 0), group=group)
+    if outcome[0] is not None:
+        raise OSError(f"sharded checkpoint: {outcome[0]}")
 
 
 def latest(out_dir: str | Path) -> Path | None:
@@ -98,7 +125,11 @@ def latest(out_dir: str | Path) -> Path | None:
     pointer = checkpoint_root(out_dir) / LATEST
     if not pointer.is_file():
         return None
-    return checkpoint_root(out_dir) / pointer.read_text().strip()
+    path = checkpoint_root(out_dir) / pointer.read_text().strip()
+    if not path.is_dir():
+        raise ValueError(f"checkpoint {pointer}: names {path.name}, which is not a directory of "
+                         f"{checkpoint_root(out_dir)}")
+    return path
 
 
 def read_metadata(path: str | Path) -> dict:
@@ -133,13 +164,25 @@ def read_verified(path: str | Path) -> dict:
 
 def load(path: str | Path, model: Transformer, optimizer: AdamW, mesh) -> tuple[int, dict]:
     """Load weights, buffers and moments in place (this rank's shards, from whatever layout wrote
-    them) and rank 0's RNG state; returns (step, data state). Collective under a mesh. The caller
-    has verified the directory (check_resumable)."""
+    them) and rank 0's RNG state; returns (step, data state). Collective under a mesh. Rank 0
+    first compares every file with its sha256 (read_verified) and every rank raises its
+    ValueError, before anything is loaded."""
     import torch.distributed.checkpoint as dcp
 
+    group = _process_group(mesh)
+    rank = 0 if mesh is None else mesh.rank
+    verdict = [None]
+    if rank == 0:
+        try:
+            read_verified(path)
+        except ValueError as err:
+            verdict = [str(err)]
+    if group is not None:
+        dist.broadcast_object_list(verdict, src=dist.get_global_rank(group, 0), group=group)
+    if verdict[0] is not None:
+        raise ValueError(verdict[0])
     meta = read_metadata(path)
     state = _state(model, optimizer)
-    group = _process_group(mesh)
     with torch.no_grad(), _one_process_is_intended():
         dcp.load(state, storage_reader=dcp.FileSystemReader(str(path)), process_group=group, no_dist=group is None)
     model.load_state_dict(state["model"])  # in place already; this checks every key and shape

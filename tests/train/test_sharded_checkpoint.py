@@ -178,5 +178,27 @@ def test_sharded_checkpoints_resume_across_layouts(tmp_path, one_thread, one_pro
     capsys.readouterr()
     assert main(["train", *one, "--out", str(tmp_path / "one"), "--resume", "--steps", str(MORE + 1)]) == 2
     assert f"corrupt: file {shard.name!r} has sha256" in capsys.readouterr().err
+    with pytest.raises(ValueError, match=f"corrupt: file {shard.name!r} has sha256"):  # through the API too
+        train(tiny_train_config(steps=MORE + 1, checkpoint_every=3, eval_batches=0, sample_bytes=0, health_every=0,
+                                checkpoint_format="dcp"), tmp_path / "one", resume=True, progress=False)
     assert main(["train", *one, "--out", str(tmp_path / "one"), "--overwrite", "--steps", "1"]) == 0
     assert not (tmp_path / "one" / "checkpoint.dcp" / "step_000006").exists()
+
+
+def test_a_latest_pointer_to_a_missing_directory_is_named(tmp_path):
+    root = tmp_path / "checkpoint.dcp"
+    root.mkdir()
+    (root / "LATEST").write_text("step_000006")
+    with pytest.raises(ValueError, match=r"LATEST: names step_000006, which is not a directory of .*checkpoint\.dcp"):
+        ckpt.latest_checkpoint(tmp_path)
+
+
+def test_a_failed_write_of_rank_0_is_raised_as_an_os_error(tmp_path, one_thread):
+    """Rank 0's own part (here: clearing a step directory that is a file) raises OSError, which the
+    command reports in one line; under a mesh every rank raises it (the outcome is broadcast)."""
+    config = tiny_train_config(steps=3, checkpoint_every=0, eval_batches=0, sample_bytes=0, health_every=0,
+                               checkpoint_format="dcp")
+    (tmp_path / "checkpoint.dcp").mkdir()
+    (tmp_path / "checkpoint.dcp" / "step_000003").write_text("not a directory")
+    with pytest.raises(OSError, match="sharded checkpoint: .*step_000003"):
+        train(config, tmp_path, progress=False)
