@@ -144,7 +144,11 @@ def test_sharded_checkpoints_resume_across_layouts(tmp_path, one_thread, one_pro
     assert (tmp_path / "one" / "checkpoint.dcp" / "step_000006" / "shardmoe.json").is_file()
     shutil.copytree(tmp_path / "one", tmp_path / "one-then-four")
 
-    rank0 = run_distributed(_world, 4, args=(str(tmp_path),), timeout=300)[0]
+    ranks = run_distributed(_world, 4, args=(str(tmp_path),), timeout=300)
+    rank0 = ranks[0]
+    for out in ranks:  # every rank's command succeeded, and every rank resumed bitwise
+        assert out["cli run"] == out["cli resume"] == out["cli resume of one process's run"] == 0, out
+        assert out["resume bitwise"]
 
     assert rank0["whole (2, 1, 2)"] == [] and rank0["whole (2, 2, 1)"] == []
     assert rank0["d2t2 -> d2e2"] == [] and rank0["d2t2 -> 1"] == []
