@@ -44,7 +44,7 @@ from shardmoe.moe.config import MoEConfig
 from shardmoe.moe import ops, precision
 from shardmoe.moe.dispatch import LOCAL
 from shardmoe.moe.function import MoECall, param_names
-from shardmoe.moe.hf_blocks import act_fn_class_names, experts_activation, family_name, gate_up_halves
+from shardmoe.moe.hf_blocks import experts_activation, family_name, gate_up_halves, unknown_activation
 from shardmoe.moe.routing import GivenRouting
 from shardmoe.moe.workspace import Workspace
 
@@ -77,7 +77,7 @@ def _refuse(experts, feature: str) -> ValueError:
 def _activation(experts) -> str:
     name = experts_activation(experts)
     if name is None:
-        raise _refuse(experts, f"activation: expected act_fn one of {act_fn_class_names()}, got {type(getattr(experts, 'act_fn', None)).__name__}")
+        raise _refuse(experts, unknown_activation(experts))
     return name
 
 

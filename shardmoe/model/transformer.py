@@ -421,9 +421,9 @@ def _whole_dense_entries(model: Transformer, state_dict: dict, prefix: str, loca
     """state_dict post-hook: each dense parameter's entry is its whole tensor (Transformer.whole_entry),
     as the MoE layers' hooks present their experts, so that a distributed checkpoint of
     model.state_dict() saves every block once (a plain shard would pass for a replicated tensor)."""
-    for name, spec in model.specs.items():
+    for name in model.specs:
         if model._kind(name) == "dense" and prefix + name in state_dict:
-            state_dict[prefix + name] = dtensors.whole(spec, state_dict[prefix + name].detach(), model.mesh)
+            state_dict[prefix + name] = model.whole_entry(name, state_dict[prefix + name].detach())
 
 
 def _local_dense_entries(model: Transformer, state_dict: dict, prefix: str, *args) -> None:

@@ -176,9 +176,10 @@ def _act_fn_names() -> dict:
     return {type(ACT2FN[hf]): name for name, hf in [*MIXTRAL_ACTIVATIONS.items(), ("silu", "swish")]}
 
 
-def act_fn_class_names() -> list[str]:
-    """The act_fn classes experts_activation knows, by name."""
-    return sorted(c.__name__ for c in _act_fn_names())
+def unknown_activation(module) -> str:
+    """The refusal's feature text for a module whose act_fn experts_activation does not know."""
+    known = sorted(c.__name__ for c in _act_fn_names())
+    return f"activation: expected act_fn one of {known}, got {type(getattr(module, 'act_fn', None)).__name__}"
 
 
 def experts_activation(module) -> str | None:

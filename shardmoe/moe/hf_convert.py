@@ -32,8 +32,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from shardmoe.moe.hf_blocks import (act_fn_class_names, experts_activation, family_name, gate_up_halves,
-                                    gate_up_interleaved, mixtral_semantics)
+from shardmoe.moe.hf_blocks import (experts_activation, family_name, gate_up_halves, gate_up_interleaved,
+                                    mixtral_semantics, unknown_activation)
 
 
 @dataclass(frozen=True)
@@ -58,8 +58,7 @@ def _refuse(block, feature: str) -> ValueError:
 def _activation(block, module) -> str:
     name = experts_activation(module)
     if name is None:
-        raise _refuse(block, f"activation: expected act_fn one of {act_fn_class_names()}, got "
-                             f"{type(getattr(module, 'act_fn', None)).__name__}")
+        raise _refuse(block, unknown_activation(module))
     return name
 
 
@@ -87,8 +86,9 @@ def _shared_mlp(block, mlp, activation: str) -> dict[str, torch.Tensor]:
     """shared_gate_up_proj [2Fs, H] = [gate_proj; up_proj] and shared_down_proj [H, Fs] of a
     family's dense GLU MLP (gate_proj, up_proj, down_proj, act_fn), refused unless it computes
     act(x Wg^T) * (x Wu^T) Wd^T with the routed experts' activation and no biases."""
-    if _activation(block, mlp) != activation:
-        raise _refuse(block, f"shared experts with activation {_activation(block, mlp)!r}, the routed "
+    shared = _activation(block, mlp)
+    if shared != activation:
+        raise _refuse(block, f"shared experts with activation {shared!r}, the routed "
                              f"experts' is {activation!r} (MoE's shared expert uses the layer's)")
     if any(getattr(mlp, p).bias is not None for p in ("gate_proj", "up_proj", "down_proj")):
         raise _refuse(block, "shared experts with biases")

@@ -81,6 +81,17 @@ def whole(spec: str, local: torch.Tensor, mesh) -> torch.Tensor:
                               shape=shape, stride=stride)
 
 
+def own_local(spec: str, value, mesh) -> torch.Tensor | None:
+    """value's local tensor when value is a DTensor laid out as `whole` lays out `spec` on this mesh
+    (the same DeviceMesh and placements: what a distributed checkpoint loaded into), else None."""
+    from torch.distributed.tensor import DTensor
+
+    device_mesh = device_mesh_for(spec, mesh)
+    if device_mesh is None or not isinstance(value, DTensor) or value.device_mesh != device_mesh:
+        return None
+    return value.to_local() if list(value.placements) == placements(spec, device_mesh, mesh) else None
+
+
 def local_shard(key: str, spec: str, value: torch.Tensor, local_shape: tuple[int, ...], mesh) -> torch.Tensor:
     """This rank's shard (shape local_shape) of a state-dict entry `key`: a DTensor as `whole` lays
     it out gives its local tensor (no communication); any other DTensor is gathered whole (a
@@ -92,11 +103,10 @@ def local_shard(key: str, spec: str, value: torch.Tensor, local_shape: tuple[int
     if tuple(value.shape) != expected:
         raise ValueError(f"state dict: {key} has shape {list(value.shape)}, expected the whole tensor's "
                          f"{list(expected)}")
+    own = None if mesh is None else own_local(spec, value, mesh)
+    if own is not None:
+        return own
     if isinstance(value, DTensor):
-        device_mesh = None if mesh is None else device_mesh_for(spec, mesh)
-        if device_mesh is not None and value.device_mesh == device_mesh and \
-                list(value.placements) == placements(spec, device_mesh, mesh):
-            return value.to_local()
         value = value.full_tensor()
     if mesh is None:
         return value

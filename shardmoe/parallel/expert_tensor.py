@@ -115,16 +115,9 @@ def own_state_entry(name: str, value, shape: tuple[int, ...], mesh) -> torch.Ten
     """This rank's shard, in the parameter's shape, when `value` is a DTensor of the whole parameter
     `name` (whole shape `shape`) laid out as state_entry lays it out on this mesh (what a distributed
     checkpoint loaded into); else None."""
-    from torch.distributed.tensor import DTensor
-
-    spec = SHARD_SPECS[name][1]
-    device_mesh = dtensors.device_mesh_for(spec, mesh)
-    if device_mesh is None or not isinstance(value, DTensor) or value.device_mesh != device_mesh:
-        return None
     whole = tuple(packed(name, torch.empty(shape, device="meta")).shape)
-    if list(value.placements) != dtensors.placements(spec, device_mesh, mesh) or tuple(value.shape) != whole:
-        return None
-    return unpacked(name, value.to_local())
+    local = dtensors.own_local(SHARD_SPECS[name][1], value, mesh) if tuple(value.shape) == whole else None
+    return None if local is None else unpacked(name, local)
 
 
 def reduce_expert_output(partial: shardops.Unreduced, mesh) -> torch.Tensor:
