@@ -6,6 +6,9 @@ off) and may be changed for a block of code with override(), for ablations and b
   kernels            SHARDMOE_KERNELS            the Triton backend on CUDA (moe/backends.py)
   experts_mm         SHARDMOE_EXPERTS_MM         the experts' GEMMs side by side on CPU (moe/cpu_gemm.py)
   fused_elementwise  SHARDMOE_FUSED_ELEMENTWISE  the C++ elementwise passes on CPU (moe/elementwise.py)
+  autotune           SHARDMOE_AUTOTUNE           the Triton kernels try every tile config on a new shape;
+                                                 off, each takes its first (kernels/tuning.py): for
+                                                 checks at many small shapes, where compiling dominates
 
   with shardmoe.settings.override(fused_elementwise=False):
       layer(x).sum().backward()          # the torch code of the same stages
@@ -20,7 +23,7 @@ import dataclasses
 import os
 
 ENVIRONMENT = {"kernels": "SHARDMOE_KERNELS", "experts_mm": "SHARDMOE_EXPERTS_MM",
-               "fused_elementwise": "SHARDMOE_FUSED_ELEMENTWISE"}
+               "fused_elementwise": "SHARDMOE_FUSED_ELEMENTWISE", "autotune": "SHARDMOE_AUTOTUNE"}
 
 
 @dataclasses.dataclass
@@ -28,6 +31,7 @@ class Settings:
     kernels: bool = True
     experts_mm: bool = True
     fused_elementwise: bool = True
+    autotune: bool = True
 
     @classmethod
     def from_environ(cls) -> "Settings":

@@ -12,10 +12,11 @@ from shardmoe.moe import elementwise
 
 
 def test_environment_is_read_at_import():
-    code = "from shardmoe.settings import SETTINGS; print(SETTINGS.kernels, SETTINGS.experts_mm, SETTINGS.fused_elementwise)"
-    env = {"SHARDMOE_KERNELS": "0", "SHARDMOE_FUSED_ELEMENTWISE": "0", "PATH": ""}
+    code = ("from shardmoe.settings import SETTINGS; "
+            "print(SETTINGS.kernels, SETTINGS.experts_mm, SETTINGS.fused_elementwise, SETTINGS.autotune)")
+    env = {"SHARDMOE_KERNELS": "0", "SHARDMOE_FUSED_ELEMENTWISE": "0", "SHARDMOE_AUTOTUNE": "0", "PATH": ""}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
-    assert out.split() == ["False", "True", "False"]
+    assert out.split() == ["False", "True", "False", "False"]
 
 
 def test_override_restores_on_error_and_names_bad_arguments():
@@ -26,7 +27,7 @@ def test_override_restores_on_error_and_names_bad_arguments():
             raise KeyError("inside")
     assert settings.SETTINGS.fused_elementwise is before
     with pytest.raises(ValueError, match=r"override: expected settings among kernels, experts_mm, fused_elementwise, "
-                                         r"got \['triton'\]"):
+                                         r"autotune, got \['triton'\]"):
         with settings.override(triton=False):
             pass
     with pytest.raises(ValueError, match="override: expected bool values, got {'kernels': 0}"):
@@ -43,3 +44,13 @@ def test_switching_the_cpu_passes_off_changes_the_path_not_the_result():
         off = layer(x)
     on = layer(x)
     torch.testing.assert_close(on, off, rtol=1e-6, atol=1e-6)
+
+
+def test_autotune_off_leaves_each_kernel_its_first_config():
+    """The autotuner's early prune (kernels/tuning.py) keeps every candidate, or the first one."""
+    from shardmoe.kernels.tuning import first_unless_tuning
+
+    candidates = ["a", "b", "c"]
+    assert first_unless_tuning(candidates, {}) == candidates
+    with settings.override(autotune=False):
+        assert first_unless_tuning(candidates, {}) == ["a"]

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import traceback
 from dataclasses import dataclass, field
 
 from .report import table
@@ -204,6 +205,8 @@ def check_case(name: str, case: Case, dtype_name: str, device: str, sizes: Sizes
 
 
 def run(ctx) -> dict:
+    from shardmoe import settings
+
     sizes = DRY_RUN_SIZES if ctx.dry_run else SIZES
     rows, left_out = [], []
     for name, case in CASES.items():
@@ -212,10 +215,13 @@ def run(ctx) -> dict:
                 left_out.append(f"{name} {dtype_name}")
                 continue
             try:
-                row = check_case(name, case, dtype_name, ctx.device, sizes, ctx.dry_run)
+                # one tile config per kernel: 18 small cases would otherwise compile every candidate
+                with settings.override(autotune=False):
+                    row = check_case(name, case, dtype_name, ctx.device, sizes, ctx.dry_run)
             except Exception as err:  # one case's crash is its row, the other cases still run
                 row = {"case": name, "dtype": dtype_name, "problems": [f"{type(err).__name__}: {err}"],
-                       "passed": False}
+                       "traceback": traceback.format_exc(), "passed": False}
+                print(traceback.format_exc(limit=-4), flush=True)
             rows.append(row)
             print(f"  {name} {dtype_name}: " + ("ok" if row["passed"] else "; ".join(row["problems"])), flush=True)
             ctx.progress({"sizes": vars(sizes), "rows": rows})

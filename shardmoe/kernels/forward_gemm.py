@@ -31,13 +31,13 @@ import triton.language as tl
 from shardmoe.kernels.activations import activation, activation_args, glu
 from shardmoe.kernels.schedule import choose_block_m, row_tile_schedule
 from shardmoe.kernels.tiles import dot_acc
-from shardmoe.kernels.tuning import configs, dot_settings, unit_columns
+from shardmoe.kernels.tuning import PRUNE, configs, dot_settings, unit_columns
 
-_GPU_TILES = [{"BLOCK_N": n, "BLOCK_K": k} for n in (64, 128) for k in (32, 64)]
+_GPU_TILES = [{"BLOCK_N": n, "BLOCK_K": k} for n in (64, 128, 256) for k in (32, 64)]
 
 
 @triton.autotune(configs=configs(_GPU_TILES, {"BLOCK_N": 32, "BLOCK_K": 32}),
-                 key=["O", "K", "BLOCK_M", "GLU", "ACT"])
+                 key=["O", "K", "BLOCK_M", "GLU", "ACT"], prune_configs_by=PRUNE)
 @triton.jit
 def forward_gemm_kernel(
     a_ptr, a_index_ptr, stride_a,

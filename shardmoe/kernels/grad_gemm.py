@@ -34,9 +34,9 @@ import triton.language as tl
 from shardmoe.kernels.activations import activation_args
 from shardmoe.kernels.schedule import choose_block_m, row_tile_schedule
 from shardmoe.kernels.tiles import dot_acc, grad_operand
-from shardmoe.kernels.tuning import configs, dot_settings, unit_columns
+from shardmoe.kernels.tuning import PRUNE, configs, dot_settings, unit_columns
 
-_GPU_TILES = [{"BLOCK_N": n, "BLOCK_K": k} for n in (64, 128) for k in (32, 64)]
+_GPU_TILES = [{"BLOCK_N": n, "BLOCK_K": k} for n in (64, 128, 256) for k in (32, 64)]
 _INTERPRETER_TILES = {"BLOCK_N": 32, "BLOCK_K": 32}
 _SMALLEST_BLOCK_N = min(tiles["BLOCK_N"] for tiles in [*_GPU_TILES, _INTERPRETER_TILES])
 
@@ -44,7 +44,7 @@ _SMALLEST_BLOCK_N = min(tiles["BLOCK_N"] for tiles in [*_GPU_TILES, _INTERPRETER
 # reset_to_zero: configs differ in BLOCK_N, hence in how many partial-dot columns they
 # write; zeroing between tuning runs keeps a stale column from joining the final sum.
 @triton.autotune(configs=configs(_GPU_TILES, _INTERPRETER_TILES), key=["N_OUT", "C", "BLOCK_M", "GLU", "ACT"],
-                 reset_to_zero=["dot_ptr"])
+                 reset_to_zero=["dot_ptr"], prune_configs_by=PRUNE)
 @triton.jit
 def grad_gemm_kernel(
     g_ptr, g_index_ptr, stride_g,
@@ -138,6 +138,9 @@ def grad_gemm(grad: torch.Tensor, weight: torch.Tensor, groups, *, grad_index: t
     block_m = choose_block_m(groups.sizes)
     schedule = row_tile_schedule(groups.sizes, block_m, grad.device)
     grid = lambda meta: (schedule.shape[0], triton.cdiv(width, meta["BLOCK_N"]))  # noqa: E731
+    # the autotuner zeroes dot_ptr between candidates (reset_to_zero), and triton 3.6 calls
+    # .zero_() on it even when it is None: an empty tensor stands in without row dots
+    dot_out = dots if dots is not None else torch.empty(0, dtype=torch.float32, device=grad.device)
     grad_gemm_kernel[grid](
         grad, grad_index, grad.stride(0),
         z, 0 if z is None else z.stride(0),
@@ -145,7 +148,7 @@ def grad_gemm(grad: torch.Tensor, weight: torch.Tensor, groups, *, grad_index: t
         schedule,
         out, out.stride(0), scale,
         unscaled, 0 if unscaled is None else unscaled.stride(0),
-        dots, 0 if dots is None else dots.stride(0), dot_with, 0 if dot_with is None else dot_with.stride(0),
+        dot_out, 0 if dots is None else dots.stride(0), dot_with, 0 if dot_with is None else dot_with.stride(0),
         dot_bias, 0 if dot_bias is None else dot_bias.stride(0),
         width, weight.shape[1], weight.shape[1] // 2,
         GLU=glu, GATHER=grad_index is not None, SCALE=scale is not None,

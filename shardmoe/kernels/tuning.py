@@ -26,6 +26,17 @@ def configs(gpu: list[dict], interpreter: dict, warps_stages=((4, 3), (8, 3), (4
     return [triton.Config(tiles, num_warps=w, num_stages=s) for tiles in gpu for w, s in warps_stages]
 
 
+def first_unless_tuning(configs: list, named_args: dict, **kwargs) -> list:
+    """early_config_prune: every candidate, or only the first with shardmoe.settings autotune off
+    (each candidate is one more compile per kernel variant; a check at many shapes pays that)."""
+    from shardmoe.settings import SETTINGS
+
+    return configs if SETTINGS.autotune else configs[:1]
+
+
+PRUNE = {"early_config_prune": first_unless_tuning}
+
+
 def dot_settings(dtype: torch.dtype) -> dict:
     """Constexpr arguments controlling tl.dot.
 

@@ -27,13 +27,13 @@ import triton.language as tl
 from shardmoe.kernels.activations import activation_args
 from shardmoe.kernels.schedule import group_bounds
 from shardmoe.kernels.tiles import dot_acc, grad_operand
-from shardmoe.kernels.tuning import configs, dot_settings, unit_columns
+from shardmoe.kernels.tuning import PRUNE, configs, dot_settings, unit_columns
 
-_GPU_TILES = [{"BLOCK_O": o, "BLOCK_K": k, "BLOCK_R": r} for o, k in ((64, 64), (128, 64), (64, 128)) for r in (32, 64)]
+_GPU_TILES = [{"BLOCK_O": o, "BLOCK_K": k, "BLOCK_R": r} for o, k in ((64, 64), (128, 64), (64, 128), (128, 128)) for r in (32, 64)]
 
 
 @triton.autotune(configs=configs(_GPU_TILES, {"BLOCK_O": 32, "BLOCK_K": 32, "BLOCK_R": 32}),
-                 key=["O", "K", "GLU", "ACT"])
+                 key=["O", "K", "GLU", "ACT"], prune_configs_by=PRUNE)
 @triton.jit
 def weight_grad_kernel(
     g_ptr, g_index_ptr, stride_g,
@@ -128,7 +128,7 @@ def weight_grad(grad: torch.Tensor, x: torch.Tensor, groups, *, width: int,
 
 
 @triton.autotune(configs=configs([{"BLOCK_O": o, "BLOCK_R": 64} for o in (128, 256)], {"BLOCK_O": 32, "BLOCK_R": 32}),
-                 key=["O"])
+                 key=["O"], prune_configs_by=PRUNE)
 @triton.jit
 def bias_grad_kernel(g_ptr, stride_g, bounds_ptr, db_ptr, stride_dbe, O,
                      BLOCK_O: tl.constexpr, BLOCK_R: tl.constexpr):

@@ -27,7 +27,10 @@ _CHUNK_BYTES = 1 << 20
 
 
 def row_chunks(rows: torch.Tensor) -> list[slice]:
-    """Slices of about 1 MiB of float32 rows of `rows` [N, D]."""
+    """Slices of about 1 MiB of float32 rows of `rows` [N, D] on a CPU; one slice on a GPU, where
+    each chunk would be a kernel launch and there is no per-core cache to stay in."""
+    if rows.device.type != "cpu":
+        return [slice(None)]
     step = max(1, _CHUNK_BYTES // (4 * max(rows.shape[-1], 1)))
     return [slice(i, i + step) for i in range(0, rows.shape[0], step)]
 

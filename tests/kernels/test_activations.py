@@ -104,7 +104,7 @@ def test_glu_of_a_named_activation(device, name):
     against float64 autograd."""
     gen = torch.Generator().manual_seed(0)
     gate, up, grad = (torch.randn(100, generator=gen, dtype=torch.float64) * 3 for _ in range(3))
-    a, grad_gate, grad_up = _run_glu(name, *(t.float().to(device) for t in (gate, up, grad)))
+    a, grad_gate, grad_up = (t.cpu() for t in _run_glu(name, *(t.float().to(device) for t in (gate, up, grad))))
     g64, u64 = gate.float().double().requires_grad_(), up.float().double().requires_grad_()
     expected = ACTIVATION_FUNCTIONS[name](g64) * u64
     expected_gate, expected_up = torch.autograd.grad(expected, (g64, u64), grad.float().double())
