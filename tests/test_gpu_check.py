@@ -3,6 +3,7 @@ a temporary directory, the content of report.json and report.md for every stage,
 errors, the runner's isolation of a failing stage, merging reports, and the compiled-mode switch
 of tests/kernels/conftest.py."""
 import json
+import math
 import os
 import subprocess
 import sys
@@ -123,9 +124,76 @@ def test_bench_times_every_candidate_and_prints_sonicmoe_beside_ours(dry_run):
         assert c["backends"] == {"shardmoe": "triton", "shardmoe:torch": "torch"}
         assert set(c["errors"]) == {"shardmoe vs shardmoe:torch", "shardmoe vs grouped_mm",
                                     "shardmoe:torch vs grouped_mm"}
-        assert max(c["errors"].values()) < bench.CHECK_TOL and not c["problems"]
+        assert all(math.isfinite(err) for err in c["errors"].values())
+        assert c["errors"]["shardmoe vs shardmoe:torch"] < bench.CHECK_TOL and not c["problems"]
+        float64 = c["float64_errors"]
+        assert set(float64) == {"grouped_mm", "shardmoe", "shardmoe:torch"}
+        assert c["checked"] == ["shardmoe", "shardmoe:torch"] and c["check_tol"] == bench.CHECK_TOL
+        for name, errors in float64.items():
+            assert set(errors) == {"y", "x", "router", "gate_up", "down"}, name
+            assert all(math.isfinite(err) and err > 0 for err in errors.values()), (name, errors)
+        assert max(max(float64["shardmoe"].values()), max(float64["shardmoe:torch"].values())) < bench.CHECK_TOL
     sonic = cases[1]["sonicmoe"]
     assert sonic["same_shape"] is False and sonic["shardmoe_forward_tflops"] > 0
+
+
+@pytest.fixture(scope="module")
+def bench_check_inputs():
+    """(shape, the bench's output gradient) at the dry run's fine shape, on the CPU."""
+    s = bench.DRY_RUN_SHAPES["fine"]
+    gen = torch.Generator().manual_seed(11)
+    return s, (torch.randn(1, s.tokens, s.hidden, generator=gen) / s.hidden ** 0.5).to(torch.bfloat16)
+
+
+def bench_check(s, grad):
+    cands, inputs, notes = bench.build(s, torch.bfloat16, "cpu")
+    bases = {**cands, "shardmoe:torch": cands["shardmoe"]}
+    return notes, bench.check(bases, {**inputs, "shardmoe:torch": inputs["shardmoe"]}, bench.contexts(), grad, False)
+
+
+@pytest.mark.parametrize("name, value", [("shardmoe", 5e-2), ("shardmoe", float("nan")), ("shardmoe:torch", 5e-2),
+                                         ("transformers", 5e-2)])
+def test_a_wrong_bench_output_fails_the_check_unless_it_is_grouped_mm(monkeypatch, bench_check_inputs, name, value):
+    """An output off by `value` relative (or NaN) against float64 fails the stage for shardmoe's two
+    paths; grouped_mm's error is reported only (transformers' block runs in bf16)."""
+    real, calls = bench.check_step, []
+    order = ["transformers", "shardmoe", "shardmoe:torch"]  # the check's order; dense has no forward
+
+    def corrupted(c, context, grad):
+        result = real(c, context, grad)
+        calls.append(c.name)  # shardmoe:torch steps the shardmoe candidate in its own context
+        if order[len(calls) - 1] == name:
+            y = result["y"]
+            result["y"] = y * (1 + value) if value == value else torch.full_like(y, value)
+        return result
+
+    monkeypatch.setattr(bench, "check_step", corrupted)
+    _, (float64, errors, problems) = bench_check(*bench_check_inputs)
+    assert calls == ["transformers", "shardmoe", "shardmoe"]
+    shown = bench.NAMES.get(name, name)
+    assert float64[shown]["y"] > bench.CHECK_TOL if value == value else float64[shown]["y"] == math.inf
+    assert all(err < bench.CHECK_TOL for other, errs in float64.items() if other != shown
+               for key, err in errs.items()), float64
+    if name == "transformers":
+        assert not problems and errors["shardmoe vs shardmoe:torch"] < bench.CHECK_TOL
+    else:
+        assert problems[0].startswith(f"{name}: y error vs float64 "), problems
+        assert problems[-1].startswith("shardmoe vs shardmoe:torch: error "), problems
+
+
+def test_bench_check_without_transformers_has_a_float64_truth(monkeypatch, bench_check_inputs):
+    """build's fallback (transformers' block not built): the layer candidate is checked against float64 too."""
+    from shardmoe.bench import candidates
+
+    def broken(*args, **kwargs):
+        raise ImportError("no transformers here")
+
+    monkeypatch.setattr(candidates, "build_candidates", broken)
+    notes, (float64, errors, problems) = bench_check(*bench_check_inputs)
+    assert notes == ["grouped_mm left out: transformers' block could not be built (ImportError: no transformers here)"]
+    assert set(float64) == {"shardmoe", "shardmoe:torch"} and list(errors) == ["shardmoe vs shardmoe:torch"]
+    assert all(0 < err < bench.CHECK_TOL for errs in float64.values() for err in errs.values()), float64
+    assert not problems
 
 
 def test_calibrate_writes_constants_the_simulator_reads(dry_run):
@@ -149,6 +217,8 @@ def test_report_markdown_has_every_stage_section_and_table(dry_run):
     assert "| glu-deepseek-router | bfloat16 | 3 | triton |" in md
     assert "SonicMoE, published (H100, S=24576 H=1536 F=256 E=128 k=8): forward 365, backward 405 TFLOP/s" in md
     assert "| shardmoe:torch |" in md and "| peak_flops |" in md
+    assert "| candidate | y | x | router | gate_up | down | bound |" in md
+    assert "grouped_mm's errors are reported, not checked: transformers' block runs its router and experts in bf16." in md
 
 
 @pytest.mark.parametrize("argv, message", [

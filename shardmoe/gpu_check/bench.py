@@ -4,9 +4,10 @@ Candidates, built by shardmoe.bench.candidates on the same weights and input (fi
   dense           the GEMMs of a dropless MoE step as one expert, into preallocated buffers: the same
                   FLOPs in the same operand shapes (dense_candidate): the ceiling
   grouped_mm      transformers' MixtralSparseMoeBlock, experts_implementation="grouped_mm"
-  shardmoe        shardmoe.MoE.from_mixtral(that block): the Triton path (forced in a dry run)
+  shardmoe        shardmoe.MoE.from_mixtral(that block): the Triton path (forced: parity.triton_context)
   shardmoe:torch  the same layer under shardmoe.settings.override(kernels=False)
-Without transformers the layer gets the same weights directly and grouped_mm is left out (noted).
+Without transformers the layer gets the same weights directly (_layer_candidate; checked against
+float64 the same way) and grouped_mm is left out (noted).
 
 Timing: shardmoe.bench.timing.time_interleaved (rounds in rotating order, WARMUP rounds first, the
 first of them autotuning the kernels); inside each step CUDA events (perf_counter on CPU) mark the
@@ -16,8 +17,15 @@ start, the end of the forward and the end of the backward, and the report gives 
   x dense          median(dense) / median: the fraction of the dense ceiling
   vs grouped_mm    median(grouped_mm) / median: above 1, faster than transformers
   peak GiB         torch.cuda.max_memory_allocated during one step, above what was allocated before it
-Before timing, one step of each is checked: the norm-relative error (bench.case.relative_error) of
-the output and every gradient between shardmoe, shardmoe:torch and grouped_mm must be within CHECK_TOL.
+Before timing, one step of each module candidate is checked against a float64 truth (float64_truth:
+a deep copy of the shardmoe layer in float64 on the torch path, on the same bf16-rounded weights,
+input and output gradient upcast). Per candidate and per tensor (output y, dL/dx, the router's,
+gate_up's and down's gradients) the report gives the norm-relative error (bench.case.relative_error)
+against it, and per pair of candidates the largest over those tensors. The stage fails when
+shardmoe or shardmoe:torch is above CHECK_TOL against float64, or shardmoe vs shardmoe:torch is;
+grouped_mm's errors are reported only: transformers' block runs its router and experts in bf16
+(about 4e-2 to 7e-2 against float64 on an H100 at both shapes' H, F, E, k, shardmoe's below 5e-3).
+The float64 layer and its tensors are freed before timing (about 11 GB of weights at mixtral).
 SonicMoE's published H100 rates at the fine shape (SONICMOE) are printed beside shardmoe's, in
 expert GEMM FLOPs (expert_flops, without the router's).
 """
@@ -39,8 +47,11 @@ DRY_RUN_SHAPES = {"mixtral": Shape(64, 32, 48, 4, 2), "fine": Shape(48, 32, 16, 
 SONICMOE = {"shape": "fine", "forward_tflops": 365.0, "backward_tflops": 405.0}
 WARMUP, REPEATS = 3, 10
 DRY_RUN_WARMUP, DRY_RUN_REPEATS = 0, 2  # the check step before the timing warms up
-CHECK_TOL = 2e-2  # bf16 norm-relative error between two implementations of the same step
+CHECK_TOL = 2e-2  # bf16 norm-relative error against float64, and between shardmoe's two paths
 NAMES = {"transformers": "grouped_mm"}  # the bench's candidate name -> this report's
+# the check's tensors: grads()' keys -> this report's names (p0 is the router's [E, H] gradient)
+TENSORS = {"y": "y", "x": "x", "p0": "router", "p1": "gate_up", "p2": "down"}
+CHECKED = ("shardmoe", "shardmoe:torch")  # held to CHECK_TOL against float64; the others are reported
 
 
 class Clock:
@@ -63,7 +74,8 @@ class Clock:
 
 
 def _layer_candidate(s: Shape, dtype, device):
-    """The shardmoe candidate without transformers: shardmoe.MoE holding the bench's weights."""
+    """(the shardmoe candidate without transformers: shardmoe.MoE holding the bench's weights, its
+    check input)."""
     import torch
 
     import shardmoe
@@ -88,26 +100,113 @@ def _layer_candidate(s: Shape, dtype, device):
     def grads():
         return {"x": x.grad, "p0": params[0].grad.t(), "p1": params[1].grad, "p2": params[2].grad}
 
-    return Candidate("shardmoe", lambda: layer(x).backward(grad), reset, params, lambda: layer(x), grads, layer=layer)
+    return (Candidate("shardmoe", lambda: layer(x).backward(grad), reset, params, lambda: layer(x), grads,
+                      layer=layer), x)
 
 
-def build(s: Shape, dtype, device) -> tuple[dict, list[str]]:
-    """(the bench's candidates "dense", "transformers", "shardmoe"; notes on what could not be built)."""
+def build(s: Shape, dtype, device) -> tuple[dict, dict, list[str]]:
+    """(the bench's candidates "dense", "transformers", "shardmoe"; the module candidates' check
+    inputs by name; notes on what could not be built)."""
     from shardmoe.bench import candidates as bc
 
     try:
-        cands, _ = bc.build_candidates(s, dtype, device, ("dense", "transformers", "shardmoe"))
-        return cands, []
+        cands, inputs = bc.build_candidates(s, dtype, device, ("dense", "transformers", "shardmoe"))
+        return cands, inputs, []
     except Exception as err:  # transformers absent, or its block API changed: time the rest
         gc.collect()
         note = f"grouped_mm left out: transformers' block could not be built ({type(err).__name__}: {err})"
-        return {"dense": bc.dense_candidate(s, dtype, device, True, "dense"),
-                "shardmoe": _layer_candidate(s, dtype, device)}, [note]
+        layer_candidate, x = _layer_candidate(s, dtype, device)
+        return ({"dense": bc.dense_candidate(s, dtype, device, True, "dense"), "shardmoe": layer_candidate},
+                {"shardmoe": x}, [note])
 
 
 def output(value):
     """A block's output tensor (transformers blocks of some versions return (hidden, router logits))."""
     return value[0] if isinstance(value, tuple) else value
+
+
+def contexts() -> dict:
+    """Each candidate's context for its steps: shardmoe on the Triton path (parity.triton_context:
+    forced), shardmoe:torch off it."""
+    from .parity import torch_context, triton_context
+
+    return {"dense": contextlib.nullcontext, "transformers": contextlib.nullcontext,
+            "shardmoe": triton_context, "shardmoe:torch": torch_context}
+
+
+def free(cuda: bool) -> None:
+    """Collect what was dropped and, on CUDA, hand the allocator's cached blocks back."""
+    import torch
+
+    gc.collect()
+    if cuda:
+        torch.cuda.empty_cache()
+
+
+def float64_truth(layer, x, grad) -> dict:
+    """y and the gradients, in a module candidate's grads() layout, of one step of a float64 deep copy
+    of `layer` on the torch path, on `x` and `grad` upcast (the bf16 weights and input are exact in
+    float64, so what differs from it is the computation). The copy is dropped before returning."""
+    import copy
+
+    from shardmoe import settings
+
+    truth_layer = copy.deepcopy(layer).double()
+    truth_layer.zero_grad(set_to_none=True)
+    x64 = x.detach().double().requires_grad_()
+    with settings.override(kernels=False):
+        y = output(truth_layer(x64))
+        y.backward(grad.double())
+    truth = {"y": y.detach(), "x": x64.grad.reshape(x.shape), "p0": truth_layer.gate_weight.grad.t(),
+             "p1": truth_layer.gate_up_proj.grad, "p2": truth_layer.down_proj.grad}
+    del truth_layer, x64, y
+    return truth
+
+
+def check_step(c, context, grad) -> dict:
+    """y and the gradients (grads() layout) of one forward + backward of module candidate c; its
+    gradients are reset after."""
+    c.reset()
+    with context():
+        out = output(c.forward())
+        out.backward(grad)
+    result = {"y": out.detach(), **c.grads()}
+    c.reset()
+    return result
+
+
+def check(bases: dict, inputs: dict, contexts: dict, grad, cuda: bool) -> tuple[dict, dict, list[str]]:
+    """(per module candidate, in this report's names, per tensor: norm-relative error against the
+    float64 truth; per pair: the largest over the tensors; the problems). The truth is computed first,
+    from the shardmoe candidate's layer and check input, and freed before returning."""
+    from shardmoe.bench.case import relative_error
+
+    problems = []
+    try:
+        truth = float64_truth(bases["shardmoe"].layer, inputs["shardmoe"], grad)
+    except Exception as err:  # e.g. out of memory: shardmoe is then unchecked, the timing still runs
+        truth = None
+        problems.append(f"float64 truth not computed ({type(err).__name__}: {err}): shardmoe unchecked")
+    free(cuda)
+    outputs, float64 = {}, {}
+    for name, c in bases.items():
+        if c.forward is None:
+            continue
+        outputs[name] = check_step(c, contexts[name], grad)
+        if truth is not None:
+            float64[NAMES.get(name, name)] = {TENSORS[key]: relative_error({key: outputs[name][key]}, {key: value})
+                                              for key, value in truth.items()}
+    del truth
+    pairs = [("shardmoe", "shardmoe:torch"), ("shardmoe", "transformers"), ("shardmoe:torch", "transformers")]
+    errors = {f"{NAMES.get(a, a)} vs {NAMES.get(b, b)}": relative_error(outputs[a], outputs[b])
+              for a, b in pairs if a in outputs and b in outputs}
+    del outputs
+    free(cuda)
+    problems += [f"{name}: {tensor} error vs float64 {err:.2e} > {CHECK_TOL:g}"
+                 for name in CHECKED for tensor, err in float64.get(name, {}).items() if not err <= CHECK_TOL]
+    problems += [f"{pair}: error {err:.2e} > {CHECK_TOL:g}" for pair, err in errors.items()
+                 if pair == "shardmoe vs shardmoe:torch" and not err <= CHECK_TOL]
+    return float64, errors, problems
 
 
 def split_timed(c, context, grad, clock: Clock):
@@ -132,44 +231,28 @@ def split_timed(c, context, grad, clock: Clock):
 def measure(shape_name: str, s: Shape, ctx) -> dict:
     import torch
 
-    from shardmoe.bench.case import relative_error
     from shardmoe.bench.timing import time_interleaved
     from shardmoe.moe import backends
-
-    from .parity import torch_context, triton_context
 
     dtype, device, cuda = torch.bfloat16, ctx.device, ctx.device == "cuda"
     warmup, repeats = (DRY_RUN_WARMUP, DRY_RUN_REPEATS) if ctx.dry_run else (WARMUP, REPEATS)
     print(f"  {shape_name}: {s}, bf16, building the candidates", flush=True)
-    cands, notes = build(s, dtype, device)
+    cands, inputs, notes = build(s, dtype, device)
     gen = torch.Generator().manual_seed(11)
     grad = (torch.randn(1, s.tokens, s.hidden, generator=gen) / s.hidden ** 0.5).to(device=device, dtype=dtype)
     layer = cands["shardmoe"].layer
-    contexts = {"dense": contextlib.nullcontext, "transformers": contextlib.nullcontext,
-                "shardmoe": lambda: triton_context(ctx.dry_run), "shardmoe:torch": torch_context}
+    steps_in = contexts()
     bases = {**cands, "shardmoe:torch": cands["shardmoe"]}
     chosen = {}
     for name in ("shardmoe", "shardmoe:torch"):
-        with contexts[name]():
+        with steps_in[name]():
             chosen[name] = backends.select(layer.config, grad).name
-    outputs = {}
-    for name, c in bases.items():
-        if c.forward is None:
-            continue
-        c.reset()
-        with contexts[name]():
-            out = output(c.forward())
-            out.backward(grad)
-        outputs[name] = {"y": out.detach(), **c.grads()}
-        c.reset()
-    pairs = [("shardmoe", "shardmoe:torch"), ("shardmoe", "transformers"), ("shardmoe:torch", "transformers")]
-    errors = {f"{NAMES.get(a, a)} vs {NAMES.get(b, b)}": relative_error(outputs[a], outputs[b])
-              for a, b in pairs if a in outputs and b in outputs}
-    del outputs
+    float64, errors, problems = check(bases, {**inputs, "shardmoe:torch": inputs["shardmoe"]}, steps_in, grad, cuda)
+    del inputs
     clock = Clock(cuda)
     timed, marks = {}, {}
     for name, c in bases.items():
-        timed[name], marks[name] = split_timed(c, contexts[name], grad, clock)
+        timed[name], marks[name] = split_timed(c, steps_in[name], grad, clock)
     times = time_interleaved(timed, warmup, repeats, device)
     peaks = {}
     if cuda:
@@ -205,12 +288,12 @@ def measure(shape_name: str, s: Shape, ctx) -> dict:
         r["fraction_of_dense"] = by_name["dense"]["median_ms"] / r["median_ms"]
         r["speedup_vs_grouped_mm"] = by_name["grouped_mm"]["median_ms"] / r["median_ms"] if "grouped_mm" in by_name \
             else None
-    problems = [f"{pair}: error {err:.2e} > {CHECK_TOL:g}" for pair, err in errors.items() if err > CHECK_TOL]
     problems += [f"{name}: expected the {want} backend, got {chosen[name]!r}"
                  for name, want in (("shardmoe", "triton"), ("shardmoe:torch", "torch")) if chosen[name] != want]
     result = {"shape_name": shape_name, "shape": asdict(s), "dtype": "bf16", "flops": flops,
               "expert_flops": expert_flops(s), "router_flops": router_flops(s), "warmup": warmup, "repeats": repeats,
-              "timing": "CUDA events" if cuda else "perf_counter (CPU)", "backends": chosen, "errors": errors,
+              "timing": "CUDA events" if cuda else "perf_counter (CPU)", "backends": chosen,
+              "float64_errors": float64, "checked": list(CHECKED), "check_tol": CHECK_TOL, "errors": errors,
               "rows": rows, "notes": notes, "problems": problems}
     if shape_name == SONICMOE["shape"]:
         result["sonicmoe"] = {**SONICMOE, "published_shape": asdict(SHAPES[SONICMOE["shape"]]),
@@ -218,9 +301,7 @@ def measure(shape_name: str, s: Shape, ctx) -> dict:
                               "shardmoe_forward_tflops": by_name["shardmoe"]["expert_forward_tflops"],
                               "shardmoe_backward_tflops": by_name["shardmoe"]["expert_backward_tflops"]}
     del cands, bases, timed, marks, layer
-    gc.collect()
-    if cuda:
-        torch.cuda.empty_cache()
+    free(cuda)
     return result
 
 
@@ -252,9 +333,19 @@ def markdown(result: dict) -> list[str]:
                          fmt(r["backward_tflops"], ".1f"), fmt(r["fraction_of_dense"], ".2f"),
                          fmt(r["speedup_vs_grouped_mm"], ".2f"), fmt(r["peak_gib"], ".2f"), r["repeats"]]
                         for r in c["rows"]])
-        lines += ["", "Check before timing (norm-relative error, output and every gradient): "
-                  + ", ".join(f"{pair} {err:.1e}" for pair, err in c["errors"].items())
+        lines += ["", "Check before timing: norm-relative error against float64 (the shardmoe layer in float64 on "
+                  "the torch path, same weights, input and output gradient), per tensor:", ""]
+        lines += table(["candidate", *TENSORS.values(), "bound"],
+                       [[name, *(fmt(errs.get(t), ".1e") for t in TENSORS.values()),
+                         f"<= {CHECK_TOL:g}" if name in CHECKED else "reported"]
+                        for name, errs in c.get("float64_errors", {}).items()])
+        lines += ["", "Between candidates (largest over the tensors): "
+                  + ", ".join(f"{pair} {err:.1e}" + (f" (<= {CHECK_TOL:g})" if pair == "shardmoe vs shardmoe:torch"
+                                                     else "") for pair, err in c["errors"].items())
                   + f"; backends {c['backends']}."]
+        if "grouped_mm" in c.get("float64_errors", {}):
+            lines += ["", "grouped_mm's errors are reported, not checked: transformers' block runs its router and "
+                      "experts in bf16."]
         sonic = c.get("sonicmoe")
         if sonic:
             caveat = "" if sonic["same_shape"] else " (this run's shape is not the published one: not comparable)"

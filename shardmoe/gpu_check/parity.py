@@ -23,7 +23,6 @@ case): an empty expert group in every case with tokens.
 """
 from __future__ import annotations
 
-import contextlib
 import math
 import traceback
 from dataclasses import dataclass, field
@@ -124,11 +123,12 @@ def build(case: Case, dtype_name: str, device: str, sizes: Sizes, seed: int = 0)
     return layer, x.reshape(shape).to(device, dtype), grad_out.reshape(shape).to(device, dtype)
 
 
-def triton_context(dry_run: bool):
-    """The kernel path: the default on CUDA; on CPU (a dry run) forced into the interpreter."""
+def triton_context():
+    """The kernel path, forced: on CUDA past kernels.KERNEL_MAX_FFN (the bench's Mixtral shape is
+    wider), on CPU (a dry run) into the interpreter."""
     from shardmoe import kernels
 
-    return kernels.force_kernel_path() if dry_run else contextlib.nullcontext()
+    return kernels.force_kernel_path()
 
 
 def torch_context():
@@ -170,7 +170,7 @@ def check_case(name: str, case: Case, dtype_name: str, device: str, sizes: Sizes
     from shardmoe.moe.reference import reference_forward_backward
 
     layer, x, grad_out = build(case, dtype_name, device, sizes)
-    backend, triton, stats = forward_backward(layer, x, grad_out, triton_context(dry_run))
+    backend, triton, stats = forward_backward(layer, x, grad_out, triton_context())
     per_expert = [int(v) for v in stats["tokens_per_expert"]]
     dropped = int(stats["dropped_tokens"])
     _, torch_path, _ = forward_backward(layer, x, grad_out, torch_context())

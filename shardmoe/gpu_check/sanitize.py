@@ -28,7 +28,7 @@ def run_workload(device: str, dry_run: bool) -> list[str]:
     lines = []
     for name, dtype_name in WORKLOAD:
         layer, x, grad_out = parity.build(parity.CASES[name], dtype_name, device, sizes)
-        backend, tensors, stats = parity.forward_backward(layer, x, grad_out, parity.triton_context(dry_run))
+        backend, tensors, stats = parity.forward_backward(layer, x, grad_out, parity.triton_context())
         if device == "cuda":
             torch.cuda.synchronize()
         assert backend == "triton", f"{name} {dtype_name}: expected the Triton backend, got {backend!r}"

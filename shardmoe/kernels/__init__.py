@@ -24,7 +24,14 @@ KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 # test holds the two equal), and for "glu" the clamped SwiGLU besides (activations.glu)
 KERNEL_ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "silu", "identity")
 
-_forced_on_cpu = False  # set only by force_kernel_path(), a test switch
+# The widest expert (F) the kernels take by default. Measured on an H100 (bf16, forward + backward,
+# docs/benchmarks.md): at F=256 (E=128, k=8) the kernels were 2.2x the torch path, at F=14336
+# (E=8, k=2) the torch path (cuBLAS GEMMs) was 2.1x the kernels, whose weight-gradient GEMMs ran
+# at 135 TFLOP/s. Between the two nothing is measured yet; 4096 keeps DeepSeek-V3 (2048),
+# GPT-OSS (2880) and Qwen3 (768, 1536) on the kernels and sends Mixtral-sized experts to cuBLAS.
+KERNEL_MAX_FFN = 4096
+
+_forced = False  # set only by force_kernel_path(), a test and measurement switch
 
 
 @functools.cache
@@ -57,16 +64,17 @@ def available(tensor: torch.Tensor, cuda_only: bool = True) -> bool:
 
 @contextlib.contextmanager
 def force_kernel_path():
-    """Test switch: inside it, fused_path() also accepts CPU tensors, so the wiring
-    runs the Triton kernels under TRITON_INTERPRET=1 (tests/kernels/ sets it).
+    """Test and measurement switch: inside it, fused_path() takes every layer past KERNEL_MAX_FFN
+    (to time the kernels where the torch path is the default) and also accepts CPU tensors, so the
+    wiring runs the Triton kernels under TRITON_INTERPRET=1 (tests/kernels/ sets it).
     `available()` is unaffected: normal CPU use never reaches the interpreter.
     """
-    global _forced_on_cpu
-    previous, _forced_on_cpu = _forced_on_cpu, True
+    global _forced
+    previous, _forced = _forced, True
     try:
         yield
     finally:
-        _forced_on_cpu = previous
+        _forced = previous
 
 
 def fused_path(config, x: torch.Tensor) -> bool:
@@ -76,8 +84,10 @@ def fused_path(config, x: torch.Tensor) -> bool:
     importable and SETTINGS.kernels is on, whatever the layer: the kernels implement every expert
     kind, bias, activation (the clamped SwiGLU included) and capacity drop that MoEConfig accepts.
     The router (every score function, bias and loss) and a shared expert (a dense GEMM pair over
-    all tokens, moe/shared_experts.py) run in torch beside the backend on every path. A config
-    option the kernels do not implement would fall back to torch by adding one condition on
-    `config` here.
+    all tokens, moe/shared_experts.py) run in torch beside the backend on every path. The one
+    condition on `config` is measured speed: experts wider than KERNEL_MAX_FFN go to the torch
+    path, whose cuBLAS GEMMs were faster there (force_kernel_path() overrides it).
     """
-    return available(x) or (_forced_on_cpu and available(x, cuda_only=False))
+    if _forced:
+        return available(x, cuda_only=False)
+    return available(x) and config.ffn_size <= KERNEL_MAX_FFN

@@ -40,3 +40,16 @@ def test_refusals_fall_back_to_torch(monkeypatch):
         assert fused_path(_config(), x.half()) is False
         monkeypatch.setattr(SETTINGS, "kernels", False)
         assert fused_path(_config(), x) is False
+
+
+def test_wide_experts_go_to_the_torch_path_unless_forced(monkeypatch):
+    """On CUDA the kernels take experts up to KERNEL_MAX_FFN wide (measured: past it cuBLAS won);
+    force_kernel_path() takes every width (the GPU bench times the kernels at the Mixtral shape)."""
+    import shardmoe.kernels as kernels
+
+    x = torch.zeros(3, 8)
+    monkeypatch.setattr(kernels, "available", lambda t, cuda_only=True: True)  # as for a CUDA tensor
+    assert fused_path(_config(ffn_size=kernels.KERNEL_MAX_FFN), x) is True
+    assert fused_path(_config(ffn_size=kernels.KERNEL_MAX_FFN + 1), x) is False
+    with force_kernel_path():
+        assert fused_path(_config(ffn_size=kernels.KERNEL_MAX_FFN + 1), x) is True
