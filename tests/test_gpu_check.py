@@ -116,23 +116,24 @@ def test_bench_times_every_candidate_and_prints_sonicmoe_beside_ours(dry_run):
     assert [c["shape_name"] for c in cases] == list(bench.DRY_RUN_SHAPES)
     for c in cases:
         rows = {r["candidate"]: r for r in c["rows"]}
-        assert set(rows) == {"dense", "grouped_mm", "shardmoe", "shardmoe:torch"}
+        assert set(rows) == {"dense", "grouped_mm", "shardmoe", "shardmoe:dh-once", "shardmoe:torch"}
         for r in rows.values():
             assert r["median_ms"] > 0 and r["tflops"] > 0 and r["repeats"] == bench.DRY_RUN_REPEATS
-        for name in ("grouped_mm", "shardmoe", "shardmoe:torch"):
+        for name in ("grouped_mm", "shardmoe", "shardmoe:dh-once", "shardmoe:torch"):
             assert rows[name]["forward_ms"] > 0 and rows[name]["backward_ms"] > 0
-        assert c["backends"] == {"shardmoe": "triton", "shardmoe:torch": "torch"}
-        assert set(c["errors"]) == {"shardmoe vs shardmoe:torch", "shardmoe vs grouped_mm",
-                                    "shardmoe:torch vs grouped_mm"}
+        assert c["backends"] == {"shardmoe": "triton", "shardmoe:dh-once": "triton", "shardmoe:torch": "torch"}
+        assert set(c["errors"]) == {"shardmoe vs shardmoe:torch", "shardmoe:dh-once vs shardmoe:torch",
+                                    "shardmoe vs grouped_mm", "shardmoe:torch vs grouped_mm"}
         assert all(math.isfinite(err) for err in c["errors"].values())
         assert c["errors"]["shardmoe vs shardmoe:torch"] < bench.CHECK_TOL and not c["problems"]
+        assert c["errors"]["shardmoe:dh-once vs shardmoe:torch"] < bench.CHECK_TOL
         float64 = c["float64_errors"]
-        assert set(float64) == {"grouped_mm", "shardmoe", "shardmoe:torch"}
-        assert c["checked"] == ["shardmoe", "shardmoe:torch"] and c["check_tol"] == bench.CHECK_TOL
+        assert set(float64) == {"grouped_mm", "shardmoe", "shardmoe:dh-once", "shardmoe:torch"}
+        assert c["checked"] == ["shardmoe", "shardmoe:dh-once", "shardmoe:torch"] and c["check_tol"] == bench.CHECK_TOL
         for name, errors in float64.items():
             assert set(errors) == {"y", "x", "router", "gate_up", "down"}, name
             assert all(math.isfinite(err) and err > 0 for err in errors.values()), (name, errors)
-        assert max(max(float64["shardmoe"].values()), max(float64["shardmoe:torch"].values())) < bench.CHECK_TOL
+        assert max(max(float64[name].values()) for name in bench.CHECKED) < bench.CHECK_TOL
     sonic = cases[1]["sonicmoe"]
     assert sonic["same_shape"] is False and sonic["shardmoe_forward_tflops"] > 0
 
@@ -147,21 +148,22 @@ def bench_check_inputs():
 
 def bench_check(s, grad):
     cands, inputs, notes = bench.build(s, torch.bfloat16, "cpu")
-    bases = {**cands, "shardmoe:torch": cands["shardmoe"]}
-    return notes, bench.check(bases, {**inputs, "shardmoe:torch": inputs["shardmoe"]}, bench.contexts(), grad, False)
+    bases = {**cands, **{name: cands["shardmoe"] for name in bench.LAYER_VARIANTS}}
+    return notes, bench.check(bases, {**inputs, **{name: inputs["shardmoe"] for name in bench.LAYER_VARIANTS}},
+                              bench.contexts(), grad, False)
 
 
-@pytest.mark.parametrize("name, value", [("shardmoe", 5e-2), ("shardmoe", float("nan")), ("shardmoe:torch", 5e-2),
-                                         ("transformers", 5e-2)])
+@pytest.mark.parametrize("name, value", [("shardmoe", 5e-2), ("shardmoe", float("nan")), ("shardmoe:dh-once", 5e-2),
+                                         ("shardmoe:torch", 5e-2), ("transformers", 5e-2)])
 def test_a_wrong_bench_output_fails_the_check_unless_it_is_grouped_mm(monkeypatch, bench_check_inputs, name, value):
-    """An output off by `value` relative (or NaN) against float64 fails the stage for shardmoe's two
+    """An output off by `value` relative (or NaN) against float64 fails the stage for shardmoe's own
     paths; grouped_mm's error is reported only (transformers' block runs in bf16)."""
     real, calls = bench.check_step, []
-    order = ["transformers", "shardmoe", "shardmoe:torch"]  # the check's order; dense has no forward
+    order = ["transformers", "shardmoe", "shardmoe:dh-once", "shardmoe:torch"]  # the check's order; dense: no forward
 
     def corrupted(c, context, grad):
         result = real(c, context, grad)
-        calls.append(c.name)  # shardmoe:torch steps the shardmoe candidate in its own context
+        calls.append(c.name)  # the layer variants step the shardmoe candidate in their own contexts
         if order[len(calls) - 1] == name:
             y = result["y"]
             result["y"] = y * (1 + value) if value == value else torch.full_like(y, value)
@@ -169,7 +171,7 @@ def test_a_wrong_bench_output_fails_the_check_unless_it_is_grouped_mm(monkeypatc
 
     monkeypatch.setattr(bench, "check_step", corrupted)
     _, (float64, errors, problems) = bench_check(*bench_check_inputs)
-    assert calls == ["transformers", "shardmoe", "shardmoe"]
+    assert calls == ["transformers", "shardmoe", "shardmoe", "shardmoe"]
     shown = bench.NAMES.get(name, name)
     assert float64[shown]["y"] > bench.CHECK_TOL if value == value else float64[shown]["y"] == math.inf
     assert all(err < bench.CHECK_TOL for other, errs in float64.items() if other != shown
@@ -178,7 +180,8 @@ def test_a_wrong_bench_output_fails_the_check_unless_it_is_grouped_mm(monkeypatc
         assert not problems and errors["shardmoe vs shardmoe:torch"] < bench.CHECK_TOL
     else:
         assert problems[0].startswith(f"{name}: y error vs float64 "), problems
-        assert problems[-1].startswith("shardmoe vs shardmoe:torch: error "), problems
+        pair = "shardmoe:dh-once vs shardmoe:torch" if name == "shardmoe:dh-once" else "shardmoe vs shardmoe:torch"
+        assert any(p.startswith(f"{pair}: error ") for p in problems), problems
 
 
 def test_bench_check_without_transformers_has_a_float64_truth(monkeypatch, bench_check_inputs):
@@ -191,7 +194,8 @@ def test_bench_check_without_transformers_has_a_float64_truth(monkeypatch, bench
     monkeypatch.setattr(candidates, "build_candidates", broken)
     notes, (float64, errors, problems) = bench_check(*bench_check_inputs)
     assert notes == ["grouped_mm left out: transformers' block could not be built (ImportError: no transformers here)"]
-    assert set(float64) == {"shardmoe", "shardmoe:torch"} and list(errors) == ["shardmoe vs shardmoe:torch"]
+    assert set(float64) == set(bench.CHECKED)
+    assert list(errors) == ["shardmoe vs shardmoe:torch", "shardmoe:dh-once vs shardmoe:torch"]
     assert all(0 < err < bench.CHECK_TOL for errs in float64.values() for err in errs.values()), float64
     assert not problems
 

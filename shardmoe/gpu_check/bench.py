@@ -5,6 +5,8 @@ Candidates, built by shardmoe.bench.candidates on the same weights and input (fi
                   FLOPs in the same operand shapes (dense_candidate): the ceiling
   grouped_mm      transformers' MixtralSparseMoeBlock, experts_implementation="grouped_mm"
   shardmoe        shardmoe.MoE.from_mixtral(that block): the Triton path (forced: parity.triton_context)
+  shardmoe:dh-once  the same layer on the Triton path with settings glu_grad_on_load off: the glu's
+                  dh formed once in torch, then plain GEMMs (the A/B of docs/kernels.md)
   shardmoe:torch  the same layer under shardmoe.settings.override(kernels=False)
 Without transformers the layer gets the same weights directly (_layer_candidate; checked against
 float64 the same way) and grouped_mm is left out (noted).
@@ -21,8 +23,8 @@ Before timing, one step of each module candidate is checked against a float64 tr
 a deep copy of the shardmoe layer in float64 on the torch path, on the same bf16-rounded weights,
 input and output gradient upcast). Per candidate and per tensor (output y, dL/dx, the router's,
 gate_up's and down's gradients) the report gives the norm-relative error (bench.case.relative_error)
-against it, and per pair of candidates the largest over those tensors. The stage fails when
-shardmoe or shardmoe:torch is above CHECK_TOL against float64, or shardmoe vs shardmoe:torch is;
+against it, and per pair of candidates the largest over those tensors. The stage fails when one of
+shardmoe's own paths (CHECKED) is above CHECK_TOL against float64, or two of them are apart by more;
 grouped_mm's errors are reported only: transformers' block runs its router and experts in bf16
 (about 4e-2 to 7e-2 against float64 on an H100 at both shapes' H, F, E, k, shardmoe's below 5e-3).
 The float64 layer and its tensors are freed before timing (about 11 GB of weights at mixtral).
@@ -51,7 +53,9 @@ CHECK_TOL = 2e-2  # bf16 norm-relative error against float64, and between shardm
 NAMES = {"transformers": "grouped_mm"}  # the bench's candidate name -> this report's
 # the check's tensors: grads()' keys -> this report's names (p0 is the router's [E, H] gradient)
 TENSORS = {"y": "y", "x": "x", "p0": "router", "p1": "gate_up", "p2": "down"}
-CHECKED = ("shardmoe", "shardmoe:torch")  # held to CHECK_TOL against float64; the others are reported
+LAYER_VARIANTS = ("shardmoe:dh-once", "shardmoe:torch")  # the shardmoe candidate's layer in another context
+BACKENDS = {"shardmoe": "triton", "shardmoe:dh-once": "triton", "shardmoe:torch": "torch"}  # what each must run
+CHECKED = tuple(BACKENDS)  # held to CHECK_TOL against float64 and each other; the others are reported
 
 
 class Clock:
@@ -127,11 +131,18 @@ def output(value):
 
 def contexts() -> dict:
     """Each candidate's context for its steps: shardmoe on the Triton path (parity.triton_context:
-    forced), shardmoe:torch off it."""
+    forced), shardmoe:dh-once there with glu_grad_on_load off, shardmoe:torch off the kernels."""
+    from shardmoe import settings
+
     from .parity import torch_context, triton_context
 
+    @contextlib.contextmanager
+    def dh_once():
+        with triton_context(), settings.override(glu_grad_on_load=False):
+            yield
+
     return {"dense": contextlib.nullcontext, "transformers": contextlib.nullcontext,
-            "shardmoe": triton_context, "shardmoe:torch": torch_context}
+            "shardmoe": triton_context, "shardmoe:dh-once": dh_once, "shardmoe:torch": torch_context}
 
 
 def free(cuda: bool) -> None:
@@ -197,7 +208,8 @@ def check(bases: dict, inputs: dict, contexts: dict, grad, cuda: bool) -> tuple[
             float64[NAMES.get(name, name)] = {TENSORS[key]: relative_error({key: outputs[name][key]}, {key: value})
                                               for key, value in truth.items()}
     del truth
-    pairs = [("shardmoe", "shardmoe:torch"), ("shardmoe", "transformers"), ("shardmoe:torch", "transformers")]
+    pairs = [("shardmoe", "shardmoe:torch"), ("shardmoe:dh-once", "shardmoe:torch"), ("shardmoe", "transformers"),
+             ("shardmoe:torch", "transformers")]
     errors = {f"{NAMES.get(a, a)} vs {NAMES.get(b, b)}": relative_error(outputs[a], outputs[b])
               for a, b in pairs if a in outputs and b in outputs}
     del outputs
@@ -205,8 +217,13 @@ def check(bases: dict, inputs: dict, contexts: dict, grad, cuda: bool) -> tuple[
     problems += [f"{name}: {tensor} error vs float64 {err:.2e} > {CHECK_TOL:g}"
                  for name in CHECKED for tensor, err in float64.get(name, {}).items() if not err <= CHECK_TOL]
     problems += [f"{pair}: error {err:.2e} > {CHECK_TOL:g}" for pair, err in errors.items()
-                 if pair == "shardmoe vs shardmoe:torch" and not err <= CHECK_TOL]
+                 if _held(pair) and not err <= CHECK_TOL]
     return float64, errors, problems
+
+
+def _held(pair: str) -> bool:
+    """Whether a pair's error is held to CHECK_TOL: both sides are shardmoe's own paths."""
+    return all(name in CHECKED for name in pair.split(" vs "))
 
 
 def split_timed(c, context, grad, clock: Clock):
@@ -242,12 +259,13 @@ def measure(shape_name: str, s: Shape, ctx) -> dict:
     grad = (torch.randn(1, s.tokens, s.hidden, generator=gen) / s.hidden ** 0.5).to(device=device, dtype=dtype)
     layer = cands["shardmoe"].layer
     steps_in = contexts()
-    bases = {**cands, "shardmoe:torch": cands["shardmoe"]}
+    bases = {**cands, **{name: cands["shardmoe"] for name in LAYER_VARIANTS}}
     chosen = {}
-    for name in ("shardmoe", "shardmoe:torch"):
+    for name in BACKENDS:
         with steps_in[name]():
             chosen[name] = backends.select(layer.config, grad).name
-    float64, errors, problems = check(bases, {**inputs, "shardmoe:torch": inputs["shardmoe"]}, steps_in, grad, cuda)
+    float64, errors, problems = check(bases, {**inputs, **{name: inputs["shardmoe"] for name in LAYER_VARIANTS}},
+                                      steps_in, grad, cuda)
     del inputs
     clock = Clock(cuda)
     timed, marks = {}, {}
@@ -289,7 +307,7 @@ def measure(shape_name: str, s: Shape, ctx) -> dict:
         r["speedup_vs_grouped_mm"] = by_name["grouped_mm"]["median_ms"] / r["median_ms"] if "grouped_mm" in by_name \
             else None
     problems += [f"{name}: expected the {want} backend, got {chosen[name]!r}"
-                 for name, want in (("shardmoe", "triton"), ("shardmoe:torch", "torch")) if chosen[name] != want]
+                 for name, want in BACKENDS.items() if chosen[name] != want]
     result = {"shape_name": shape_name, "shape": asdict(s), "dtype": "bf16", "flops": flops,
               "expert_flops": expert_flops(s), "router_flops": router_flops(s), "warmup": warmup, "repeats": repeats,
               "timing": "CUDA events" if cuda else "perf_counter (CPU)", "backends": chosen,
@@ -340,8 +358,8 @@ def markdown(result: dict) -> list[str]:
                          f"<= {CHECK_TOL:g}" if name in CHECKED else "reported"]
                         for name, errs in c.get("float64_errors", {}).items()])
         lines += ["", "Between candidates (largest over the tensors): "
-                  + ", ".join(f"{pair} {err:.1e}" + (f" (<= {CHECK_TOL:g})" if pair == "shardmoe vs shardmoe:torch"
-                                                     else "") for pair, err in c["errors"].items())
+                  + ", ".join(f"{pair} {err:.1e}" + (f" (<= {CHECK_TOL:g})" if _held(pair) else "")
+                              for pair, err in c["errors"].items())
                   + f"; backends {c['backends']}."]
         if "grouped_mm" in c.get("float64_errors", {}):
             lines += ["", "grouped_mm's errors are reported, not checked: transformers' block runs its router and "

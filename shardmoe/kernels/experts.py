@@ -144,6 +144,15 @@ def grad_pre_gemm_glu(grad_a: torch.Tensor, h: torch.Tensor, act_gate: torch.Ten
     return grad_x, grad_gate_up, grad_gate_up_bias
 
 
+def grad_pre_gemm_given(grad_h: torch.Tensor, xs: torch.Tensor, weight: torch.Tensor, groups, has_bias: bool = False,
+                        *, row_index=None):
+    """Stage 4's two GEMMs on a gradient already formed, dh [N, C] (glu: C = 2F):
+    (dx = dh W_e [N, H], dW_e = sum dh^T x [E, C, H], db_e = sum dh [E, C] with has_bias, else None)."""
+    grad_x, _, _ = grad_gemm(grad_h, weight, groups)
+    grad_w, grad_b = weight_grad(grad_h, xs, groups, width=weight.shape[1], x_index=row_index, with_bias=has_bias)
+    return grad_x, grad_w, grad_b
+
+
 def grad_post_gemm_mlp(grad_expert: torch.Tensor, z2: torch.Tensor, a1: torch.Tensor, w2: torch.Tensor,
                        has_bias: bool, groups, output_activation: str):
     """Stage 3 for "mlp": (da1 = dz2 W2_e [N, P], dW2_e = sum dz2^T a1 [E, H, P], db2 [E, H] or None)

@@ -220,6 +220,25 @@ def grad_post_gemm_glu(grad_rows: torch.Tensor, weight_rows: torch.Tensor, a: to
     return grad_a, grad_down, g_down, grad_down_bias
 
 
+def glu_grad(grad_a: torch.Tensor, h: torch.Tensor, act_gate: torch.Tensor, activation: str | ClampedSwiGLU, *,
+             workspace: Workspace | None = None) -> torch.Tensor:
+    """dh = [dA hu act'(hg) | dA act(hg)] [N, 2F] from dA [N, F], h = [hg | hu] [N, 2F] and act(hg)
+    [N, F] (a ClampedSwiGLU by its own derivative): one C++ pass on CPU where it applies, else torch."""
+    ffn = act_gate.shape[-1]
+    grad_h = empty_rows(workspace, h.shape, h)
+    if elementwise.available(grad_a, h, act_gate, activation=activation):
+        return elementwise.glu_backward(grad_a, h, act_gate, activation, out=grad_h)
+    # one pass per row chunk: the [N, F] intermediate dA * hu never leaves the cache
+    for c in row_chunks(h):
+        gate, up = h[c, :ffn], h[c, ffn:]
+        if isinstance(activation, ClampedSwiGLU):
+            activation.backward(grad_a[c], gate, up, act_gate[c], grad_h[c, :ffn], grad_h[c, ffn:])
+            continue
+        grad_h[c, :ffn] = activate_backward(activation, grad_a[c] * up, gate)
+        torch.mul(grad_a[c], act_gate[c], out=grad_h[c, ffn:])
+    return grad_h
+
+
 def grad_pre_gemm_glu(grad_a: torch.Tensor, h: torch.Tensor, act_gate: torch.Tensor, xs: torch.Tensor,
                       gate_up_proj: torch.Tensor, groups: Groups, activation: str | ClampedSwiGLU,
                       has_bias: bool = False, *, workspace: Workspace | None = None):
@@ -227,19 +246,7 @@ def grad_pre_gemm_glu(grad_a: torch.Tensor, h: torch.Tensor, act_gate: torch.Ten
       dhg = (dA * hu) * act'(hg);  dhu = dA * act(hg);  dh = [dhg | dhu]   [N, 2F]
       dWgu_e = sum dh^T x   [E, 2F, H];   dx = dh Wgu_e   [N, H];   dbgu_e = sum dh  [E, 2F] (has_bias)
     (a ClampedSwiGLU computes dh by its own derivative, ClampedSwiGLU.backward)"""
-    ffn = act_gate.shape[-1]
-    grad_h = empty_rows(workspace, h.shape, h)
-    if elementwise.available(grad_a, h, act_gate, activation=activation):
-        elementwise.glu_backward(grad_a, h, act_gate, activation, out=grad_h)
-    else:
-        # one pass per row chunk: the [N, F] intermediate dA * hu never leaves the cache
-        for c in row_chunks(h):
-            gate, up = h[c, :ffn], h[c, ffn:]
-            if isinstance(activation, ClampedSwiGLU):
-                activation.backward(grad_a[c], gate, up, act_gate[c], grad_h[c, :ffn], grad_h[c, ffn:])
-                continue
-            grad_h[c, :ffn] = activate_backward(activation, grad_a[c] * up, gate)
-            torch.mul(grad_a[c], act_gate[c], out=grad_h[c, ffn:])
+    grad_h = glu_grad(grad_a, h, act_gate, activation, workspace=workspace)
     grad_bias = grouped_bias_grad(grad_h, groups) if has_bias else None
     return (grouped_linear_t(grad_h, gate_up_proj, groups, workspace=workspace), grouped_weight_grad(grad_h, xs, groups),
             grad_bias)

@@ -44,8 +44,9 @@ from shardmoe.expert_kinds import GLU, MLP, ExpertKind
 from shardmoe.kernels import combine as kernel_combine
 from shardmoe.kernels import experts as kernel_experts
 from shardmoe.moe.activations import activate
-from shardmoe.moe.experts import glu_activation
+from shardmoe.moe.experts import glu_activation, glu_grad
 from shardmoe.rows import Groups
+from shardmoe.settings import SETTINGS
 
 
 def expert_backward(kind: ExpertKind, activation, output_activation: str, grad_rows: torch.Tensor,
@@ -67,10 +68,21 @@ def _glu_backward(activation, output_activation, grad_rows, weight_rows, xs, sav
     grad_a, grad_down, grad_dots, grad_down_bias = kernel_experts.grad_gate_post_gemm_glu(
         grad_rows, weight_rows, a, params["down_proj"], groups, params.get("down_proj_bias"), has_bias,
         row_index=row_index)
-    grad_xs, grad_gate_up, grad_gate_up_bias = kernel_experts.grad_pre_gemm_glu(
+    grad_xs, grad_gate_up, grad_gate_up_bias = grad_pre_gemm_glu(
         grad_a, h, act_gate, xs, params["gate_up_proj"], groups, activation, has_bias, row_index=row_index)
     return grad_xs, grad_dots, {"gate_up_proj": grad_gate_up, "gate_up_proj_bias": grad_gate_up_bias,
                                 "down_proj": grad_down, "down_proj_bias": grad_down_bias}
+
+
+def grad_pre_gemm_glu(grad_a, h, act_gate, xs, gate_up_proj, groups, activation, has_bias, *, row_index=None):
+    """Stage 4 for "glu" on the kernels: dh formed on load inside both GEMMs (the default), or with
+    shardmoe.settings glu_grad_on_load off once in torch (glu_grad) and read by plain GEMMs, so no
+    activation work is repeated per output tile (an A/B for the GPU bench, docs/kernels.md)."""
+    if SETTINGS.glu_grad_on_load:
+        return kernel_experts.grad_pre_gemm_glu(grad_a, h, act_gate, xs, gate_up_proj, groups, activation, has_bias,
+                                                row_index=row_index)
+    return kernel_experts.grad_pre_gemm_given(glu_grad(grad_a, h, act_gate, activation), xs, gate_up_proj, groups,
+                                              has_bias, row_index=row_index)
 
 
 def _mlp_backward(activation, output_activation, grad_rows, weight_rows, xs, saved, params, groups, row_index):
@@ -131,7 +143,7 @@ class TritonBackend:
         return kernel_experts.grad_post_gemm_glu(grad_rows, weight_rows, a, down_proj, groups, has_bias)
 
     def grad_pre_gemm_glu(self, grad_a, h, act_gate, xs, gate_up_proj, groups, activation, has_bias=False):
-        return kernel_experts.grad_pre_gemm_glu(grad_a, h, act_gate, xs, gate_up_proj, groups, activation, has_bias)
+        return grad_pre_gemm_glu(grad_a, h, act_gate, xs, gate_up_proj, groups, activation, has_bias)
 
     def grad_post_gemm_mlp(self, grad_expert, z2, a1, w2, has_bias, groups, output_activation):
         return kernel_experts.grad_post_gemm_mlp(grad_expert, z2, a1, w2, has_bias, groups, output_activation)

@@ -74,10 +74,14 @@ CONFIGS = [
     dict(expert="glu", activation="clamped_swiglu", swiglu_limit=0.5, bias=True),
 ]
 CONFIG_IDS = ["glu-silu", "mlp-gelu-bias", "glu-clamped-bias"]
+# (options, shardmoe.settings glu_grad_on_load): glu's dh formed on load in both stage-4 GEMMs (the
+# default) and formed once in torch (the A/B the GPU bench times)
+CASES = [(c, True) for c in CONFIGS] + [(c, False) for c in CONFIGS if c["expert"] == "glu"]
+CASE_IDS = CONFIG_IDS + [f"{i}-dh-once" for c, i in zip(CONFIGS, CONFIG_IDS) if c["expert"] == "glu"]
 
 
-@pytest.mark.parametrize("options", CONFIGS, ids=CONFIG_IDS)
-def test_layer_forward_backward(device, routed, expert_params, cast, rel_err, options):
+@pytest.mark.parametrize("options,on_load", CASES, ids=CASE_IDS)
+def test_layer_forward_backward(device, routed, expert_params, cast, rel_err, options, on_load):
     config = MoEConfig(hidden_size=routed.x.shape[1], ffn_size=expert_params("glu", False, "cpu")["down_proj"].shape[2],
                        num_experts=6, top_k=2, capacity_factor=1.0, aux_loss_coef=0.01, z_loss_coef=0.001, **options)
     gen = torch.Generator().manual_seed(11)
@@ -89,7 +93,8 @@ def test_layer_forward_backward(device, routed, expert_params, cast, rel_err, op
     params = expert_params(config.expert, config.bias, device)
     grad_loss = torch.tensor(0.7, dtype=F64, device=device)
     expected = fused_operator(x, gate_weight, params, config, routed.grad_out, grad_loss)
-    got = kernel_moe(*cast((x, gate_weight, params), F32), config, routed.grad_out.to(F32), grad_loss.to(F32))
+    with settings.override(glu_grad_on_load=on_load):
+        got = kernel_moe(*cast((x, gate_weight, params), F32), config, routed.grad_out.to(F32), grad_loss.to(F32))
 
     # Same routing decisions in both precisions: an empty expert and capacity drops included.
     assert torch.equal(got[3].row_pair, expected[3].row_pair)
@@ -106,8 +111,8 @@ def test_layer_forward_backward(device, routed, expert_params, cast, rel_err, op
             assert rel_err(got[2][name], grad) < TOL, name
 
 
-@pytest.mark.parametrize("options", CONFIGS, ids=CONFIG_IDS)
-def test_layer_forward_backward_bf16(device, routed, expert_params, cast, rel_err, options):
+@pytest.mark.parametrize("options,on_load", CASES, ids=CASE_IDS)
+def test_layer_forward_backward_bf16(device, routed, expert_params, cast, rel_err, options, on_load):
     """bfloat16 storage, float32 accumulation: within bfloat16 round-off (unit round-off
     2^-9, a few roundings per stage) of the float64 layer on the same bf16-representable
     inputs. On CPU the interpreter multiplies in float32 (its bfloat16 dot is wrong), so
@@ -135,7 +140,8 @@ def test_layer_forward_backward_bf16(device, routed, expert_params, cast, rel_er
     else:  # measured at most 3.6e-3 (output) and 1.1e-2 (gradients) from float64
         expected = fused_operator(x, gate_weight, params, config, grad_out.to(F64), grad_loss)
         bound = 2e-2
-    got = kernel_moe(*cast((x, gate_weight, params), bf16), config, grad_out, grad_loss.to(F32))
+    with settings.override(glu_grad_on_load=on_load):
+        got = kernel_moe(*cast((x, gate_weight, params), bf16), config, grad_out, grad_loss.to(F32))
 
     assert torch.equal(got[3].row_pair, expected[3].row_pair)
     assert got[0].dtype == F32 and rel_err(got[0], expected[0]) < bound
