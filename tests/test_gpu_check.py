@@ -2,6 +2,7 @@
 a temporary directory, the content of report.json and report.md for every stage, the argument
 errors, the runner's isolation of a failing stage, merging reports, and the compiled-mode switch
 of tests/kernels/conftest.py."""
+import dataclasses
 import json
 import math
 import os
@@ -15,7 +16,7 @@ import pytest
 import torch
 
 from shardmoe import gpu_check
-from shardmoe.gpu_check import bench, parity, pytest_stage, runner, sanitize, sanitizer
+from shardmoe.gpu_check import bench, parity, pytest_stage, runner, sanitize, sanitizer, sweep
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
@@ -37,7 +38,7 @@ def test_dry_run_passes_every_stage_and_skips_only_the_sanitizer(dry_run):
     assert list(report["stages"]) == list(gpu_check.STAGE_NAMES)
     statuses = {name: entry["status"] for name, entry in report["stages"].items()}
     assert statuses == {"env": "ok", "tests": "ok", "sanitizer": "skipped", "parity": "ok", "bench": "ok",
-                        "calibrate": "ok"}, output
+                        "sweep": "ok", "calibrate": "ok"}, output
     assert report["runs"][0]["dry_run"] is True and report["runs"][0]["device"] == "cpu"
     assert all(entry["error"] is None and entry["seconds"] > 0 for entry in report["stages"].values())
 
@@ -138,6 +139,70 @@ def test_bench_times_every_candidate_and_prints_sonicmoe_beside_ours(dry_run):
     assert sonic["same_shape"] is False and sonic["shardmoe_forward_tflops"] > 0
 
 
+def test_sweep_times_the_three_paths_at_every_width(dry_run):
+    from shardmoe.kernels import KERNEL_MAX_FFN
+
+    result = dry_run[2]["stages"]["sweep"]["result"]
+    assert result["ffns"] == list(sweep.DRY_RUN_FFNS) and not result["left_out"] and result["passed"]
+    assert result["shape"] == {"tokens": 64, "hidden": 32, "experts": 4, "top_k": 2}
+    assert [r["ffn"] for r in result["rows"]] == list(sweep.DRY_RUN_FFNS)
+    for r in result["rows"]:
+        assert set(r["median_ms"]) == set(sweep.PATHS) and all(ms > 0 for ms in r["median_ms"].values()), r
+        assert r["repeats"] == bench.DRY_RUN_REPEATS
+        assert r["backends"] == {"shardmoe": "triton", "shardmoe:dh-once": "triton", "shardmoe:torch": "torch"}
+        assert not r["problems"] and all(0 < err < bench.CHECK_TOL for err in r["errors"].values()), r
+        assert r["torch_over_kernels"] == pytest.approx(r["median_ms"]["shardmoe:torch"] / r["median_ms"]["shardmoe"])
+        assert r["torch_over_dh_once"] == pytest.approx(
+            r["median_ms"]["shardmoe:torch"] / r["median_ms"]["shardmoe:dh-once"])
+    assert "crossover_ffn" in result and result["crossover_ffn"] == sweep.crossover(result["rows"])
+    assert result["kernel_max_ffn"] == KERNEL_MAX_FFN
+    md = dry_run[3]
+    assert "| F | kernels ms | dh-once ms | torch ms | torch/kernels | torch/dh-once |" in md
+    assert f"kernels.KERNEL_MAX_FFN is {KERNEL_MAX_FFN} (not changed by this stage)" in md
+
+
+def test_sweep_crossover_and_budget(monkeypatch):
+    """The crossover is the widest F whose better kernel variant is not slower; F values past the
+    budget are listed as not run and fail the stage."""
+    def row(ffn, kernels_ms, dh_once_ms, torch_ms=10.0):
+        return {"ffn": ffn, "median_ms": {"shardmoe": kernels_ms, "shardmoe:dh-once": dh_once_ms,
+                                          "shardmoe:torch": torch_ms}, "repeats": 2, "backends": {}, "errors": {},
+                "torch_over_kernels": torch_ms / kernels_ms, "torch_over_dh_once": torch_ms / dh_once_ms,
+                "problems": []}
+
+    assert sweep.crossover([row(16, 5, 20), row(32, 20, 10), row(48, 11, 12)]) == 32
+    assert sweep.crossover([row(16, 11, 12)]) is None
+    measured = {16: row(16, 5, 20), 32: row(32, 20, 9)}
+    monkeypatch.setattr(sweep, "measure", lambda s, ctx: measured[s.ffn])
+    progress = []
+    ctx = types.SimpleNamespace(dry_run=True, device="cpu", out_of_time=lambda: len(progress) >= 2,
+                                progress=lambda partial: progress.append(len(partial["rows"])))
+    result = sweep.run(ctx)
+    assert progress == [1, 2] and result["left_out"] == [48] and result["passed"] is False
+    assert result["crossover_ffn"] == 32
+    md = "\n".join(sweep.markdown(result))
+    assert "up to F=32 (the widest measured)" in md and "Not run (budget spent): F = 48" in md
+
+
+def test_a_wrong_kernel_output_is_a_sweep_problem_and_the_timing_still_runs(monkeypatch):
+    real, calls = bench.check_step, []
+
+    def corrupted(c, context, grad):
+        result = real(c, context, grad)
+        calls.append(len(calls))
+        if len(calls) == 2:  # shardmoe:dh-once, the second path checked
+            result["x"] = result["x"] * 1.1
+        return result
+
+    monkeypatch.setattr(bench, "check_step", corrupted)
+    ctx = types.SimpleNamespace(dry_run=True, device="cpu")
+    row = sweep.measure(dataclasses.replace(sweep.DRY_RUN_SHAPE, ffn=16), ctx)
+    assert len(calls) == 3 and row["errors"]["shardmoe vs shardmoe:torch"] < bench.CHECK_TOL
+    assert row["problems"] == [f"F=16: shardmoe:dh-once vs shardmoe:torch: error "
+                               f"{row['errors']['shardmoe:dh-once vs shardmoe:torch']:.2e} > {bench.CHECK_TOL:g}"]
+    assert all(ms > 0 for ms in row["median_ms"].values())
+
+
 @pytest.fixture(scope="module")
 def bench_check_inputs():
     """(shape, the bench's output gradient) at the dry run's fine shape, on the CPU."""
@@ -216,7 +281,7 @@ def test_calibrate_writes_constants_the_simulator_reads(dry_run):
 def test_report_markdown_has_every_stage_section_and_table(dry_run):
     md = dry_run[3]
     for name, status in (("env", "ok"), ("tests", "ok"), ("sanitizer", "skipped"), ("parity", "ok"),
-                         ("bench", "ok"), ("calibrate", "ok")):
+                         ("bench", "ok"), ("sweep", "ok"), ("calibrate", "ok")):
         assert f"## {name}: {status}" in md
     assert "| glu-deepseek-router | bfloat16 | 3 | triton |" in md
     assert "SonicMoE, published (H100, S=24576 H=1536 F=256 E=128 k=8): forward 365, backward 405 TFLOP/s" in md
@@ -227,7 +292,7 @@ def test_report_markdown_has_every_stage_section_and_table(dry_run):
 
 @pytest.mark.parametrize("argv, message", [
     (["--out", "{tmp}", "--only", "parity,bogus"],
-     "--only: expected comma-separated stage names among env, tests, sanitizer, parity, bench, calibrate, "
+     "--only: expected comma-separated stage names among env, tests, sanitizer, parity, bench, sweep, calibrate, "
      "got 'bogus' in 'parity,bogus'"),
     (["--only", "parity"], "--out: expected a directory for report.md and report.json, got None"),
     (["--out", "{tmp}", "--budget", "0"], "--budget: expected a number >= 1, got 0.0"),

@@ -11,6 +11,8 @@ Stages (docs/gpu.md; --only picks some, they always run in this order):
              every router option, both expert kinds, an empty expert, S = 0, capacity drops
   bench      forward + backward at the Mixtral and a fine-grained shape, bf16, against dense
              matmuls of equal FLOPs, transformers' grouped_mm block and the layer's torch path
+  sweep      the layer's Triton paths against its torch path at F from 512 to 14336 (S=8192 H=4096
+             E=8 k=2, bf16): the F up to which the kernels win, beside kernels.KERNEL_MAX_FFN
   calibrate  the simulator's hardware constants from the measured rates (DIR/calibrated.toml)
 Each stage's failure is recorded (with its traceback) and the next still runs; DIR/report.md and
 DIR/report.json are rewritten after every stage (report.py).
@@ -28,7 +30,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-STAGE_NAMES = ("env", "tests", "sanitizer", "parity", "bench", "calibrate")  # runner.STAGES, without its imports
+STAGE_NAMES = ("env", "tests", "sanitizer", "parity", "bench", "sweep", "calibrate")  # runner.STAGES, without its imports
 
 
 def build_parser() -> argparse.ArgumentParser:

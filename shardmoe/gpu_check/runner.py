@@ -15,12 +15,12 @@ import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import bench, calibrate, env, parity, pytest_stage, sanitizer
+from . import bench, calibrate, env, parity, pytest_stage, sanitizer, sweep
 from .report import Report
 
 # the order they run in, whatever the order --only names them in (calibrate reads bench's rates)
 STAGES = {"env": env, "tests": pytest_stage, "sanitizer": sanitizer, "parity": parity, "bench": bench,
-          "calibrate": calibrate}
+          "sweep": sweep, "calibrate": calibrate}
 MARKDOWN = {name: module.markdown for name, module in STAGES.items()}
 
 

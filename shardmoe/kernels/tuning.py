@@ -12,6 +12,8 @@ import torch
 import triton
 from triton import knobs
 
+from shardmoe.settings import SETTINGS
+
 
 def interpreting() -> bool:
     """Whether kernels run in Triton's CPU interpreter (TRITON_INTERPRET=1)."""
@@ -29,8 +31,6 @@ def configs(gpu: list[dict], interpreter: dict, warps_stages=((4, 3), (8, 3), (4
 def first_unless_tuning(configs: list, named_args: dict, **kwargs) -> list:
     """early_config_prune: every candidate, or only the first with shardmoe.settings autotune off
     (each candidate is one more compile per kernel variant; a check at many shapes pays that)."""
-    from shardmoe.settings import SETTINGS
-
     return configs if SETTINGS.autotune else configs[:1]
 
 

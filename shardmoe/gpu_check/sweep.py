@@ -1,0 +1,141 @@
+"""Stage sweep: the expert width F at which the Triton kernels stop beating the layer's torch path.
+
+For each F in FFNS, at S=8192 H=4096 E=8 k=2 in bf16, one shardmoe.MoE with random weights
+(bench._layer_candidate: no transformers block, no float64 truth) runs forward + backward of
+L = sum(y * g) on its three paths, timed interleaved (shardmoe.bench.timing.time_interleaved,
+bench.WARMUP warm-up rounds then bench.REPEATS timed, each step between two CUDA events):
+  shardmoe          the Triton path (forced: parity.triton_context)
+  shardmoe:dh-once  the Triton path with settings glu_grad_on_load off
+  shardmoe:torch    kernels off
+Per F the report gives each path's median step ms and
+  torch/kernels     median(shardmoe:torch) / median(shardmoe)
+  torch/dh-once     median(shardmoe:torch) / median(shardmoe:dh-once)
+above 1 the kernels win. The crossover is the largest F measured at which the better kernel variant
+is at least as fast as the torch path (max of the two ratios >= 1), printed beside
+kernels.KERNEL_MAX_FFN, the width past which CUDA layers take the torch path by default (not changed
+here). Before timing at each F, one step on each path (it also autotunes the kernels at that F) is
+checked: both kernel paths within bench.CHECK_TOL of the torch path (bench.case.relative_error, the
+largest over y, dL/dx and the three weight gradients), and the backends chosen triton, triton, torch;
+a miss is a problem (the stage fails) and the timing still runs. The layer is freed between F values;
+the F values not started within the budget are listed as not run.
+"""
+from __future__ import annotations
+
+import statistics
+from dataclasses import asdict, replace
+
+from shardmoe.bench.flops import Shape
+
+from .report import fmt, table
+
+SHAPE = Shape(8192, 4096, 0, 8, 2)  # F from FFNS
+FFNS = (512, 1024, 2048, 4096, 8192, 14336)
+DRY_RUN_SHAPE = Shape(64, 32, 0, 4, 2)
+DRY_RUN_FFNS = (16, 32, 48)
+PATHS = ("shardmoe", "shardmoe:dh-once", "shardmoe:torch")
+KERNEL_PATHS = PATHS[:2]  # each compared with PATHS[2]
+
+
+def measure(s: Shape, ctx) -> dict:
+    """One F: the check, then the interleaved timing of PATHS."""
+    import torch
+
+    from shardmoe.bench.case import relative_error
+    from shardmoe.bench.timing import time_interleaved
+    from shardmoe.moe import backends
+
+    from . import bench
+
+    dtype, device, cuda = torch.bfloat16, ctx.device, ctx.device == "cuda"
+    warmup, repeats = (bench.DRY_RUN_WARMUP, bench.DRY_RUN_REPEATS) if ctx.dry_run else (bench.WARMUP, bench.REPEATS)
+    cand, _ = bench._layer_candidate(s, dtype, device)
+    gen = torch.Generator().manual_seed(11)
+    grad = (torch.randn(1, s.tokens, s.hidden, generator=gen) / s.hidden ** 0.5).to(device=device, dtype=dtype)
+    steps_in = bench.contexts()
+    chosen = {}
+    for name in PATHS:
+        with steps_in[name]():
+            chosen[name] = backends.select(cand.layer.config, grad).name
+    outputs = {name: bench.check_step(cand, steps_in[name], grad) for name in PATHS}
+    errors = {f"{name} vs {PATHS[2]}": relative_error(outputs[name], outputs[PATHS[2]]) for name in KERNEL_PATHS}
+    del outputs
+    bench.free(cuda)
+    problems = [f"F={s.ffn}: {name}: expected the {bench.BACKENDS[name]} backend, got {chosen[name]!r}"
+                for name in PATHS if chosen[name] != bench.BACKENDS[name]]
+    problems += [f"F={s.ffn}: {pair}: error {err:.2e} > {bench.CHECK_TOL:g}" for pair, err in errors.items()
+                 if not err <= bench.CHECK_TOL]
+    clock = bench.Clock(cuda)
+    timed, marks = {}, {}
+    for name in PATHS:
+        timed[name], marks[name] = bench.split_timed(cand, steps_in[name], grad, clock)
+    times = time_interleaved(timed, warmup, repeats, device)
+    median_ms = {name: statistics.median(clock.ms(a, b) for a, _, b in marks[name][warmup:warmup + len(times[name])])
+                 for name in PATHS}
+    del cand, timed, marks, grad
+    bench.free(cuda)
+    torch_ms = median_ms[PATHS[2]]
+    return {"ffn": s.ffn, "median_ms": median_ms, "repeats": repeats, "backends": chosen, "errors": errors,
+            "torch_over_kernels": torch_ms / median_ms["shardmoe"],
+            "torch_over_dh_once": torch_ms / median_ms["shardmoe:dh-once"], "problems": problems}
+
+
+def crossover(rows: list[dict]) -> int | None:
+    """The largest F whose better kernel variant is at least as fast as the torch path; None when none is."""
+    won = [r["ffn"] for r in rows if max(r["torch_over_kernels"], r["torch_over_dh_once"]) >= 1]
+    return max(won, default=None)
+
+
+def run(ctx) -> dict:
+    from shardmoe.kernels import KERNEL_MAX_FFN
+
+    from . import bench
+
+    base, ffns = (DRY_RUN_SHAPE, DRY_RUN_FFNS) if ctx.dry_run else (SHAPE, FFNS)
+    result = {"shape": {k: v for k, v in asdict(base).items() if k != "ffn"}, "ffns": list(ffns), "dtype": "bf16",
+              "warmup": bench.DRY_RUN_WARMUP if ctx.dry_run else bench.WARMUP,
+              "timing": "CUDA events" if ctx.device == "cuda" else "perf_counter (CPU)",
+              "check_tol": bench.CHECK_TOL, "kernel_max_ffn": KERNEL_MAX_FFN, "rows": [], "left_out": []}
+    print(f"  {str(base).replace(' F=0', '')}, bf16, F in {ffns}", flush=True)
+    for ffn in ffns:
+        if ctx.out_of_time():
+            result["left_out"].append(ffn)
+            continue
+        row = measure(replace(base, ffn=ffn), ctx)
+        result["rows"].append(row)
+        result["crossover_ffn"] = crossover(result["rows"])
+        print(f"  F={ffn}: " + ", ".join(f"{name} {ms:.2f} ms" for name, ms in row["median_ms"].items())
+              + f"; torch/kernels {row['torch_over_kernels']:.2f}, torch/dh-once {row['torch_over_dh_once']:.2f}"
+              + "".join(f"\n  - {p}" for p in row["problems"]), flush=True)
+        ctx.progress(result)
+    result["crossover_ffn"] = crossover(result["rows"])
+    result["passed"] = not any(r["problems"] for r in result["rows"]) and not result["left_out"]
+    return result
+
+
+def markdown(result: dict) -> list[str]:
+    shape = result["shape"]
+    rows = result["rows"]
+    lines = [f"S={shape['tokens']} H={shape['hidden']} E={shape['experts']} k={shape['top_k']}, {result['dtype']}, "
+             f"random weights; median step (forward + backward) of {rows[0]['repeats'] if rows else '-'} after "
+             f"{result['warmup']} warm-up, {result['timing']}; a ratio above 1: the kernels win.", ""]
+    lines += table(["F", "kernels ms", "dh-once ms", "torch ms", "torch/kernels", "torch/dh-once"],
+                   [[r["ffn"], fmt(r["median_ms"]["shardmoe"], ".2f"), fmt(r["median_ms"]["shardmoe:dh-once"], ".2f"),
+                     fmt(r["median_ms"]["shardmoe:torch"], ".2f"), fmt(r["torch_over_kernels"], ".2f"),
+                     fmt(r["torch_over_dh_once"], ".2f")] for r in rows])
+    cross, widest = result.get("crossover_ffn"), max((r["ffn"] for r in rows), default=None)
+    if cross is None:
+        found = "the torch path is faster than both kernel variants at every F measured"
+    else:
+        found = (f"the better kernel variant is at least as fast as the torch path up to F={cross}"
+                 + (" (the widest measured)" if cross == widest else ""))
+    lines += ["", f"Measured crossover: {found}; kernels.KERNEL_MAX_FFN is {result['kernel_max_ffn']} "
+              "(not changed by this stage).", ""]
+    if rows:
+        lines += ["Check before timing, error against shardmoe:torch (kernels / dh-once, <= "
+                  f"{result['check_tol']:g}): " + ", ".join(
+                      f"F={r['ffn']} " + " / ".join(f"{err:.1e}" for err in r["errors"].values()) for r in rows)
+                  + "; backends " + ", ".join(sorted({"/".join(r["backends"].values()) for r in rows})) + ".", ""]
+    lines += [f"- {p}" for r in rows for p in r["problems"]]
+    if result.get("left_out"):
+        lines += ["", f"Not run (budget spent): F = {', '.join(map(str, result['left_out']))}"]
+    return lines
