@@ -8,7 +8,8 @@ off) and may be changed for a block of code with override(), for ablations and b
   fused_elementwise  SHARDMOE_FUSED_ELEMENTWISE  the C++ elementwise passes on CPU (moe/elementwise.py)
   autotune           SHARDMOE_AUTOTUNE           the Triton kernels try every tile config on a new shape;
                                                  off, each takes its first (kernels/tuning.py): for
-                                                 checks at many small shapes, where compiling dominates
+                                                 checks at many small shapes, where compiling dominates;
+                                                 a shape keeps its first choice for the process
   glu_grad_on_load   SHARDMOE_GLU_GRAD_ON_LOAD   the Triton glu backward forms dh = [dA hu act'(hg) |
                                                  dA act(hg)] on load inside both stage-4 GEMMs; off,
                                                  once in torch, and the GEMMs read it (moe/triton_backend.py)

@@ -106,7 +106,7 @@ def test_a_wrong_kernel_output_fails_its_row(monkeypatch, value):
 
     monkeypatch.setattr(parity, "forward_backward", corrupted)
     name = "glu-softmax-aux-z"
-    row = parity.check_case(name, parity.CASES[name], "float32", "cpu", parity.DRY_RUN_SIZES, dry_run=True)
+    row = parity.check_case(name, parity.CASES[name], "float32", "cpu", parity.DRY_RUN_SIZES)
     assert calls == ["triton", "torch"] and not row["passed"]
     assert row["worst"]["vs_reference"][0] == "out" and row["worst"]["vs_reference"][1] >= 1e-2
     assert any(p.startswith("out: error vs float64") for p in row["problems"]), row["problems"]
@@ -287,7 +287,8 @@ def test_report_markdown_has_every_stage_section_and_table(dry_run):
     assert "SonicMoE, published (H100, S=24576 H=1536 F=256 E=128 k=8): forward 365, backward 405 TFLOP/s" in md
     assert "| shardmoe:torch |" in md and "| peak_flops |" in md
     assert "| candidate | y | x | router | gate_up | down | bound |" in md
-    assert "grouped_mm's errors are reported, not checked: transformers' block runs its router and experts in bf16." in md
+    assert ("grouped_mm's errors are reported, not checked: transformers' block runs its router and experts in "
+            "bf16.") in md
 
 
 @pytest.mark.parametrize("argv, message", [

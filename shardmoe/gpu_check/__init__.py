@@ -30,7 +30,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-STAGE_NAMES = ("env", "tests", "sanitizer", "parity", "bench", "sweep", "calibrate")  # runner.STAGES, without its imports
+# runner.STAGES, without its imports
+STAGE_NAMES = ("env", "tests", "sanitizer", "parity", "bench", "sweep", "calibrate")
 
 
 def build_parser() -> argparse.ArgumentParser:

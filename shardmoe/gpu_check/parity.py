@@ -165,7 +165,7 @@ def relative_error(actual, expected) -> float:
     return error if math.isfinite(error) else math.inf
 
 
-def check_case(name: str, case: Case, dtype_name: str, device: str, sizes: Sizes, dry_run: bool) -> dict:
+def check_case(name: str, case: Case, dtype_name: str, device: str, sizes: Sizes) -> dict:
     """One row of the table: the three runs of `case` in `dtype_name` and their errors."""
     from shardmoe.moe.reference import reference_forward_backward
 
@@ -217,7 +217,7 @@ def run(ctx) -> dict:
             try:
                 # one tile config per kernel: 18 small cases would otherwise compile every candidate
                 with settings.override(autotune=False):
-                    row = check_case(name, case, dtype_name, ctx.device, sizes, ctx.dry_run)
+                    row = check_case(name, case, dtype_name, ctx.device, sizes)
             except Exception as err:  # one case's crash is its row, the other cases still run
                 row = {"case": name, "dtype": dtype_name, "problems": [f"{type(err).__name__}: {err}"],
                        "traceback": traceback.format_exc(), "passed": False}

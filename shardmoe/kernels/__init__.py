@@ -77,17 +77,19 @@ def force_kernel_path():
         _forced = previous
 
 
-def fused_path(config, x: torch.Tensor) -> bool:
+def fused_path(config, x: torch.Tensor, expert_width: int | None = None) -> bool:
     """The one predicate for "does the fused kernel path take this layer?".
 
     True when x is a kernel dtype on CUDA (or on CPU inside force_kernel_path()), triton is
-    importable and SETTINGS.kernels is on, whatever the layer: the kernels implement every expert
-    kind, bias, activation (the clamped SwiGLU included) and capacity drop that MoEConfig accepts.
+    importable, SETTINGS.kernels is on and the experts' GEMMs are at most KERNEL_MAX_FFN wide:
+    `expert_width`, the intermediate width this rank computes (F/t under expert tensor
+    parallelism; config.ffn_size when not given). The kernels implement every expert kind, bias,
+    activation (the clamped SwiGLU included) and capacity drop that MoEConfig accepts.
     The router (every score function, bias and loss) and a shared expert (a dense GEMM pair over
     all tokens, moe/shared_experts.py) run in torch beside the backend on every path. The one
-    condition on `config` is measured speed: experts wider than KERNEL_MAX_FFN go to the torch
-    path, whose cuBLAS GEMMs were faster there (force_kernel_path() overrides it).
+    condition on the layer is measured speed: wider experts go to the torch path, whose cuBLAS
+    GEMMs were faster there (force_kernel_path() overrides it).
     """
     if _forced:
         return available(x, cuda_only=False)
-    return available(x) and config.ffn_size <= KERNEL_MAX_FFN
+    return available(x) and (config.ffn_size if expert_width is None else expert_width) <= KERNEL_MAX_FFN

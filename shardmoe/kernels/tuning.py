@@ -28,10 +28,13 @@ def configs(gpu: list[dict], interpreter: dict, warps_stages=((4, 3), (8, 3), (4
     return [triton.Config(tiles, num_warps=w, num_stages=s) for tiles in gpu for w, s in warps_stages]
 
 
-def first_unless_tuning(configs: list, named_args: dict, **kwargs) -> list:
+def first_unless_tuning(candidates: list, named_args: dict, **kwargs) -> list:
     """early_config_prune: every candidate, or only the first with shardmoe.settings autotune off
-    (each candidate is one more compile per kernel variant; a check at many shapes pays that)."""
-    return configs if SETTINGS.autotune else configs[:1]
+    (each candidate is one more compile per kernel variant; a check at many shapes pays that).
+    triton prunes only for a key (the kernel's `key` sizes and dtypes) it has not tuned yet and
+    keeps that key's choice for the process: the setting holds for the keys first seen while it
+    does, before and after an override alike."""
+    return candidates if SETTINGS.autotune else candidates[:1]
 
 
 PRUNE = {"early_config_prune": first_unless_tuning}

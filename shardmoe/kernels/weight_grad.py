@@ -29,7 +29,8 @@ from shardmoe.kernels.schedule import group_bounds
 from shardmoe.kernels.tiles import dot_acc, grad_operand
 from shardmoe.kernels.tuning import PRUNE, configs, dot_settings, unit_columns
 
-_GPU_TILES = [{"BLOCK_O": o, "BLOCK_K": k, "BLOCK_R": r} for o, k in ((64, 64), (128, 64), (64, 128), (128, 128)) for r in (32, 64)]
+_GPU_TILES = [{"BLOCK_O": o, "BLOCK_K": k, "BLOCK_R": r}
+              for o, k in ((64, 64), (128, 64), (64, 128), (128, 128)) for r in (32, 64)]
 
 
 @triton.autotune(configs=configs(_GPU_TILES, {"BLOCK_O": 32, "BLOCK_K": 32, "BLOCK_R": 32}),

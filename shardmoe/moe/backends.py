@@ -157,13 +157,15 @@ class TorchBackend:
 TORCH = TorchBackend()
 
 
-def select(config: MoEConfig, x: torch.Tensor, workspace: Workspace | None = None) -> Backend:
+def select(config: MoEConfig, x: torch.Tensor, workspace: Workspace | None = None,
+           expert_width: int | None = None) -> Backend:
     """The backend for one forward of a layer with `config` on input x [S, H]: Triton when
-    kernels.fused_path(config, x) (a CUDA tensor of a kernel dtype, or any under the test switch
-    kernels.force_kernel_path(); triton importable; kernels not switched off in shardmoe.settings;
-    a config the kernels implement); torch otherwise, drawing its row buffers from `workspace` when
-    one is given (the kernels allocate their own)."""
-    if kernels.fused_path(config, x):
+    kernels.fused_path(config, x, expert_width) (a CUDA tensor of a kernel dtype, or any under the
+    test switch kernels.force_kernel_path(); triton importable; kernels not switched off in
+    shardmoe.settings; experts at most kernels.KERNEL_MAX_FFN wide, `expert_width` being the width
+    this rank computes); torch otherwise, drawing its row buffers from `workspace` when one is given
+    (the kernels allocate their own)."""
+    if kernels.fused_path(config, x, expert_width):
         from shardmoe.moe.triton_backend import TRITON  # imports triton: only when it runs
 
         return TRITON

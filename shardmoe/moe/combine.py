@@ -52,7 +52,8 @@ def scale_rows(rows: torch.Tensor, weight_rows: torch.Tensor, *, out: torch.Tens
 
 def rowwise_dot(rows: torch.Tensor, *factors: torch.Tensor) -> torch.Tensor:
     """sum_d rows[r, d] * prod_i factors_i[r, d], every product and the sum in the acc dtype.
-    [N, D], ... -> [N]. Chunked for every dtype: the product never exists at full size."""
+    [N, D], ... -> [N]. On CPU chunked for every dtype (row_chunks): the product never exists at full
+    size; on a GPU one chunk, a transient [N, D] acc-dtype product."""
     if len(factors) in (1, 2) and elementwise.available(rows, *factors):
         return elementwise.rowwise_dot(rows, *factors)
     acc = accumulation_dtype(rows.dtype)

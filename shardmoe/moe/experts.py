@@ -228,7 +228,7 @@ def glu_grad(grad_a: torch.Tensor, h: torch.Tensor, act_gate: torch.Tensor, acti
     grad_h = empty_rows(workspace, h.shape, h)
     if elementwise.available(grad_a, h, act_gate, activation=activation):
         return elementwise.glu_backward(grad_a, h, act_gate, activation, out=grad_h)
-    # one pass per row chunk: the [N, F] intermediate dA * hu never leaves the cache
+    # one pass per row chunk on CPU: the [N, F] intermediate dA * hu never leaves the cache
     for c in row_chunks(h):
         gate, up = h[c, :ffn], h[c, ffn:]
         if isinstance(activation, ClampedSwiGLU):

@@ -202,6 +202,12 @@ def split_inputs(call: MoECall, tensors) -> tuple[tuple, dict, dict]:
             shared_ex.named_shared_params(config, shared_weights))
 
 
+def local_width(config, params: dict) -> int:
+    """The intermediate width F (P) this rank's expert GEMMs have: the down projection's last dim,
+    F/t under expert tensor parallelism."""
+    return params[config.kind.down].shape[-1]
+
+
 def moe_forward(call: MoECall, x: torch.Tensor, tensors) -> tuple[torch.Tensor, torch.Tensor, Made]:
     """x [S, H], the router tensors and weights -> (out [S, H] in x's dtype, loss [] acc dtype, Made).
     The stages run on the backend backends.select() picks; the backward picks the same."""
@@ -209,7 +215,7 @@ def moe_forward(call: MoECall, x: torch.Tensor, tensors) -> tuple[torch.Tensor, 
     router_tensors, params, shared = split_inputs(call, tensors)
     with dispatcher.guard():
         dispatcher.prepare(config, x, router_tensors, shared)
-        backend = backends.select(config, x, call.workspace)
+        backend = backends.select(config, x, call.workspace, local_width(config, params))
         routing, state = dispatcher.route(router, x, router_tensors)
         out, dispatched = dispatcher.forward(backend, config, x, routing, state, params)
         shared_saved = ()
@@ -254,7 +260,7 @@ def moe_backward(call: MoECall, x: torch.Tensor, tensors, made: Made, grad_out: 
     config, router, dispatcher = call.config, call.router, call.dispatcher
     router_tensors, params, shared = split_inputs(call, tensors)
     routing = made.routing
-    backend = backends.select(config, x, call.workspace)
+    backend = backends.select(config, x, call.workspace, local_width(config, params))
     grad_out = grad_out.contiguous()
     if call.loss_scale:
         grad_loss = grad_loss + call.loss_scale

@@ -43,7 +43,7 @@ def test_refusals_fall_back_to_torch(monkeypatch):
 
 
 def test_wide_experts_go_to_the_torch_path_unless_forced(monkeypatch):
-    """On CUDA the kernels take experts up to KERNEL_MAX_FFN wide (measured: past it cuBLAS won);
+    """On CUDA the kernels take expert GEMMs up to KERNEL_MAX_FFN wide (measured: past it cuBLAS won);
     force_kernel_path() takes every width (the GPU bench times the kernels at the Mixtral shape)."""
     import shardmoe.kernels as kernels
 
@@ -51,5 +51,9 @@ def test_wide_experts_go_to_the_torch_path_unless_forced(monkeypatch):
     monkeypatch.setattr(kernels, "available", lambda t, cuda_only=True: True)  # as for a CUDA tensor
     assert fused_path(_config(ffn_size=kernels.KERNEL_MAX_FFN), x) is True
     assert fused_path(_config(ffn_size=kernels.KERNEL_MAX_FFN + 1), x) is False
+    # under expert tensor parallelism a rank's GEMMs are F/t wide: that width is the one measured
+    wide = _config(ffn_size=4 * kernels.KERNEL_MAX_FFN)
+    assert fused_path(wide, x, expert_width=kernels.KERNEL_MAX_FFN) is True
+    assert fused_path(wide, x, expert_width=kernels.KERNEL_MAX_FFN + 1) is False
     with force_kernel_path():
         assert fused_path(_config(ffn_size=kernels.KERNEL_MAX_FFN + 1), x) is True

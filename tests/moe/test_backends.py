@@ -56,10 +56,16 @@ class _Recording(backends.TorchBackend):
 
 @pytest.mark.parametrize("expert", ["glu", "mlp"])
 def test_every_stage_runs_on_the_backend_chosen_in_forward(monkeypatch, expert):
-    calls = []
-    monkeypatch.setattr(backends, "select", lambda config, x, workspace=None: _Recording(workspace, calls))
+    calls, widths = [], []
+
+    def recording(config, x, workspace=None, expert_width=None):
+        widths.append(expert_width)
+        return _Recording(workspace, calls)
+
+    monkeypatch.setattr(backends, "select", recording)
     layer = shardmoe.MoE(8, 6, 4, 2, expert=expert, dtype=torch.float64)
     layer(torch.randn(5, 8, dtype=torch.float64, requires_grad=True)).sum().backward()
+    assert widths == [6, 6]  # forward and backward, each with the width of the GEMMs this rank runs
     stages = {"gathered_forward", "expert_forward", "combine", "gathered_backward", "expert_backward",
               "grad_gate_combine", "grad_input_combine"}
     stages |= {"grad_post_gemm_glu", "grad_pre_gemm_glu"} if expert == "glu" else \
