@@ -1,12 +1,14 @@
 """Where one CUDA forward + backward of the layer spends its time: torch.profiler's kernel table.
 
-    PYTHONPATH=. python benchmarks/gpu_profile.py S H F E k [--torch]
+    PYTHONPATH=. python benchmarks/gpu_profile.py S H F E k [--torch | --dh-once]
 
 bf16, random weights and input, three warm-up steps (the first autotunes the kernels), then two
 profiled steps; prints the 22 rows with the most CUDA time. The Triton path is forced
-(kernels.force_kernel_path(), also past KERNEL_MAX_FFN); --torch profiles the torch path instead.
+(kernels.force_kernel_path(), also past KERNEL_MAX_FFN); --torch profiles the torch path instead,
+--dh-once the Triton path with glu's dh formed once (shardmoe.settings glu_grad_on_load off).
 docs/gpu/2026-11-24-h100/profile-*.txt were made with it.
 """
+import contextlib
 import sys
 
 import torch
@@ -17,12 +19,21 @@ from shardmoe import kernels, settings
 
 
 def main(argv: list[str]) -> None:
-    use_torch = "--torch" in argv
-    tokens, hidden, ffn, experts, top_k = map(int, [a for a in argv if a != "--torch"])
+    flags = {a for a in argv if a.startswith("--")}
+    sizes = [a for a in argv if a not in flags]
+    if len(sizes) != 5 or not flags <= {"--torch", "--dh-once"} or len(flags) > 1:
+        sys.exit(f"gpu_profile.py: expected S H F E k and at most one of --torch, --dh-once, got {' '.join(argv)!r}")
+    tokens, hidden, ffn, experts, top_k = map(int, sizes)
     layer = shardmoe.MoE(hidden, ffn, experts, top_k, dtype=torch.bfloat16, device="cuda")
     x = torch.randn(1, tokens, hidden, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     grad = torch.randn(1, tokens, hidden, device="cuda", dtype=torch.bfloat16)
-    path = settings.override(kernels=False) if use_torch else kernels.force_kernel_path()
+    path = contextlib.ExitStack()
+    if "--torch" in flags:
+        path.enter_context(settings.override(kernels=False))
+    else:
+        path.enter_context(kernels.force_kernel_path())
+        if "--dh-once" in flags:
+            path.enter_context(settings.override(glu_grad_on_load=False))
     with path:
         for _ in range(3):
             layer(x).backward(grad)
