@@ -213,9 +213,7 @@ def bench_check_inputs():
 
 def bench_check(s, grad):
     cands, inputs, notes = bench.build(s, torch.bfloat16, "cpu")
-    bases = {**cands, **{name: cands["shardmoe"] for name in bench.LAYER_VARIANTS}}
-    return notes, bench.check(bases, {**inputs, **{name: inputs["shardmoe"] for name in bench.LAYER_VARIANTS}},
-                              bench.contexts(), grad, False)
+    return notes, bench.check(bench.with_variants(cands), bench.with_variants(inputs), bench.contexts(), grad, False)
 
 
 @pytest.mark.parametrize("name, value", [("shardmoe", 5e-2), ("shardmoe", float("nan")), ("shardmoe:dh-once", 5e-2),

@@ -8,7 +8,7 @@ Candidates, built by shardmoe.bench.candidates on the same weights and input (fi
   shardmoe:dh-once  the same layer on the Triton path with settings glu_grad_on_load off: the glu's
                   dh formed once in torch, then plain GEMMs (the A/B of docs/kernels.md)
   shardmoe:torch  the same layer under shardmoe.settings.override(kernels=False)
-Without transformers the layer gets the same weights directly (_layer_candidate; checked against
+Without transformers the layer gets the same weights directly (layer_candidate; checked against
 float64 the same way) and grouped_mm is left out (noted).
 
 Timing: shardmoe.bench.timing.time_interleaved (rounds in rotating order, WARMUP rounds first, the
@@ -77,7 +77,7 @@ class Clock:
         return start.elapsed_time(end) if self.cuda else (end - start) * 1e3
 
 
-def _layer_candidate(s: Shape, dtype, device):
+def layer_candidate(s: Shape, dtype, device):
     """(the shardmoe candidate without transformers: shardmoe.MoE holding the bench's weights, its
     check input)."""
     import torch
@@ -119,8 +119,8 @@ def build(s: Shape, dtype, device) -> tuple[dict, dict, list[str]]:
     except Exception as err:  # transformers absent, or its block API changed: time the rest
         gc.collect()
         note = f"grouped_mm left out: transformers' block could not be built ({type(err).__name__}: {err})"
-        layer_candidate, x = _layer_candidate(s, dtype, device)
-        return ({"dense": bc.dense_candidate(s, dtype, device, True, "dense"), "shardmoe": layer_candidate},
+        layer, x = layer_candidate(s, dtype, device)
+        return ({"dense": bc.dense_candidate(s, dtype, device, True, "dense"), "shardmoe": layer},
                 {"shardmoe": x}, [note])
 
 
@@ -226,6 +226,38 @@ def _held(pair: str) -> bool:
     return all(name in CHECKED for name in pair.split(" vs "))
 
 
+def with_variants(by_name: dict) -> dict:
+    """by_name with each of LAYER_VARIANTS mapped to its "shardmoe" entry (the same candidate or
+    input, stepped in the variant's context)."""
+    return {**by_name, **{name: by_name["shardmoe"] for name in LAYER_VARIANTS}}
+
+
+def chosen_backends(config, x, steps_in: dict) -> tuple[dict, list[str]]:
+    """(the backend each of shardmoe's paths selects for `config` on x inside its context, a problem
+    for each that is not the one BACKENDS expects)."""
+    from shardmoe.moe import backends
+
+    chosen = {}
+    for name in BACKENDS:
+        with steps_in[name]():
+            chosen[name] = backends.select(config, x).name
+    return chosen, [f"{name}: expected the {want} backend, got {chosen[name]!r}"
+                    for name, want in BACKENDS.items() if chosen[name] != want]
+
+
+def time_steps(bases: dict, steps_in: dict, grad, clock: Clock, warmup: int, repeats: int, device) -> tuple[dict, dict]:
+    """(the split-timed candidates, per name the marks of its timed rounds only): bases interleaved
+    by time_interleaved, each step in its context."""
+    from shardmoe.bench.timing import time_interleaved
+
+    timed, marks = {}, {}
+    for name, c in bases.items():
+        timed[name], marks[name] = split_timed(c, steps_in[name], grad, clock)
+    times = time_interleaved(timed, warmup, repeats, device)
+    # warm-up rounds come first; on CUDA the peak-memory step appends after the timed rounds
+    return timed, {name: marks[name][warmup:warmup + len(times[name])] for name in timed}
+
+
 def split_timed(c, context, grad, clock: Clock):
     """(a copy of candidate c whose step marks start / end of forward / end of backward, the marks)."""
     marks = []
@@ -248,9 +280,6 @@ def split_timed(c, context, grad, clock: Clock):
 def measure(shape_name: str, s: Shape, ctx) -> dict:
     import torch
 
-    from shardmoe.bench.timing import time_interleaved
-    from shardmoe.moe import backends
-
     dtype, device, cuda = torch.bfloat16, ctx.device, ctx.device == "cuda"
     warmup, repeats = (DRY_RUN_WARMUP, DRY_RUN_REPEATS) if ctx.dry_run else (WARMUP, REPEATS)
     print(f"  {shape_name}: {s}, bf16, building the candidates", flush=True)
@@ -259,19 +288,12 @@ def measure(shape_name: str, s: Shape, ctx) -> dict:
     grad = (torch.randn(1, s.tokens, s.hidden, generator=gen) / s.hidden ** 0.5).to(device=device, dtype=dtype)
     layer = cands["shardmoe"].layer
     steps_in = contexts()
-    bases = {**cands, **{name: cands["shardmoe"] for name in LAYER_VARIANTS}}
-    chosen = {}
-    for name in BACKENDS:
-        with steps_in[name]():
-            chosen[name] = backends.select(layer.config, grad).name
-    float64, errors, problems = check(bases, {**inputs, **{name: inputs["shardmoe"] for name in LAYER_VARIANTS}},
-                                      steps_in, grad, cuda)
+    bases = with_variants(cands)
+    chosen, wrong_backends = chosen_backends(layer.config, grad, steps_in)
+    float64, errors, problems = check(bases, with_variants(inputs), steps_in, grad, cuda)
     del inputs
     clock = Clock(cuda)
-    timed, marks = {}, {}
-    for name, c in bases.items():
-        timed[name], marks[name] = split_timed(c, steps_in[name], grad, clock)
-    times = time_interleaved(timed, warmup, repeats, device)
+    timed, kept_marks = time_steps(bases, steps_in, grad, clock, warmup, repeats, device)
     peaks = {}
     if cuda:
         for name, c in timed.items():
@@ -286,8 +308,7 @@ def measure(shape_name: str, s: Shape, ctx) -> dict:
     flops = total_flops(s)
     rows = []
     for name in timed:
-        # the timed rounds' marks: warm-up rounds come first, the peak-memory step (CUDA) after
-        kept = marks[name][warmup:warmup + len(times[name])]
+        kept = kept_marks[name]
         step_ms = [clock.ms(a, b) for a, _, b in kept]
         forward_ms = [clock.ms(a, m) for a, m, _ in kept if m is not None]
         backward_ms = [clock.ms(m, b) for _, m, b in kept if m is not None]
@@ -306,8 +327,7 @@ def measure(shape_name: str, s: Shape, ctx) -> dict:
         r["fraction_of_dense"] = by_name["dense"]["median_ms"] / r["median_ms"]
         r["speedup_vs_grouped_mm"] = by_name["grouped_mm"]["median_ms"] / r["median_ms"] if "grouped_mm" in by_name \
             else None
-    problems += [f"{name}: expected the {want} backend, got {chosen[name]!r}"
-                 for name, want in BACKENDS.items() if chosen[name] != want]
+    problems += wrong_backends
     result = {"shape_name": shape_name, "shape": asdict(s), "dtype": "bf16", "flops": flops,
               "expert_flops": expert_flops(s), "router_flops": router_flops(s), "warmup": warmup, "repeats": repeats,
               "timing": "CUDA events" if cuda else "perf_counter (CPU)", "backends": chosen,
@@ -318,7 +338,7 @@ def measure(shape_name: str, s: Shape, ctx) -> dict:
                               "same_shape": s == SHAPES[SONICMOE["shape"]],
                               "shardmoe_forward_tflops": by_name["shardmoe"]["expert_forward_tflops"],
                               "shardmoe_backward_tflops": by_name["shardmoe"]["expert_backward_tflops"]}
-    del cands, bases, timed, marks, layer
+    del cands, bases, timed, kept_marks, layer
     free(cuda)
     return result
 

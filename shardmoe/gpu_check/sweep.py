@@ -1,7 +1,7 @@
 """Stage sweep: the expert width F at which the Triton kernels stop beating the layer's torch path.
 
 For each F in FFNS, at S=8192 H=4096 E=8 k=2 in bf16, one shardmoe.MoE with random weights
-(bench._layer_candidate: no transformers block, no float64 truth) runs forward + backward of
+(bench.layer_candidate: no transformers block, no float64 truth) runs forward + backward of
 L = sum(y * g) on its three paths, timed interleaved (shardmoe.bench.timing.time_interleaved,
 bench.WARMUP warm-up rounds then bench.REPEATS timed, each step between two CUDA events):
   shardmoe          the Triton path (forced: parity.triton_context)
@@ -26,13 +26,14 @@ from dataclasses import asdict, replace
 
 from shardmoe.bench.flops import Shape
 
+from . import bench
 from .report import fmt, table
 
 SHAPE = Shape(8192, 4096, 0, 8, 2)  # F from FFNS
 FFNS = (512, 1024, 2048, 4096, 8192, 14336)
 DRY_RUN_SHAPE = Shape(64, 32, 0, 4, 2)
 DRY_RUN_FFNS = (16, 32, 48)
-PATHS = ("shardmoe", "shardmoe:dh-once", "shardmoe:torch")
+PATHS = bench.CHECKED  # shardmoe, shardmoe:dh-once, shardmoe:torch
 KERNEL_PATHS = PATHS[:2]  # each compared with PATHS[2]
 
 
@@ -41,37 +42,25 @@ def measure(s: Shape, ctx) -> dict:
     import torch
 
     from shardmoe.bench.case import relative_error
-    from shardmoe.bench.timing import time_interleaved
-    from shardmoe.moe import backends
-
-    from . import bench
 
     dtype, device, cuda = torch.bfloat16, ctx.device, ctx.device == "cuda"
     warmup, repeats = (bench.DRY_RUN_WARMUP, bench.DRY_RUN_REPEATS) if ctx.dry_run else (bench.WARMUP, bench.REPEATS)
-    cand, _ = bench._layer_candidate(s, dtype, device)
+    cand, _ = bench.layer_candidate(s, dtype, device)
     gen = torch.Generator().manual_seed(11)
     grad = (torch.randn(1, s.tokens, s.hidden, generator=gen) / s.hidden ** 0.5).to(device=device, dtype=dtype)
     steps_in = bench.contexts()
-    chosen = {}
-    for name in PATHS:
-        with steps_in[name]():
-            chosen[name] = backends.select(cand.layer.config, grad).name
+    chosen, wrong_backends = bench.chosen_backends(cand.layer.config, grad, steps_in)
     outputs = {name: bench.check_step(cand, steps_in[name], grad) for name in PATHS}
     errors = {f"{name} vs {PATHS[2]}": relative_error(outputs[name], outputs[PATHS[2]]) for name in KERNEL_PATHS}
     del outputs
     bench.free(cuda)
-    problems = [f"F={s.ffn}: {name}: expected the {bench.BACKENDS[name]} backend, got {chosen[name]!r}"
-                for name in PATHS if chosen[name] != bench.BACKENDS[name]]
+    problems = [f"F={s.ffn}: {p}" for p in wrong_backends]
     problems += [f"F={s.ffn}: {pair}: error {err:.2e} > {bench.CHECK_TOL:g}" for pair, err in errors.items()
                  if not err <= bench.CHECK_TOL]
     clock = bench.Clock(cuda)
-    timed, marks = {}, {}
-    for name in PATHS:
-        timed[name], marks[name] = bench.split_timed(cand, steps_in[name], grad, clock)
-    times = time_interleaved(timed, warmup, repeats, device)
-    median_ms = {name: statistics.median(clock.ms(a, b) for a, _, b in marks[name][warmup:warmup + len(times[name])])
-                 for name in PATHS}
-    del cand, timed, marks, grad
+    _, kept_marks = bench.time_steps(dict.fromkeys(PATHS, cand), steps_in, grad, clock, warmup, repeats, device)
+    median_ms = {name: statistics.median(clock.ms(a, b) for a, _, b in kept_marks[name]) for name in PATHS}
+    del cand, kept_marks, grad
     bench.free(cuda)
     torch_ms = median_ms[PATHS[2]]
     return {"ffn": s.ffn, "median_ms": median_ms, "repeats": repeats, "backends": chosen, "errors": errors,
@@ -87,8 +76,6 @@ def crossover(rows: list[dict]) -> int | None:
 
 def run(ctx) -> dict:
     from shardmoe.kernels import KERNEL_MAX_FFN
-
-    from . import bench
 
     base, ffns = (DRY_RUN_SHAPE, DRY_RUN_FFNS) if ctx.dry_run else (SHAPE, FFNS)
     result = {"shape": {k: v for k, v in asdict(base).items() if k != "ffn"}, "ffns": list(ffns), "dtype": "bf16",
