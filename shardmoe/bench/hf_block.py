@@ -16,6 +16,7 @@ import statistics
 import sys
 
 from shardmoe.bench.candidates import Candidate
+from shardmoe.bench.case import relative_error
 from shardmoe.bench.timing import time_interleaved
 from shardmoe.hf.families import FAMILIES, small_config
 
@@ -73,17 +74,6 @@ def candidates(block, config, xs, grad_out):
     return {name: make(name) for name in IMPLEMENTATIONS}
 
 
-def worst_relative_error(a: dict, b: dict) -> float:
-    """max over the keys of b of ||a[key] - b[key]|| / ||b[key]|| (2-norms, in float64); keys
-    missing or None on either side are skipped."""
-    worst = 0.0
-    for key, vb in b.items():
-        va = a.get(key)
-        if va is not None and vb is not None:
-            worst = max(worst, ((va.double() - vb.double()).norm() / vb.double().norm().clamp_min(1e-300)).item())
-    return worst
-
-
 def run_family(family: str, dtype_name: str, tokens: int, hidden: int, ffn: int, experts: int, top_k: int,
                warmup: int, repeats: int) -> dict:
     """Build, check and time one family at one dtype; returns the table's numbers."""
@@ -110,7 +100,7 @@ def run_family(family: str, dtype_name: str, tokens: int, hidden: int, ffn: int,
                 median_ms={n: 1e3 * m for n, m in median.items()},
                 grouped_mm_over_shardmoe=median["grouped_mm"] / median["shardmoe"],
                 eager_over_shardmoe=median["eager"] / median["shardmoe"],
-                rel_err_vs_eager={n: worst_relative_error(checked[n], checked["eager"])
+                rel_err_vs_eager={n: relative_error(checked[n], checked["eager"])
                                   for n in ("shardmoe", "grouped_mm")},
                 repeats=repeats)
 

@@ -25,8 +25,9 @@ import statistics
 import sys
 
 from shardmoe.bench.candidates import Candidate
+from shardmoe.bench.case import relative_error
+from shardmoe.bench.hf_block import refusal
 from shardmoe.bench.timing import time_interleaved
-from shardmoe.bench.hf_block import refusal, worst_relative_error
 from shardmoe.hf.families import FAMILIES, small_config
 
 IMPLEMENTATIONS = ("shardmoe", "grouped_mm", "eager")
@@ -162,7 +163,7 @@ def check(cands: dict[str, Candidate]) -> dict:
         grads = c.grads()  # reset() sets .grad to None, so these tensors stay as they are
         if name == "eager":
             loss_eager, grads_eager = loss, grads
-        err = math.nan if set(grads_eager) - set(grads) else worst_relative_error(grads, grads_eager)
+        err = math.nan if set(grads_eager) - set(grads) else relative_error(grads, grads_eager)
         out[name] = (loss.item(), (abs(loss - loss_eager) / abs(loss_eager)).item(), err)
         c.reset()
     return out

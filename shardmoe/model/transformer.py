@@ -46,7 +46,7 @@ from shardmoe import shardops
 from shardmoe.moe.config import MoEConfig
 from shardmoe.moe.layer import ROUTER_OPTIONS, SHARED_OPTIONS, MoE
 from shardmoe.moe.workspace import share as share_workspace
-from shardmoe.notation import MESH_AXES, parse_spec
+from shardmoe.notation import MESH_AXES, global_shape, parse_spec
 from shardmoe.parallel import dtensors
 from shardmoe.parallel import expert_tensor as etp
 from shardmoe.parallel.sync import mark_grad_sync, sync_grads
@@ -427,15 +427,28 @@ def _whole_dense_entries(model: Transformer, state_dict: dict, prefix: str, loca
 
 
 def _local_dense_entries(model: Transformer, state_dict: dict, prefix: str, *args) -> None:
-    """load_state_dict pre-hook: each dense parameter's entry (whole: a DTensor or a plain tensor)
-    becomes this rank's shard (dtensors.local_shard; ValueError naming the key for another shape)."""
+    """load_state_dict pre-hook: each dense parameter's entry (the whole tensor) becomes this rank's
+    shard: a DTensor in the model's own layout gives its local tensor (no communication), another
+    DTensor is gathered whole (a collective over its mesh) and cut like a plain tensor (shard_full).
+    ValueError naming the key and both shapes for another shape."""
+    from torch.distributed.tensor import DTensor
+
     if model.mesh is None:
         return
     params = dict(model.named_parameters())
     for name, spec in model.specs.items():
-        if model._kind(name) == "dense" and prefix + name in state_dict:
-            key = prefix + name
-            state_dict[key] = dtensors.local_shard(key, spec, state_dict[key], params[name].shape, model.mesh)
+        key = prefix + name
+        if model._kind(name) != "dense" or key not in state_dict:
+            continue
+        value = state_dict[key]
+        expected = global_shape(spec, params[name].shape, model.mesh)
+        if tuple(value.shape) != expected:
+            raise ValueError(f"state dict: {key} has shape {list(value.shape)}, expected the whole tensor's "
+                             f"{list(expected)}")
+        own = dtensors.own_local(spec, value, model.mesh)
+        if own is None:
+            own = model.shard_full(name, value.full_tensor() if isinstance(value, DTensor) else value)
+        state_dict[key] = own
 
 
 def _unsharded(spec: str) -> str:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import torch
 
-from shardmoe import shardops
 from shardmoe.mesh import DEVICE_MESH_NAMES
 from shardmoe.notation import global_shape, parse_spec
 
@@ -90,25 +89,3 @@ def own_local(spec: str, value, mesh) -> torch.Tensor | None:
     if device_mesh is None or not isinstance(value, DTensor) or value.device_mesh != device_mesh:
         return None
     return value.to_local() if list(value.placements) == placements(spec, device_mesh, mesh) else None
-
-
-def local_shard(key: str, spec: str, value: torch.Tensor, local_shape: tuple[int, ...], mesh) -> torch.Tensor:
-    """This rank's shard (shape local_shape) of a state-dict entry `key`: a DTensor as `whole` lays
-    it out gives its local tensor (no communication); any other DTensor is gathered whole (a
-    collective over its mesh) and cut; a plain tensor must be the whole tensor. ValueError naming
-    the key and both shapes otherwise."""
-    from torch.distributed.tensor import DTensor
-
-    expected = tuple(local_shape) if mesh is None else global_shape(spec, local_shape, mesh)
-    if tuple(value.shape) != expected:
-        raise ValueError(f"state dict: {key} has shape {list(value.shape)}, expected the whole tensor's "
-                         f"{list(expected)}")
-    own = None if mesh is None else own_local(spec, value, mesh)
-    if own is not None:
-        return own
-    if isinstance(value, DTensor):
-        value = value.full_tensor()
-    if mesh is None:
-        return value
-    names = " ".join(parse_spec(spec).names)
-    return shardops.shard(f"{names} -> {spec}", value, mesh)

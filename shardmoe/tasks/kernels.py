@@ -60,13 +60,6 @@ def _one_expert(m: int) -> ex.Groups:
     return ex.Groups.from_counts(torch.tensor([m]))
 
 
-def _bias(ctx: KernelContext, name: str, expert: int, cols: slice) -> torch.Tensor | None:
-    """Columns `cols` of expert `expert`'s bias as the [1, c] one-expert slice grouped_linear adds
-    inside its GEMM (one rounding, as the fused layer), or None for a bias-free layer."""
-    bias = ctx.params.get(name)  # a glu without bias has no entry at all
-    return None if bias is None else bias[expert:expert + 1, cols]
-
-
 def _expert_rows(weight: torch.Tensor | None, expert: int, parts: tuple[slice, ...]) -> torch.Tensor | None:
     """Rows `parts` of expert `expert`'s weight [E, U, ...] (or bias [E, U]) as a one-expert
     [1, rows, ...] tensor: a view of one part, a copy of several joined (a glu's two halves)."""
@@ -110,7 +103,8 @@ def post_gemm(task: Task, ctx: KernelContext) -> Commit:
     cfg, tile, mem, op = ctx.plan.config, ctx.plan.row_tile_of(task), ctx.memory, task.operands
     cols = ctx.plan.columns(task.tile_idx, cfg.hidden_size)
     kind, e = cfg.kind, tile.expert
-    params = {kind.down: ctx.params[kind.down][e:e + 1, cols], kind.down_bias: _bias(ctx, kind.down_bias, e, cols)}
+    params = {kind.down: _expert_rows(ctx.params[kind.down], e, (cols,)),
+              kind.down_bias: _expert_rows(ctx.params.get(kind.down_bias), e, (cols,))}
     y, z2 = ex.post_gemm(kind, cfg.output_activation, mem[op["a"]], params, _one_expert(tile.size))
 
     def commit():

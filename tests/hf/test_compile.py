@@ -64,4 +64,6 @@ def test_generate_with_a_compiled_forward_and_the_seam(family, hf):
     for e, c in zip(eager, compiled):
         assert torch.equal(e.sequences, c.sequences)
         for a, b in zip(e.scores, c.scores):
-            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+            # the static cache's attention rounds apart from the dynamic one's: measured up to 1.8e-6
+            # on scores up to 3.4 (float32) over the four families
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)

@@ -185,8 +185,12 @@ def test_sharded_checkpoints_resume_across_layouts(tmp_path, one_thread, one_pro
     with pytest.raises(ValueError, match=f"corrupt: file {shard.name!r} has sha256"):  # through the API too
         train(tiny_train_config(steps=MORE + 1, checkpoint_every=3, eval_batches=0, sample_bytes=0, health_every=0,
                                 checkpoint_format="dcp"), tmp_path / "one", resume=True, progress=False)
-    assert main(["train", *one, "--out", str(tmp_path / "one"), "--overwrite", "--steps", "1"]) == 0
-    assert not (tmp_path / "one" / "checkpoint.dcp" / "step_000006").exists()
+    # --overwrite clears checkpoint.dcp/ itself: the new run (one process, format auto) writes only the
+    # single file, so none of the directory can have been replaced by a sharded save's own cleanup
+    plain = ["--config", cli_config(tmp_path), "--no-progress"]
+    assert main(["train", *plain, "--out", str(tmp_path / "one"), "--overwrite", "--steps", "1"]) == 0
+    assert not (tmp_path / "one" / "checkpoint.dcp").exists()
+    assert (tmp_path / "one" / "checkpoint.safetensors").exists()
 
 
 def test_a_latest_pointer_to_a_missing_directory_is_named(tmp_path):
