@@ -84,7 +84,7 @@ def route(x: torch.Tensor, gate_weight: torch.Tensor, config: MoEConfig, gate_bi
     is needed when config.seq_aux_loss_coef > 0, and then defaults to one sequence."""
     acc = accumulation_dtype(x.dtype)
     num_tokens, num_experts = x.shape[0], config.num_experts
-    logits = x.to(acc) @ gate_weight.to(acc)
+    logits = gate_logits(x.to(acc), gate_weight.to(acc))
     if gate_bias is not None:
         logits = logits + gate_bias.to(acc)
     logsumexp = torch.logsumexp(logits, dim=-1)
@@ -254,9 +254,33 @@ def grad_gate_gemm(
         coef = grad_loss.to(acc) * config.z_loss_coef * 2.0 / num_tokens
         softmax = routing.probs if config.score_func == "softmax" else routing.z_probs
         grad_logits = grad_logits + coef * routing.logsumexp[:, None] * softmax
-    x_acc = x.to(acc)
     grad_bias = grad_logits.sum(0) if config.router_bias else None
-    return grad_logits @ gate_weight.to(acc).t(), x_acc.t() @ grad_logits, grad_bias
+    return grad_logits @ gate_weight.to(acc).t(), gate_weight_grad(x.to(acc), grad_logits), grad_bias
+
+
+# On CPU, MKL runs the router's two GEMMs with a narrow expert dim slowly in their plain layouts:
+# x Wg with Wg [H, E] row-major and x^T dlogits (the [S, H] operand transposed) measured 1.9-5x and
+# 4.3-8x slower at E = 2..10 than with the weight column-major and as (dlogits^T x)^T; from E = 12
+# the plain layouts are as fast or faster (docs/benchmarks.md, "The router's GEMMs").
+NARROW_ROUTER = 8
+
+
+def _narrow(x: torch.Tensor, num_experts: int) -> bool:
+    return x.device.type == "cpu" and num_experts <= NARROW_ROUTER
+
+
+def gate_logits(x: torch.Tensor, gate_weight: torch.Tensor) -> torch.Tensor:
+    """x Wg: x [S, H], gate_weight [H, E] -> [S, E], both in the same dtype."""
+    if _narrow(x, gate_weight.shape[1]):
+        return x @ gate_weight.t().contiguous().t()
+    return x @ gate_weight
+
+
+def gate_weight_grad(x: torch.Tensor, grad_logits: torch.Tensor) -> torch.Tensor:
+    """dWg = x^T dlogits: x [S, H], grad_logits [S, E] -> [H, E] contiguous."""
+    if _narrow(x, grad_logits.shape[1]):
+        return (grad_logits.t() @ x).t().contiguous()
+    return x.t() @ grad_logits
 
 
 class GateRouter:

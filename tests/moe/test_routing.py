@@ -84,3 +84,21 @@ def test_grad_gate_gemm_matches_autograd_float64():
         dx, dwg, _ = grad_gate_gemm(x.detach(), wg.detach(), r, grad_w, torch.tensor(1.0, dtype=torch.float64), cfg)
         assert torch.allclose(dx, gx, rtol=1e-12, atol=1e-14), kw
         assert torch.allclose(dwg, gwg, rtol=1e-12, atol=1e-14), kw
+
+
+def test_router_gemms_in_either_layout_are_the_plain_products():
+    # gate_logits / gate_weight_grad take other layouts for a narrow router on CPU (E <= NARROW_ROUTER):
+    # the same products to float32 round-off, at and past the switch, and the weight gradient contiguous
+    from shardmoe.moe.routing import NARROW_ROUTER, gate_logits, gate_weight_grad
+
+    gen = torch.Generator().manual_seed(0)
+    for num_experts in (1, NARROW_ROUTER, NARROW_ROUTER + 1, 64):
+        x = torch.randn(300, 96, generator=gen, dtype=torch.float64)
+        weight = torch.randn(96, num_experts, generator=gen, dtype=torch.float64)
+        grad = torch.randn(300, num_experts, generator=gen, dtype=torch.float64)
+        logits = gate_logits(x.float(), weight.float())
+        grad_weight = gate_weight_grad(x.float(), grad.float())
+        assert logits.shape == (300, num_experts) and grad_weight.shape == (96, num_experts)
+        assert grad_weight.is_contiguous()
+        torch.testing.assert_close(logits.double(), x @ weight, rtol=0, atol=1e-4)
+        torch.testing.assert_close(grad_weight.double(), x.t() @ grad, rtol=0, atol=2e-4)
