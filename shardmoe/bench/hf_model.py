@@ -1,10 +1,13 @@
 """`shardmoe bench --hf FAMILY --model`: a whole causal LM of a transformers family, one training
 step (forward with labels, loss.backward()) timed with its sparse blocks run four ways:
 
-  shardmoe, grouped_mm, eager   one model, its experts implementation switched around each step
-                                (config._experts_implementation, as the block mode switches it)
-  convert                       a deep copy of that model, same weights, through shardmoe.hf.convert
-                                (router and experts in shardmoe.MoE)
+  shardmoe, grouped_mm, eager   the model's experts implementation (config._experts_implementation)
+  convert                       router and experts in shardmoe.MoE (shardmoe.hf.convert)
+
+Each candidate runs a deep copy of one model of its own (same weights): a candidate whose weights
+another candidate's step has just read ran 2-8% faster than one with weights of its own
+(benchmarks/convert_gap.py, docs/benchmarks.md), which had favoured the three implementations that
+shared one model over `convert`.
 
 The model is the family's ForCausalLM (AutoModelForCausalLM.from_config on small_config: nothing is
 downloaded), initialised by the family's own _init_weights under a fixed seed. Every step takes a
@@ -118,20 +121,26 @@ def family_grads(model) -> dict:
     return grads
 
 
-def candidates(model, converted, batches: list) -> dict[str, Candidate]:
-    """One Candidate per name of CANDIDATES. step() runs the next batch of batches[1:] (each [B, L]
-    token ids, labels = the ids); forward() runs batches[0] (the checked step) and returns the loss;
-    grads() gives the gradients under the family's names."""
-    # the decorated experts read their config at every forward; switch every config they hold
-    configs = list({id(m.config): m.config for m in model.modules() if hasattr(m, "has_gate")}.values())
-    turn = dict.fromkeys(CANDIDATES, 0)
+def with_implementation(model, name: str):
+    """model with every sparse block's experts set to run `name` (the decorated experts read their
+    config at every forward: each config they hold is switched); returns model."""
+    for m in model.modules():
+        if hasattr(m, "has_gate"):
+            m.config._experts_implementation = name
+    return model
+
+
+def candidates(models: dict, batches: list) -> dict[str, Candidate]:
+    """One Candidate per entry of models ({name of CANDIDATES: its model}: the implementations' with
+    with_implementation, convert's converted). step() runs the next batch of batches[1:] (each
+    [B, L] token ids, labels = the ids); forward() runs batches[0] (the checked step) and returns the
+    loss; grads() gives the gradients under the family's names."""
+    turn = dict.fromkeys(models, 0)
 
     def make(name):
-        net = converted if name == "convert" else model
+        net = models[name]
 
         def run(ids):
-            for config in configs if name != "convert" else ():
-                config._experts_implementation = name
             loss = net(input_ids=ids, labels=ids).loss
             loss.backward()
             return loss.detach()
@@ -148,7 +157,7 @@ def candidates(model, converted, batches: list) -> dict[str, Candidate]:
         return Candidate(name, step, lambda: net.zero_grad(set_to_none=True), tuple(net.parameters()),
                          forward=lambda: run(batches[0]), grads=grads)
 
-    return {name: make(name) for name in CANDIDATES}
+    return {name: make(name) for name in models}
 
 
 def check(cands: dict[str, Candidate]) -> dict:
@@ -182,10 +191,11 @@ def run_model(family: str, dtype_name: str, *, batch: int, seq_len: int, hidden:
     sizes = dict(hidden=hidden, ffn=ffn, experts=experts, top_k=top_k, layers=layers, vocab=vocab, seq_len=seq_len)
     model = build_model(family, dtype, **sizes)
     # copied before any forward: convert refuses a model whose output hooks are installed
-    converted = shardmoe.hf.convert(copy.deepcopy(model))
+    models = {name: with_implementation(copy.deepcopy(model), name) for name in IMPLEMENTATIONS}
+    models["convert"] = shardmoe.hf.convert(model)
     gen = torch.Generator().manual_seed(1)
     batches = [torch.randint(0, vocab, (batch, seq_len), generator=gen) for _ in range(warmup + repeats + 1)]
-    cands = candidates(model, converted, batches)
+    cands = candidates(models, batches)
     checked = check(cands)
     times = time_interleaved(cands, warmup, repeats, "cpu")
     median = {n: statistics.median(t) for n, t in times.items()}

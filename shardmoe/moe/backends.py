@@ -13,8 +13,9 @@ dispatchers call nothing else. Two families of entry points:
                        grad_input_combine (stage 5)
   stages 3 / 4         grad_post_gemm_glu, grad_pre_gemm_glu, grad_post_gemm_mlp, grad_pre_gemm_mlp
 
-select() makes the one decision per forward; the Function keeps the backend on ctx for its
-backward, so forward and backward never mix implementations. Backends today:
+select() makes the one decision per forward, and again for its backward from the same config, input
+and weights (the operators carry no Python objects from one to the other), so the two agree unless
+a setting changes in between; either way the results agree to round-off. Backends today:
 
   torch   TorchBackend: the stage functions of moe/experts.py and moe/combine.py (any device torch
           runs on; on CPU they use the C++ passes of moe/elementwise.py and moe/cpu_gemm.py where

@@ -259,9 +259,10 @@ def grad_gate_gemm(
 
 
 # On CPU, MKL runs the router's two GEMMs with a narrow expert dim slowly in their plain layouts:
-# x Wg with Wg [H, E] row-major and x^T dlogits (the [S, H] operand transposed) measured 1.9-5x and
-# 4.3-8x slower at E = 2..10 than with the weight column-major and as (dlogits^T x)^T; from E = 12
-# the plain layouts are as fast or faster (docs/benchmarks.md, "The router's GEMMs").
+# x Wg with Wg [H, E] row-major and x^T dlogits (the [S, H] operand transposed) measured 2.0-4.8x
+# and 3.6-6.6x slower at E = 2..10 (S=4096 H=512, 2 threads) than with the weight column-major and
+# as (dlogits^T x)^T; from E = 12 the plain layouts are as fast or up to 1.2x faster
+# (benchmarks/router_gemms.py, docs/benchmarks.md).
 NARROW_ROUTER = 8
 
 
