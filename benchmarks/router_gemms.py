@@ -7,15 +7,26 @@ routing.gate_logits / gate_weight_grad take the narrow forms for E <= NARROW_ROU
 forms of each are timed side by side (interleaved rounds, median), in float32 (the router's
 accumulation dtype), and printed as time(plain) / time(narrow): above 1, the narrow form is faster.
 
+With --layer e8|fine it times instead the router's share of a shardmoe.MoE training step at the
+layer bench's shape (bench/flops.py SHAPES, --tokens tokens, bf16 or --dtype fp32): routing.route
+and routing.grad_gate_gemm wrapped with timers over 10 steps after 3 warm-up steps.
+
   python benchmarks/router_gemms.py --threads 2 [--tokens 4096] [--hidden 512] [--experts 2 4 8 12 16 64]
+  python benchmarks/router_gemms.py --threads 2 --layer e8 --tokens 2048 [--dtype fp32]
 """
 from __future__ import annotations
 
 import argparse
+import collections
+import functools
 import statistics
 import time
 
 import torch
+
+import shardmoe
+from shardmoe.bench.flops import SHAPES
+from shardmoe.moe import routing
 
 
 def interleaved(fns: dict, rounds: int = 9, inner: int = 5) -> dict[str, float]:
@@ -32,12 +43,55 @@ def interleaved(fns: dict, rounds: int = 9, inner: int = 5) -> dict[str, float]:
     return {name: statistics.median(t) for name, t in times.items()}
 
 
+def layer_share(shape: str, tokens: int, dtype: torch.dtype, steps: int = 10) -> None:
+    """Print ms per step of a layer's forward + backward and of its router's two functions in it."""
+    _, hidden, ffn, experts, top_k = SHAPES[shape]
+    spent = collections.Counter()
+    originals = {name: getattr(routing, name) for name in ("route", "grad_gate_gemm")}
+
+    def timed(name):
+        @functools.wraps(originals[name])
+        def wrapper(*args, **kwargs):
+            start = time.perf_counter()
+            out = originals[name](*args, **kwargs)
+            spent[name] += time.perf_counter() - start
+            return out
+        return wrapper
+
+    layer = shardmoe.MoE(hidden_size=hidden, ffn_size=ffn, num_experts=experts, top_k=top_k).to(dtype)
+    xs = [torch.randn(tokens, hidden, dtype=dtype, requires_grad=True) for _ in range(8)]
+    grad = torch.randn(tokens, hidden, dtype=dtype)
+
+    def step(i):
+        layer.zero_grad(set_to_none=True)
+        layer(xs[i % len(xs)]).backward(grad)
+
+    try:
+        for name in originals:  # the layer's router (GateRouter) calls them through the module
+            setattr(routing, name, timed(name))
+        for i in range(3):
+            step(i)
+        spent.clear()
+        start = time.perf_counter()
+        for i in range(steps):
+            step(i)
+        total = (time.perf_counter() - start) / steps
+    finally:
+        for name, fn in originals.items():
+            setattr(routing, name, fn)
+    router = sum(spent.values()) / steps
+    print(f"{shape} S={tokens} {dtype}: step {1e3 * total:.1f} ms; route {1e3 * spent['route'] / steps:.1f} ms, "
+          f"grad_gate_gemm {1e3 * spent['grad_gate_gemm'] / steps:.1f} ms: router {router / total:.1%} of the step")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--experts", type=int, nargs="+", default=[2, 4, 8, 10, 12, 16, 24, 64, 128])
+    parser.add_argument("--layer", choices=sorted(SHAPES))
+    parser.add_argument("--dtype", choices=["fp32", "bf16"], default="bf16")
     args = parser.parse_args()
     for name in ("threads", "tokens", "hidden"):
         if getattr(args, name) < 1:
@@ -45,6 +99,9 @@ def main() -> None:
     if min(args.experts) < 1:
         parser.error(f"--experts: expected ints >= 1, got {args.experts}")
     torch.set_num_threads(args.threads)
+    if args.layer:
+        layer_share(args.layer, args.tokens, {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype])
+        return
     S, H = args.tokens, args.hidden
     print(f"router GEMMs, float32, S={S} H={H}, {torch.get_num_threads()} threads; ms per call (median), "
           f"plain / narrow")
