@@ -2,8 +2,9 @@
 
 Until 2026-11-25 `shardmoe bench --hf FAMILY --model` ran the seam, grouped_mm and eager on one
 model (its experts implementation switched before each step) and `convert` on a deep copy: only
-`convert` had weights of its own. This script runs that arrangement beside a second deep copy
-running the seam ("seam-copy"): seam / seam-copy is what sharing the weights was worth, and
+`convert` had weights of its own. This script keeps the seam and grouped_mm on one model (eager,
+the slowest, is left out), `convert` on the converted model, and adds the seam on a deep copy of
+its own ("seam-copy"): seam / seam-copy is what sharing the model was worth, and
 convert / seam-copy is the difference of the code alone. (The bench now gives every candidate a
 copy of its own.) The candidates take turns in a random order each round (seeded), a step each;
 the first round is not counted. Printed: median ms per step and median(grouped_mm) /

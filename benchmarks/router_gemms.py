@@ -3,13 +3,15 @@
   logits  x Wg               x [S, H], Wg [H, E]: Wg row-major (plain) or column-major (narrow)
   dWg     x^T dlogits        [H, S] x [S, E] (plain) or (dlogits^T x)^T (narrow)
 
-routing.gate_logits / gate_weight_grad take the narrow forms for E <= NARROW_ROUTER on CPU. Both
-forms of each are timed side by side (interleaved rounds, median), in float32 (the router's
+routing.gate_logits / gate_weight_grad take the narrow forms for E <= NARROW_ROUTER on CPU (the
+third, dx = dlogits Wg^T, is one layout only and not timed here). Both forms of each are timed side
+by side (interleaved rounds, the order reversed every other round, median), in float32 (the router's
 accumulation dtype), and printed as time(plain) / time(narrow): above 1, the narrow form is faster.
 
 With --layer e8|fine it times instead the router's share of a shardmoe.MoE training step at the
-layer bench's shape (bench/flops.py SHAPES, --tokens tokens, bf16 or --dtype fp32): routing.route
-and routing.grad_gate_gemm wrapped with timers over 10 steps after 3 warm-up steps.
+layer bench's shape (bench/flops.py SHAPES, --tokens tokens, bf16 or --dtype fp32; --hidden and
+--experts are the shape's): routing.route and routing.grad_gate_gemm wrapped with timers over 10
+steps after 3 warm-up steps.
 
   python benchmarks/router_gemms.py --threads 2 [--tokens 4096] [--hidden 512] [--experts 2 4 8 12 16 64]
   python benchmarks/router_gemms.py --threads 2 --layer e8 --tokens 2048 [--dtype fp32]
@@ -30,12 +32,13 @@ from shardmoe.moe import routing
 
 
 def interleaved(fns: dict, rounds: int = 9, inner: int = 5) -> dict[str, float]:
-    """Median seconds per call of each function, the functions taking turns round by round."""
+    """Median seconds per call of each function, the functions taking turns round by round (in
+    reverse order every other round, so neither always runs first)."""
     times = {name: [] for name in fns}
     for fn in fns.values():
         fn()
-    for _ in range(rounds):
-        for name, fn in fns.items():
+    for r in range(rounds):
+        for name, fn in (list(fns.items()) if r % 2 == 0 else list(fns.items())[::-1]):
             start = time.perf_counter()
             for _ in range(inner):
                 fn()
@@ -90,8 +93,9 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--experts", type=int, nargs="+", default=[2, 4, 8, 10, 12, 16, 24, 64, 128])
-    parser.add_argument("--layer", choices=sorted(SHAPES))
-    parser.add_argument("--dtype", choices=["fp32", "bf16"], default="bf16")
+    parser.add_argument("--layer", choices=sorted(SHAPES),
+                        help="the router's share of a layer step at this shape instead (--hidden, --experts unused)")
+    parser.add_argument("--dtype", choices=["fp32", "bf16"], default="bf16", help="the layer's dtype (with --layer)")
     args = parser.parse_args()
     for name in ("threads", "tokens", "hidden"):
         if getattr(args, name) < 1:

@@ -71,7 +71,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "whole-model mode (--hf FAMILY --model)",
         "one training step (forward with labels, loss.backward(), new random token ids every step) of the "
         "family's ForCausalLM built from its config, its experts run by 'shardmoe', 'grouped_mm' and 'eager' "
-        "on one model, and a deep copy through shardmoe.hf.convert ('convert'); checked against eager (loss, "
+        "and through shardmoe.hf.convert ('convert'), each candidate on a model of its own (same weights); checked against eager (loss, "
         "gradients) before the interleaved timing (shardmoe/bench/hf_model.py). Defaults B=4 L=512 H=512, "
         "2 layers, vocab 4096; mixtral-like experts F=1024 E=8 k=2 (qwen3_moe: F=128 E=64 k=8); "
         "--hidden/--ffn/--experts/--top-k override them, --tokens is refused (use --batch and --seq-len); "

@@ -4,10 +4,11 @@ step (forward with labels, loss.backward()) timed with its sparse blocks run fou
   shardmoe, grouped_mm, eager   the model's experts implementation (config._experts_implementation)
   convert                       router and experts in shardmoe.MoE (shardmoe.hf.convert)
 
-Each candidate runs a deep copy of one model of its own (same weights): a candidate whose weights
-another candidate's step has just read ran 2-8% faster than one with weights of its own
-(benchmarks/convert_gap.py, docs/benchmarks.md), which had favoured the three implementations that
-shared one model over `convert`.
+Each candidate runs a model of its own with the same weights: three deep copies, and the model
+itself converted. A model shared by candidates (as the first three once shared one) measured 2-8%
+faster for the seam than a copy of its own in the same run (benchmarks/convert_gap.py,
+docs/benchmarks.md; the cause is not established), which had counted against `convert` alone.
+The bench holds four models' weights and gradients.
 
 The model is the family's ForCausalLM (AutoModelForCausalLM.from_config on small_config: nothing is
 downloaded), initialised by the family's own _init_weights under a fixed seed. Every step takes a
@@ -190,7 +191,8 @@ def run_model(family: str, dtype_name: str, *, batch: int, seq_len: int, hidden:
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype_name]
     sizes = dict(hidden=hidden, ffn=ffn, experts=experts, top_k=top_k, layers=layers, vocab=vocab, seq_len=seq_len)
     model = build_model(family, dtype, **sizes)
-    # copied before any forward: convert refuses a model whose output hooks are installed
+    # copies taken and convert applied before any forward: a model that has run carries transformers'
+    # output hooks (copies too), and convert refuses it
     models = {name: with_implementation(copy.deepcopy(model), name) for name in IMPLEMENTATIONS}
     models["convert"] = shardmoe.hf.convert(model)
     gen = torch.Generator().manual_seed(1)

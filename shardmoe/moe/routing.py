@@ -261,25 +261,30 @@ def grad_gate_gemm(
 # On CPU, MKL runs the router's two GEMMs with a narrow expert dim slowly in their plain layouts:
 # x Wg with Wg [H, E] row-major and x^T dlogits (the [S, H] operand transposed) measured 2.0-4.8x
 # and 3.6-6.6x slower at E = 2..10 (S=4096 H=512, 2 threads) than with the weight column-major and
-# as (dlogits^T x)^T; from E = 12 the plain layouts are as fast or up to 1.2x faster
-# (benchmarks/router_gemms.py, docs/benchmarks.md).
+# as (dlogits^T x)^T; from E = 12 the logits' plain layout is as fast and dWg's gain shrinks (1.46x
+# at 12, 0.85x at 64) (benchmarks/router_gemms.py, docs/benchmarks.md). The switch sits at 8, the
+# widths models use, short of the measured edge (MKL's, which another MKL or CPU may move). At tiny
+# shapes (S H of a few thousand) the narrow forms lose a few microseconds; nothing that counts.
 NARROW_ROUTER = 8
 
 
-def _narrow(x: torch.Tensor, num_experts: int) -> bool:
+def narrow_router(x: torch.Tensor, num_experts: int) -> bool:
+    """Whether the router's GEMMs take the narrow layouts: x on CPU and E <= NARROW_ROUTER."""
     return x.device.type == "cpu" and num_experts <= NARROW_ROUTER
 
 
 def gate_logits(x: torch.Tensor, gate_weight: torch.Tensor) -> torch.Tensor:
-    """x Wg: x [S, H], gate_weight [H, E] -> [S, E], both in the same dtype."""
-    if _narrow(x, gate_weight.shape[1]):
+    """x Wg: x [S, H], gate_weight [H, E] -> [S, E], both in the same dtype. Under autograd the
+    narrow form's weight gradient comes out as (dlogits^T x)^T as well (torch's mm backward for a
+    column-major operand)."""
+    if narrow_router(x, gate_weight.shape[1]):
         return x @ gate_weight.t().contiguous().t()
     return x @ gate_weight
 
 
 def gate_weight_grad(x: torch.Tensor, grad_logits: torch.Tensor) -> torch.Tensor:
     """dWg = x^T dlogits: x [S, H], grad_logits [S, E] -> [H, E] contiguous."""
-    if _narrow(x, grad_logits.shape[1]):
+    if narrow_router(x, grad_logits.shape[1]):
         return (grad_logits.t() @ x).t().contiguous()
     return x.t() @ grad_logits
 

@@ -89,8 +89,11 @@ def test_grad_gate_gemm_matches_autograd_float64():
 def test_router_gemms_in_either_layout_are_the_plain_products():
     # gate_logits / gate_weight_grad take other layouts for a narrow router on CPU (E <= NARROW_ROUTER):
     # the same products to float32 round-off, at and past the switch, and the weight gradient contiguous
-    from shardmoe.moe.routing import NARROW_ROUTER, gate_logits, gate_weight_grad
+    from shardmoe.moe.routing import NARROW_ROUTER, gate_logits, gate_weight_grad, narrow_router
 
+    probe = torch.zeros(1, 1)
+    assert narrow_router(probe, NARROW_ROUTER) and not narrow_router(probe, NARROW_ROUTER + 1)
+    assert not narrow_router(torch.zeros(1, 1, device="meta"), 1)  # CPU only
     gen = torch.Generator().manual_seed(0)
     for num_experts in (1, NARROW_ROUTER, NARROW_ROUTER + 1, 64):
         x = torch.randn(300, 96, generator=gen, dtype=torch.float64)
