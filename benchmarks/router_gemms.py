@@ -2,6 +2,8 @@
 
   logits  x Wg               x [S, H], Wg [H, E]: Wg row-major (plain) or column-major (narrow)
   dWg     x^T dlogits        [H, S] x [S, E] (plain) or (dlogits^T x)^T (narrow)
+  autograd                   x Wg and its backward through autograd (as convert's RouterLogits runs
+                             it), in --autograd-dtype (the model's dtype; default float32)
 
 routing.gate_logits / gate_weight_grad take the narrow forms for E <= NARROW_ROUTER on CPU (the
 third, dx = dlogits Wg^T, is one layout only and not timed here). Both forms of each are timed side
@@ -96,6 +98,8 @@ def main() -> None:
     parser.add_argument("--layer", choices=sorted(SHAPES),
                         help="the router's share of a layer step at this shape instead (--hidden, --experts unused)")
     parser.add_argument("--dtype", choices=["fp32", "bf16"], default="bf16", help="the layer's dtype (with --layer)")
+    parser.add_argument("--autograd-dtype", choices=["fp32", "bf16"], default="fp32",
+                        help="the dtype of the autograd column")
     args = parser.parse_args()
     for name in ("threads", "tokens", "hidden"):
         if getattr(args, name) < 1:
@@ -107,15 +111,22 @@ def main() -> None:
         layer_share(args.layer, args.tokens, {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype])
         return
     S, H = args.tokens, args.hidden
+    autograd_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.autograd_dtype]
     print(f"router GEMMs, float32, S={S} H={H}, {torch.get_num_threads()} threads; ms per call (median), "
-          f"plain / narrow")
+          f"plain / narrow; autograd in {autograd_dtype}")
     for E in args.experts:
         x, weight, grad = torch.randn(S, H), torch.randn(H, E), torch.randn(S, E)
         logits = interleaved(dict(plain=lambda: x @ weight, narrow=lambda: x @ weight.t().contiguous().t()))
         dweight = interleaved(dict(plain=lambda: x.t() @ grad, narrow=lambda: (grad.t() @ x).t().contiguous()))
+        xa, wa = (t.to(autograd_dtype).requires_grad_() for t in (x, weight))
+        ga = grad.to(autograd_dtype)
+        graph = interleaved(dict(plain=lambda: (xa @ wa).backward(ga),
+                                 narrow=lambda: (xa @ wa.t().contiguous().t()).backward(ga)))
         print(f"E={E:<4} logits {1e3 * logits['plain']:7.3f} / {1e3 * logits['narrow']:7.3f} "
               f"= {logits['plain'] / logits['narrow']:4.2f}x   dWg {1e3 * dweight['plain']:7.3f} / "
-              f"{1e3 * dweight['narrow']:7.3f} = {dweight['plain'] / dweight['narrow']:4.2f}x", flush=True)
+              f"{1e3 * dweight['narrow']:7.3f} = {dweight['plain'] / dweight['narrow']:4.2f}x   autograd "
+              f"{1e3 * graph['plain']:7.3f} / {1e3 * graph['narrow']:7.3f} = {graph['plain'] / graph['narrow']:4.2f}x",
+              flush=True)
 
 
 if __name__ == "__main__":
