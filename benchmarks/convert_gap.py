@@ -40,7 +40,8 @@ def main() -> None:
     sizes = hf_model.sizes_for(args.family, argparse.Namespace(quick=False))
     model = hf_model.build_model(args.family, dtype, **sizes)
     # copies before any forward: convert refuses a model with output hooks
-    shared, twin = copy.deepcopy(model), hf_model.with_implementation(copy.deepcopy(model), "shardmoe")
+    shared, twin = copy.deepcopy(model), copy.deepcopy(model)
+    twin.set_experts_implementation("shardmoe")
     models = {"seam": shared, "grouped_mm": shared, "convert": shardmoe.hf.convert(model), "seam-copy": twin}
     gen = torch.Generator().manual_seed(1)
     batches = [torch.randint(0, sizes["vocab"], (sizes["batch"], sizes["seq_len"]), generator=gen)
@@ -53,7 +54,7 @@ def main() -> None:
         for name in names:
             cands[name].reset()
             if name in implementation:
-                hf_model.with_implementation(shared, implementation[name])
+                shared.set_experts_implementation(implementation[name])
             start = time.perf_counter()
             cands[name].step()
             if r:

@@ -3,19 +3,19 @@
     PYTHONPATH=. python benchmarks/gpu_profile.py S H F E k [--torch | --dh-once]
 
 bf16, random weights and input, three warm-up steps (the first autotunes the kernels), then two
-profiled steps; prints the 22 rows with the most CUDA time. The Triton path is forced
-(kernels.force_kernel_path(), also past KERNEL_MAX_FFN); --torch profiles the torch path instead,
---dh-once the Triton path with glu's dh formed once (shardmoe.settings glu_grad_on_load off).
+profiled steps; prints the 22 rows with the most CUDA time. Each path runs in the GPU bench's
+context for it (shardmoe.gpu_check.bench.contexts()): the Triton path forced (also past
+KERNEL_MAX_FFN); --torch the torch path instead, --dh-once the Triton path with glu's dh formed once
+(shardmoe.settings glu_grad_on_load off).
 docs/gpu/2026-11-24-h100/profile-*.txt were made with it.
 """
-import contextlib
 import sys
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
 import shardmoe
-from shardmoe import kernels, settings
+from shardmoe.gpu_check.bench import contexts
 
 
 def main(argv: list[str]) -> None:
@@ -27,14 +27,8 @@ def main(argv: list[str]) -> None:
     layer = shardmoe.MoE(hidden, ffn, experts, top_k, dtype=torch.bfloat16, device="cuda")
     x = torch.randn(1, tokens, hidden, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     grad = torch.randn(1, tokens, hidden, device="cuda", dtype=torch.bfloat16)
-    path = contextlib.ExitStack()
-    if "--torch" in flags:
-        path.enter_context(settings.override(kernels=False))
-    else:
-        path.enter_context(kernels.force_kernel_path())
-        if "--dh-once" in flags:
-            path.enter_context(settings.override(glu_grad_on_load=False))
-    with path:
+    path = {"--torch": "shardmoe:torch", "--dh-once": "shardmoe:dh-once"}.get(next(iter(flags), None), "shardmoe")
+    with contexts()[path]():
         for _ in range(3):
             layer(x).backward(grad)
         torch.cuda.synchronize()

@@ -212,8 +212,8 @@ def bench_check_inputs():
 
 
 def bench_check(s, grad):
-    cands, inputs, notes = bench.build(s, torch.bfloat16, "cpu")
-    return notes, bench.check(bench.with_variants(cands), bench.with_variants(inputs), bench.contexts(), grad, False)
+    cands, x, notes = bench.build(s, torch.bfloat16, "cpu")
+    return notes, bench.check(bench.with_variants(cands), x, bench.contexts(), grad, False)
 
 
 @pytest.mark.parametrize("name, value", [("shardmoe", 5e-2), ("shardmoe", float("nan")), ("shardmoe:dh-once", 5e-2),

@@ -122,18 +122,9 @@ def family_grads(model) -> dict:
     return grads
 
 
-def with_implementation(model, name: str):
-    """model with every sparse block's experts set to run `name` (the decorated experts read their
-    config at every forward: each config they hold is switched); returns model."""
-    for m in model.modules():
-        if hasattr(m, "has_gate"):
-            m.config._experts_implementation = name
-    return model
-
-
 def candidates(models: dict, batches: list) -> dict[str, Candidate]:
-    """One Candidate per entry of models ({name of CANDIDATES: its model}: the implementations' with
-    with_implementation, convert's converted). step() runs the next batch of batches[1:] (each
+    """One Candidate per entry of models ({name of CANDIDATES: its model}: the implementations' set
+    to run it by transformers' set_experts_implementation, convert's converted). step() runs the next batch of batches[1:] (each
     [B, L] token ids, labels = the ids); forward() runs batches[0] (the checked step) and returns the
     loss; grads() gives the gradients under the family's names."""
     turn = dict.fromkeys(models, 0)
@@ -193,7 +184,9 @@ def run_model(family: str, dtype_name: str, *, batch: int, seq_len: int, hidden:
     model = build_model(family, dtype, **sizes)
     # copies taken and convert applied before any forward: a model that has run carries transformers'
     # output hooks (copies too), and convert refuses it
-    models = {name: with_implementation(copy.deepcopy(model), name) for name in IMPLEMENTATIONS}
+    models = {name: copy.deepcopy(model) for name in IMPLEMENTATIONS}
+    for name, copied in models.items():
+        copied.set_experts_implementation(name)
     models["convert"] = shardmoe.hf.convert(model)
     gen = torch.Generator().manual_seed(1)
     batches = [torch.randint(0, vocab, (batch, seq_len), generator=gen) for _ in range(warmup + repeats + 1)]

@@ -56,6 +56,9 @@ TENSORS = {"y": "y", "x": "x", "p0": "router", "p1": "gate_up", "p2": "down"}
 LAYER_VARIANTS = ("shardmoe:dh-once", "shardmoe:torch")  # the shardmoe candidate's layer in another context
 BACKENDS = {"shardmoe": "triton", "shardmoe:dh-once": "triton", "shardmoe:torch": "torch"}  # what each must run
 CHECKED = tuple(BACKENDS)  # held to CHECK_TOL against float64 and each other; the others are reported
+# the paths compared with each other (a pair with both sides in CHECKED is held to CHECK_TOL)
+PAIRS = (("shardmoe", "shardmoe:torch"), ("shardmoe:dh-once", "shardmoe:torch"), ("shardmoe", "transformers"),
+         ("shardmoe:torch", "transformers"))
 
 
 class Clock:
@@ -108,20 +111,20 @@ def layer_candidate(s: Shape, dtype, device):
                       layer=layer), x)
 
 
-def build(s: Shape, dtype, device) -> tuple[dict, dict, list[str]]:
-    """(the bench's candidates "dense", "transformers", "shardmoe"; the module candidates' check
-    inputs by name; notes on what could not be built)."""
+def build(s: Shape, dtype, device) -> tuple[dict, object, list[str]]:
+    """(the bench's candidates "dense", "transformers", "shardmoe"; the shardmoe candidate's check
+    input, from which the float64 truth is computed; notes on what could not be built)."""
     from shardmoe.bench import candidates as bc
 
     try:
         cands, inputs = bc.build_candidates(s, dtype, device, ("dense", "transformers", "shardmoe"))
-        return cands, inputs, []
+        return cands, inputs["shardmoe"], []
     except Exception as err:  # transformers absent, or its block API changed: time the rest
         gc.collect()
         note = f"grouped_mm left out: transformers' block could not be built ({type(err).__name__}: {err})"
         layer, x = layer_candidate(s, dtype, device)
         return ({"dense": bc.dense_candidate(s, dtype, device, True, "dense"), "shardmoe": layer},
-                {"shardmoe": x}, [note])
+                x, [note])
 
 
 def output(value):
@@ -186,15 +189,17 @@ def check_step(c, context, grad) -> dict:
     return result
 
 
-def check(bases: dict, inputs: dict, contexts: dict, grad, cuda: bool) -> tuple[dict, dict, list[str]]:
+def check(bases: dict, x, contexts: dict, grad, cuda: bool) -> tuple[dict, dict, list[str]]:
     """(per module candidate, in this report's names, per tensor: norm-relative error against the
     float64 truth; per pair: the largest over the tensors; the problems). The truth is computed first,
-    from the shardmoe candidate's layer and check input, and freed before returning."""
+    from the shardmoe candidate's layer and its check input x, and freed before returning. It is the
+    same layer's torch path in float64, so against it a path shows its bf16 error; correctness against
+    the independent float64 reference (moe/reference.py) is the parity stage's."""
     from shardmoe.bench.case import relative_error
 
     problems = []
     try:
-        truth = float64_truth(bases["shardmoe"].layer, inputs["shardmoe"], grad)
+        truth = float64_truth(bases["shardmoe"].layer, x, grad)
     except Exception as err:  # e.g. out of memory: shardmoe is then unchecked, the timing still runs
         truth = None
         problems.append(f"float64 truth not computed ({type(err).__name__}: {err}): shardmoe unchecked")
@@ -208,17 +213,28 @@ def check(bases: dict, inputs: dict, contexts: dict, grad, cuda: bool) -> tuple[
             float64[NAMES.get(name, name)] = {TENSORS[key]: relative_error({key: outputs[name][key]}, {key: value})
                                               for key, value in truth.items()}
     del truth
-    pairs = [("shardmoe", "shardmoe:torch"), ("shardmoe:dh-once", "shardmoe:torch"), ("shardmoe", "transformers"),
-             ("shardmoe:torch", "transformers")]
-    errors = {f"{NAMES.get(a, a)} vs {NAMES.get(b, b)}": relative_error(outputs[a], outputs[b])
-              for a, b in pairs if a in outputs and b in outputs}
+    errors, pair_problems = pair_errors(outputs)
     del outputs
     free(cuda)
     problems += [f"{name}: {tensor} error vs float64 {err:.2e} > {CHECK_TOL:g}"
                  for name in CHECKED for tensor, err in float64.get(name, {}).items() if not err <= CHECK_TOL]
-    problems += [f"{pair}: error {err:.2e} > {CHECK_TOL:g}" for pair, err in errors.items()
-                 if _held(pair) and not err <= CHECK_TOL]
-    return float64, errors, problems
+    return float64, errors, problems + pair_problems
+
+
+def pair_errors(outputs: dict) -> tuple[dict, list[str]]:
+    """(per pair of PAIRS with both sides in outputs, named "a vs b" in this report's names: the
+    largest norm-relative error over the tensors of check_step; a problem for each pair of two
+    CHECKED paths past CHECK_TOL)."""
+    from shardmoe.bench.case import relative_error
+
+    errors, problems = {}, []
+    for a, b in PAIRS:
+        if a in outputs and b in outputs:
+            pair = f"{NAMES.get(a, a)} vs {NAMES.get(b, b)}"
+            errors[pair] = relative_error(outputs[a], outputs[b])
+            if _held(pair) and not errors[pair] <= CHECK_TOL:
+                problems.append(f"{pair}: error {errors[pair]:.2e} > {CHECK_TOL:g}")
+    return errors, problems
 
 
 def _held(pair: str) -> bool:
@@ -227,8 +243,8 @@ def _held(pair: str) -> bool:
 
 
 def with_variants(by_name: dict) -> dict:
-    """by_name with each of LAYER_VARIANTS mapped to its "shardmoe" entry (the same candidate or
-    input, stepped in the variant's context)."""
+    """by_name with each of LAYER_VARIANTS mapped to its "shardmoe" entry (the same candidate,
+    stepped in the variant's context)."""
     return {**by_name, **{name: by_name["shardmoe"] for name in LAYER_VARIANTS}}
 
 
@@ -283,15 +299,15 @@ def measure(shape_name: str, s: Shape, ctx) -> dict:
     dtype, device, cuda = torch.bfloat16, ctx.device, ctx.device == "cuda"
     warmup, repeats = (DRY_RUN_WARMUP, DRY_RUN_REPEATS) if ctx.dry_run else (WARMUP, REPEATS)
     print(f"  {shape_name}: {s}, bf16, building the candidates", flush=True)
-    cands, inputs, notes = build(s, dtype, device)
+    cands, x, notes = build(s, dtype, device)
     gen = torch.Generator().manual_seed(11)
     grad = (torch.randn(1, s.tokens, s.hidden, generator=gen) / s.hidden ** 0.5).to(device=device, dtype=dtype)
     layer = cands["shardmoe"].layer
     steps_in = contexts()
     bases = with_variants(cands)
     chosen, wrong_backends = chosen_backends(layer.config, grad, steps_in)
-    float64, errors, problems = check(bases, with_variants(inputs), steps_in, grad, cuda)
-    del inputs
+    float64, errors, problems = check(bases, x, steps_in, grad, cuda)
+    del x
     clock = Clock(cuda)
     timed, kept_marks = time_steps(bases, steps_in, grad, clock, warmup, repeats, device)
     peaks = {}

@@ -34,14 +34,11 @@ FFNS = (512, 1024, 2048, 4096, 8192, 14336)
 DRY_RUN_SHAPE = Shape(64, 32, 0, 4, 2)
 DRY_RUN_FFNS = (16, 32, 48)
 PATHS = bench.CHECKED  # shardmoe, shardmoe:dh-once, shardmoe:torch
-KERNEL_PATHS = PATHS[:2]  # each compared with PATHS[2]
 
 
 def measure(s: Shape, ctx) -> dict:
     """One F: the check, then the interleaved timing of PATHS."""
     import torch
-
-    from shardmoe.bench.case import relative_error
 
     dtype, device, cuda = torch.bfloat16, ctx.device, ctx.device == "cuda"
     warmup, repeats = (bench.DRY_RUN_WARMUP, bench.DRY_RUN_REPEATS) if ctx.dry_run else (bench.WARMUP, bench.REPEATS)
@@ -51,18 +48,16 @@ def measure(s: Shape, ctx) -> dict:
     steps_in = bench.contexts()
     chosen, wrong_backends = bench.chosen_backends(cand.layer.config, grad, steps_in)
     outputs = {name: bench.check_step(cand, steps_in[name], grad) for name in PATHS}
-    errors = {f"{name} vs {PATHS[2]}": relative_error(outputs[name], outputs[PATHS[2]]) for name in KERNEL_PATHS}
+    errors, pair_problems = bench.pair_errors(outputs)  # each kernel variant against the torch path
     del outputs
     bench.free(cuda)
-    problems = [f"F={s.ffn}: {p}" for p in wrong_backends]
-    problems += [f"F={s.ffn}: {pair}: error {err:.2e} > {bench.CHECK_TOL:g}" for pair, err in errors.items()
-                 if not err <= bench.CHECK_TOL]
+    problems = [f"F={s.ffn}: {p}" for p in (*wrong_backends, *pair_problems)]
     clock = bench.Clock(cuda)
     _, kept_marks = bench.time_steps(dict.fromkeys(PATHS, cand), steps_in, grad, clock, warmup, repeats, device)
     median_ms = {name: statistics.median(clock.ms(a, b) for a, _, b in kept_marks[name]) for name in PATHS}
     del cand, kept_marks, grad
     bench.free(cuda)
-    torch_ms = median_ms[PATHS[2]]
+    torch_ms = median_ms["shardmoe:torch"]
     return {"ffn": s.ffn, "median_ms": median_ms, "repeats": repeats, "backends": chosen, "errors": errors,
             "torch_over_kernels": torch_ms / median_ms["shardmoe"],
             "torch_over_dh_once": torch_ms / median_ms["shardmoe:dh-once"], "problems": problems}
@@ -89,7 +84,7 @@ def run(ctx) -> dict:
             continue
         row = measure(replace(base, ffn=ffn), ctx)
         result["rows"].append(row)
-        result["crossover_ffn"] = crossover(result["rows"])
+        result["crossover_ffn"] = crossover(result["rows"])  # in each progress report
         print(f"  F={ffn}: " + ", ".join(f"{name} {ms:.2f} ms" for name, ms in row["median_ms"].items())
               + f"; torch/kernels {row['torch_over_kernels']:.2f}, torch/dh-once {row['torch_over_dh_once']:.2f}"
               + "".join(f"\n  - {p}" for p in row["problems"]), flush=True)

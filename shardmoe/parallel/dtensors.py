@@ -85,7 +85,9 @@ def own_local(spec: str, value, mesh) -> torch.Tensor | None:
     (the same DeviceMesh and placements: what a distributed checkpoint loaded into), else None."""
     from torch.distributed.tensor import DTensor
 
+    if not isinstance(value, DTensor):
+        return None
     device_mesh = device_mesh_for(spec, mesh)
-    if device_mesh is None or not isinstance(value, DTensor) or value.device_mesh != device_mesh:
+    if device_mesh is None or value.device_mesh != device_mesh:
         return None
     return value.to_local() if list(value.placements) == placements(spec, device_mesh, mesh) else None

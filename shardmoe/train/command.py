@@ -160,8 +160,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"shardmoe train: rank {rank}: lost contact with the other ranks (a peer hung or died; "
               f"timeout_minutes={config.timeout_minutes:g}): {_first_line(err)}", file=sys.stderr)
         return 1
-    except (OSError, CheckpointException) as err:  # a failed metrics or checkpoint write (it names the file)
+    except OSError as err:  # a failed metrics or checkpoint write (it names the file)
         print(f"shardmoe train: rank {rank}: {_first_line(err)}", file=sys.stderr)
+        return 1
+    except CheckpointException as err:  # a failed DCP write or read
+        print(f"shardmoe train: rank {rank}: {checkpoint_failure(err)}", file=sys.stderr)
         return 1
 
 
@@ -204,6 +207,15 @@ def _lost_peer(err: RuntimeError) -> bool:
     import torch.distributed as dist
 
     return isinstance(err, dist.DistError) or "gloo/transport" in str(err)
+
+
+def checkpoint_failure(err) -> str:
+    """One line for torch.distributed.checkpoint's CheckpointException: the error of each failed rank
+    (its first line reads "CheckpointException ranks:dict_keys([0])", naming neither file nor cause)."""
+    failures = getattr(err, "failures", None) or {}
+    parts = [f"rank {r}: {type(e).__name__}: {e}" for r, (e, *_) in sorted(failures.items())
+             if isinstance(e, BaseException)]
+    return "sharded checkpoint: " + ("; ".join(parts) if parts else _first_line(err))
 
 
 def _first_line(err: BaseException) -> str:

@@ -81,7 +81,7 @@ def save(out_dir: str | Path, model: Transformer, optimizer: AdamW, step: int, c
             shutil.rmtree(path)  # an incomplete directory of a run that crashed here
         path.mkdir(parents=True)
 
-    _on_rank0_for_all(rank, group, fresh_directory, "sharded checkpoint: ")  # no rank writes into the directory before it is fresh
+    _on_rank0_for_all(group, fresh_directory, "sharded checkpoint: ")  # no rank writes into the directory before it is fresh
     with torch.no_grad(), _one_process_is_intended():
         dcp.save(_state(model, optimizer), storage_writer=dcp.FileSystemWriter(str(path)), process_group=group,
                  no_dist=group is None)
@@ -102,24 +102,29 @@ def save(out_dir: str | Path, model: Transformer, optimizer: AdamW, step: int, c
             if old.is_dir() and old.name != path.name:
                 shutil.rmtree(old, ignore_errors=True)  # superseded: LATEST no longer names it
 
-    _on_rank0_for_all(rank, group, complete, "sharded checkpoint: ")  # every rank returns with LATEST at a complete checkpoint
+    _on_rank0_for_all(group, complete, "sharded checkpoint: ")  # every rank returns with LATEST at a complete checkpoint
 
 
-def _on_rank0_for_all(rank: int, group, work, context: str = "") -> None:
-    """Run `work` on rank 0 and raise its OSError or ValueError, of the same type, on every rank of
-    `group` (a broadcast of the outcome in place of a barrier: the others neither hang nor report a
-    lost peer)."""
-    outcome = [None]
-    if rank == 0:
+def _on_rank0_for_all(group, work, context: str = "") -> None:
+    """Run `work` on rank 0 of `group` (the one process without one) and raise what it raised on
+    every rank (a broadcast of the outcome in place of a barrier: the others neither hang nor report
+    a lost peer): a ValueError as itself, an OSError with `context` in front, anything else as a
+    RuntimeError naming its type (an error of any type must reach the others, who would otherwise
+    wait in the broadcast until the timeout)."""
+    outcome, cause = [None], None
+    if group is None or dist.get_rank(group) == 0:
         try:
             work()
-        except (OSError, ValueError) as err:
-            outcome = [(type(err) is ValueError, str(err))]
+        except Exception as err:
+            # the message, not the exception: not every exception pickles
+            cause, outcome = err, [(type(err).__name__, isinstance(err, ValueError), isinstance(err, OSError), str(err))]
     if group is not None:
         dist.broadcast_object_list(outcome, src=dist.get_global_rank(group, 0), group=group)
     if outcome[0] is not None:
-        is_value_error, message = outcome[0]
-        raise ValueError(message) if is_value_error else OSError(context + message)
+        name, is_value_error, is_os_error, message = outcome[0]
+        error = ValueError(message) if is_value_error else OSError(context + message) if is_os_error \
+            else RuntimeError(f"{context}{name}: {message}")
+        raise error from cause
 
 
 def latest(out_dir: str | Path) -> Path | None:
@@ -172,7 +177,7 @@ def load(path: str | Path, model: Transformer, optimizer: AdamW, mesh) -> tuple[
     import torch.distributed.checkpoint as dcp
 
     group = _process_group(mesh)
-    _on_rank0_for_all(0 if mesh is None else mesh.rank, group, lambda: read_verified(path))
+    _on_rank0_for_all(group, lambda: read_verified(path))
     meta = read_metadata(path)
     state = _state(model, optimizer)
     with torch.no_grad(), _one_process_is_intended():

@@ -171,9 +171,13 @@ def test_expert_parallel_dispatcher_takes_the_kernel_path(spy, monkeypatch, on_l
     process (the placement picks LOCAL for one rank, so it is put in by hand): its expert stages
     run on the Triton backend's row entry points, and the layer matches the float64 reference,
     with glu's dh formed on load or once."""
+    from shardmoe.kernels import experts as kernel_experts
     from shardmoe.moe.triton_backend import TritonBackend
     from shardmoe.parallel.expert_parallel import ExpertParallel
 
+    given = []
+    formed_once = kernel_experts.grad_pre_gemm_given
+    monkeypatch.setattr(kernel_experts, "grad_pre_gemm_given", lambda *a, **k: given.append(1) or formed_once(*a, **k))
     calls = {"forward": 0, "backward": 0}
     for method, key in (("expert_forward", "forward"), ("expert_backward", "backward")):
         def wrapped(self, *args, _original=getattr(TritonBackend, method), _key=key, **kwargs):
@@ -191,6 +195,7 @@ def test_expert_parallel_dispatcher_takes_the_kernel_path(spy, monkeypatch, on_l
         out = layer(x32)
         out.backward(grad_out.float())
     assert calls == {"forward": 1, "backward": 1}
+    assert len(given) == (0 if on_load else 1)  # dh formed once only with the setting off
     assert spy == {"forward_combine": 0, "backward": 0, "torch_forward": 0, "torch_backward": 0}
     assert layer.stats["dropped_tokens"] > 0
     _check_against_reference(layer, layer64, x, x32, out, grad_out)

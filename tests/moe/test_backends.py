@@ -5,7 +5,7 @@ import torch
 
 import shardmoe
 from shardmoe import kernels
-from shardmoe.moe import backends
+from shardmoe.moe import backends, function
 from shardmoe.moe.config import MoEConfig
 from shardmoe.moe.workspace import Workspace
 
@@ -66,6 +66,9 @@ def test_every_stage_runs_on_the_backend_chosen_in_forward(monkeypatch, expert):
     layer = shardmoe.MoE(8, 6, 4, 2, expert=expert, dtype=torch.float64)
     layer(torch.randn(5, 8, dtype=torch.float64, requires_grad=True)).sum().backward()
     assert widths == [6, 6]  # forward and backward, each with the width of the GEMMs this rank runs
+    # under expert tensor parallelism that is the rank's share of F: the down projection it holds
+    config, F = layer.config, 6
+    assert function.local_width(config, {config.kind.down: torch.empty(4, 8, F // 2)}) == F // 2  # [E, H, F/t]
     stages = {"gathered_forward", "expert_forward", "combine", "gathered_backward", "expert_backward",
               "grad_gate_combine", "grad_input_combine"}
     stages |= {"grad_post_gemm_glu", "grad_pre_gemm_glu"} if expert == "glu" else \

@@ -9,7 +9,8 @@
   `--resume` reads (the tie with the last step's single-file export goes to the sharded one):
   its losses continue within 1e-6 of the 4-rank continuation; and the reverse, a one-process run
   with checkpoint_format "dcp" resumed on 4 ranks;
-- a corrupt file of the sharded checkpoint is named before any weight is loaded, and --overwrite
+- what rank 0 alone finds wrong (a corrupt shard at resume, a failed clearing at save) is raised on
+  every rank; a corrupt file of the sharded checkpoint is named before any weight is loaded, and --overwrite
   deletes the sharded directory.
 """
 import json
@@ -90,6 +91,29 @@ def _all_ranks_done(tmp: Path, name: str, world: int = 4) -> None:
         time.sleep(0.05)
 
 
+def _rank0_failures_on_every_rank(tmp: Path, config, mesh) -> dict:
+    """What rank 0 alone finds wrong is raised on every rank: a corrupt shard file at resume (its
+    sha256 check) and a failed clearing of the step directory at save (a file in its place)."""
+    if dist.get_rank() == 0:
+        shutil.copytree(tmp / "api", tmp / "corrupt")
+        shard = next(sharded_checkpoint.latest(tmp / "corrupt").glob("__1_*.distcp"))
+        data = bytearray(shard.read_bytes())
+        data[len(data) // 2] ^= 1
+        shard.write_bytes(bytes(data))
+        (tmp / "blocked" / "checkpoint.dcp").mkdir(parents=True)
+        (tmp / "blocked" / "checkpoint.dcp" / "step_000003").write_text("not a directory")
+    dist.barrier()
+    raised = {}
+    for name, run in (("corrupt resume", lambda: train(config, tmp / "corrupt", mesh=mesh, resume=True, progress=False)),
+                      ("blocked save", lambda: train(config, tmp / "blocked", mesh=mesh, stop_after=3, progress=False))):
+        try:
+            run()
+            raised[name] = None
+        except Exception as err:
+            raised[name] = (type(err).__name__, str(err))
+    return raised
+
+
 def _world(tmp: str) -> dict:
     tmp = Path(tmp)
     torch.set_num_threads(1)
@@ -102,6 +126,7 @@ def _world(tmp: str) -> dict:
     out["step directories"] = sorted(p.name for p in (tmp / "api" / "checkpoint.dcp").iterdir())
     resumed = train(config, tmp / "api", mesh=mesh, resume=True, progress=False)
     out["resume bitwise"] = [r["loss"] for r in resumed.metrics] == [r["loss"] for r in whole.metrics]
+    out.update(_rank0_failures_on_every_rank(tmp, config, mesh))
 
     # the command line, on fresh process groups of its own
     ports = [None]
@@ -149,6 +174,12 @@ def test_sharded_checkpoints_resume_across_layouts(tmp_path, one_thread, one_pro
     for out in ranks:  # every rank's command succeeded, and every rank resumed bitwise
         assert out["cli run"] == out["cli resume"] == out["cli resume of one process's run"] == 0, out
         assert out["resume bitwise"]
+        # rank 0's verdicts reached every rank (a rank that missed one would have run on, or hung)
+        kind, message = out["corrupt resume"]
+        assert kind == "ValueError" and "corrupt: file '__1_" in message, out["corrupt resume"]
+        kind, message = out["blocked save"]
+        assert kind == "OSError" and message.startswith("sharded checkpoint: ") and "step_000003" in message, \
+            out["blocked save"]
 
     assert rank0["whole (2, 1, 2)"] == [] and rank0["whole (2, 2, 1)"] == []
     assert rank0["d2t2 -> d2e2"] == [] and rank0["d2t2 -> 1"] == []
@@ -201,9 +232,24 @@ def test_a_latest_pointer_to_a_missing_directory_is_named(tmp_path):
         ckpt.latest_checkpoint(tmp_path)
 
 
+def test_a_failed_dcp_write_is_reported_by_its_cause(tmp_path):
+    """DCP's CheckpointException reads "CheckpointException ranks:dict_keys([0])" on its first line;
+    the command reports each failed rank's own error instead (a directory where a shard file goes)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from shardmoe.train.command import checkpoint_failure
+
+    (tmp_path / "__0_0.distcp").mkdir()
+    with pytest.raises(CheckpointException) as caught, sharded_checkpoint._one_process_is_intended():
+        dcp.save({"w": torch.zeros(3)}, storage_writer=dcp.FileSystemWriter(str(tmp_path)), no_dist=True)
+    assert checkpoint_failure(caught.value) == (f"sharded checkpoint: rank 0: IsADirectoryError: [Errno 21] Is a "
+                                                f"directory: '{tmp_path / '__0_0.distcp'}'")
+
+
 def test_a_failed_write_of_rank_0_is_raised_as_an_os_error(tmp_path, one_thread):
     """Rank 0's own part (here: clearing a step directory that is a file) raises OSError, which the
-    command reports in one line; under a mesh every rank raises it (the outcome is broadcast)."""
+    command reports in one line; under a mesh every rank raises it (the world above checks that)."""
     config = tiny_train_config(steps=3, checkpoint_every=0, eval_batches=0, sample_bytes=0, health_every=0,
                                checkpoint_format="dcp")
     (tmp_path / "checkpoint.dcp").mkdir()
