@@ -38,6 +38,7 @@ from shardmoe.moe import combine as comb
 from shardmoe.moe import experts as ex
 from shardmoe.moe.activations import ClampedSwiGLU
 from shardmoe.moe.config import MoEConfig
+from shardmoe.moe.elementwise import CpuPasses
 from shardmoe.moe.workspace import Workspace, empty_rows
 from shardmoe.rows import Groups
 
@@ -52,6 +53,7 @@ class Backend(Protocol):
 
     name: str
     workspace: Workspace | None
+    passes: CpuPasses | None
 
     def expert_forward(self, kind: ExpertKind, activation: Activation, output_activation: str, xs: torch.Tensor,
                        params: dict, groups: Groups) -> tuple[torch.Tensor, tuple]:
@@ -100,22 +102,26 @@ def gather_rows(tokens: torch.Tensor, row_token: torch.Tensor, workspace: Worksp
 
 class TorchBackend:
     """The stage functions of moe/experts.py and moe/combine.py; the large row buffers they return
-    come from `workspace` (None: fresh allocations). The gathered entry points gather x[row_token]
-    and grad_out[row_token] into workspace buffers and combine y after the GEMMs."""
+    come from `workspace` (None: fresh allocations), and `passes` is the forward's decision of
+    which C++ passes they may use on CPU (None: each stage decides at its call, for callers outside
+    a layer's forward). The gathered entry points gather x[row_token] and grad_out[row_token] into
+    workspace buffers and combine y after the GEMMs."""
 
     name = "torch"
     workspace: Workspace | None = None
+    passes: CpuPasses | None = None
 
-    def __init__(self, workspace: Workspace | None = None):
-        self.workspace = workspace
+    def __init__(self, workspace: Workspace | None = None, passes: CpuPasses | None = None):
+        self.workspace, self.passes = workspace, passes
 
     def expert_forward(self, kind, activation, output_activation, xs, params, groups):
-        return ex.expert_forward(kind, activation, output_activation, xs, params, groups, workspace=self.workspace)
+        return ex.expert_forward(kind, activation, output_activation, xs, params, groups, workspace=self.workspace,
+                                 passes=self.passes)
 
     def expert_backward(self, kind, activation, output_activation, grad_rows, weight_rows, xs, saved, params,
                         groups):
         return ex.expert_backward(kind, activation, output_activation, grad_rows, weight_rows, xs, saved, params,
-                                  groups, stages=self, workspace=self.workspace, one_pass=True)
+                                  groups, stages=self, workspace=self.workspace, one_pass=True, passes=self.passes)
 
     def gathered_forward(self, kind, activation, output_activation, x, row_token, weight_rows, row_pair, top_k,
                          params, groups):
@@ -130,29 +136,30 @@ class TorchBackend:
                                     gather_rows(x, row_token, self.workspace), saved, params, groups)
 
     def combine(self, expert_out, weight_rows, row_pair, num_tokens, top_k):
-        return comb.combine(expert_out, weight_rows, row_pair, num_tokens, top_k)
+        return comb.combine(expert_out, weight_rows, row_pair, num_tokens, top_k, passes=self.passes)
 
     def grad_combine(self, grad_rows, weight_rows):
-        return comb.grad_combine(grad_rows, weight_rows, workspace=self.workspace)
+        return comb.grad_combine(grad_rows, weight_rows, workspace=self.workspace, passes=self.passes)
 
     def grad_gate_combine(self, grad_rows, out_rows, out_scale=None):
-        return comb.grad_gate_combine(grad_rows, out_rows, out_scale)
+        return comb.grad_gate_combine(grad_rows, out_rows, out_scale, passes=self.passes)
 
     def grad_input_combine(self, dx_rows, row_pair, num_tokens, top_k):
-        return comb.grad_input_combine(dx_rows, row_pair, num_tokens, top_k)
+        return comb.grad_input_combine(dx_rows, row_pair, num_tokens, top_k, passes=self.passes)
 
     def grad_post_gemm_glu(self, grad_rows, weight_rows, a, down_proj, groups, has_bias=False):
-        return ex.grad_post_gemm_glu(grad_rows, weight_rows, a, down_proj, groups, has_bias, workspace=self.workspace)
+        return ex.grad_post_gemm_glu(grad_rows, weight_rows, a, down_proj, groups, has_bias, workspace=self.workspace,
+                                     passes=self.passes)
 
     def grad_pre_gemm_glu(self, grad_a, h, act_gate, xs, gate_up_proj, groups, activation, has_bias=False):
         return ex.grad_pre_gemm_glu(grad_a, h, act_gate, xs, gate_up_proj, groups, activation, has_bias,
-                                    workspace=self.workspace)
+                                    workspace=self.workspace, passes=self.passes)
 
     def grad_post_gemm_mlp(self, grad_expert, z2, a1, w2, has_bias, groups, output_activation):
-        return ex.grad_post_gemm_mlp(grad_expert, z2, a1, w2, has_bias, groups, output_activation)
+        return ex.grad_post_gemm_mlp(grad_expert, z2, a1, w2, has_bias, groups, output_activation, passes=self.passes)
 
     def grad_pre_gemm_mlp(self, grad_a1, z1, xs, w1, has_bias, groups, activation):
-        return ex.grad_pre_gemm_mlp(grad_a1, z1, xs, w1, has_bias, groups, activation)
+        return ex.grad_pre_gemm_mlp(grad_a1, z1, xs, w1, has_bias, groups, activation, passes=self.passes)
 
 
 TORCH = TorchBackend()
@@ -165,9 +172,9 @@ def select(config: MoEConfig, x: torch.Tensor, workspace: Workspace | None = Non
     test switch kernels.force_kernel_path(); triton importable; kernels not switched off in
     shardmoe.settings; experts at most kernels.KERNEL_MAX_FFN wide, `expert_width` being the width
     this rank computes); torch otherwise, drawing its row buffers from `workspace` when one is given
-    (the kernels allocate their own)."""
+    (the kernels allocate their own) and using the C++ passes that CpuPasses.decide(x) allows."""
     if kernels.fused_path(config, x, expert_width):
         from shardmoe.moe.triton_backend import TRITON  # imports triton: only when it runs
 
         return TRITON
-    return TORCH if workspace is None else TorchBackend(workspace)
+    return TorchBackend(workspace, CpuPasses.decide(x))

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from shardmoe.moe import elementwise
+from shardmoe.moe.elementwise import CpuPasses
 from shardmoe.rows import accumulation_dtype
 from shardmoe.moe.workspace import Workspace, empty_rows
 
@@ -35,10 +36,11 @@ def row_chunks(rows: torch.Tensor) -> list[slice]:
     return [slice(i, i + step) for i in range(0, rows.shape[0], step)]
 
 
-def scale_rows(rows: torch.Tensor, weight_rows: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
+def scale_rows(rows: torch.Tensor, weight_rows: torch.Tensor, *, out: torch.Tensor | None = None,
+               passes: CpuPasses | None = None) -> torch.Tensor:
     """rows_r * w_r, formed in the acc dtype and rounded once to rows' dtype (into `out` when given,
     e.g. a workspace buffer). [N, D], [N] -> [N, D]."""
-    if elementwise.available(rows, extra=(weight_rows,)):
+    if elementwise.available(rows, extra=(weight_rows,), passes=passes):
         return elementwise.scale_rows(rows, weight_rows, out=out)
     acc = accumulation_dtype(rows.dtype)
     weight = weight_rows.to(acc)[:, None]
@@ -50,11 +52,11 @@ def scale_rows(rows: torch.Tensor, weight_rows: torch.Tensor, *, out: torch.Tens
     return out
 
 
-def rowwise_dot(rows: torch.Tensor, *factors: torch.Tensor) -> torch.Tensor:
+def rowwise_dot(rows: torch.Tensor, *factors: torch.Tensor, passes: CpuPasses | None = None) -> torch.Tensor:
     """sum_d rows[r, d] * prod_i factors_i[r, d], every product and the sum in the acc dtype.
     [N, D], ... -> [N]. On CPU chunked for every dtype (row_chunks): the product never exists at full
     size; on a GPU one chunk, a transient [N, D] acc-dtype product."""
-    if len(factors) in (1, 2) and elementwise.available(rows, *factors):
+    if len(factors) in (1, 2) and elementwise.available(rows, *factors, passes=passes):
         return elementwise.rowwise_dot(rows, *factors)
     acc = accumulation_dtype(rows.dtype)
     out = rows.new_empty(rows.shape[0], dtype=acc)
@@ -67,12 +69,12 @@ def rowwise_dot(rows: torch.Tensor, *factors: torch.Tensor) -> torch.Tensor:
 
 
 def combine_rows(rows: torch.Tensor, row_pair: torch.Tensor, num_tokens: int, top_k: int,
-                 weight_rows: torch.Tensor | None = None) -> torch.Tensor:
+                 weight_rows: torch.Tensor | None = None, *, passes: CpuPasses | None = None) -> torch.Tensor:
     """Sum rows [N, D] (each scaled by w_r when weight_rows is given) back to tokens:
     out_t = sum of the rows whose pair belongs to t. Accumulates and returns [S, D] in the acc dtype.
 
     index_add_ on CPU adds a token's rows in row order, so the sum is deterministic."""
-    if elementwise.available(rows, extra=(row_pair, weight_rows)):  # the same sums, gathered per token
+    if elementwise.available(rows, extra=(row_pair, weight_rows), passes=passes):  # the same sums, gathered per token
         return elementwise.combine_pairs(rows, token_rows(row_pair, num_tokens, top_k), weight_rows)
     row_token = torch.div(row_pair, top_k, rounding_mode="floor")
     acc = accumulation_dtype(rows.dtype)
@@ -92,23 +94,23 @@ def token_rows(row_pair: torch.Tensor, num_tokens: int, top_k: int) -> torch.Ten
 
 
 def combine(expert_out: torch.Tensor, weight_rows: torch.Tensor, row_pair: torch.Tensor,
-            num_tokens: int, top_k: int) -> torch.Tensor:
+            num_tokens: int, top_k: int, *, passes: CpuPasses | None = None) -> torch.Tensor:
     """Forward combine: out_t = sum_j w_tj y_j(x_t) over kept pairs, w * y formed in the acc dtype.
     Returns [S, H] in the acc dtype."""
-    return combine_rows(expert_out, row_pair, num_tokens, top_k, weight_rows)
+    return combine_rows(expert_out, row_pair, num_tokens, top_k, weight_rows, passes=passes)
 
 
 def grad_combine(grad_rows: torch.Tensor, weight_rows: torch.Tensor, *,
-                 workspace: Workspace | None = None) -> torch.Tensor:
+                 workspace: Workspace | None = None, passes: CpuPasses | None = None) -> torch.Tensor:
     """Stage 1: ge_r = w_r g_r, the gradient each kept pair's expert receives. [N, D] -> [N, D],
     formed in the acc dtype and rounded once to grad_rows' dtype (into a `workspace` buffer when
     one is given: a fresh [N, H] page-faults, and scaling into one took 5x as long)."""
     out = None if workspace is None else empty_rows(workspace, tuple(grad_rows.shape), grad_rows)
-    return scale_rows(grad_rows, weight_rows, out=out)
+    return scale_rows(grad_rows, weight_rows, out=out, passes=passes)
 
 
 def grad_gate_combine(grad_rows: torch.Tensor, out_rows: torch.Tensor,
-                      out_scale: torch.Tensor | None = None) -> torch.Tensor:
+                      out_scale: torch.Tensor | None = None, *, passes: CpuPasses | None = None) -> torch.Tensor:
     """Stage 2: dw_r = sum_d grad_rows[r, d] * out_rows[r, d] (* out_scale[r, d]) -> [N], products
     and sum in the acc dtype: rounding them to bf16 costs more accuracy than the routing
     gradient's cancellations (renormalisation, softmax) can afford.
@@ -117,10 +119,11 @@ def grad_gate_combine(grad_rows: torch.Tensor, out_rows: torch.Tensor,
     expert passes (g Wdown, act(hg), hu), since g . (a Wdown^T) = (g Wdown) . a with a = act(hg) hu,
     so y is never saved and a is never rounded on the way.
     """
-    return rowwise_dot(grad_rows, *((out_rows,) if out_scale is None else (out_rows, out_scale)))
+    return rowwise_dot(grad_rows, *((out_rows,) if out_scale is None else (out_rows, out_scale)), passes=passes)
 
 
-def grad_input_combine(dx_rows: torch.Tensor, row_pair: torch.Tensor, num_tokens: int, top_k: int) -> torch.Tensor:
+def grad_input_combine(dx_rows: torch.Tensor, row_pair: torch.Tensor, num_tokens: int, top_k: int, *,
+                       passes: CpuPasses | None = None) -> torch.Tensor:
     """Stage 5: dx_t = sum over kept pairs of t of dx_r. No probability scaling: grad_combine
     already applied w. [N, H] -> [S, H] in the acc dtype."""
-    return combine_rows(dx_rows, row_pair, num_tokens, top_k)
+    return combine_rows(dx_rows, row_pair, num_tokens, top_k, passes=passes)

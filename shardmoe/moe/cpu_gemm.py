@@ -20,20 +20,14 @@ from __future__ import annotations
 import torch
 
 from shardmoe.moe import elementwise
-from shardmoe.settings import SETTINGS
 
 
-def available(*tensors: torch.Tensor) -> bool:
-    """Whether the side-by-side GEMMs take these operands: SETTINGS.experts_mm on, more than one
-    intra-op thread, CPU tensors of one dtype (float32 or bfloat16; any strides) not tracked by
-    autograd, and the library builds/loads (checked last)."""
-    if not SETTINGS.experts_mm or torch.get_num_threads() < 2:
-        return False
-    dtype, grad = tensors[0].dtype, torch.is_grad_enabled()
-    if dtype not in elementwise.FUSED_DTYPES or any(
-            t.dtype != dtype or t.device.type != "cpu" or (grad and t.requires_grad) for t in tensors):
-        return False
-    return elementwise._ops() is not None
+def available(*tensors: torch.Tensor, passes: elementwise.CpuPasses | None = None) -> bool:
+    """Whether the side-by-side GEMMs take these operands: `passes` (the forward's decision:
+    SETTINGS.experts_mm on, more than one intra-op thread, the library built; None decides here)
+    allows them, and the operands fit (elementwise.operands_fit; any strides)."""
+    passes = elementwise.CpuPasses.decide(tensors[0]) if passes is None else passes
+    return passes.experts_mm and elementwise.operands_fit(tensors)
 
 
 def experts_mm(rows: torch.Tensor, weight: torch.Tensor, sizes: tuple[int, ...], out: torch.Tensor) -> torch.Tensor:

@@ -42,6 +42,7 @@ trace them without running them (torch.library.opcheck passes for each: tests/mo
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import os
@@ -129,23 +130,53 @@ def _ops():
         return None
 
 
-def available(*tensors: torch.Tensor, activation: str = "identity", extra: tuple = ()) -> bool:
-    """Whether the fused kernels take these operands: SETTINGS.fused_elementwise is on, `tensors`
-    are CPU tensors of one fused dtype (float32 or bfloat16) with unit last-dim stride, they and the
-    `extra` operands of other dtypes (combine weights, token indices; None is skipped) are CPU tensors
-    not tracked by autograd (the kernels have no autograd formula: the layer's stages run without
-    one), `activation` is one the kernels evaluate, and the library builds/loads (checked last: the
-    first call that gets this far compiles it)."""
-    if not SETTINGS.fused_elementwise or activation not in ACTIVATION_CODES:
-        return False
+@dataclasses.dataclass(frozen=True)
+class CpuPasses:
+    """Which C++ passes one forward of the layer may use, decided once (backends.select) for the
+    forward and again for its backward:
+
+      elementwise  the fused elementwise passes of this module
+      experts_mm   the experts' GEMMs side by side, one per intra-op thread (moe/cpu_gemm.py)
+
+    decide(x) reads what is the same for every stage of a forward: the settings
+    (shardmoe.settings), the device and dtype of the layer's input x, the intra-op thread count,
+    and whether the library built (the first decision that gets that far builds it). What a stage
+    still checks per call is its operands' own layout: available() and cpu_gemm.available()."""
+
+    elementwise: bool = False
+    experts_mm: bool = False
+
+    @classmethod
+    def decide(cls, x: torch.Tensor) -> "CpuPasses":
+        if x.device.type != "cpu" or x.dtype not in FUSED_DTYPES:
+            return cls()
+        fused, side_by_side = SETTINGS.fused_elementwise, SETTINGS.experts_mm and torch.get_num_threads() >= 2
+        if not (fused or side_by_side) or _ops() is None:
+            return cls()
+        return cls(fused, side_by_side)
+
+
+def operands_fit(tensors: tuple, extra: tuple = ()) -> bool:
+    """Whether the library's ops take these operands: `tensors` CPU tensors of one fused dtype, and
+    they and the `extra` operands of other dtypes (None is skipped) CPU tensors not tracked by
+    autograd (the ops have no autograd formula: the layer's stages run without one)."""
     dtype = tensors[0].dtype
-    if dtype not in FUSED_DTYPES or any(t.dtype != dtype or t.stride(-1) != 1 for t in tensors):
+    if dtype not in FUSED_DTYPES or any(t.dtype != dtype for t in tensors):
         return False
     grad = torch.is_grad_enabled()
-    for t in (*tensors, *(t for t in extra if t is not None)):
-        if t.device.type != "cpu" or (grad and t.requires_grad):
-            return False
-    return _ops() is not None
+    return all(t.device.type == "cpu" and not (grad and t.requires_grad)
+               for t in (*tensors, *(t for t in extra if t is not None)))
+
+
+def available(*tensors: torch.Tensor, activation: str = "identity", extra: tuple = (),
+              passes: CpuPasses | None = None) -> bool:
+    """Whether the fused kernels take these operands: `passes` (the forward's decision; None
+    decides here, for callers outside a layer's forward) allows them, the operands fit
+    (operands_fit) with a unit last-dim stride for `tensors`, and `activation` is one the kernels
+    evaluate."""
+    passes = CpuPasses.decide(tensors[0]) if passes is None else passes
+    return (passes.elementwise and activation in ACTIVATION_CODES and all(t.stride(-1) == 1 for t in tensors)
+            and operands_fit(tensors, extra))
 
 
 def _check_shape(name: str, tensor: torch.Tensor, shape: tuple[int, ...]) -> None:

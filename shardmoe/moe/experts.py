@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 from shardmoe.expert_kinds import GLU, MLP, ExpertKind
 from shardmoe.moe import cpu_gemm, elementwise
+from shardmoe.moe.elementwise import CpuPasses
 from shardmoe.moe.activations import ClampedSwiGLU, activate, activate_backward
 from shardmoe.moe.combine import grad_combine, row_chunks
 from shardmoe.moe.workspace import Workspace, empty_rows
@@ -55,14 +56,15 @@ def _use_grouped_mm(*operands: torch.Tensor) -> bool:
     return all(t.dtype in (torch.float32, torch.bfloat16) and _aligned(t) for t in operands)
 
 
-def _side_by_side(groups: Groups, *operands: torch.Tensor) -> bool:
+def _side_by_side(groups: Groups, *operands: torch.Tensor, passes: CpuPasses | None) -> bool:
     """Whether the experts' GEMMs run side by side, one per thread (cpu_gemm.py): not with row
     tiles, whose padded GEMMs must run in expert order (each overwrites the next one's first rows)."""
-    return groups.row_tile == 0 and len(groups.sizes) > 1 and cpu_gemm.available(*operands)
+    return groups.row_tile == 0 and len(groups.sizes) > 1 and cpu_gemm.available(*operands, passes=passes)
 
 
 def grouped_linear(rows: torch.Tensor, weight: torch.Tensor, groups: Groups,
-                   bias: torch.Tensor | None = None, *, workspace: Workspace | None = None) -> torch.Tensor:
+                   bias: torch.Tensor | None = None, *, workspace: Workspace | None = None,
+                   passes: CpuPasses | None = None) -> torch.Tensor:
     """out_r = rows_r W_e^T (+ b_e) for the expert e of row r: rows [N, K], weight [E, O, K],
     bias [E, O] -> [N, O].
 
@@ -72,7 +74,7 @@ def grouped_linear(rows: torch.Tensor, weight: torch.Tensor, groups: Groups,
     if bias is None and workspace is None and _use_grouped_mm(rows, weight_t):
         return F.grouped_mm(rows, weight_t, offs=groups.offsets)
     out = empty_rows(workspace, (rows.shape[0], weight.shape[1]), rows)
-    if bias is None and _side_by_side(groups, rows, weight_t, out):
+    if bias is None and _side_by_side(groups, rows, weight_t, out, passes=passes):
         return cpu_gemm.experts_mm(rows, weight_t, groups.sizes, out)
     for e, part, dest in groups.expert_rows(rows, out):
         if bias is None:
@@ -83,23 +85,24 @@ def grouped_linear(rows: torch.Tensor, weight: torch.Tensor, groups: Groups,
 
 
 def grouped_linear_t(rows: torch.Tensor, weight: torch.Tensor, groups: Groups, *,
-                     workspace: Workspace | None = None) -> torch.Tensor:
+                     workspace: Workspace | None = None, passes: CpuPasses | None = None) -> torch.Tensor:
     """out_r = rows_r W_e (the input-gradient GEMM): rows [N, O], weight [E, O, K] -> [N, K]."""
     if workspace is None and _use_grouped_mm(rows, weight):
         return F.grouped_mm(rows, weight, offs=groups.offsets)
     out = empty_rows(workspace, (rows.shape[0], weight.shape[2]), rows)
-    if _side_by_side(groups, rows, weight, out):
+    if _side_by_side(groups, rows, weight, out, passes=passes):
         return cpu_gemm.experts_mm(rows, weight, groups.sizes, out)
     for e, part, dest in groups.expert_rows(rows, out):
         torch.mm(part, weight[e], out=dest)
     return out
 
 
-def grouped_weight_grad(grad_rows: torch.Tensor, in_rows: torch.Tensor, groups: Groups) -> torch.Tensor:
+def grouped_weight_grad(grad_rows: torch.Tensor, in_rows: torch.Tensor, groups: Groups, *,
+                        passes: CpuPasses | None = None) -> torch.Tensor:
     """dW_e = sum over rows r of e of grad_r^T in_r: [N, O], [N, K] -> [E, O, K].
 
     The sum over an expert's rows happens inside one GEMM (fp32 accumulation for bf16)."""
-    if _side_by_side(groups, grad_rows, in_rows):
+    if _side_by_side(groups, grad_rows, in_rows, passes=passes):
         return cpu_gemm.experts_weight_grad(grad_rows, in_rows, groups.sizes)
     grad_t = grad_rows.t()
     if _use_grouped_mm(grad_t, in_rows) and grad_rows.shape[0] > 0:
@@ -111,9 +114,9 @@ def grouped_weight_grad(grad_rows: torch.Tensor, in_rows: torch.Tensor, groups: 
     return out
 
 
-def grouped_bias_grad(grad_rows: torch.Tensor, groups: Groups) -> torch.Tensor:
+def grouped_bias_grad(grad_rows: torch.Tensor, groups: Groups, *, passes: CpuPasses | None = None) -> torch.Tensor:
     """db_e = sum over rows r of e of grad_r: [N, O] -> [E, O], summed in the acc dtype."""
-    if elementwise.available(grad_rows):  # the same row-order sum, one pass
+    if elementwise.available(grad_rows, passes=passes):  # the same row-order sum, one pass
         return elementwise.combine_rows(grad_rows, groups.row_expert(), len(groups.sizes)).to(grad_rows.dtype)
     acc = accumulation_dtype(grad_rows.dtype)
     out = grad_rows.new_zeros((len(groups.sizes), grad_rows.shape[1]), dtype=acc)
@@ -122,21 +125,21 @@ def grouped_bias_grad(grad_rows: torch.Tensor, groups: Groups) -> torch.Tensor:
 
 
 def glu_activation(h: torch.Tensor, activation: str | ClampedSwiGLU, *,
-                   workspace: Workspace | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                   workspace: Workspace | None = None, passes: CpuPasses | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """For h = [hg | hu] [N, 2F]: (a = act(hg) * hu, act(hg)), both [N, F] (backward needs both);
     for a ClampedSwiGLU act(hg) is its gate factor f(min(hg, L))."""
     ffn = h.shape[-1] // 2
     act_gate = empty_rows(workspace, (h.shape[0], ffn), h)
-    return _glu(h, activation, act_gate, workspace=workspace), act_gate
+    return _glu(h, activation, act_gate, workspace=workspace, passes=passes), act_gate
 
 
 def _glu(h: torch.Tensor, activation: str | ClampedSwiGLU, act_gate: torch.Tensor | None = None, *,
-         workspace: Workspace | None = None) -> torch.Tensor:
+         workspace: Workspace | None = None, passes: CpuPasses | None = None) -> torch.Tensor:
     """a = act(hg) * hu [N, F], row chunk by row chunk so that act(hg) is still in cache when the
     product reads it; act(hg) is also written to act_gate when one is given."""
     ffn = h.shape[-1] // 2
     a = empty_rows(workspace, (h.shape[0], ffn), h)
-    if elementwise.available(h, *([] if act_gate is None else [act_gate]), activation=activation):
+    if elementwise.available(h, *([] if act_gate is None else [act_gate]), activation=activation, passes=passes):
         return elementwise.glu_forward(h, activation, act_gate, out=a)
     for c in row_chunks(h):
         if isinstance(activation, ClampedSwiGLU):
@@ -153,47 +156,51 @@ def _glu(h: torch.Tensor, activation: str | ClampedSwiGLU, act_gate: torch.Tenso
 
 def pre_gemm(kind: ExpertKind, activation: str | ClampedSwiGLU, xs: torch.Tensor,
              params: dict[str, torch.Tensor | None], groups: Groups, *,
-             workspace: Workspace | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+             workspace: Workspace | None = None, passes: CpuPasses | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The expert's first GEMM and activation, (a, z) for dispatched rows xs [N, H]:
       GLU: z = h = xs Wgu_e^T + bgu_e [N, 2F], a = act(hg) * hu [N, F]
       MLP: z = z1 = xs W1_e^T + b1_e [N, P], a = act(z1)      [N, P]
     A tile task passes the weight rows of its columns (both halves for GLU) and gets those columns."""
-    return _PRE_GEMM[kind](activation, xs, params, groups, workspace)
+    return _PRE_GEMM[kind](activation, xs, params, groups, workspace, passes)
 
 
 def post_gemm(kind: ExpertKind, output_activation: str, a: torch.Tensor, params: dict[str, torch.Tensor | None],
-              groups: Groups, *, workspace: Workspace | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+              groups: Groups, *, workspace: Workspace | None = None,
+              passes: CpuPasses | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The expert's second GEMM and output activation, (y, z2) [N, H] each:
       GLU: y = z2 = a Wdown_e^T + bdown_e;  MLP: z2 = a W2_e^T + b2_e, y = act_out(z2)."""
-    return _POST_GEMM[kind](output_activation, a, params, groups, workspace)
+    return _POST_GEMM[kind](output_activation, a, params, groups, workspace, passes)
 
 
 def expert_forward(kind: ExpertKind, activation: str | ClampedSwiGLU, output_activation: str, xs: torch.Tensor,
-                   params: dict[str, torch.Tensor | None], groups: Groups, *, workspace: Workspace | None = None):
+                   params: dict[str, torch.Tensor | None], groups: Groups, *, workspace: Workspace | None = None,
+                   passes: CpuPasses | None = None):
     """y [N, H] for dispatched rows xs [N, H] (pre_gemm then post_gemm), and the tensors backward
     keeps, kind.saved(z, z2): GLU (h,) with h [N, 2F];  MLP (z1, z2) with z1 [N, P], z2 [N, H]."""
-    a, z = pre_gemm(kind, activation, xs, params, groups, workspace=workspace)
-    y, z2 = post_gemm(kind, output_activation, a, params, groups, workspace=workspace)
+    a, z = pre_gemm(kind, activation, xs, params, groups, workspace=workspace, passes=passes)
+    y, z2 = post_gemm(kind, output_activation, a, params, groups, workspace=workspace, passes=passes)
     return y, kind.saved(z, z2)
 
 
-def _glu_pre_gemm(activation, xs, params, groups, workspace):
-    h = grouped_linear(xs, params["gate_up_proj"], groups, params.get("gate_up_proj_bias"), workspace=workspace)
-    return _glu(h, activation, workspace=workspace), h
+def _glu_pre_gemm(activation, xs, params, groups, workspace, passes):
+    h = grouped_linear(xs, params["gate_up_proj"], groups, params.get("gate_up_proj_bias"), workspace=workspace,
+                       passes=passes)
+    return _glu(h, activation, workspace=workspace, passes=passes), h
 
 
-def _mlp_pre_gemm(activation, xs, params, groups, workspace):
-    z1 = grouped_linear(xs, params["w1"], groups, params["b1"])
+def _mlp_pre_gemm(activation, xs, params, groups, workspace, passes):
+    z1 = grouped_linear(xs, params["w1"], groups, params["b1"], passes=passes)
     return activate(activation, z1), z1
 
 
-def _glu_post_gemm(output_activation, a, params, groups, workspace):
-    y = grouped_linear(a, params["down_proj"], groups, params.get("down_proj_bias"), workspace=workspace)
+def _glu_post_gemm(output_activation, a, params, groups, workspace, passes):
+    y = grouped_linear(a, params["down_proj"], groups, params.get("down_proj_bias"), workspace=workspace,
+                       passes=passes)
     return y, y
 
 
-def _mlp_post_gemm(output_activation, a, params, groups, workspace):
-    z2 = grouped_linear(a, params["w2"], groups, params["b2"])
+def _mlp_post_gemm(output_activation, a, params, groups, workspace, passes):
+    z2 = grouped_linear(a, params["w2"], groups, params["b2"], passes=passes)
     return activate(output_activation, z2), z2
 
 
@@ -203,7 +210,7 @@ _POST_GEMM = {GLU: _glu_post_gemm, MLP: _mlp_post_gemm}
 
 def grad_post_gemm_glu(grad_rows: torch.Tensor, weight_rows: torch.Tensor, a: torch.Tensor,
                        down_proj: torch.Tensor, groups: Groups, has_bias: bool = False, *,
-                       workspace: Workspace | None = None):
+                       workspace: Workspace | None = None, passes: CpuPasses | None = None):
     """Stage 3 for "glu", fed the unscaled g [N, H] and w [N]:
       g_down = g Wdown_e            [N, F]   (also feeds stage 2: g . y = g_down . a)
       dA     = w g_down = ge Wdown_e [N, F]
@@ -212,21 +219,21 @@ def grad_post_gemm_glu(grad_rows: torch.Tensor, weight_rows: torch.Tensor, a: to
     Applying w after the GEMM is exact (it is linear) and lets stage 2 reuse the GEMM.
     The bias adds w_tj bdown_e to the output, so stage 2's gate dot gains g . bdown_e: the
     caller adds it (expert_backward), since this function only sees the gradient side."""
-    g_down = grouped_linear_t(grad_rows, down_proj, groups, workspace=workspace)
-    grad_a = grad_combine(g_down, weight_rows, workspace=workspace)
-    grad_expert = grad_combine(grad_rows, weight_rows, workspace=workspace)
-    grad_down = grouped_weight_grad(grad_expert, a, groups)
-    grad_down_bias = grouped_bias_grad(grad_expert, groups) if has_bias else None
+    g_down = grouped_linear_t(grad_rows, down_proj, groups, workspace=workspace, passes=passes)
+    grad_a = grad_combine(g_down, weight_rows, workspace=workspace, passes=passes)
+    grad_expert = grad_combine(grad_rows, weight_rows, workspace=workspace, passes=passes)
+    grad_down = grouped_weight_grad(grad_expert, a, groups, passes=passes)
+    grad_down_bias = grouped_bias_grad(grad_expert, groups, passes=passes) if has_bias else None
     return grad_a, grad_down, g_down, grad_down_bias
 
 
 def glu_grad(grad_a: torch.Tensor, h: torch.Tensor, act_gate: torch.Tensor, activation: str | ClampedSwiGLU, *,
-             workspace: Workspace | None = None) -> torch.Tensor:
+             workspace: Workspace | None = None, passes: CpuPasses | None = None) -> torch.Tensor:
     """dh = [dA hu act'(hg) | dA act(hg)] [N, 2F] from dA [N, F], h = [hg | hu] [N, 2F] and act(hg)
     [N, F] (a ClampedSwiGLU by its own derivative): one C++ pass on CPU where it applies, else torch."""
     ffn = act_gate.shape[-1]
     grad_h = empty_rows(workspace, h.shape, h)
-    if elementwise.available(grad_a, h, act_gate, activation=activation):
+    if elementwise.available(grad_a, h, act_gate, activation=activation, passes=passes):
         return elementwise.glu_backward(grad_a, h, act_gate, activation, out=grad_h)
     # one pass per row chunk on CPU: the [N, F] intermediate dA * hu never leaves the cache
     for c in row_chunks(h):
@@ -241,37 +248,41 @@ def glu_grad(grad_a: torch.Tensor, h: torch.Tensor, act_gate: torch.Tensor, acti
 
 def grad_pre_gemm_glu(grad_a: torch.Tensor, h: torch.Tensor, act_gate: torch.Tensor, xs: torch.Tensor,
                       gate_up_proj: torch.Tensor, groups: Groups, activation: str | ClampedSwiGLU,
-                      has_bias: bool = False, *, workspace: Workspace | None = None):
+                      has_bias: bool = False, *, workspace: Workspace | None = None,
+                      passes: CpuPasses | None = None):
     """Stage 4 for "glu", given act(hg) from the recomputed forward:
       dhg = (dA * hu) * act'(hg);  dhu = dA * act(hg);  dh = [dhg | dhu]   [N, 2F]
       dWgu_e = sum dh^T x   [E, 2F, H];   dx = dh Wgu_e   [N, H];   dbgu_e = sum dh  [E, 2F] (has_bias)
     (a ClampedSwiGLU computes dh by its own derivative, ClampedSwiGLU.backward)"""
-    grad_h = glu_grad(grad_a, h, act_gate, activation, workspace=workspace)
-    grad_bias = grouped_bias_grad(grad_h, groups) if has_bias else None
-    return (grouped_linear_t(grad_h, gate_up_proj, groups, workspace=workspace), grouped_weight_grad(grad_h, xs, groups),
-            grad_bias)
+    grad_h = glu_grad(grad_a, h, act_gate, activation, workspace=workspace, passes=passes)
+    grad_bias = grouped_bias_grad(grad_h, groups, passes=passes) if has_bias else None
+    return (grouped_linear_t(grad_h, gate_up_proj, groups, workspace=workspace, passes=passes),
+            grouped_weight_grad(grad_h, xs, groups, passes=passes), grad_bias)
 
 
 def grad_post_gemm_mlp(grad_expert: torch.Tensor, z2: torch.Tensor, a1: torch.Tensor, w2: torch.Tensor,
-                       has_bias: bool, groups: Groups, output_activation: str):
+                       has_bias: bool, groups: Groups, output_activation: str, *, passes: CpuPasses | None = None):
     """Stage 3 for "mlp", fed ge [N, H] from grad_combine:
       dz2 = ge * act_out'(z2);  dW2_e = sum dz2^T a1;  db2_e = sum dz2;  da1 = dz2 W2_e  [N, P]"""
     grad_z2 = activate_backward(output_activation, grad_expert, z2)
-    grad_b2 = grouped_bias_grad(grad_z2, groups) if has_bias else None
-    return grouped_linear_t(grad_z2, w2, groups), grouped_weight_grad(grad_z2, a1, groups), grad_b2
+    grad_b2 = grouped_bias_grad(grad_z2, groups, passes=passes) if has_bias else None
+    return (grouped_linear_t(grad_z2, w2, groups, passes=passes), grouped_weight_grad(grad_z2, a1, groups, passes=passes),
+            grad_b2)
 
 
 def grad_pre_gemm_mlp(grad_a1: torch.Tensor, z1: torch.Tensor, xs: torch.Tensor, w1: torch.Tensor,
-                      has_bias: bool, groups: Groups, activation: str):
+                      has_bias: bool, groups: Groups, activation: str, *, passes: CpuPasses | None = None):
     """Stage 4 for "mlp": dz1 = da1 * act'(z1);  dW1_e = sum dz1^T x;  db1_e = sum dz1;  dx = dz1 W1_e"""
     grad_z1 = activate_backward(activation, grad_a1, z1)
-    grad_b1 = grouped_bias_grad(grad_z1, groups) if has_bias else None
-    return grouped_linear_t(grad_z1, w1, groups), grouped_weight_grad(grad_z1, xs, groups), grad_b1
+    grad_b1 = grouped_bias_grad(grad_z1, groups, passes=passes) if has_bias else None
+    return (grouped_linear_t(grad_z1, w1, groups, passes=passes), grouped_weight_grad(grad_z1, xs, groups, passes=passes),
+            grad_b1)
 
 
 def expert_backward(kind: ExpertKind, activation: str | ClampedSwiGLU, output_activation: str,
                     grad_rows: torch.Tensor, weight_rows: torch.Tensor, xs: torch.Tensor, saved: tuple, params: dict,
-                    groups: Groups, *, stages, workspace: Workspace | None = None, one_pass: bool = False):
+                    groups: Groups, *, stages, workspace: Workspace | None = None, one_pass: bool = False,
+                    passes: CpuPasses | None = None):
     """Stages 1-4 on dispatched rows, given the unscaled output gradient g [N, H], the combine
     weights w [N], the rows xs [N, H] and what expert_forward saved.
 
@@ -284,20 +295,20 @@ def expert_backward(kind: ExpertKind, activation: str | ClampedSwiGLU, output_ac
     GLU takes the gate dot over F, as (g Wdown) . a: with F sharded that is a partial sum.
     """
     return _BACKWARD[kind](activation, output_activation, grad_rows, weight_rows, xs, saved, params, groups,
-                           stages=stages, workspace=workspace, one_pass=one_pass)
+                           stages=stages, workspace=workspace, one_pass=one_pass, passes=passes)
 
 
 def _glu_backward(activation, output_activation, grad_rows, weight_rows, xs, saved, params, groups, *, stages,
-                  workspace, one_pass):
+                  workspace, one_pass, passes):
     (h,) = saved
     has_bias = params.get("gate_up_proj_bias") is not None
     if one_pass and isinstance(activation, str) and elementwise.available(
-            grad_rows, h, activation=activation, extra=(weight_rows,)):
+            grad_rows, h, activation=activation, extra=(weight_rows,), passes=passes):
         grad_xs, grad_dots, grads = _glu_backward_one_pass(activation, grad_rows, weight_rows, xs, h, params,
-                                                           groups, has_bias, workspace)
+                                                           groups, has_bias, workspace, passes)
     else:
         grad_xs, grad_dots, grads = _glu_backward_by_stage(stages, activation, grad_rows, weight_rows, xs, h,
-                                                           params, groups, has_bias, workspace)
+                                                           params, groups, has_bias, workspace, passes)
     # y = a Wdown_e^T + bdown_e, so g . y gains g . bdown_e; expert TP passes down_proj_bias None
     # (it adds the term once, after the psum of the partial dots over t) but still wants dbdown
     if params.get("down_proj_bias") is not None:
@@ -307,7 +318,7 @@ def _glu_backward(activation, output_activation, grad_rows, weight_rows, xs, sav
 
 
 def _mlp_backward(activation, output_activation, grad_rows, weight_rows, xs, saved, params, groups, *, stages,
-                  workspace, one_pass):
+                  workspace, one_pass, passes):
     z1, z2 = saved
     has_bias = params["b1"] is not None
     grad_dots = stages.grad_gate_combine(grad_rows, activate(output_activation, z2))
@@ -323,11 +334,11 @@ _BACKWARD = {GLU: _glu_backward, MLP: _mlp_backward}
 
 def _glu_backward_by_stage(stages, activation: str | ClampedSwiGLU, grad_rows: torch.Tensor,
                            weight_rows: torch.Tensor, xs: torch.Tensor, h: torch.Tensor, params: dict,
-                           groups: Groups, has_bias: bool, workspace: Workspace | None):
+                           groups: Groups, has_bias: bool, workspace: Workspace | None, passes: CpuPasses | None):
     """Stages 2-4 for "glu" from the backend's stage functions (their elementwise work in separate
     passes): recompute (a, act(hg)) from h, stage 3, stage 2's dots, stage 4.
     Returns (dx rows, dots without the down bias term, {parameter name: gradient})."""
-    a, act_gate = glu_activation(h, activation, workspace=workspace)
+    a, act_gate = glu_activation(h, activation, workspace=workspace, passes=passes)
     grad_a, grad_down, g_down, grad_down_bias = stages.grad_post_gemm_glu(grad_rows, weight_rows, a,
                                                                           params["down_proj"], groups, has_bias)
     # a = act(hg) * hu, or (clamped SwiGLU) a = f(gc) * (uc + 1): take the dot on a itself
@@ -342,7 +353,7 @@ def _glu_backward_by_stage(stages, activation: str | ClampedSwiGLU, grad_rows: t
 
 def _glu_backward_one_pass(activation: str, grad_rows: torch.Tensor, weight_rows: torch.Tensor, xs: torch.Tensor,
                            h: torch.Tensor, params: dict, groups: Groups, has_bias: bool,
-                           workspace: Workspace | None):
+                           workspace: Workspace | None, passes: CpuPasses):
     """Stages 2-4 for "glu" as the torch backend runs them where the CPU kernels take the rows: the
     GEMMs of grad_post_gemm_glu and grad_pre_gemm_glu, and all their elementwise work, with stage
     2's dots and the recomputed a, in one pass after the first GEMM (elementwise.glu_grad; FlashMoE
@@ -352,15 +363,16 @@ def _glu_backward_one_pass(activation: str, grad_rows: torch.Tensor, weight_rows
     dx rows and every gradient are _glu_backward_by_stage's bits (the float32 dots its values to
     round-off), from 1 pass over [N, F]-sized rows instead of 4 and without its act(hg), dA and
     separate a buffers. Returns what _glu_backward_by_stage returns."""
-    g_down = grouped_linear_t(grad_rows, params["down_proj"], groups, workspace=workspace)
+    g_down = grouped_linear_t(grad_rows, params["down_proj"], groups, workspace=workspace, passes=passes)
     # a overwrites g_down, which nothing reads after the pass: one [N, F] buffer fewer
     a, grad_h, grad_dots = elementwise.glu_grad(h, g_down, weight_rows, activation, a_out=g_down,
                                                 grad_h_out=empty_rows(workspace, h.shape, h))
     del g_down  # the same tensor as a: freed with it below
-    grad_expert = grad_combine(grad_rows, weight_rows, workspace=workspace)
-    grads = {"down_proj": grouped_weight_grad(grad_expert, a, groups),
-             "down_proj_bias": grouped_bias_grad(grad_expert, groups) if has_bias else None}
+    grad_expert = grad_combine(grad_rows, weight_rows, workspace=workspace, passes=passes)
+    grads = {"down_proj": grouped_weight_grad(grad_expert, a, groups, passes=passes),
+             "down_proj_bias": grouped_bias_grad(grad_expert, groups, passes=passes) if has_bias else None}
     del a, grad_expert
-    grads["gate_up_proj_bias"] = grouped_bias_grad(grad_h, groups) if has_bias else None
-    grads["gate_up_proj"] = grouped_weight_grad(grad_h, xs, groups)
-    return grouped_linear_t(grad_h, params["gate_up_proj"], groups, workspace=workspace), grad_dots, grads
+    grads["gate_up_proj_bias"] = grouped_bias_grad(grad_h, groups, passes=passes) if has_bias else None
+    grads["gate_up_proj"] = grouped_weight_grad(grad_h, xs, groups, passes=passes)
+    return (grouped_linear_t(grad_h, params["gate_up_proj"], groups, workspace=workspace, passes=passes), grad_dots,
+            grads)

@@ -221,7 +221,8 @@ def moe_forward(call: MoECall, x: torch.Tensor, tensors) -> tuple[torch.Tensor, 
         shared_saved = ()
         with dispatcher.timed(state, "experts"):
             if shared:
-                shared_out, shared_saved = shared_ex.forward(x, shared, config, dispatcher.reduce_shared("output"))
+                shared_out, shared_saved = shared_ex.forward(x, shared, config, dispatcher.reduce_shared("output"),
+                                                             backend.passes)
                 out = out + shared_out  # both in the acc dtype: one rounding below
             out = out.to(x.dtype)
         with dispatcher.timed(state, "combine"):
@@ -284,7 +285,7 @@ def moe_backward(call: MoECall, x: torch.Tensor, tensors, made: Made, grad_out: 
             if shared:
                 grad_x_shared, named = shared_ex.backward(grad_out, x, made.shared, shared, config,
                                                           dispatcher.reduce_shared("input"),
-                                                          dispatcher.reduce_shared("dot"))
+                                                          dispatcher.reduce_shared("dot"), backend.passes)
                 grad_x = grad_x + grad_x_shared
                 shared_grads = [named[n] for n in shared]
     expert_grads = [None if p is None else grads[n].to(p.dtype) for n, p in params.items()]

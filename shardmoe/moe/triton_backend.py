@@ -44,6 +44,7 @@ from shardmoe.expert_kinds import GLU, MLP, ExpertKind
 from shardmoe.kernels import combine as kernel_combine
 from shardmoe.kernels import experts as kernel_experts
 from shardmoe.moe.activations import activate
+from shardmoe.moe.elementwise import CpuPasses
 from shardmoe.moe.experts import glu_activation, glu_grad
 from shardmoe.rows import Groups
 from shardmoe.settings import SETTINGS
@@ -108,6 +109,7 @@ class TritonBackend:
 
     name = "triton"
     workspace = None
+    passes = CpuPasses()  # none of the C++ CPU passes: the shared experts' torch stages run without them
 
     def expert_forward(self, kind, activation, output_activation, xs, params, groups):
         return kernel_experts.expert_forward(kind, activation, output_activation, xs, params, groups)

@@ -4,22 +4,47 @@ import pytest
 import torch
 
 import shardmoe
-from shardmoe import kernels
+from shardmoe import kernels, settings
 from shardmoe.moe import backends, function
 from shardmoe.moe.config import MoEConfig
+from shardmoe.moe.elementwise import CpuPasses
 from shardmoe.moe.workspace import Workspace
 
 
-PROTOCOL = {name for name in vars(backends.Backend) if not name.startswith("_")} | {"name", "workspace"}
+PROTOCOL = {name for name in vars(backends.Backend) if not name.startswith("_")} | {"name", "workspace", "passes"}
 
 
-def test_cpu_tensors_get_the_torch_backend():
+def test_cpu_tensors_get_the_torch_backend_with_the_forwards_passes():
     config = MoEConfig(8, 6, 4, 2)
     x = torch.zeros(3, 8)
-    assert backends.select(config, x) is backends.TORCH
+    chosen = backends.select(config, x)
+    assert chosen.name == "torch" and chosen.workspace is None and chosen.passes == CpuPasses.decide(x)
+    assert backends.select(config, x.double()).passes == CpuPasses()  # float64: no C++ pass takes it
+    with settings.override(fused_elementwise=False, experts_mm=False):
+        assert backends.select(config, x).passes == CpuPasses()
     ws = Workspace()
     bound = backends.select(config, x, ws)
     assert bound.name == "torch" and bound.workspace is ws
+
+
+@pytest.mark.parametrize("expert", ["glu", "mlp"])
+def test_the_passes_are_decided_once_per_forward_and_once_per_backward(monkeypatch, expert):
+    """Every stage of a layer's forward and backward (shared experts included) uses the decision its
+    backend carries: no stage decides again. The decision is the same one the layer would make."""
+    decisions = []
+    decide = CpuPasses.decide.__func__
+
+    def counting(cls, x):
+        decisions.append(decide(cls, x))
+        return decisions[-1]
+
+    monkeypatch.setattr(CpuPasses, "decide", classmethod(counting))
+    torch.manual_seed(0)
+    shared = dict(shared_ffn_size=4, shared_gate=True) if expert == "glu" else {}
+    layer = shardmoe.MoE(8, 6, 4, 2, expert=expert, bias=expert == "mlp", **shared)
+    with torch.set_grad_enabled(True):
+        layer(torch.randn(5, 8, requires_grad=True)).sum().backward()
+    assert len(decisions) == 2 and decisions[0] == decisions[1]
 
 
 def test_every_backend_implements_the_whole_protocol():
@@ -49,7 +74,7 @@ class _Recording(backends.TorchBackend):
         self.calls = calls
 
     def __getattribute__(self, name):
-        if name in PROTOCOL - {"name", "workspace"}:
+        if name in PROTOCOL - {"name", "workspace", "passes"}:
             object.__getattribute__(self, "calls").append(name)
         return object.__getattribute__(self, name)
 

@@ -7,6 +7,7 @@ import torch
 
 import shardmoe
 from shardmoe.moe import cpu_gemm, elementwise
+from shardmoe.moe.elementwise import CpuPasses
 from shardmoe.settings import SETTINGS
 
 
@@ -63,6 +64,20 @@ def test_what_it_does_not_take_stays_on_the_loop(two_threads, monkeypatch):
     torch.set_num_threads(2)
     monkeypatch.setattr(SETTINGS, "experts_mm", False)
     assert not cpu_gemm.available(x.detach())
+
+
+def test_a_forwards_decision_is_taken_as_given(two_threads, monkeypatch):
+    """With the forward's CpuPasses, available() checks only the operands: the settings and the
+    thread count are read once, by CpuPasses.decide."""
+    x = torch.randn(4, 3)
+    assert CpuPasses.decide(x) == CpuPasses(elementwise=True, experts_mm=True)
+    assert not cpu_gemm.available(x, passes=CpuPasses(elementwise=True))
+    monkeypatch.setattr(SETTINGS, "experts_mm", False)
+    torch.set_num_threads(1)
+    assert cpu_gemm.available(x, passes=CpuPasses(experts_mm=True))
+    assert not cpu_gemm.available(x.double(), passes=CpuPasses(experts_mm=True))
+    assert CpuPasses.decide(x) == CpuPasses(elementwise=True)
+    torch.set_num_threads(2)
 
 
 def test_layer_with_and_without_side_by_side_gemms(two_threads, monkeypatch):

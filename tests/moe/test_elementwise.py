@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 import shardmoe
+from shardmoe import settings
 from shardmoe.moe import combine, elementwise, experts
 from shardmoe.settings import SETTINGS
 
@@ -67,7 +68,7 @@ def test_glu_passes_give_todays_bits(fused, monkeypatch, dtype, activation):
         gate_up = torch.randn(1, 2 * width, 3).to(dtype)
         groups = experts.Groups.from_counts(torch.tensor([h.shape[0]]))
         spy = {}
-        m.setattr(experts, "grouped_weight_grad", lambda g, *_: spy.setdefault("grad_h", g))
+        m.setattr(experts, "grouped_weight_grad", lambda g, *_, **__: spy.setdefault("grad_h", g))
         experts.grad_pre_gemm_glu(grad_a, h, act_gate, x, gate_up, groups, activation)
     fma = activation == "gelu_tanh" and dtype == torch.float32
     atol = 4 * torch.finfo(dtype).eps * float(spy["grad_h"].abs().max()) if fma else 0.0
@@ -207,6 +208,13 @@ def test_bad_input_named_before_any_work(fused):
     assert not elementwise.available(h.t())
     with torch.enable_grad():
         assert not elementwise.available(h.requires_grad_())
+    # given the forward's decision, only the operands are checked (the settings were read by it)
+    h = h.detach()
+    assert not elementwise.available(h, passes=elementwise.CpuPasses(experts_mm=True))
+    with settings.override(fused_elementwise=False):
+        assert not elementwise.available(h)
+        assert elementwise.available(h, passes=elementwise.CpuPasses(elementwise=True))
+        assert not elementwise.available(h.t(), passes=elementwise.CpuPasses(elementwise=True))
 
 
 def test_layer_runs_the_fused_passes_with_todays_results(fused, monkeypatch):

@@ -71,8 +71,10 @@ def test_glu_backward_in_one_pass_equals_the_stage_functions(dtype, bias):
     workspace = Workspace(min_bytes=0)
     garbage = [workspace.empty((n, 2 * F), dtype, h.device).fill_(float("nan")) for _ in range(3)]
     del garbage  # three blocks holding NaN, free for the one-pass path to be lent
-    one = ex._glu_backward_one_pass("silu", g, w, xs, h, params, groups, bias, workspace)
-    staged = ex._glu_backward_by_stage(backends.TORCH, "silu", g, w, xs, h, params, groups, bias, None)
+    passes = elementwise.CpuPasses.decide(h)
+    one = ex._glu_backward_one_pass("silu", g, w, xs, h, params, groups, bias, workspace, passes)
+    staged = ex._glu_backward_by_stage(backends.TorchBackend(None, passes), "silu", g, w, xs, h, params, groups, bias,
+                                       None, passes)
     torch.testing.assert_close(one[0], staged[0], rtol=0, atol=0)
     assert one[2].keys() == staged[2].keys()
     for name, grad in one[2].items():
