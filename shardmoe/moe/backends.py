@@ -18,8 +18,9 @@ and weights (the operators carry no Python objects from one to the other), so th
 a setting changes in between; either way the results agree to round-off. Backends today:
 
   torch   TorchBackend: the stage functions of moe/experts.py and moe/combine.py (any device torch
-          runs on; on CPU they use the C++ passes of moe/elementwise.py and moe/cpu_gemm.py where
-          those take the operands), with its row buffers from the layer's workspace
+          runs on), with its row buffers from the layer's workspace and, on CPU, the C++ passes of
+          moe/elementwise.py and moe/cpu_gemm.py that the forward's CpuPasses allows (decided in
+          select(); each stage then checks only that its operands fit)
   triton  TritonBackend (moe/triton_backend.py): the Triton kernels of shardmoe/kernels, chosen for
           CUDA tensors of a kernel dtype when the config has only what the kernels implement
           (kernels.fused_path)

@@ -10,6 +10,8 @@ Triton backend has its own). Of the six backward stages (docs/architecture.md), 
   1 grad_combine:        ge_r = w_r g_t(r)                       [N, H]
   2 grad_gate_combine:   dw_r = g_t(r) . y_r   (dot over H)      [N]
   5 grad_input_combine:  dx_t = sum over kept pairs of dx_r      [S, H]
+`passes` (elementwise.CpuPasses), where a function takes it, is the forward's decision of which
+C++ passes may run on CPU; None decides at the call.
 """
 from __future__ import annotations
 

@@ -1,8 +1,9 @@
 """Fused elementwise passes of the fused layer on CPU: one vectorised pass per stage, in C++.
 
 The stage functions in moe/experts.py and moe/combine.py call these for float32 and bfloat16
-CPU tensors when `available(...)` says so, and keep today's torch code for everything else
-(float64, other devices, activations not listed in ACTIVATION_CODES, tensors under autograd):
+CPU tensors when `available(...)` says so (the forward's CpuPasses allows them and the operands
+fit), and keep today's torch code for everything else (float64, other devices, activations not
+listed in ACTIVATION_CODES, tensors under autograd):
 
   glu_forward    a = act(hg) * hu, and act(hg) when asked           h [N, 2F] -> [N, F]
   glu_backward   dh = [dA * hu * act'(hg) | dA * act(hg)]           dA, act(hg) [N, F], h -> [N, 2F]

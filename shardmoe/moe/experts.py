@@ -16,7 +16,8 @@ torch.nn.functional.grouped_mm for fp32/bf16 operands whose strides are 16-byte 
 kernels require it), and a per-expert loop otherwise (float64, odd tiny shapes, and whenever the
 output comes from a workspace: grouped_mm cannot write into a given buffer).
 `workspace` (shardmoe/moe/workspace.py), where a function takes one, supplies the large row
-buffers it returns; None allocates them fresh. Elementwise math stays in the input dtype: the
+buffers it returns; None allocates them fresh. `passes` (elementwise.CpuPasses) is the forward's
+decision of which C++ passes may run on CPU; None decides at the call (callers outside a forward). Elementwise math stays in the input dtype: the
 activation kernels compute in float32 internally and round once, and a bf16 -> fp32 -> bf16
 round trip would cost more than the GEMMs on CPU. Reductions over tokens accumulate in float32.
 """
