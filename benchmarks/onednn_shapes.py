@@ -6,7 +6,7 @@ GEMMs take each expert's row count M, which changes every step. One thread, the 
 buffer (torch.mm(out=)), GFLOP/s of a sequence of calls:
 
   fixed          the same M every call (always cached)
-  fresh, cold    M drawn from [lo, hi] for each call, most of them not seen before
+  fresh, cold    M drawn from [180, 330] for each call (151 values: many calls meet a new one)
   fresh, warm    the same draws again: every shape now cached
   many families  four (K, N) families at once, M from a range wide enough that their shapes
                  outnumber the cache (4 x 501 > 1024): the cache keeps evicting
@@ -21,7 +21,8 @@ import time
 
 import torch
 
-# the fine shape's forward GEMMs (K, N): x Wgu^T with 2F = 256, a Wdown^T with F = 128
+# (K, N) of the fine shape's expert GEMMs (H = 512, F = 128): x Wgu^T, a Wdown^T, and the two
+# input-gradient GEMMs dh Wgu, ge Wdown
 FAMILIES = ((512, 256), (128, 512), (256, 512), (512, 128))
 
 

@@ -33,7 +33,8 @@ carries a hash of the source, flags and torch version, so a changed source rebui
 build is reused by every later process (about 15-20 s once; loading takes milliseconds). If the
 build or load fails (no compiler, no headers), one RuntimeWarning line says why and where the
 compiler's output went, and every stage keeps the torch path for the rest of the process.
-SHARDMOE_FUSED_ELEMENTWISE=0 (shardmoe.settings) keeps the torch path without building (to compare the two).
+SHARDMOE_FUSED_ELEMENTWISE=0 (shardmoe.settings) keeps the torch path for these passes (to compare
+the two); the library is still built when the side-by-side GEMMs (SHARDMOE_EXPERTS_MM) use it.
 
 The passes are torch operators (torch.ops.shardmoe_elementwise, and torch.ops.shardmoe_gemm for
 cpu_gemm.py): each schema marks the buffers the op writes (Tensor(a!) out) and the op returns
@@ -142,7 +143,8 @@ class CpuPasses:
     decide(x) reads what is the same for every stage of a forward: the settings
     (shardmoe.settings), the device and dtype of the layer's input x, the intra-op thread count,
     and whether the library built (the first decision that gets that far builds it). What a stage
-    still checks per call is its operands' own layout: available() and cpu_gemm.available()."""
+    still checks per call is what its own operands are (dtype, device, strides, autograd tracking)
+    and, for the elementwise passes, its activation: available() and cpu_gemm.available()."""
 
     elementwise: bool = False
     experts_mm: bool = False

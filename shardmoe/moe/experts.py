@@ -17,9 +17,10 @@ kernels require it), and a per-expert loop otherwise (float64, odd tiny shapes, 
 output comes from a workspace: grouped_mm cannot write into a given buffer).
 `workspace` (shardmoe/moe/workspace.py), where a function takes one, supplies the large row
 buffers it returns; None allocates them fresh. `passes` (elementwise.CpuPasses) is the forward's
-decision of which C++ passes may run on CPU; None decides at the call (callers outside a forward). Elementwise math stays in the input dtype: the
-activation kernels compute in float32 internally and round once, and a bf16 -> fp32 -> bf16
-round trip would cost more than the GEMMs on CPU. Reductions over tokens accumulate in float32.
+decision of which C++ passes may run on CPU; None decides at the call (callers outside a
+forward). Elementwise math stays in the input dtype: the activation kernels compute in float32
+internally and round once, and a bf16 -> fp32 -> bf16 round trip would cost more than the GEMMs on
+CPU. Reductions over tokens accumulate in float32.
 """
 from __future__ import annotations
 
@@ -354,7 +355,7 @@ def _glu_backward_by_stage(stages, activation: str | ClampedSwiGLU, grad_rows: t
 
 def _glu_backward_one_pass(activation: str, grad_rows: torch.Tensor, weight_rows: torch.Tensor, xs: torch.Tensor,
                            h: torch.Tensor, params: dict, groups: Groups, has_bias: bool,
-                           workspace: Workspace | None, passes: CpuPasses):
+                           workspace: Workspace | None, passes: CpuPasses | None):
     """Stages 2-4 for "glu" as the torch backend runs them where the CPU kernels take the rows: the
     GEMMs of grad_post_gemm_glu and grad_pre_gemm_glu, and all their elementwise work, with stage
     2's dots and the recomputed a, in one pass after the first GEMM (elementwise.glu_grad; FlashMoE

@@ -49,6 +49,10 @@ from shardmoe.moe.experts import glu_activation, glu_grad
 from shardmoe.rows import Groups
 from shardmoe.settings import SETTINGS
 
+# its tensors are on the GPU: none of the C++ CPU passes, for the torch helpers below (glu_activation,
+# glu_grad) and the shared experts' stages, which function.py runs with the backend's passes
+NO_CPU_PASSES = CpuPasses()
+
 
 def expert_backward(kind: ExpertKind, activation, output_activation: str, grad_rows: torch.Tensor,
                     weight_rows: torch.Tensor, xs: torch.Tensor, saved: tuple, params: dict, groups: Groups, *,
@@ -65,7 +69,7 @@ def expert_backward(kind: ExpertKind, activation, output_activation: str, grad_r
 def _glu_backward(activation, output_activation, grad_rows, weight_rows, xs, saved, params, groups, row_index):
     (h,) = saved
     has_bias = params.get("gate_up_proj_bias") is not None
-    a, act_gate = glu_activation(h, activation)
+    a, act_gate = glu_activation(h, activation, passes=NO_CPU_PASSES)
     grad_a, grad_down, grad_dots, grad_down_bias = kernel_experts.grad_gate_post_gemm_glu(
         grad_rows, weight_rows, a, params["down_proj"], groups, params.get("down_proj_bias"), has_bias,
         row_index=row_index)
@@ -82,8 +86,8 @@ def grad_pre_gemm_glu(grad_a, h, act_gate, xs, gate_up_proj, groups, activation,
     if SETTINGS.glu_grad_on_load:
         return kernel_experts.grad_pre_gemm_glu(grad_a, h, act_gate, xs, gate_up_proj, groups, activation, has_bias,
                                                 row_index=row_index)
-    return kernel_experts.grad_pre_gemm_given(glu_grad(grad_a, h, act_gate, activation), xs, gate_up_proj, groups,
-                                              has_bias, row_index=row_index)
+    return kernel_experts.grad_pre_gemm_given(glu_grad(grad_a, h, act_gate, activation, passes=NO_CPU_PASSES), xs,
+                                              gate_up_proj, groups, has_bias, row_index=row_index)
 
 
 def _mlp_backward(activation, output_activation, grad_rows, weight_rows, xs, saved, params, groups, row_index):
@@ -109,7 +113,7 @@ class TritonBackend:
 
     name = "triton"
     workspace = None
-    passes = CpuPasses()  # none of the C++ CPU passes: the shared experts' torch stages run without them
+    passes = NO_CPU_PASSES
 
     def expert_forward(self, kind, activation, output_activation, xs, params, groups):
         return kernel_experts.expert_forward(kind, activation, output_activation, xs, params, groups)

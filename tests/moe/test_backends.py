@@ -27,24 +27,26 @@ def test_cpu_tensors_get_the_torch_backend_with_the_forwards_passes():
     assert bound.name == "torch" and bound.workspace is ws
 
 
-@pytest.mark.parametrize("expert", ["glu", "mlp"])
-def test_the_passes_are_decided_once_per_forward_and_once_per_backward(monkeypatch, expert):
+@pytest.mark.parametrize("expert,bias,dtype", [("glu", False, torch.float32), ("glu", True, torch.bfloat16),
+                                                ("mlp", True, torch.float32)], ids=["glu", "glu-bias-bf16", "mlp-bias"])
+def test_the_passes_are_decided_once_per_forward_and_once_per_backward(monkeypatch, expert, bias, dtype):
     """Every stage of a layer's forward and backward (shared experts included) uses the decision its
-    backend carries: no stage decides again. The decision is the same one the layer would make."""
+    backend carries: a stage that decided again would add a decision."""
+    x = torch.randn(5, 8, dtype=dtype, requires_grad=True)
+    expected = CpuPasses.decide(x)
     decisions = []
     decide = CpuPasses.decide.__func__
 
-    def counting(cls, x):
-        decisions.append(decide(cls, x))
+    def counting(cls, tensor):
+        decisions.append(decide(cls, tensor))
         return decisions[-1]
 
     monkeypatch.setattr(CpuPasses, "decide", classmethod(counting))
     torch.manual_seed(0)
     shared = dict(shared_ffn_size=4, shared_gate=True) if expert == "glu" else {}
-    layer = shardmoe.MoE(8, 6, 4, 2, expert=expert, bias=expert == "mlp", **shared)
-    with torch.set_grad_enabled(True):
-        layer(torch.randn(5, 8, requires_grad=True)).sum().backward()
-    assert len(decisions) == 2 and decisions[0] == decisions[1]
+    layer = shardmoe.MoE(8, 6, 4, 2, expert=expert, bias=bias, dtype=dtype, **shared)
+    layer(x).float().sum().backward()
+    assert decisions == [expected, expected]
 
 
 def test_every_backend_implements_the_whole_protocol():
