@@ -7,6 +7,11 @@ input-gradient GEMMs, cpu_gemm.experts_weight_grad for the weight gradients) are
 dense anchor of the layer bench runs the same FLOPs as whole-batch GEMMs; the difference between
 the step and the GEMMs is the routing, gathers, elementwise passes and combines.
 
+Routing is fresh every step after 3 warm-up steps, so GEMM shapes met for the first time (in bf16
+oneDNN builds a kernel for each, benchmarks/onednn_shapes.py) are inside the figures. The
+side-by-side GEMMs need 2 or more threads and the built library; without them nothing is timed
+and the script says so.
+
   python benchmarks/layer_gemm_rates.py --shape fine --tokens 2048 --dtype bf16 [--threads 2 --steps 8]
 """
 from __future__ import annotations
@@ -18,7 +23,7 @@ import time
 import torch
 
 from shardmoe.bench.candidates import build_candidates
-from shardmoe.bench.flops import SHAPES, Shape
+from shardmoe.bench.flops import SHAPES, Shape, total_flops
 from shardmoe.moe import cpu_gemm
 
 
@@ -75,7 +80,11 @@ def main(argv=None) -> None:
         if name == "shardmoe":
             calls = dict(stats)
     print(f"layer_gemm_rates: {args.shape} {shape} {args.dtype} threads={args.threads}, {args.steps} steps")
-    print(f"step {1e3 * seconds['shardmoe']:.1f} ms; dense anchor {1e3 * seconds['dense']:.1f} ms")
+    if not calls:
+        raise SystemExit("layer_gemm_rates: no side-by-side GEMM ran (one thread, SHARDMOE_EXPERTS_MM=0, or the "
+                         "library did not build): nothing to report")
+    print(f"step {1e3 * seconds['shardmoe']:.1f} ms; dense anchor {1e3 * seconds['dense']:.1f} ms, "
+          f"{total_flops(shape) / seconds['dense'] / 1e9:.0f} GFLOP/s")
     total = 0.0
     for key, (s, flops) in calls.items():
         total += s / args.steps

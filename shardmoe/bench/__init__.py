@@ -48,8 +48,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "fine: S=4096 H=512 F=128 E=64 k=8")
     parser.add_argument("--tokens", type=int, default=None, help="override S (tokens) for every shape")
     parser.add_argument("--warmup", type=int, default=None,
-                        help="warm-up rounds, the first being the saved-bytes/check pass (default 2, quick 1)")
-    parser.add_argument("--repeats", type=int, default=None, help="timed rounds (default 7, quick 3)")
+                        help="warm-up rounds, the first being the saved-bytes/check pass (default 2, quick 1; "
+                             "--hf: 2, quick 1; --hf --model: 2, quick 0)")
+    parser.add_argument("--repeats", type=int, default=None, help="timed rounds (default 7, quick 3; --hf: 5, quick 2; "
+                                                                     "--hf --model: 15, quick 1)")
     parser.add_argument("--budget", type=float, default=None, metavar="SECONDS",
                         help="cap the timed rounds of each case at about this long: a slow candidate gets "
                              f"fewer repeats, at least 1 (default none, quick {QUICK_BUDGET_S:g})")
@@ -75,7 +77,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "gradients) before the interleaved timing (shardmoe/bench/hf_model.py). Defaults B=4 L=512 H=512, "
         "2 layers, vocab 4096; mixtral-like experts F=1024 E=8 k=2 (qwen3_moe: F=128 E=64 k=8); "
         "--hidden/--ffn/--experts/--top-k override them, --tokens is refused (use --batch and --seq-len); "
-        "--quick: B=2 L=16 H=64 F=32 vocab 128, 1 timed step")
+        "2 warm-up and 15 timed rounds; --quick: B=2 L=16 H=64 F=32 vocab 128, no warm-up, 1 timed step")
     model.add_argument("--model", action="store_true", help="time the whole model instead of one block")
     model.add_argument("--batch", type=int, default=None, help="sequences per step B (default 4)")
     model.add_argument("--seq-len", type=int, default=None, help="tokens per sequence L (default 512)")

@@ -39,9 +39,9 @@ CANDIDATES = (*IMPLEMENTATIONS, "convert")
 SIZES = ("batch", "seq_len", "hidden", "ffn", "experts", "top_k", "layers", "vocab")
 # B=4 sequences of L=512 tokens, H=512, two decoder layers, Mixtral-like experts; the vocabulary is
 # kept small so that the LM head ([B*L, H] x [H, V] and its backward) does not swamp the blocks
-# 15 timed rounds: in bf16 the first rounds meet each expert row count's GEMM shape for the first
-# time, and oneDNN builds a kernel for it; with 5, grouped_mm's fine-grained bf16 step measured 941-1042
-# ms against 690-747 with 15 (docs/benchmarks.md), so short runs measured the kernel builds
+# 2 warm-up and 15 timed rounds: the first rounds are slower (at the fine-grained shape, grouped_mm's
+# median step was 21% (fp32) and 26% (bf16) lower with 2/15 than with 1/5, shardmoe's 15%; cause not
+# established, docs/benchmarks.md), and a training run lives in the later ones
 DEFAULTS = dict(batch=4, seq_len=512, hidden=512, ffn=1024, experts=8, top_k=2, layers=2, vocab=4096,
                 warmup=2, repeats=15)
 # fine-grained families: many narrow experts (Qwen3-MoE's moe_intermediate_size)
