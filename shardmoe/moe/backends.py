@@ -163,9 +163,6 @@ class TorchBackend:
         return ex.grad_pre_gemm_mlp(grad_a1, z1, xs, w1, has_bias, groups, activation, passes=self.passes)
 
 
-TORCH = TorchBackend()
-
-
 def select(config: MoEConfig, x: torch.Tensor, workspace: Workspace | None = None,
            expert_width: int | None = None) -> Backend:
     """The backend for one forward of a layer with `config` on input x [S, H]: Triton when

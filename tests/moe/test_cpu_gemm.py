@@ -77,7 +77,6 @@ def test_a_forwards_decision_is_taken_as_given(two_threads, monkeypatch):
     assert cpu_gemm.available(x, passes=CpuPasses(experts_mm=True))
     assert not cpu_gemm.available(x.double(), passes=CpuPasses(experts_mm=True))
     assert CpuPasses.decide(x) == CpuPasses(elementwise=True)
-    torch.set_num_threads(2)
 
 
 def test_layer_with_and_without_side_by_side_gemms(two_threads, monkeypatch):
