@@ -52,6 +52,40 @@ def test_experts_mm_and_weight_grad_are_the_per_expert_products(two_threads, dty
     assert torch.equal(out, cpu_gemm.experts_mm(rows, weight, sizes, torch.empty_like(out)))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_row_blocks_and_zero_padded_weight_grads_are_the_per_expert_products(two_threads, dtype):
+    """bf16 / fp16 GEMMs run over whole 32-row blocks plus the rest, and each weight gradient over
+    its rows zero-padded to a block (the neighbour's rows read in place): experts of exactly one
+    block, of blocks plus a rest, of less than a block, empty, and the last expert (no rows after
+    it); a non-finite value in the rows a padded gradient would read takes the exact-rows GEMM, so
+    only the expert that owns it gets a non-finite gradient."""
+    gen = torch.Generator().manual_seed(1)
+    sizes = (32, 70, 0, 64, 31, 33, 5)
+    n, k, o = sum(sizes), 40, 24
+    rows = torch.randn(n, k, generator=gen).to(dtype)
+    weight = torch.randn(len(sizes), k, o, generator=gen).to(dtype)
+    grad = torch.randn(n, o, generator=gen).to(dtype)
+    out = cpu_gemm.experts_mm(rows, weight, sizes, torch.full((n, o), float("nan"), dtype=dtype))
+    for narrower in ("grad", "in"):  # the copied operand is the narrower one: both ways
+        g, x = (grad, rows) if narrower == "grad" else (rows, grad)
+        weight_grad = cpu_gemm.experts_weight_grad(g, x, sizes)
+        start = 0
+        for e, size in enumerate(sizes):
+            part = slice(start, start + size)
+            if narrower == "grad" and size:
+                want = rows[part].double() @ weight[e].double()
+                assert (out[part].double() - want).abs().max() <= _bound(dtype, k, rows, weight)
+            want_grad = g[part].double().t() @ x[part].double()
+            assert (weight_grad[e].double() - want_grad).abs().max() <= _bound(dtype, max(size, 1), g, x)
+            start += size
+    poisoned = rows.clone()
+    owner = 3  # its second row; expert 1's padded gradient would read it (expert 2 is empty)
+    poisoned[sum(sizes[:owner]) + 1, 3] = float("inf")
+    weight_grad = cpu_gemm.experts_weight_grad(grad, poisoned, sizes)
+    assert not weight_grad[owner].isfinite().all()
+    assert weight_grad[:owner].isfinite().all() and weight_grad[owner + 1:].isfinite().all()
+
+
 def test_what_it_does_not_take_stays_on_the_loop(two_threads, monkeypatch):
     x = torch.randn(4, 3)
     assert cpu_gemm.available(x)
