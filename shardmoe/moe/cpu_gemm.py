@@ -9,6 +9,13 @@ join; side by side, each on one thread, the experts' GEMMs ran 1.04-1.32x faster
 on all threads, so a skewed routing does not leave the work to one thread. Each GEMM is ATen's
 single-thread one; each output is written by one GEMM.
 
+In bf16 and fp16 each GEMM's row count is a whole number of 32-row blocks or less than one block:
+oneDNN, which runs those dtypes, builds a kernel per shape and keeps only the last 1,024 (~0.6 MB
+each), and exact row counts that change every step kept it rebuilding them. experts_mm splits an
+expert's rows into the blocks and the rest; experts_weight_grad, whose reduction runs over the
+rows (a split would round dW_e twice), zero-pads the narrower operand to the block and reads the
+wider one in place over the padding, where those rows exist and are finite (docs/benchmarks.md).
+
 The library is elementwise.py's (one build, one fallback): where it cannot be built, and for what
 it does not take (one thread, float64, other devices, tensors under autograd), experts.py keeps its
 per-expert loop. SHARDMOE_EXPERTS_MM=0 (shardmoe.settings) keeps the loop too (to compare the two). The GEMMs are torch
