@@ -12,11 +12,16 @@ buffer (torch.mm(out=)), GFLOP/s of a sequence of calls:
                  outnumber the cache (4 x 501 > 1024): the cache keeps evicting
 
   python benchmarks/onednn_shapes.py [--threads 1] [--dtype bf16|fp32]
+
+--memory COUNT instead runs one GEMM of each of COUNT new shapes (the four families, M from 150 up)
+and prints the growth of the process's peak resident memory per shape: what a cached kernel costs.
+Set ONEDNN_PRIMITIVE_CACHE_CAPACITY at or above COUNT to keep them all.
 """
 from __future__ import annotations
 
 import argparse
 import random
+import resource
 import time
 
 import torch
@@ -36,13 +41,30 @@ def gflops(calls, operands) -> float:
     return flops / (time.perf_counter() - start) / 1e9
 
 
+def memory_per_shape(count: int, dtype) -> None:
+    """Growth of peak RSS over one GEMM of each of `count` new shapes, per shape."""
+    rows = 150 + count // len(FAMILIES) + 1
+    operands = {f: (torch.randn(rows, f[0], dtype=dtype), torch.randn(*f, dtype=dtype),
+                    torch.empty(rows, f[1], dtype=dtype)) for f in FAMILIES}
+    calls = [(f, 150 + i // len(FAMILIES)) for i, f in zip(range(count), FAMILIES * count)]
+    peak_mb = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # noqa: E731 (Linux: KiB)
+    before = peak_mb()
+    gflops(calls, operands)
+    grown = peak_mb() - before
+    print(f"{count} shapes: peak resident memory +{grown:.0f} MB, {1024 * grown / count:.0f} KB per shape")
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
+    parser.add_argument("--memory", type=int, metavar="COUNT", help="peak memory per kernel over COUNT shapes")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
+    if args.memory:
+        memory_per_shape(args.memory, dtype)
+        return
     operands = {f: (torch.randn(700, f[0], dtype=dtype), torch.randn(*f, dtype=dtype),
                     torch.empty(700, f[1], dtype=dtype)) for f in FAMILIES}
     draw = random.Random(0)
