@@ -5,8 +5,8 @@ they share oneDNN's kernel cache (benchmarks/onednn_shapes.py): a kernel one can
 serve another, or one candidate's shapes evict another's. This script times one candidate with
 nothing else in the process: the bench's model (same sizes, weights and token batches), its
 experts run by CANDIDATE ('shardmoe', 'grouped_mm', 'eager') or converted ('convert'); median ms
-of the timed steps after the warm-up ones, and the process's peak resident memory (in bf16 it
-includes oneDNN's cached kernels, ~0.66 MB each). Run candidates one after another and alternate them.
+of the timed steps after the warm-up ones (the bench's batches, less its checked step), and the process's peak resident memory (in bf16 it
+includes oneDNN's cached kernels, ~0.65 MiB each). Run candidates one after another and alternate them.
 
   python benchmarks/model_alone.py --family qwen3_moe --dtype bf16 --candidate grouped_mm [--threads 2]
 """
@@ -20,9 +20,7 @@ import time
 import torch
 
 import shardmoe.hf
-from shardmoe.bench.hf_model import DEFAULTS, FAMILY_DEFAULTS, build_model
-
-SIZES = ("hidden", "ffn", "experts", "top_k", "layers", "vocab", "seq_len")
+from shardmoe.bench.hf_model import DEFAULTS, FAMILY_DEFAULTS, SIZES, build_model
 
 
 def main(argv=None) -> None:

@@ -46,12 +46,15 @@ def memory_per_shape(count: int, dtype) -> None:
     rows = 150 + count // len(FAMILIES) + 1
     operands = {f: (torch.randn(rows, f[0], dtype=dtype), torch.randn(*f, dtype=dtype),
                     torch.empty(rows, f[1], dtype=dtype)) for f in FAMILIES}
-    calls = [(f, 150 + i // len(FAMILIES)) for i, f in zip(range(count), FAMILIES * count)]
-    peak_mb = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # noqa: E731 (Linux: KiB)
-    before = peak_mb()
+    calls = [(FAMILIES[i % len(FAMILIES)], 150 + i // len(FAMILIES)) for i in range(count)]
+    before = peak_resident_mib()
     gflops(calls, operands)
-    grown = peak_mb() - before
-    print(f"{count} shapes: peak resident memory +{grown:.0f} MB, {1024 * grown / count:.0f} KB per shape")
+    grown = peak_resident_mib() - before
+    print(f"{count} shapes: peak resident memory +{grown:.0f} MiB, {1024 * grown / count:.0f} KiB per shape")
+
+
+def peak_resident_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
 
 def main(argv=None) -> None:

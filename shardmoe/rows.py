@@ -30,7 +30,8 @@ class Groups:
     in rows that the later experts' GEMMs overwrite (experts run in order) or in that slack, and
     an output row depends on its own input row only, so no pad row reaches a result. A GEMM runs
     on exact counts when an operand's storage lacks the rows (a buffer not from a workspace).
-    Weight-gradient GEMMs reduce over rows and always take exact counts."""
+    Weight-gradient GEMMs reduce over rows and take exact counts here (the side-by-side GEMMs of
+    cpu_gemm.py, which row tiles turn off, pad them with zero rows instead)."""
 
     sizes: tuple[int, ...]
     offsets: torch.Tensor  # int32 [E], cumulative ends, as grouped_mm wants them

@@ -9,12 +9,14 @@ join; side by side, each on one thread, the experts' GEMMs ran 1.04-1.32x faster
 on all threads, so a skewed routing does not leave the work to one thread. Each GEMM is ATen's
 single-thread one; each output is written by one GEMM.
 
-In bf16 and fp16 each GEMM's row count is a whole number of 32-row blocks or less than one block:
-oneDNN, which runs those dtypes, builds a kernel per shape and keeps only the last 1,024 (~0.6 MB
-each), and exact row counts that change every step kept it rebuilding them. experts_mm splits an
-expert's rows into the blocks and the rest; experts_weight_grad, whose reduction runs over the
-rows (a split would round dW_e twice), zero-pads the narrower operand to the block and reads the
-wider one in place over the padding, where those rows exist and are finite (docs/benchmarks.md).
+In bf16 every GEMM here runs over a whole number of 32-row blocks or fewer than 32 rows: oneDNN,
+which runs torch's bf16 GEMMs on CPU, builds a kernel per shape and keeps only the last 1,024
+(~0.65 MiB each), and exact row counts that change every step kept it rebuilding them.
+experts_mm splits an expert's rows into the blocks and the rest; experts_weight_grad, whose
+reduction runs over the rows (a split would round dW_e twice), pads them to a block instead: the
+narrower operand copied with zero rows after its own, the wider read in place over the next
+experts' rows where those exist and are finite, copied zero-padded too where not
+(docs/benchmarks.md, "Issue 23: bounded bf16 GEMM shapes").
 
 The library is elementwise.py's (one build, one fallback): where it cannot be built, and for what
 it does not take (one thread, float64, other devices, tensors under autograd), experts.py keeps its

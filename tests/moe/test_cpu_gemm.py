@@ -2,6 +2,11 @@
 routing (an expert with a thread's share of the rows or more), empty experts, transposed weights;
 the GEMMs as torch operators (torch.library.opcheck) and, with elementwise.glu_grad, under
 torch.compile(fullgraph=True)."""
+import os
+import re
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -52,38 +57,75 @@ def test_experts_mm_and_weight_grad_are_the_per_expert_products(two_threads, dty
     assert torch.equal(out, cpu_gemm.experts_mm(rows, weight, sizes, torch.empty_like(out)))
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-def test_row_blocks_and_zero_padded_weight_grads_are_the_per_expert_products(two_threads, dtype):
-    """bf16 / fp16 GEMMs run over whole 32-row blocks plus the rest, and each weight gradient over
-    its rows zero-padded to a block (the neighbour's rows read in place): experts of exactly one
-    block, of blocks plus a rest, of less than a block, empty, and the last expert (no rows after
-    it); a non-finite value in the rows a padded gradient would read takes the exact-rows GEMM, so
-    only the expert that owns it gets a non-finite gradient."""
+# Experts of exactly one block, of blocks plus a rest, under a block, empty, one large enough to
+# run on both threads (2 * 230 >= the 395 rows), and a last one with no rows after it.
+BLOCK_SIZES = (32, 230, 0, 64, 31, 33, 5)
+
+
+def test_row_blocks_and_zero_padded_weight_grads_are_the_per_expert_products(two_threads):
+    """bf16 GEMMs run over whole 32-row blocks plus the rest, and each weight gradient over its rows
+    zero-padded to a block (the wider operand read in place where the rows after the expert's
+    exist and are finite, copied zero-padded too where not: the last expert, a non-finite value)
+    for both orders of the narrower operand; a non-finite value leaves every other expert's
+    gradient finite."""
     gen = torch.Generator().manual_seed(1)
-    sizes = (32, 70, 0, 64, 31, 33, 5)
-    n, k, o = sum(sizes), 40, 24
-    rows = torch.randn(n, k, generator=gen).to(dtype)
-    weight = torch.randn(len(sizes), k, o, generator=gen).to(dtype)
-    grad = torch.randn(n, o, generator=gen).to(dtype)
-    out = cpu_gemm.experts_mm(rows, weight, sizes, torch.full((n, o), float("nan"), dtype=dtype))
-    for narrower in ("grad", "in"):  # the copied operand is the narrower one: both ways
-        g, x = (grad, rows) if narrower == "grad" else (rows, grad)
-        weight_grad = cpu_gemm.experts_weight_grad(g, x, sizes)
-        start = 0
-        for e, size in enumerate(sizes):
-            part = slice(start, start + size)
-            if narrower == "grad" and size:
-                want = rows[part].double() @ weight[e].double()
-                assert (out[part].double() - want).abs().max() <= _bound(dtype, k, rows, weight)
-            want_grad = g[part].double().t() @ x[part].double()
-            assert (weight_grad[e].double() - want_grad).abs().max() <= _bound(dtype, max(size, 1), g, x)
-            start += size
-    poisoned = rows.clone()
-    owner = 3  # its second row; expert 1's padded gradient would read it (expert 2 is empty)
-    poisoned[sum(sizes[:owner]) + 1, 3] = float("inf")
-    weight_grad = cpu_gemm.experts_weight_grad(grad, poisoned, sizes)
-    assert not weight_grad[owner].isfinite().all()
-    assert weight_grad[:owner].isfinite().all() and weight_grad[owner + 1:].isfinite().all()
+    n, k, o = sum(BLOCK_SIZES), 40, 24
+    rows = torch.randn(n, k, generator=gen).to(torch.bfloat16)
+    weight = torch.randn(len(BLOCK_SIZES), k, o, generator=gen).to(torch.bfloat16)
+    grad = torch.randn(n, o, generator=gen).to(torch.bfloat16)
+    out = cpu_gemm.experts_mm(rows, weight, BLOCK_SIZES, torch.full((n, o), float("nan"), dtype=torch.bfloat16))
+    starts = [sum(BLOCK_SIZES[:e]) for e in range(len(BLOCK_SIZES))]
+    for e, (start, size) in enumerate(zip(starts, BLOCK_SIZES)):
+        if size:
+            want = rows[start:start + size].double() @ weight[e].double()
+            assert (out[start:start + size].double() - want).abs().max() <= _bound(torch.bfloat16, k, rows, weight)
+    owner = 3  # the wide operand's row 1 of expert 3 is poisoned: expert 1's padding would read it
+    for g, x in ((grad, rows), (rows, grad)):  # the narrower operand: grad, then in_rows
+        for poison in (False, True):
+            wide = (x if g.shape[1] <= x.shape[1] else g).clone()
+            if poison:
+                wide[starts[owner] + 1, 3] = float("inf")
+            g_used, x_used = (g, wide) if g.shape[1] <= x.shape[1] else (wide, x)
+            weight_grad = cpu_gemm.experts_weight_grad(g_used, x_used, BLOCK_SIZES)
+            for e, (start, size) in enumerate(zip(starts, BLOCK_SIZES)):
+                if poison and e == owner:
+                    assert not weight_grad[e].isfinite().all()
+                    continue
+                want = g_used[start:start + size].double().t() @ x_used[start:start + size].double()
+                bound = _bound(torch.bfloat16, max(size, 1), g, x)
+                assert (weight_grad[e].double() - want).abs().max() <= bound, (e, poison)
+
+
+_SHAPES_RUN = """
+import torch
+from shardmoe.moe import cpu_gemm, elementwise
+assert elementwise._ops() is not None
+torch.set_num_threads(2)
+sizes = {sizes}
+n = sum(sizes)
+rows, grad = torch.randn(n, 64).bfloat16(), torch.randn(n, 24).bfloat16()
+cpu_gemm.experts_mm(rows, torch.randn(len(sizes), 64, 48).bfloat16(), sizes, torch.empty(n, 48).bfloat16())
+cpu_gemm.experts_weight_grad(grad, rows, sizes)
+cpu_gemm.experts_weight_grad(rows, grad, sizes)
+"""
+
+
+def test_bf16_gemms_meet_only_block_shapes(two_threads):
+    """What the blocks are for: every bf16 GEMM oneDNN runs (its verbose log, a child process with
+    ONEDNN_VERBOSE=1) has a row count that is a whole number of blocks or under one block
+    (experts_mm, rows [M, 64]), and every weight gradient's reduction is whole blocks, including
+    the last expert's (copied zero-padded)."""
+    child = subprocess.run([sys.executable, "-c", _SHAPES_RUN.format(sizes=BLOCK_SIZES)], capture_output=True,
+                           text=True, env={**os.environ, "ONEDNN_VERBOSE": "1"}, timeout=120)
+    assert child.returncode == 0, child.stderr
+    shapes = [tuple(map(int, m)) for m in re.findall(r",exec,cpu,matmul,.*,(\d+)x(\d+):(\d+)x(\d+),", child.stdout)]
+    if not shapes:
+        pytest.skip("oneDNN does not run bf16 matmuls here (no verbose log)")
+    forward = [m for m, kk, _, nn in shapes if (kk, nn) == (64, 48)]
+    reductions = [kk for o, kk, _, kw in shapes if (o, kw) in ((24, 64), (64, 24))]
+    # 230 = 224 + 6 and 33 = 32 + 1; the 1-row GEMM is torch's matrix-vector product, not oneDNN's
+    assert sorted(forward) == sorted([32, 224, 6, 64, 31, 32, 5])
+    assert sorted(reductions) == sorted(2 * [32, 256, 64, 32, 64, 32])  # both operand orders
 
 
 def test_what_it_does_not_take_stays_on_the_loop(two_threads, monkeypatch):

@@ -16,7 +16,6 @@
 // so their Meta kernel, the one FakeTensorMode and torch.compile trace them with, has nothing to
 // compute: the output's shape, dtype and strides are the caller's buffer's.
 #include <ATen/ATen.h>
-#include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
@@ -62,24 +61,34 @@ std::vector<int64_t> starts_of(const std::vector<int64_t>& sizes) {
   return starts;
 }
 
-// Row blocks of the bf16 / fp16 GEMMs. torch runs those through oneDNN, which builds a kernel for
-// every new shape and keeps the last 1,024 (~0.6 MB each); an expert's row count M changes every
-// step, so a model's six GEMM families per layer meet more shapes than that and rebuild evicted
-// kernels all the time. Each GEMM's M is therefore made a whole number of blocks or less than one
-// block: at most max(M) / kRowBlock + kRowBlock shapes per family (is_blocked, experts_mm,
-// experts_weight_grad).
+// Row blocks of the bf16 GEMMs. torch runs those through oneDNN, which builds a kernel for every
+// new shape and keeps the last 1,024 (~0.65 MiB each); an expert's row count M changes every step,
+// so a model's six GEMM families per layer meet more shapes than that and rebuild evicted kernels
+// all the time. Each bf16 GEMM here runs over a whole number of 32-row blocks or fewer than 32
+// rows: a family meets at most max(M) / kRowBlock + kRowBlock shapes.
 constexpr int64_t kRowBlock = 32;
 
-bool is_blocked(const at::Tensor& t) { return t.scalar_type() == at::kBFloat16 || t.scalar_type() == at::kHalf; }
+bool uses_row_blocks(const at::Tensor& t) { return t.scalar_type() == at::kBFloat16; }
+
+// A bad size would make a GEMM (or rows_finite) read outside the operands: refused first.
+void check_sizes(const char* op, at::IntArrayRef sizes, int64_t rows) {
+  int64_t total = 0;
+  for (size_t e = 0; e < sizes.size(); ++e) {
+    TORCH_CHECK(sizes[e] >= 0, op, ": sizes: expected row counts >= 0, got ", sizes[e], " for expert ", e);
+    total += sizes[e];
+  }
+  TORCH_CHECK(total <= rows, op, ": sizes: expected at most the operands' ", rows, " rows in all, got ", total);
+}
 
 // out[rows of e] = rows[rows of e] @ weight[e]: rows [N, K], weight [E, K, O] (any strides), out [N, O]
 void experts_mm(const at::Tensor& rows, const at::Tensor& weight, at::IntArrayRef sizes_ref, at::Tensor out) {
+  check_sizes("experts_mm", sizes_ref, std::min(rows.size(0), out.size(0)));
   const std::vector<int64_t> sizes(sizes_ref.begin(), sizes_ref.end());
   const auto starts = starts_of(sizes);
-  const bool blocked = is_blocked(rows);
+  const bool blocks = uses_row_blocks(rows);
   // the whole blocks, then the rest: each output row is still computed by one GEMM
   for_each_expert(sizes, [&](int64_t e) {
-    const int64_t whole = blocked ? sizes[e] / kRowBlock * kRowBlock : sizes[e];
+    const int64_t whole = blocks ? sizes[e] / kRowBlock * kRowBlock : sizes[e];
     for (auto [start, count] : {std::pair{starts[e], whole}, std::pair{starts[e] + whole, sizes[e] - whole}}) {
       if (count == 0) continue;
       auto dest = out.narrow(0, start, count);
@@ -88,55 +97,58 @@ void experts_mm(const at::Tensor& rows, const at::Tensor& weight, at::IntArrayRe
   });
 }
 
-// Whether rows [first, first + count) of t (unit column stride) hold only finite values.
+// Whether rows [first, first + count) of the bf16 matrix t hold only finite values.
 bool rows_finite(const at::Tensor& t, int64_t first, int64_t count) {
-  if (t.stride(1) != 1) return false;
-  return AT_DISPATCH_REDUCED_FLOATING_TYPES(t.scalar_type(), "rows_finite", [&] {
-    for (int64_t r = first; r < first + count; ++r) {
-      const scalar_t* row = t.const_data_ptr<scalar_t>() + r * t.stride(0);
-      for (int64_t c = 0; c < t.size(1); ++c) {
-        if (!std::isfinite(static_cast<float>(row[c]))) return false;
-      }
+  const auto* data = t.const_data_ptr<at::BFloat16>();
+  for (int64_t r = first; r < first + count; ++r) {
+    for (int64_t c = 0; c < t.size(1); ++c) {
+      if (!std::isfinite(static_cast<float>(data[r * t.stride(0) + c * t.stride(1)]))) return false;
     }
-    return true;
-  });
+  }
+  return true;
+}
+
+// Rows [start, start + count) of t copied into `padded` rows, zeros after them.
+at::Tensor zero_padded_rows(const at::Tensor& t, int64_t start, int64_t count, int64_t padded) {
+  auto copy = at::empty({padded, t.size(1)}, t.options());
+  copy.narrow(0, 0, count).copy_(t.narrow(0, start, count));
+  copy.narrow(0, count, padded - count).zero_();
+  return copy;
 }
 
 // out[e] = grad_rows[rows of e]^T @ in_rows[rows of e]: [N, O], [N, K] -> out [E, O, K]; experts
 // without rows get zeros
 void experts_weight_grad(const at::Tensor& grad_rows, const at::Tensor& in_rows, at::IntArrayRef sizes_ref,
                          at::Tensor out) {
+  TORCH_CHECK(grad_rows.size(0) == in_rows.size(0), "experts_weight_grad: expected grad_rows and in_rows of ",
+              "one row count, got ", grad_rows.size(0), " and ", in_rows.size(0));
+  check_sizes("experts_weight_grad", sizes_ref, grad_rows.size(0));
   const std::vector<int64_t> sizes(sizes_ref.begin(), sizes_ref.end());
   const auto starts = starts_of(sizes);
   for (int64_t e = 0; e < static_cast<int64_t>(sizes.size()); ++e) {
     if (sizes[e] == 0) out[e].zero_();
   }
-  const bool blocked = is_blocked(grad_rows);
-  const int64_t total = grad_rows.size(0);
+  const bool blocks = uses_row_blocks(grad_rows);
+  // The reduction runs over the rows, so splitting them (as experts_mm does) would round dW_e
+  // twice: one GEMM over the rows padded to a whole block instead. The narrower operand is copied
+  // with zero rows after its own; the wider one is read in place over the padded rows (the next
+  // experts'), whose products with those zeros are exactly zero, where the rows exist and are
+  // finite (0 * inf is nan), and is copied zero-padded too where not.
+  const bool grad_narrower = grad_rows.size(1) <= in_rows.size(1);
+  const auto& narrower = grad_narrower ? grad_rows : in_rows;
+  const auto& wider = grad_narrower ? in_rows : grad_rows;
   for_each_expert(sizes, [&](int64_t e) {
     auto dest = out[e];
     const int64_t start = starts[e], count = sizes[e];
-    const int64_t padded = blocked ? (count + kRowBlock - 1) / kRowBlock * kRowBlock : count;
-    // The reduction runs over the rows, so splitting them would round dW_e twice. Instead the
-    // narrower operand is copied with zero rows up to the block and the wider one read in place
-    // over the padded rows (its next expert's): those products are exactly zero, provided the
-    // rows exist and are finite (0 * inf is nan); where not, one GEMM over the exact rows.
-    const bool grad_narrower = grad_rows.size(1) <= in_rows.size(1);
-    const auto& wide = grad_narrower ? in_rows : grad_rows;
-    if (padded == count || start + padded > total || !rows_finite(wide, start + count, padded - count)) {
+    const int64_t padded = blocks ? (count + kRowBlock - 1) / kRowBlock * kRowBlock : count;
+    if (padded == count) {
       at::mm_out(dest, grad_rows.narrow(0, start, count).t(), in_rows.narrow(0, start, count));
       return;
     }
-    const auto& narrow = grad_narrower ? grad_rows : in_rows;
-    auto zero_padded = at::empty({padded, narrow.size(1)}, narrow.options());
-    zero_padded.narrow(0, 0, count).copy_(narrow.narrow(0, start, count));
-    zero_padded.narrow(0, count, padded - count).zero_();
-    const auto wide_rows = wide.narrow(0, start, padded);
-    if (grad_narrower) {
-      at::mm_out(dest, zero_padded.t(), wide_rows);
-    } else {
-      at::mm_out(dest, wide_rows.t(), zero_padded);
-    }
+    const auto narrower_rows = zero_padded_rows(narrower, start, count, padded);
+    const bool in_place = start + padded <= wider.size(0) && rows_finite(wider, start + count, padded - count);
+    const auto wider_rows = in_place ? wider.narrow(0, start, padded) : zero_padded_rows(wider, start, count, padded);
+    at::mm_out(dest, (grad_narrower ? narrower_rows : wider_rows).t(), grad_narrower ? wider_rows : narrower_rows);
   });
 }
 
