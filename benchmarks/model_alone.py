@@ -51,7 +51,7 @@ def main(argv=None) -> None:
         seconds.append(time.perf_counter() - start)
     print(f"model_alone: {args.family} {args.dtype} {args.candidate} threads={args.threads}: "
           f"{1e3 * statistics.median(seconds[args.warmup:]):.1f} ms median of {args.repeats} steps, peak resident "
-          f"memory {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MB")
+          f"memory {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MiB")
 
 
 if __name__ == "__main__":
