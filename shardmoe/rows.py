@@ -31,7 +31,7 @@ class Groups:
     an output row depends on its own input row only, so no pad row reaches a result. A GEMM runs
     on exact counts when an operand's storage lacks the rows (a buffer not from a workspace).
     Weight-gradient GEMMs reduce over rows and take exact counts here (the side-by-side GEMMs of
-    cpu_gemm.py, which row tiles turn off, pad them with zero rows instead)."""
+    cpu_gemm.py, which row tiles turn off, pad them with zero rows in bf16 instead)."""
 
     sizes: tuple[int, ...]
     offsets: torch.Tensor  # int32 [E], cumulative ends, as grouped_mm wants them

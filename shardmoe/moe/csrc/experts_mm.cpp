@@ -70,18 +70,32 @@ constexpr int64_t kRowBlock = 32;
 
 bool uses_row_blocks(const at::Tensor& t) { return t.scalar_type() == at::kBFloat16; }
 
-// A bad size would make a GEMM (or rows_finite) read outside the operands: refused first.
+// A bad size or operand would make a GEMM (or rows_finite) read outside the operands, or mm_out
+// resize a view of `out` from a worker thread: refused before any work.
 void check_sizes(const char* op, at::IntArrayRef sizes, int64_t rows) {
   int64_t total = 0;
   for (size_t e = 0; e < sizes.size(); ++e) {
     TORCH_CHECK(sizes[e] >= 0, op, ": sizes: expected row counts >= 0, got ", sizes[e], " for expert ", e);
+    TORCH_CHECK(sizes[e] <= rows - total, op, ": sizes: expected at most the operands' ", rows,
+                " rows in all, got more by expert ", e);
     total += sizes[e];
   }
-  TORCH_CHECK(total <= rows, op, ": sizes: expected at most the operands' ", rows, " rows in all, got ", total);
+}
+
+void check_operand(const char* op, const char* name, const at::Tensor& t, at::IntArrayRef shape,
+                   c10::ScalarType dtype) {
+  TORCH_CHECK(t.sizes() == shape, op, ": ", name, ": expected shape ", shape, ", got ", t.sizes());
+  TORCH_CHECK(t.scalar_type() == dtype, op, ": ", name, ": expected dtype ", dtype, ", got ", t.scalar_type());
 }
 
 // out[rows of e] = rows[rows of e] @ weight[e]: rows [N, K], weight [E, K, O] (any strides), out [N, O]
 void experts_mm(const at::Tensor& rows, const at::Tensor& weight, at::IntArrayRef sizes_ref, at::Tensor out) {
+  TORCH_CHECK(rows.dim() == 2 && weight.dim() == 3, "experts_mm: expected rows [N, K] and weight [E, K, O], got ",
+              rows.sizes(), " and ", weight.sizes());
+  const auto dtype = rows.scalar_type();
+  check_operand("experts_mm", "weight", weight, {static_cast<int64_t>(sizes_ref.size()), rows.size(1), weight.size(2)},
+                dtype);
+  check_operand("experts_mm", "out", out, {out.size(0), weight.size(2)}, dtype);
   check_sizes("experts_mm", sizes_ref, std::min(rows.size(0), out.size(0)));
   const std::vector<int64_t> sizes(sizes_ref.begin(), sizes_ref.end());
   const auto starts = starts_of(sizes);
@@ -120,8 +134,12 @@ at::Tensor zero_padded_rows(const at::Tensor& t, int64_t start, int64_t count, i
 // without rows get zeros
 void experts_weight_grad(const at::Tensor& grad_rows, const at::Tensor& in_rows, at::IntArrayRef sizes_ref,
                          at::Tensor out) {
-  TORCH_CHECK(grad_rows.size(0) == in_rows.size(0), "experts_weight_grad: expected grad_rows and in_rows of ",
-              "one row count, got ", grad_rows.size(0), " and ", in_rows.size(0));
+  TORCH_CHECK(grad_rows.dim() == 2 && in_rows.dim() == 2, "experts_weight_grad: expected grad_rows [N, O] and ",
+              "in_rows [N, K], got ", grad_rows.sizes(), " and ", in_rows.sizes());
+  const auto dtype = grad_rows.scalar_type();
+  check_operand("experts_weight_grad", "in_rows", in_rows, {grad_rows.size(0), in_rows.size(1)}, dtype);
+  check_operand("experts_weight_grad", "out", out,
+                {static_cast<int64_t>(sizes_ref.size()), grad_rows.size(1), in_rows.size(1)}, dtype);
   check_sizes("experts_weight_grad", sizes_ref, grad_rows.size(0));
   const std::vector<int64_t> sizes(sizes_ref.begin(), sizes_ref.end());
   const auto starts = starts_of(sizes);
