@@ -61,6 +61,12 @@ def test_experts_mm_and_weight_grad_are_the_per_expert_products(two_threads, dty
 # Experts of exactly one block, of blocks plus a rest, under a block, empty, one large enough to
 # run on both threads (2 * 230 >= the 395 rows), and a last one with no rows after it.
 BLOCK_SIZES = (32, 230, 0, 64, 31, 33, 5)
+BLOCK = 32
+
+
+def _with_row_gap(t: torch.Tensor) -> torch.Tensor:
+    """A copy of t [N, D] whose rows are D + 8 elements apart (rows_finite must follow the stride)."""
+    return torch.empty(t.shape[0], t.shape[1] + 8, dtype=t.dtype)[:, :t.shape[1]].copy_(t)
 
 
 def test_row_blocks_and_zero_padded_weight_grads_are_the_per_expert_products(two_threads):
@@ -71,7 +77,7 @@ def test_row_blocks_and_zero_padded_weight_grads_are_the_per_expert_products(two
     gradient finite."""
     gen = torch.Generator().manual_seed(1)
     n, k, o = sum(BLOCK_SIZES), 40, 24
-    rows = torch.randn(n, k + 8, generator=gen).to(torch.bfloat16)[:, :k]  # a row stride of k + 8
+    rows = _with_row_gap(torch.randn(n, k, generator=gen).to(torch.bfloat16))
     weight = torch.randn(len(BLOCK_SIZES), k, o, generator=gen).to(torch.bfloat16)
     grad = torch.randn(n, o, generator=gen).to(torch.bfloat16)
     out = cpu_gemm.experts_mm(rows, weight, BLOCK_SIZES, torch.full((n, o), float("nan"), dtype=torch.bfloat16))
@@ -83,9 +89,7 @@ def test_row_blocks_and_zero_padded_weight_grads_are_the_per_expert_products(two
     owner = 3  # the wide operand's row 1 of expert 3 is poisoned: expert 1's padding would read it
     for g, x in ((grad, rows), (rows, grad)):  # the narrower operand: grad, then in_rows
         for poison in (False, True):
-            wide = (x if g.shape[1] <= x.shape[1] else g).clone()
-            if wide.shape[1] == k:  # keep the row stride of rows, which rows_finite must follow
-                wide = torch.cat([wide, wide[:, :8]], dim=1)[:, :k]
+            wide = _with_row_gap(x if g.shape[1] <= x.shape[1] else g)
             if poison:
                 wide[starts[owner] + 1, 3] = float("inf")
             g_used, x_used = (g, wide) if g.shape[1] <= x.shape[1] else (wide, x)
@@ -130,10 +134,12 @@ def test_bf16_gemms_meet_only_block_shapes(two_threads):
     forward = [m for m, kk, _, nn in shapes if (kk, nn) == (64, 48)]
     reductions = [kk for o, kk, _, kw in shapes if (o, kw) in ((24, 64), (64, 24))]
     assert all(m % 32 == 0 or m < 32 for m in forward), forward
-    # 230 = 224 + 6 and 33 = 32 + 1; the 1-row GEMM does not reach oneDNN (torch keeps tiny bf16
-    # products for itself), so it is not in the log
-    assert sorted(forward) == sorted([32, 224, 6, 64, 31, 32, 5])
-    assert sorted(reductions) == sorted(2 * [32, 256, 64, 32, 64, 32])  # both operand orders
+    # each expert's whole blocks and its rest (230 = 224 + 6); a 1-row GEMM (33 = 32 + 1) does not
+    # reach oneDNN (torch keeps tiny bf16 products for itself), so it is not in the log
+    splits = [m for size in BLOCK_SIZES for m in (size // BLOCK * BLOCK, size % BLOCK) if m > 1]
+    assert sorted(forward) == sorted(splits)
+    padded = [-(-size // BLOCK) * BLOCK for size in BLOCK_SIZES if size]
+    assert sorted(reductions) == sorted(2 * padded)  # both operand orders
 
 
 def test_the_ops_refuse_bad_sizes_and_operands_before_any_work(two_threads):
