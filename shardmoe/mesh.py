@@ -58,7 +58,8 @@ class Mesh:
 
     Attributes: axis_sizes {'d': dp, 'e': ep, 't': tp}; rank (this rank's global rank); world_size
     (ranks of the whole job, which the mesh may be part of: size() counts the mesh's own);
-    ranks_per_node; device_mesh (the torch DeviceMesh, None without a process group).
+    ranks_per_node; device_mesh (the torch DeviceMesh, None without a process group); parameter_mesh
+    (its 'ep' and 'tp' dims: what a sharded layer's DTensor parameters live on, or None).
     """
 
     def __init__(self, dp: int = 1, ep: int = 1, tp: int = 1, ranks_per_node: int | None = None):
@@ -135,6 +136,18 @@ class Mesh:
         for count in range(1, len(MESH_AXES) + 1):
             for axes in itertools.combinations(MESH_AXES, count):
                 self._groups[axes] = self._make_group(axes)
+        self.parameter_mesh = self._parameter_mesh()
+
+    def _parameter_mesh(self):
+        """The DeviceMesh that a sharded layer's parameters are DTensors on: device_mesh sliced to its
+        'ep' and 'tp' dims of more than one rank, in its own dim order (torch refuses another); None
+        when neither splits anything. 'dp' is left out: its ranks are data-parallel replicas, whose
+        gradients sync_grads or FSDP reduce, and FSDP2 takes a DTensor parameter only on a mesh
+        apart from its own ('dp')."""
+        live = {DEVICE_MESH_NAMES[a] for a in ("e", "t") if self.axis_sizes[a] > 1}
+        if not live or self.device_mesh is None:
+            return None
+        return self.device_mesh[tuple(n for n in self.device_mesh.mesh_dim_names if n in live)]
 
     def _make_group(self, axes: tuple[str, ...]) -> dist.ProcessGroup | None:
         # Axes of size 1 do not change the group, so most tuples reuse a group that already exists.

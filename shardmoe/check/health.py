@@ -40,6 +40,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from shardmoe.moe.composition import local
+
 OK, EXPLODING, VANISHING, MISSING = "ok", "exploding", "vanishing", "missing"
 
 
@@ -131,7 +133,7 @@ def gradient_health(
         if param.grad is None:
             stats[i, 2] = 1.0
             continue
-        grad = param.grad.detach().to(torch.float64)
+        grad = local(param.grad).detach().to(torch.float64)  # this rank's block; replicas count the rest
         # A single inf or nan makes the norm non-finite, which _classify reports as exploding.
         stats[i, 0] = torch.linalg.vector_norm(grad).square()
         stats[i, 1] = grad.abs().max() if grad.numel() else 0.0

@@ -43,6 +43,7 @@ import torch
 from torch import Tensor, nn
 
 from shardmoe import shardops
+from shardmoe.moe import composition
 from shardmoe.moe.config import MoEConfig
 from shardmoe.moe.layer import ROUTER_OPTIONS, SHARED_OPTIONS, MoE
 from shardmoe.moe.workspace import share as share_workspace
@@ -302,7 +303,9 @@ class Transformer(nn.Module):
         return shardops.shard(f"{_unsharded(spec)} -> {spec}", full, self.mesh)
 
     def gather_full(self, name: str, local: Tensor) -> Tensor:
-        """The full tensor from every rank's shard laid out like parameter `name`. Collective."""
+        """The full tensor from every rank's shard laid out like parameter `name` (`local`: the shard,
+        or a MoE layer's DTensor parameter or gradient, whose local tensor it is). Collective."""
+        local = composition.local(local)
         kind = self._kind(name)
         if self.mesh is None or kind == "gate":
             return local
@@ -357,7 +360,7 @@ class Transformer(nn.Module):
             if tuple(state[name].shape) != shapes[name]:
                 raise ValueError(f"state dict: {name} has shape {list(state[name].shape)}, "
                                  f"expected {list(shapes[name])}")
-            param.copy_(self.shard_full(name, state[name].to(param.dtype)))
+            composition.local(param).copy_(self.shard_full(name, state[name].to(param.dtype)))
         for name, buffer in self._correction_biases().items():
             if tuple(state[name].shape) != shapes[name]:
                 raise ValueError(f"state dict: {name} has shape {list(state[name].shape)}, "

@@ -1,5 +1,9 @@
 """How a MoE layer composes with torch.distributed's FSDP2 and distributed checkpoints.
 
+  local(t)                      this rank's block of a parameter (a DTensor's local tensor)
+  compute_views(layer)          the local tensors the forward computes on, their gradients
+                                DTensors of the placements the backward leaves
+  check_parameters(layer)       refuse parameters laid out other than the layer lays them out
   fully_sharded_over_d(layer)   fully_shard over exactly the layer's 'd' ranks: FSDP's mean
                                 convention (the layer's forward asks, and its backward adapts)
   check_own_shards(layer)       refuse expert shards that fully_shard replaced elsewhere
@@ -8,7 +12,6 @@
   state_entries / shard_entries the state-dict hooks: whole logical tensors (DTensors over the
                                 mesh) out, this rank's shards (FSDP's DTensors under FSDP) in
   local_tokens(layer, x)        a DTensor input's local tokens, when its blocks are the layer's
-  check_plain_parameters(layer) refuse parameters that someone made DTensors
 
 docs/parallel.md ("A torch DeviceMesh as the mesh", "Distributed checkpoints", "FSDP2") has the
 decisions and the tests.
@@ -21,6 +24,42 @@ import torch.distributed as dist
 from shardmoe.mesh import DEVICE_MESH_NAMES, GRAD_SYNC_ATTRIBUTE
 from shardmoe.moe import shared_experts as shared_ex
 from shardmoe.moe.function import expert_param_names
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's block of t: a DTensor's local tensor (its storage, under no_grad), else t."""
+    return t.to_local() if is_dtensor(t) else t
+
+
+def compute_views(layer) -> list[torch.Tensor | None]:
+    """gate_weight, gate_bias, then the routed and shared experts' parameters, as the local tensors
+    the MoE operators compute on (Placement.compute_view): no DTensor dispatch runs inside them.
+    Each view's gradient reaches its parameter as a DTensor of the placements the backward leaves:
+    the experts' own, and the replicated parameters' Partial() over 'ep' (each rank's tokens'
+    share), or Replicate() when the backward sums them over 'e' itself (fully_sharded_over_d)."""
+    summed = fully_sharded_over_d(layer)
+    names = ("gate_weight", "gate_bias", *expert_param_names(layer.config), *shared_ex.shared_param_names(layer.config))
+    return [None if getattr(layer, n) is None else layer.placement.compute_view(n, getattr(layer, n), summed)
+            for n in names]
+
+
+def check_parameters(layer) -> None:
+    """Refuse, before the forward computes, a parameter laid out other than the layer lays it out:
+    plain where the mesh splits nothing, else a DTensor on mesh.parameter_mesh with the layer's
+    placements (expert_tensor.parameter_placements; FSDP2 hands the forward the same). A
+    parameter put in place by other code (distribute_module, an assignment) is named with its
+    layout, e.g. a plain tensor where the layer shards, which it would take for its own shard."""
+    for name, param in layer.named_parameters(recurse=False):
+        layout = layer.placement.layout(name)
+        got = (param.device_mesh, tuple(param.placements)) if is_dtensor(param) else None
+        if layout is None and got is not None:
+            raise ValueError(f"{name}: expected a plain tensor (the layer's mesh splits no parameter), got a "
+                             f"DTensor with placements {list(got[1])} on mesh dims {got[0].mesh_dim_names}")
+        if layout is not None and got != (layout[0], tuple(layout[1])):
+            shown = "a plain tensor" if got is None else f"placements {list(got[1])} on mesh dims {got[0].mesh_dim_names}"
+            raise ValueError(f"{name}: expected a DTensor with placements {list(layout[1])} on the layer's parameter "
+                             f"mesh, dims {layout[0].mesh_dim_names} (this rank's shard of the whole, as the layer "
+                             f"made it), got {shown}")
 
 
 def fully_sharded_over_d(layer) -> bool:
@@ -87,16 +126,28 @@ def state_entries(layer, state_dict: dict, prefix: str, local_metadata) -> None:
     that splits it a DTensor over the mesh's DeviceMesh (Shard(0) over 'ep' for the experts,
     Shard on the F dim over 'tp', Replicate over 'dp') sharing this rank's shard, so that
     torch.distributed.checkpoint saves and loads every expert once and reshards to any layout. The
-    router's tensors (replicated) stay plain. Under fully_shard over 'd' a parameter is FSDP's
-    DTensor, whose whole tensor is this rank's shard of the layer's: it is gathered over 'd' (a
-    copy, and a collective, as FSDP's state dicts are) and presented the same way."""
+    router's tensors (replicated) are plain: their parameters' Replicate() DTensors give their
+    local tensor, the whole. Under fully_shard over 'd' a parameter is FSDP's DTensor, whose whole
+    tensor over 'dp' is this rank's shard of the layer's: an expert's is gathered over 'd' (a copy,
+    and a collective, as FSDP's state dicts are) and presented the same way; the router's stays
+    FSDP's."""
     from torch.distributed.tensor import DTensor
 
     for name in _sharded_names(layer):
         if prefix + name in state_dict:
             param = getattr(layer, name).detach()
-            local = param.full_tensor() if isinstance(param, DTensor) else param
-            state_dict[prefix + name] = layer.placement.state_entry(name, local)
+            if isinstance(param, DTensor) and param.device_mesh != _parameter_mesh(layer):  # FSDP's shard
+                param = param.redistribute(placements=_gathered_over_fsdp(param, layer))
+            state_dict[prefix + name] = layer.placement.state_entry(name, local(param))
+    for name in ("gate_weight", "gate_bias"):
+        entry = state_dict.get(prefix + name)
+        if isinstance(entry, DTensor) and entry.device_mesh == _parameter_mesh(layer):
+            state_dict[prefix + name] = local(entry)
+
+
+def _parameter_mesh(layer):
+    """The DeviceMesh of the layer's DTensor parameters (Mesh.parameter_mesh), or None."""
+    return None if layer.mesh is None else layer.mesh.parameter_mesh
 
 
 def shard_entries(layer, state_dict: dict, prefix: str, *args) -> None:
@@ -104,10 +155,11 @@ def shard_entries(layer, state_dict: dict, prefix: str, *args) -> None:
     parameter's shape (Placement.load_entry): a DTensor as state_entries makes it on this mesh
     gives its local shard; a whole tensor (plain, in the state-dict layout or the parameter's, or a
     DTensor of another layout, gathered whole: a collective over its mesh) is cut to the shard.
-    Any other shape raises ValueError naming the key, the expected and the actual shape. Under
-    fully_shard over 'd', each entry of the layer's own parameters then becomes FSDP's DTensor of
-    it (every 'd' rank holds the same shard: each keeps its block, no communication)."""
-    from torch.distributed.tensor import DTensor, distribute_tensor
+    Any other shape raises ValueError naming the key, the expected and the actual shape. Each
+    plain entry of a DTensor parameter then becomes a DTensor laid out as the parameter: the
+    layer's own (its local tensor the entry), or under fully_shard over 'd' FSDP's (every 'd' rank
+    holds the same shard: each keeps its block). No communication either way."""
+    from torch.distributed.tensor import DTensor
 
     for name in _sharded_names(layer):
         key = prefix + name
@@ -116,8 +168,21 @@ def shard_entries(layer, state_dict: dict, prefix: str, *args) -> None:
     for name, param in layer.named_parameters(recurse=False):
         value = state_dict.get(prefix + name)
         if isinstance(param, DTensor) and isinstance(value, torch.Tensor) and not isinstance(value, DTensor):
-            state_dict[prefix + name] = distribute_tensor(value.to(param.dtype), param.device_mesh, param.placements,
-                                                          src_data_rank=None)
+            # value is this rank's shard in the layer's layout: whole over any 'dp', cut to FSDP's block
+            whole_over_d = DTensor.from_local(value.to(param.dtype), param.device_mesh,
+                                              _gathered_over_fsdp(param, layer), run_check=False,
+                                              shape=param.shape, stride=param.stride())
+            state_dict[prefix + name] = whole_over_d.redistribute(placements=param.placements)
+
+
+def _gathered_over_fsdp(param, layer) -> list:
+    """The placements of a parameter of FSDP2 (a DTensor on its 'dp' mesh, or on 'dp' joined with the
+    layer's parameter mesh) with every dim that is not the layer's Replicate(): the layout in which
+    each rank's local tensor is its shard in the layer's own layout."""
+    from torch.distributed.tensor import Replicate
+
+    own = () if _parameter_mesh(layer) is None else _parameter_mesh(layer).mesh_dim_names
+    return [p if n in own else Replicate() for n, p in zip(param.device_mesh.mesh_dim_names, param.placements)]
 
 
 def _sharded_names(layer) -> tuple[str, ...]:
@@ -183,15 +248,3 @@ def local_tokens(layer, x) -> torch.Tensor:
         raise ValueError(f"x: expected a DTensor whose blocks are the layer's tokens, got placements "
                          f"{list(placements)} on mesh dims {list(names)}: " + "; ".join(problems))
     return x.to_local()
-
-
-def check_plain_parameters(layer) -> None:
-    """Refuse a parameter that is a DTensor when the forward runs (FSDP2 hands the forward plain
-    unsharded tensors; a DTensor here was put in place by other code, e.g. distribute_module): the
-    layer computes on its own shards, laid out over its mesh, and state_dict() presents them as
-    DTensors of the whole tensors."""
-    for name, param in layer.named_parameters(recurse=False):
-        if is_dtensor(param):
-            raise ValueError(f"{name}: expected a plain tensor (this rank's shard, laid out by the layer over its "
-                             f"mesh=; state_dict() gives the whole tensor as a DTensor), got a DTensor with "
-                             f"placements {list(param.placements)} on mesh dims {param.device_mesh.mesh_dim_names}")

@@ -160,6 +160,18 @@ class Placement(Protocol):
 
     def shard_shape(self, name: str, shape: tuple[int, ...]) -> tuple[int, ...]: ...
 
+    def layout(self, name: str) -> tuple | None:
+        """(DeviceMesh, placements) of parameter `name` when the mesh splits parameters, else None."""
+
+    def parameter(self, name: str, local: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+        """The data of parameter `name` whose shard on this rank is `local` and whole shape `shape`: a
+        DTensor of the whole (sharing local's storage) when the mesh splits parameters, else local."""
+
+    def compute_view(self, name: str, param: torch.Tensor, summed_over_e: bool) -> torch.Tensor:
+        """The tensor the forward computes on: a DTensor parameter's local tensor, differentiable, its
+        gradient a DTensor of the placements the backward leaves (`summed_over_e`: the backward
+        sums the replicated gradients over 'e' itself); a plain parameter as it is."""
+
     def shard(self, name: str, whole: torch.Tensor) -> torch.Tensor:
         """This rank's shard of a whole parameter (no communication)."""
 
@@ -227,6 +239,15 @@ class LocalPlacement:
 
     def shard_shape(self, name, shape):
         return tuple(shape)
+
+    def layout(self, name):
+        return None
+
+    def parameter(self, name, local, shape):
+        return local
+
+    def compute_view(self, name, param, summed_over_e):
+        return param
 
     def shard(self, name, whole):
         return whole

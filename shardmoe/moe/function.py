@@ -127,7 +127,8 @@ class MoECall:
     moe/dispatch.py's protocol; workspace: the pool of large row buffers (None: fresh ones);
     stats: called with each forward's routing statistics, a new dict (None: not kept);
     loss_scale: dL/d(loss) that backward adds to the loss's own incoming gradient, so the balance
-    losses reach the router through the output's graph (None or 0: only the incoming one);
+    losses reach the router through the output's graph, at the first backward through a forward
+    only (Made.balance_pending; None or 0: only the incoming one);
     balance_scope: the whole batch the balance losses average over, when it is more than this
     forward's tokens (None: this forward's, global over the mesh);
     reduce_grads: applied in place to the parameter gradients before backward returns them, as
@@ -151,7 +152,10 @@ class MoECall:
 @dataclass
 class Made:
     """The tensors a forward makes that its backward reads (beside the inputs, which are saved as
-    they are): the routing, the shared expert's (h_shared, s), and what the dispatcher kept.
+    they are): the routing, the shared expert's (h_shared, s), what the dispatcher kept, and
+    balance_pending [] (acc dtype), 1 until a backward has applied the call's loss_scale, then 0:
+    the balance losses' gradient rides on the output's backward once per forward, however many
+    backwards run through it (retain_graph: chunked losses, autograd.grad per task).
 
     Not among them: the routing fields that are router inputs themselves (router.routing_inputs:
     a given routing's top_k_index and top_k_weights, the layer's token_sequence), which are saved
@@ -162,15 +166,17 @@ class Made:
     routing: Routing
     shared: tuple
     dispatched: tuple
+    balance_pending: torch.Tensor
 
     def flat(self, inputs: dict) -> tuple:
         """The tensors to save, less the routing fields in `inputs` (router.routing_inputs)."""
         kept = [getattr(self.routing, n) for n in _saved_fields(inputs)]
-        return (*kept, *self.shared, *self.dispatched)
+        return (self.balance_pending, *kept, *self.shared, *self.dispatched)
 
     @classmethod
     def restore(cls, config: MoEConfig, tensors, inputs: dict) -> "Made":
         """The record flat(inputs) came from, with the fields in `inputs` taken from there."""
+        balance_pending, *tensors = tensors
         names = _saved_fields(inputs)
         routing = dict(zip(names, tensors), **inputs)
         if config.seq_aux_loss_coef:
@@ -182,7 +188,7 @@ class Made:
             routing["sequence_tokens"] = torch.zeros(0, dtype=torch.int64, device=device)
         rest = tensors[len(names):]
         n_shared = 2 if config.shared_ffn_size else 0
-        return cls(Routing(**routing), tuple(rest[:n_shared]), tuple(rest[n_shared:]))
+        return cls(Routing(**routing), tuple(rest[:n_shared]), tuple(rest[n_shared:]), balance_pending)
 
 
 _RECOUNTED = ("sequence_selected", "sequence_tokens")
@@ -236,7 +242,8 @@ def moe_forward(call: MoECall, x: torch.Tensor, tensors) -> tuple[torch.Tensor, 
                 stats["workspace_bytes"] = 0 if call.workspace is None else call.workspace.resident_bytes
                 stats["balance_scope"] = own
                 call.stats(stats)
-    return out, loss, Made(loss_routing, tuple(shared_saved), tuple(dispatched))
+    pending = x.new_ones((), dtype=accumulation_dtype(x.dtype))
+    return out, loss, Made(loss_routing, tuple(shared_saved), tuple(dispatched), pending)
 
 
 def moe_fake_forward(call: MoECall, x: torch.Tensor, tensors, dynamic) -> tuple[torch.Tensor, torch.Tensor, Made]:
@@ -252,7 +259,8 @@ def moe_fake_forward(call: MoECall, x: torch.Tensor, tensors, dynamic) -> tuple[
     shared_saved = ()
     if shared:
         shared_saved = (x.new_empty(S, shared["shared_down_proj"].shape[1] * 2), x.new_empty(S, dtype=acc))
-    return x.new_empty(x.shape), x.new_empty((), dtype=acc), Made(routing, shared_saved, tuple(dispatched))
+    return (x.new_empty(x.shape), x.new_empty((), dtype=acc),
+            Made(routing, shared_saved, tuple(dispatched), x.new_empty((), dtype=acc)))
 
 
 def moe_backward(call: MoECall, x: torch.Tensor, tensors, made: Made, grad_out: torch.Tensor,
@@ -264,7 +272,12 @@ def moe_backward(call: MoECall, x: torch.Tensor, tensors, made: Made, grad_out: 
     backend = backends.select(config, x, call.workspace, local_width(config, params))
     grad_out = grad_out.contiguous()
     if call.loss_scale:
-        grad_loss = grad_loss + call.loss_scale
+        grad_loss = grad_loss + call.loss_scale * made.balance_pending
+        # applied: a later backward through the same forward adds none. The flag is a saved tensor
+        # of this forward; autograd's version check would refuse that later backward for a write it
+        # counted, and none of its gradients read the flag's old value.
+        with torch.autograd._unsafe_preserve_version_counter(made.balance_pending):
+            made.balance_pending.zero_()
     with dispatcher.guard():
         state = dispatcher.restore(config, made.dispatched)
         # stages 1-5

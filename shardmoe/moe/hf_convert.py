@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from shardmoe.moe.composition import local
 from shardmoe.moe.hf_blocks import (experts_activation, family_name, gate_up_halves, gate_up_interleaved,
                                     mixtral_semantics, unknown_activation)
 
@@ -151,13 +152,13 @@ def from_hf(cls, block, mesh=None, **overrides):
     options.update(overrides)
     layer = cls(H, two_f // 2, E, read.top_k, mesh=mesh, **options)
     with torch.no_grad():
-        layer.gate_weight.copy_(read.gate_weight)
-        layer.gate_up_proj.copy_(layer.placement.shard("gate_up_proj", read.gate_up_proj))
-        layer.down_proj.copy_(layer.placement.shard("down_proj", read.down_proj))
+        local(layer.gate_weight).copy_(read.gate_weight)
+        local(layer.gate_up_proj).copy_(layer.placement.shard("gate_up_proj", read.gate_up_proj))
+        local(layer.down_proj).copy_(layer.placement.shard("down_proj", read.down_proj))
         if read.correction_bias is not None and layer.correction_bias is not None:
             layer.correction_bias.copy_(read.correction_bias)
         for name, whole in read.extra.items():  # the router bias is replicated, the rest sharded as experts
-            getattr(layer, name).copy_(whole if name == "gate_bias" else layer.placement.shard(name, whole))
+            local(getattr(layer, name)).copy_(whole if name == "gate_bias" else layer.placement.shard(name, whole))
     return layer
 
 
@@ -180,20 +181,20 @@ def to_hf_state_dict(layer) -> dict[str, torch.Tensor]:
         raise ValueError("to_hf_state_dict: expected a dropless glu layer without expert or router biases, softmax "
                          f"or DeepSeek-V3's corrected sigmoid routing, or GPT-OSS's; got {', '.join(unsupported)}")
     _check_family_router(c)
-    state = {"gate.weight": layer.gate_weight.detach().t().contiguous()}
+    state = {"gate.weight": local(layer.gate_weight).detach().t().contiguous()}
     if layer.correction_bias is not None:
         state["gate.e_score_correction_bias"] = layer.correction_bias.detach().clone()
     for name in ("gate_up_proj", "down_proj"):
-        state[f"experts.{name}"] = layer.placement.gather(name, getattr(layer, name).detach()).clone()
+        state[f"experts.{name}"] = layer.placement.gather(name, local(getattr(layer, name)).detach()).clone()
     if c.shared_ffn_size:  # gated: Qwen2-MoE's shared_expert (+ shared_expert_gate); else DeepSeek-V3's
         prefix = "shared_expert." if c.shared_gate else "shared_experts."
-        gate_up = layer.placement.gather("shared_gate_up_proj", layer.shared_gate_up_proj.detach())
+        gate_up = layer.placement.gather("shared_gate_up_proj", local(layer.shared_gate_up_proj).detach())
         state[prefix + "gate_proj.weight"] = gate_up[:c.shared_ffn_size].clone()
         state[prefix + "up_proj.weight"] = gate_up[c.shared_ffn_size:].clone()
         state[prefix + "down_proj.weight"] = layer.placement.gather(
-            "shared_down_proj", layer.shared_down_proj.detach()).clone()
+            "shared_down_proj", local(layer.shared_down_proj).detach()).clone()
         if c.shared_gate:
-            state["shared_expert_gate.weight"] = layer.shared_gate_weight.detach()[None].clone()
+            state["shared_expert_gate.weight"] = local(layer.shared_gate_weight).detach()[None].clone()
     return state
 
 
@@ -235,10 +236,10 @@ def _gpt_oss_state_dict(layer) -> dict[str, torch.Tensor]:
                          f"expert and router biases, softmax top-k renormalised, dropless; got {', '.join(unsupported)}")
 
     def whole(name):
-        return layer.placement.gather(name, getattr(layer, name).detach())
+        return layer.placement.gather(name, local(getattr(layer, name)).detach())
 
-    return {"router.weight": layer.gate_weight.detach().t().contiguous(),
-            "router.bias": layer.gate_bias.detach().clone(),
+    return {"router.weight": local(layer.gate_weight).detach().t().contiguous(),
+            "router.bias": local(layer.gate_bias).detach().clone(),
             "experts.gate_up_proj": gate_up_interleaved(whole("gate_up_proj")).transpose(1, 2).contiguous(),
             "experts.gate_up_proj_bias": gate_up_interleaved(whole("gate_up_proj_bias")).contiguous(),
             "experts.down_proj": whole("down_proj").transpose(1, 2).contiguous(),

@@ -45,7 +45,7 @@ from torch import nn
 from shardmoe.moe import routers
 from shardmoe.moe import shared_experts as shared_ex
 from shardmoe.moe.config import MoEConfig
-from shardmoe.mesh import EXPERT, REPLICATED, as_mesh, mark_grad_sync
+from shardmoe.mesh import EXPERT, GRAD_SYNC_ATTRIBUTE, REPLICATED, as_mesh, mark_grad_sync
 from shardmoe.moe import composition, ops, precision
 from shardmoe.moe.dispatch import placement
 from shardmoe.moe.function import MoECall, expert_param_names
@@ -96,26 +96,18 @@ class MoE(nn.Module):
         kw = {"dtype": dtype, "device": device}
         H, F, E = hidden_size, ffn_size, num_experts
         self._whole_shapes = {"gate_weight": (H, E), **self.config.kind.whole_shapes(H, F, E)}
-        self.gate_weight = nn.Parameter(torch.empty(H, E, **kw))
-        mark_grad_sync(self.gate_weight, REPLICATED)
-        self.gate_bias = nn.Parameter(torch.empty(E, **kw)) if self.config.router_bias else None
-        if self.gate_bias is not None:
-            mark_grad_sync(self.gate_bias, REPLICATED)
+        self.gate_weight = self._parameter("gate_weight", (H, E), REPLICATED, kw)
+        self.gate_bias = self._parameter("gate_bias", (E,), REPLICATED, kw) if self.config.router_bias else None
         # float32 whatever the layer's dtype: bf16 would round away updates of 1e-3 near |b| ~ 1
         self.register_buffer("correction_bias", torch.zeros(E, dtype=torch.float32, device=device)
                              if self.config.correction_bias else None)
         for name, shape in list(self._whole_shapes.items())[1:]:
-            param = None
-            if bias or name not in self.config.kind.bias_names:
-                param = nn.Parameter(torch.empty(self.placement.shard_shape(name, shape), **kw))
-                mark_grad_sync(param, EXPERT)
-            setattr(self, name, param)
+            setattr(self, name, self._parameter(name, shape, EXPERT, kw)
+                    if bias or name not in self.config.kind.bias_names else None)
         # shared expert: dense, so replicated over 'd' and 'e' (its gradient summed there like the gate's)
         self._whole_shapes.update(shared_ex.shared_param_shapes(self.config))
         for name, shape in shared_ex.shared_param_shapes(self.config).items():
-            param = nn.Parameter(torch.empty(self.placement.shard_shape(name, shape), **kw))
-            mark_grad_sync(param, REPLICATED)
-            setattr(self, name, param)
+            setattr(self, name, self._parameter(name, shape, REPLICATED, kw))
         self.reset_parameters()
         self.aux_loss: torch.Tensor | None = None
         self.aux_loss_scale = aux_loss_scale
@@ -128,6 +120,15 @@ class MoE(nn.Module):
         # state dicts describe the whole logical expert tensors, whatever the mesh (moe/composition.py)
         self.register_state_dict_post_hook(composition.state_entries)
         self.register_load_state_dict_pre_hook(composition.shard_entries)
+
+    def _parameter(self, name: str, shape: tuple[int, ...], grad_sync: tuple[str, ...], kw: dict) -> nn.Parameter:
+        """Parameter `name` of whole shape `shape`, uninitialised: this rank's shard, as a DTensor of
+        the whole when the mesh splits parameters (Placement.parameter), marked with the mesh axes
+        its gradient is summed over (sync_grads)."""
+        local = torch.empty(self.placement.shard_shape(name, shape), **kw)
+        param = nn.Parameter(self.placement.parameter(name, local, shape))
+        mark_grad_sync(param, grad_sync)
+        return param
 
     @property
     def local_experts(self) -> range:
@@ -147,9 +148,9 @@ class MoE(nn.Module):
             if self.gate_bias is not None:
                 nn.init.zeros_(self.gate_bias)  # as GPT-OSS: routing starts from the weights alone
             for name in ("gate_weight", *expert_param_names(self.config), *shared_ex.shared_param_names(self.config)):
-                p = getattr(self, name)
-                if p is None:
+                if getattr(self, name) is None:
                     continue
+                p = composition.local(getattr(self, name))
                 shape = self._whole_shapes[name]
                 whole = torch.empty(shape, dtype=p.dtype, device=p.device) if sharded and p.shape != shape else p
                 if name in self.config.kind.bias_names:
@@ -211,16 +212,17 @@ class MoE(nn.Module):
             out = self.forward(composition.local_tokens(self, x), sequence_starts)
             return type(x).from_local(out, x.device_mesh, x.placements, run_check=False, shape=x.shape,
                                       stride=x.stride())
-        composition.check_plain_parameters(self)
+        composition.check_parameters(self)
         autocast = precision.autocast_dtype(x, self.gate_weight.dtype)
         self._check_input(x, autocast)
         if self.placement.sharded and not composition.fully_sharded_over_d(self):
             composition.check_own_shards(self)
         token_sequence = self.token_sequence(x, sequence_starts)
+        gate_weight, gate_bias, *experts = composition.compute_views(self)
         # the router's tensors keep their dtype (it computes in float32); x and the experts take autocast's
-        x, *experts = precision.cast((x, *self.expert_parameters()), autocast)
+        x, *experts = precision.cast((x, *experts), autocast)
         # out has x's shape and is no view: an in-place op on it cannot cut its graph (FSDP2's hooks)
-        out, loss = ops.fused_moe(self._moe_handle, x, self.gate_weight, self.gate_bias, self.correction_bias,
+        out, loss = ops.fused_moe(self._moe_handle, x, gate_weight, gate_bias, self.correction_bias,
                                   token_sequence, *experts)
         self.aux_loss = loss if self.aux_loss_scale is None else loss.detach()
         return out
@@ -271,10 +273,16 @@ class MoE(nn.Module):
     def _apply(self, fn, recurse=True):
         """As nn.Module._apply (.to(), .cuda(), .float(), ...), and the workspace's blocks are released:
         they hold memory of the old device and dtype. The correction bias stays float32 whatever
-        the dtype moved to (bf16 would round its 1e-3 updates away near |b| ~ 1: docs/moe.md)."""
+        the dtype moved to (bf16 would round its 1e-3 updates away near |b| ~ 1: docs/moe.md). A DTensor
+        parameter is converted by swapping in a new Parameter (torch.utils.swap_tensors), which
+        drops its attributes: the grad-sync marks are put back."""
         if self.workspace is not None:
             self.workspace.release()
+        marks = {n: getattr(p, GRAD_SYNC_ATTRIBUTE) for n, p in self.named_parameters(recurse=False)
+                 if hasattr(p, GRAD_SYNC_ATTRIBUTE)}
         module = super()._apply(fn, recurse)
+        for name, axes in marks.items():
+            mark_grad_sync(getattr(self, name), axes)
         if self.correction_bias is not None and self.correction_bias.dtype != torch.float32:
             self.correction_bias = self.correction_bias.float()
         return module
@@ -322,9 +330,9 @@ class MoE(nn.Module):
         options.update(overrides)
         layer = cls(H, two_f // 2, E, semantics.top_k, mesh=mesh, **options)
         with torch.no_grad():
-            layer.gate_weight.copy_(semantics.router_weight.t())
-            layer.gate_up_proj.copy_(layer.placement.shard("gate_up_proj", gate_up))
-            layer.down_proj.copy_(layer.placement.shard("down_proj", semantics.down_proj))
+            composition.local(layer.gate_weight).copy_(semantics.router_weight.t())
+            composition.local(layer.gate_up_proj).copy_(layer.placement.shard("gate_up_proj", gate_up))
+            composition.local(layer.down_proj).copy_(layer.placement.shard("down_proj", semantics.down_proj))
         return layer
 
     @classmethod
@@ -353,6 +361,7 @@ class MoE(nn.Module):
             raise ValueError("to_mixtral_state_dict: expected expert='glu', renormalize=True, bias=False and "
                              f"activation in {sorted(MIXTRAL_ACTIVATIONS)}, got expert={c.expert!r}, "
                              f"renormalize={c.renormalize}, bias={c.bias}, activation={c.activation!r}")
-        return {"gate.weight": self.gate_weight.detach().t().contiguous(),
-                "experts.gate_up_proj": self.placement.gather("gate_up_proj", self.gate_up_proj.detach()).clone(),
-                "experts.down_proj": self.placement.gather("down_proj", self.down_proj.detach()).clone()}
+        local = {n: composition.local(getattr(self, n)).detach() for n in ("gate_weight", "gate_up_proj", "down_proj")}
+        return {"gate.weight": local["gate_weight"].t().contiguous(),
+                "experts.gate_up_proj": self.placement.gather("gate_up_proj", local["gate_up_proj"]).clone(),
+                "experts.down_proj": self.placement.gather("down_proj", local["down_proj"]).clone()}

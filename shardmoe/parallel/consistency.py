@@ -17,8 +17,14 @@ names the setting and the ranks:
               checksum(top-k choices) to the counts row, and check_t_peers compares them (equal
               tokens routed differently mean the gate differs along 't').
   replicas    a parameter whose gradient sync_grads sums over axes A holds the same value on the
-              ranks along A (else the summed gradient belongs to no model): check_replicas, once
-              per module at its first sync_grads; the gate also at each layer's first forward.
+              ranks along A (else the summed gradient belongs to no model): check_replicas, at a
+              module's first sync_grads and every REPLICA_CHECK_EVERY-th after; the router (and
+              the shared expert) also at each layer's first forward and every
+              REPLICA_CHECK_EVERY-th after, so that replicas that drift apart are caught.
+  calls       every rank of the mesh enters the same collective call: handshake, one all-gather
+              of a word naming the call before its payload, so that a rank in sync_grads while
+              another runs a forward raises, naming both calls and their ranks, where the payloads'
+              different sizes would abort the process inside gloo.
 
 checksum is exact and order-sensitive: sum_i (i mod 65521 + 1) * word_i over the tensor's bytes
 read as int16 words (uint8 for 1-byte dtypes), in int64 (no overflow below 2^32 words). Bitwise
@@ -42,8 +48,36 @@ _NONE, _INT, _FLOAT, _STRING, _DTYPE = range(5)
 _CHECKSUM_PERIOD = 65521  # weights cycle through 1..65521: |int16 word * weight| < 2^31
 
 
+# How often the replicated parameters are compared again (sync_grads' default check_every, and the
+# forwards between a layer's agreement checks): a checksum of each and one small all-gather, a
+# few hundredths of a percent of a step at this interval (docs/parallel.md).
+REPLICA_CHECK_EVERY = 100
+
+# The collective calls whose ranks handshake first, by the code the handshake sends.
+CALLS = ("the forward of a MoE layer", "the backward of a MoE layer", "sync_grads",
+         "the gather of a sharded MoE parameter")
+
+
 class RankMismatchError(ValueError):
-    """Ranks that must agree (on a layer's settings, their tokens, a replicated parameter) do not."""
+    """Ranks that must agree (on a layer's settings, their tokens, a replicated parameter, the
+    collective call they are in) do not."""
+
+
+def handshake(mesh, call: str) -> None:
+    """Before the collectives of `call` (one of CALLS): an all-gather of one int64 word, its code,
+    over the whole mesh; RankMismatchError on every rank unless every rank sent the same, e.g.
+    'ranks are in different collective calls: rank 0 has 'sync_grads', rank 1 has 'the forward of
+    a MoE layer''. A rank that never arrives ends in gather_table's ExchangeError at the timeout."""
+    if mesh.size() == 1:
+        return
+    device = "cuda" if mesh.device_mesh is not None and mesh.device_mesh.device_type == "cuda" else "cpu"
+    code = torch.tensor([CALLS.index(call)], dtype=torch.int64, device=device)
+    codes = gather_table(code, mesh, f"{call} (its handshake)")[:, 0].tolist()
+    if any(c != codes[0] for c in codes):
+        names = [repr(CALLS[c]) if 0 <= c < len(CALLS) else f"unknown call {c}" for c in codes]
+        raise RankMismatchError(f"ranks are in different collective calls: {_by_value(names, mesh.ranks_along(MESH_AXES))}: "
+                                "every rank of the mesh must make the same shardmoe calls in the same order (every "
+                                "layer's forward and backward; sync_grads on every rank after the same backward)")
 
 
 def checksum(t: torch.Tensor) -> int:

@@ -66,7 +66,8 @@ class ExpertParallel:
         etp.check_layout(config, mesh)
         self.config, self.mesh = config, mesh
         self.exchange = shared_exchange(mesh, "e")
-        self.agreed = False  # whether the ranks' settings and gates were compared (first forward)
+        self.forwards = 0  # forwards run: the settings and replicas are compared at the first and every
+        # consistency.REPLICA_CHECK_EVERY-th after
         self.seconds = dict.fromkeys(PHASES, 0.0)  # the last forward's phase times (forward and backward)
 
     def guard(self):
@@ -78,13 +79,17 @@ class ExpertParallel:
         step.clock.lap(phase)
 
     def prepare(self, config: MoEConfig, x: torch.Tensor, router_tensors: tuple, shared: dict) -> None:
-        if not self.agreed:
+        """The handshake of the forward's collectives, then, at the first forward and every
+        consistency.REPLICA_CHECK_EVERY-th after, the agreement check."""
+        consistency.handshake(self.mesh, "the forward of a MoE layer")
+        if self.forwards % consistency.REPLICA_CHECK_EVERY == 0:
             gate_weight, gate_bias, correction_bias, _ = router_tensors
             self.check_agreement(x.dtype, gate_weight, gate_bias, correction_bias, shared)
+        self.forwards += 1
 
     def check_agreement(self, dtype: torch.dtype, gate_weight: torch.Tensor, gate_bias=None,
                         correction_bias=None, shared: dict | None = None) -> None:
-        """Before the first forward: one fixed-size all-gather of the settings and the checksums of
+        """Before the first forward (and at intervals): one fixed-size all-gather of the settings and the checksums of
         the replicated router tensors (gate_weight, gate_bias, correction_bias) over the mesh, and of
         the shared expert's tensors (`shared`: name -> this rank's slice, the same along 'd', 'e');
         RankMismatchError on every rank when they differ. (Each forward's counts row carries the
@@ -99,7 +104,6 @@ class ExpertParallel:
         consistency.check_settings(table[:, : -len(replicas)], list(settings), "MoE layer settings", self.mesh)
         consistency.check_replicas([(n, axes) for n, _, axes in replicas], table[:, -len(replicas):], self.mesh,
                                    "MoE layer")
-        self.agreed = True
 
     def route(self, router, x, router_tensors):
         """Dropless local routing, then the global plan (which applies the global capacity). The
@@ -113,8 +117,10 @@ class ExpertParallel:
         return routing, _Step(plan, plan.expert_major_order(), clock)
 
     def restore(self, config, saved):
-        """The forward's state from what it saved: the plan from the counts table (no
-        communication), the received rows' order, a clock for the backward's phases."""
+        """The forward's state from what it saved, after the handshake of the backward's collectives:
+        the plan from the counts table (no communication), the received rows' order, a clock for the
+        backward's phases."""
+        consistency.handshake(self.mesh, "the backward of a MoE layer")
         table, order = saved[:2]
         return _Step(plan_from_table(table, config, self.mesh), order, _Clock(self.seconds))
 
@@ -187,10 +193,34 @@ class MeshPlacement:
     def shard_shape(self, name, shape):
         return etp.shard_shape(name, shape, self.mesh)
 
+    def layout(self, name):
+        if self.mesh.parameter_mesh is None:
+            return None
+        return self.mesh.parameter_mesh, etp.parameter_placements(name, self.mesh)
+
+    def parameter(self, name, local, shape):
+        """A DTensor on mesh.parameter_mesh (expert_tensor.parameter_placements) when 'e' or 't'
+        splits parameters, so that every tool that walks the parameters (optimizers and their
+        distributed checkpoints, clip_grad_norm_, FSDP2) sees the whole tensor; else local."""
+        if self.layout(name) is None:
+            return local
+        from torch.distributed.tensor import DTensor
+
+        device_mesh, placements = self.layout(name)
+        return DTensor.from_local(local, device_mesh, placements, run_check=False, shape=shape,
+                                  stride=torch.empty(shape, device="meta").stride())
+
+    def compute_view(self, name, param, summed_over_e):
+        if self.mesh.parameter_mesh is None:
+            return param
+        return param.to_local(grad_placements=etp.gradient_placements(name, self.mesh, summed_over_e))
+
     def shard(self, name, whole):
         return etp.shard_expert_param(name, whole, self.mesh)
 
     def gather(self, name, local):
+        if etp.is_sharded(self.mesh):
+            consistency.handshake(self.mesh, "the gather of a sharded MoE parameter")
         return etp.gather_expert_param(name, local, self.mesh)
 
     def state_entry(self, name, local):

@@ -42,7 +42,8 @@ import torch
 
 from shardmoe import shardops
 from shardmoe.expert_kinds import GLU, MLP
-from shardmoe.moe.dispatch import packed, unpacked
+from shardmoe.moe.dispatch import PACKED, packed, unpacked
+from shardmoe.notation import parse_spec
 from shardmoe.parallel import dtensors
 
 # parameter name -> (spec of the whole tensor, spec of this rank's shard): each expert kind's own
@@ -80,7 +81,10 @@ def is_sharded(mesh) -> bool:
 
 def shard_shape(name: str, shape: tuple[int, ...], mesh) -> tuple[int, ...]:
     """Local shape of expert parameter `name` whose whole shape is `shape`: the shape of
-    shard_expert_param's result on a meta tensor (no memory, no communication)."""
+    shard_expert_param's result on a meta tensor (no memory, no communication); the router's,
+    replicated, is whole."""
+    if name not in SHARD_SPECS:
+        return tuple(shape)
     return tuple(shard_expert_param(name, torch.empty(shape, device="meta"), mesh).shape)
 
 
@@ -118,6 +122,51 @@ def own_state_entry(name: str, value, shape: tuple[int, ...], mesh) -> torch.Ten
     whole = tuple(packed(name, torch.empty(shape, device="meta")).shape)
     local = dtensors.own_local(SHARD_SPECS[name][1], value, mesh) if tuple(value.shape) == whole else None
     return None if local is None else unpacked(name, local)
+
+
+def parameter_placements(name: str, mesh) -> tuple:
+    """The DTensor placements, one per dim of mesh.parameter_mesh ('ep', then 'tp', those of more
+    than one rank), of the layer's parameter `name` in its own shape: Shard(i) where the axis
+    splits dim i of its shard spec, Replicate() elsewhere (the router everywhere). gate_up_proj
+    [E, 2F, H] (its bias, the shared expert's likewise) splits F over 't' as its [E, 2, F, H] view
+    does: a rank holds a slice of the gate rows and the same slice of the up rows, which is
+    _StridedShard(1, split_factor=2), torch's placement for a dim cut in `split_factor` blocks
+    before the mesh splits each (full_tensor, norms and the optimizer's math take it; a
+    distributed checkpoint refuses it, as two blocks per rank: docs/parallel.md)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    dims = parse_spec(SHARD_SPECS[name][1]).dims if name in SHARD_SPECS else ()
+    pair = next((i for i, d in enumerate(dims) if d.name == "2"), None) if name in PACKED else None
+    out = []
+    for dim_name in mesh.parameter_mesh.mesh_dim_names:
+        axis = dtensors.AXIS_OF[dim_name]
+        split = next((i for i, d in enumerate(dims) if axis in d.axes), None)
+        if split is None:
+            out.append(Replicate())
+        elif pair is None or split < pair:
+            out.append(Shard(split))
+        elif split == pair + 1:  # the F of [.., 2, F, ..]: the 2F dim of the parameter, in two blocks
+            out.append(_StridedShard(pair, split_factor=2))
+        else:
+            out.append(Shard(split - 1))
+    return tuple(out)
+
+
+def gradient_placements(name: str, mesh, summed_over_e: bool) -> tuple:
+    """The placements of parameter `name`'s gradient as the layer's backward leaves it: the
+    parameter's, except that a parameter replicated over 'e' (router, shared expert) holds the
+    gradient of this rank's tokens only, Partial() on 'ep', unless the backward `summed_over_e`
+    itself (the FSDP composition, composition.fully_sharded_over_d). Over 't' every gradient is
+    already whole or this rank's slice; over 'd' (not on the parameter mesh) sync_grads or FSDP
+    sums."""
+    from torch.distributed.tensor import Partial
+
+    placements = list(parameter_placements(name, mesh))
+    replicated_over_e = name not in SHARD_SPECS or "e" not in parse_spec(SHARD_SPECS[name][1]).axes
+    if replicated_over_e and not summed_over_e and "ep" in mesh.parameter_mesh.mesh_dim_names:
+        placements[mesh.parameter_mesh.mesh_dim_names.index("ep")] = Partial()
+    return tuple(placements)
 
 
 def reduce_expert_output(partial: shardops.Unreduced, mesh) -> torch.Tensor:

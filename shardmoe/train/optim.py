@@ -9,6 +9,9 @@ updates that block of the full tensor. Norm gains (1-D) get no weight decay.
 The gradient norm is global: sum over parameters of ||g||^2 over the WHOLE tensor. A rank holds a
 shard of each parameter, and the same shard lives on `replicas` ranks (e.g. a dense weight on every
 e rank), so each rank adds ||g_shard||^2 / replicas and one all-reduce over all ranks sums them.
+
+Everything here runs on this rank's shards: a MoE layer's DTensor parameters (and gradients) by
+their local tensors, the model's dense parameters as the plain shards they are.
 """
 from __future__ import annotations
 
@@ -17,6 +20,8 @@ import math
 import torch
 import torch.distributed as dist
 from torch import Tensor
+
+from shardmoe.moe.composition import local
 
 
 def learning_rate(step: int, peak: float, warmup_steps: int, total_steps: int, min_ratio: float) -> float:
@@ -30,13 +35,14 @@ def learning_rate(step: int, peak: float, warmup_steps: int, total_steps: int, m
 
 
 class AdamW:
-    """AdamW over named parameter shards; state_dict() holds the moments by parameter name."""
+    """AdamW over named parameter shards; state_dict() holds the moments, this rank's shards of
+    them, by parameter name."""
 
     def __init__(self, named_parameters, *, betas: tuple[float, float], eps: float, weight_decay: float):
         self.params = dict(named_parameters)
         self.betas, self.eps, self.weight_decay = betas, eps, weight_decay
-        self.exp_avg = {n: torch.zeros_like(p) for n, p in self.params.items()}
-        self.exp_avg_sq = {n: torch.zeros_like(p) for n, p in self.params.items()}
+        self.exp_avg = {n: torch.zeros_like(local(p)) for n, p in self.params.items()}
+        self.exp_avg_sq = {n: torch.zeros_like(local(p)) for n, p in self.params.items()}
         self.step_count = 0
 
     @torch.no_grad()
@@ -44,12 +50,13 @@ class AdamW:
         self.step_count += 1
         b1, b2 = self.betas
         bias1, bias2 = 1 - b1 ** self.step_count, 1 - b2 ** self.step_count
-        for name, p in self.params.items():
-            if p.grad is None:
+        for name, param in self.params.items():
+            if param.grad is None:
                 continue
+            p, grad = local(param), local(param.grad)
             m, v = self.exp_avg[name], self.exp_avg_sq[name]
-            m.lerp_(p.grad, 1 - b1)
-            v.mul_(b2).addcmul_(p.grad, p.grad, value=1 - b2)
+            m.lerp_(grad, 1 - b1)
+            v.mul_(b2).addcmul_(grad, grad, value=1 - b2)
             if p.dim() >= 2 and self.weight_decay:
                 p.mul_(1 - lr * self.weight_decay)
             denom = (v / bias2).sqrt_().add_(self.eps)
@@ -80,7 +87,7 @@ def global_grad_norm(grads: list[tuple[Tensor, int]], group=None) -> float:
     Accumulated in float64. Collective over `group` (None: the default group, when initialised)."""
     if not grads:
         return 0.0
-    total = sum(g.double().square().sum() / replicas for g, replicas in grads)
+    total = sum(local(g).double().square().sum() / replicas for g, replicas in grads)
     if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
         dist.all_reduce(total, group=group)
     return math.sqrt(total.item())
@@ -95,5 +102,5 @@ def clip_grads(grads: list[Tensor], norm: float, max_norm: float) -> float:
         return 1.0
     factor = max_norm / (norm + 1e-6)
     for g in grads:
-        g.mul_(factor)
+        local(g).mul_(factor)
     return factor

@@ -106,3 +106,43 @@ def test_scale_is_checked_and_read_when_backward_runs():
     layer.aux_loss_scale = 0.0
     layer(x).sum().backward()
     assert torch.equal(without, layer.gate_weight.grad)
+
+
+def _chunked_backward(layer, forward, x, grad_out, how):
+    """sum(y g), y = forward(x), back-propagated in two pieces through one forward: each half of
+    the tokens' part of the loss, by .backward(retain_graph=True) then .backward(), or by
+    torch.autograd.grad per piece (per-task gradients) summed. {"x": dL/dx, name: dL/dparam}."""
+    y = forward(x)
+    pieces = [(y[:, :4] * grad_out[:, :4]).sum(), (y[:, 4:] * grad_out[:, 4:]).sum()]
+    if how == "retain_graph":
+        pieces[0].backward(retain_graph=True)
+        pieces[1].backward()
+        return {"x": x.grad, **{n: p.grad for n, p in layer.named_parameters()}}
+    leaves = [x, *layer.parameters()]
+    first = torch.autograd.grad(pieces[0], leaves, retain_graph=True, allow_unused=True)
+    second = torch.autograd.grad(pieces[1], leaves, allow_unused=True)
+    names = ["x", *(n for n, _ in layer.named_parameters())]
+    return {n: sum(g for g in (a, b) if g is not None) for n, a, b in zip(names, first, second)}
+
+
+@pytest.mark.parametrize("how", ["retain_graph", "autograd_grad"])
+@pytest.mark.parametrize("scheme", ["eager", "compile"])
+def test_two_backwards_through_one_forward_count_the_balance_losses_once(how, scheme):
+    """L = sum(y g) + aux, with sum(y g) taken in two pieces: the pieces' gradients sum to L's, the
+    balance losses counted once (each backward through y used to add their gradient again: the
+    gate's gradient was off by aux's)."""
+    layer = _layer(1.0)
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(2, 9, H, generator=gen, dtype=torch.float64, requires_grad=True)
+    grad_out = torch.randn(2, 9, H, generator=gen, dtype=torch.float64)
+    forward = layer
+    if scheme == "compile":
+        torch._dynamo.reset()
+        forward = torch.compile(layer, fullgraph=True, backend="aot_eager")
+    # a compiled backward runs twice only without donated buffers (torch refuses retain_graph else)
+    with torch._functorch.config.patch(donated_buffer=False):
+        got = _chunked_backward(layer, forward, x, grad_out, how)
+    params = {n: p.detach() for n, p in layer.named_parameters()}
+    _, _, want = reference_forward_backward(x.detach(), params, layer.config, grad_out)
+    for name, expected in want.items():
+        assert (got[name] - expected).abs().max() <= 1e-10 * expected.abs().max(), (how, scheme, name)

@@ -19,9 +19,15 @@ CASES = [
 ]
 
 
-def _layer(top_k=2, **kw):
+# (hidden, ffn): one rectangular, and the two squares where a transposed weight-gradient GEMM (x^T dh
+# taken for dh^T x) keeps its shape and only the values can tell: glu's gate_up_proj [E, 2F, H] at
+# H = 2F, down_proj [E, H, F] and mlp's w1, w2 at H = F
+SHAPES = [(8, 6), (8, 4), (8, 8)]
+
+
+def _layer(top_k=2, hidden=8, ffn=6, **kw):
     torch.manual_seed(0)
-    layer = shardmoe.MoE(8, 6, 4, top_k, dtype=torch.float64, **kw)
+    layer = shardmoe.MoE(hidden, ffn, 4, top_k, dtype=torch.float64, **kw)
     with torch.no_grad():
         for p in layer.parameters():
             p.normal_()
@@ -34,11 +40,12 @@ def _grads(out, aux, grad_out, inputs):
 
 @pytest.mark.parametrize("kw", CASES)
 @pytest.mark.parametrize("top_k", [1, 3])
-def test_fused_backward_equals_reference_float64(kw, top_k):
-    layer = _layer(top_k, **kw)
+@pytest.mark.parametrize("hidden,ffn", SHAPES)
+def test_fused_backward_equals_reference_float64(kw, top_k, hidden, ffn):
+    layer = _layer(top_k, hidden, ffn, **kw)
     gen = torch.Generator().manual_seed(1)
-    x = torch.randn(13, 8, generator=gen, dtype=torch.float64, requires_grad=True)
-    grad_out = torch.randn(13, 8, generator=gen, dtype=torch.float64)
+    x = torch.randn(13, hidden, generator=gen, dtype=torch.float64, requires_grad=True)
+    grad_out = torch.randn(13, hidden, generator=gen, dtype=torch.float64)
     params = dict(layer.named_parameters())
     out = layer(x)
     got = _grads(out, layer.aux_loss, grad_out, [x, *params.values()])
@@ -67,8 +74,9 @@ def test_everything_saved_goes_through_save_for_backward():
     assert (S * k, 2 * F) in shapes and (S, H) in shapes
     assert (S * k, H) not in shapes
     bytes_per_token = sum(t.numel() * t.element_size() for t in activations) / S
-    # x (H) + h (k 2F) floats, probs E + logsumexp 1 + top_prob k + weight k floats, top_idx k + row_pair k int64
-    expected = 4 * (H + k * 2 * F) + 4 * (E + 1 + 2 * k) + 8 * 2 * k + 8 * 2 * E / S
+    # x (H) + h (k 2F) floats, probs E + logsumexp 1 + top_prob k + weight k floats, top_idx k + row_pair k int64;
+    # per forward two [E] int64 counts and the balance losses' pending flag (one float)
+    expected = 4 * (H + k * 2 * F) + 4 * (E + 1 + 2 * k) + 8 * 2 * k + (8 * 2 * E + 4) / S
     assert bytes_per_token == pytest.approx(expected)
     out.sum().backward()
     assert x.grad is not None
@@ -123,15 +131,18 @@ def test_expert_parallel_double_backward_raises_the_same_error():
             assert re.match(NOT_TWICE, message), message  # one Function for every dispatcher
 
 
-@pytest.mark.parametrize("options", [dict(bias=True), dict(shared_ffn_size=24, shared_gate=True)],
-                         ids=["biased-glu", "gated-shared-expert"])
+@pytest.mark.parametrize("options", [dict(bias=True), dict(shared_ffn_size=24, shared_gate=True),
+                                     dict(ffn_size=8), dict(ffn_size=16), dict(expert="mlp", ffn_size=16)],
+                         ids=["biased-glu", "gated-shared-expert", "glu-H=2F", "glu-H=F", "mlp-H=P"])
 @pytest.mark.parametrize("dtype,bar", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 def test_expert_options_in_low_precision_within_the_documented_bars(options, dtype, bar):
-    """fp32 and bf16 biased glu (both biases non-zero) and gated shared expert against the float64
+    """fp32 and bf16 biased glu (both biases non-zero), gated shared expert, and the square weight
+    shapes of SHAPES (the grouped and side-by-side GEMMs of these dtypes) against the float64
     reference, bars of docs/moe.md."""
     from shardmoe.moe.reference import reference_forward_backward
     torch.manual_seed(0)
-    layer = shardmoe.MoE(16, 32, 4, 2, dtype=dtype, **options)
+    options = {"ffn_size": 32, **options}
+    layer = shardmoe.MoE(16, options.pop("ffn_size"), 4, 2, dtype=dtype, **options)
     with torch.no_grad():
         for p in layer.parameters():
             p.normal_(0, 0.2)

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 import shardmoe
 from shardmoe.mesh import Mesh
+from shardmoe.moe.composition import local
 from shardmoe.moe.config import MoEConfig
 from shardmoe.moe.reference import reference_forward_backward, reference_moe, reference_routing
 from shardmoe.parallel import bench, sync_grads
@@ -206,8 +207,8 @@ def _check_case(case: dict, results: list[dict]) -> None:
             slices[d] = _share_grads(case, d_mask)[1]
         for name in _all_shapes(case["config"]):
             # a shared expert's gradient covers this rank's tokens, a routed shard's its d slice's
-            local = share_grads if name.startswith("shared_") else slices[d]
-            expected = _local_shard(name, local[name], coords, layout)
+            grads = share_grads if name.startswith("shared_") else slices[d]
+            expected = _local_shard(name, grads[name], coords, layout)
             _assert_close(res["local"][name], expected, f"{what} local {name} gradient")
             _assert_close(res["synced"][name], _local_shard(name, full[name], coords, layout), f"{what} synced {name}")
         _assert_close(res["synced"]["gate_weight"], full["gate_weight"], f"{what} synced gate gradient")
@@ -242,7 +243,7 @@ def _run_case(case: dict, mesh: Mesh) -> dict:
     layer = shardmoe.MoE(H, config.ffn_size, config.num_experts, config.top_k, mesh=mesh, dtype=torch.float64, **kw)
     with torch.no_grad():
         for name, p in layer.named_parameters():
-            p.copy_(case["params"][name] if name in ("gate_weight", "gate_bias") else
+            local(p).copy_(case["params"][name] if name in ("gate_weight", "gate_bias") else
                     etp.shard_expert_param(name, case["params"][name], mesh))
         if case["correction_bias"] is not None:
             layer.correction_bias.copy_(case["correction_bias"])
@@ -255,11 +256,11 @@ def _run_case(case: dict, mesh: Mesh) -> dict:
         x = case["x"][rows].clone().requires_grad_(True)
         out = layer(x)
         ((out * case["grad_out"][rows]).sum() + layer.aux_loss).backward()
-        local = {n: p.grad.clone() for n, p in layer.named_parameters()}
+        unsynced = {n: local(p.grad).clone() for n, p in layer.named_parameters()}
         sync_grads(layer, mesh)
         stats = layer.stats
-        results.append(dict(out=out.detach(), grad_x=x.grad, aux=layer.aux_loss.item(), local=local,
-                            synced={n: p.grad.clone() for n, p in layer.named_parameters()},
+        results.append(dict(out=out.detach(), grad_x=x.grad, aux=layer.aux_loss.item(), local=unsynced,
+                            synced={n: local(p.grad).clone() for n, p in layer.named_parameters()},
                             tokens_per_expert=stats["tokens_per_expert"], dropped_tokens=stats["dropped_tokens"],
                             capacity=stats["capacity"], rows=stats["rows"]))
     _assert_same(results[0], results[1], "second step")
@@ -306,7 +307,7 @@ def _seeded_shards() -> dict:
     mesh = Mesh(ep=2, tp=2)
     torch.manual_seed(3)
     layer = shardmoe.MoE(H, FFN, 4, 2, expert="mlp", bias=True, mesh=mesh, dtype=torch.float64)
-    return {n: p.detach().clone() for n, p in layer.named_parameters()}
+    return {n: local(p).detach().clone() for n, p in layer.named_parameters()}
 
 
 def _four_rank_world(cases: list[dict]) -> dict:
@@ -357,12 +358,12 @@ def _run_low_precision(mesh: Mesh, name: str) -> dict:
     with torch.no_grad():
         for pname, p in layer.named_parameters():
             whole = inputs["params"][pname]
-            p.copy_(whole if pname == "gate_weight" else etp.shard_expert_param(pname, whole, mesh))
+            local(p).copy_(whole if pname == "gate_weight" else etp.shard_expert_param(pname, whole, mesh))
     start = sum(inputs["counts"][: mesh.coord("e")])
     rows = slice(start, start + inputs["counts"][mesh.coord("e")])
     result = _low_precision_step(layer, inputs["x"][rows], inputs["grad_out"][rows])
     sync_grads(layer, mesh)
-    result["grads"] = {n: p.grad for n, p in layer.named_parameters()}
+    result["grads"] = {n: local(p.grad) for n, p in layer.named_parameters()}
     return result
 
 
@@ -413,16 +414,17 @@ def _run_tp_example(example: dict) -> dict:
     # real transformers block, and importing transformers in every rank would cost seconds).
     layer = shardmoe.MoE(4, 4, 2, 1, renormalize=False, mesh=mesh, dtype=torch.float64)
     with torch.no_grad():
-        layer.gate_weight.copy_(example["router"].t())
+        local(layer.gate_weight).copy_(example["router"].t())
         for name, whole in (("gate_up_proj", example["gate_up"]), ("down_proj", example["down"])):
-            getattr(layer, name).copy_(etp.shard_expert_param(name, whole, mesh))
+            local(getattr(layer, name)).copy_(etp.shard_expert_param(name, whole, mesh))
     x = example["x"].clone().requires_grad_(True)
     out = layer(x)
     out.sum().backward()
-    grads = {n: p.grad.clone() for n, p in layer.named_parameters()}
-    return dict(out=out.detach(), grad_x=x.grad, grads=grads, gate_up=layer.gate_up_proj.detach().clone(),
-                down=layer.down_proj.detach().clone(),
-                whole={n: etp.gather_expert_param(n, getattr(layer, n).detach(), mesh) for n in ("gate_up_proj", "down_proj")})
+    grads = {n: local(p.grad).clone() for n, p in layer.named_parameters()}
+    return dict(out=out.detach(), grad_x=x.grad, grads=grads, gate_up=local(layer.gate_up_proj).detach().clone(),
+                down=local(layer.down_proj).detach().clone(),
+                whole={n: etp.gather_expert_param(n, local(getattr(layer, n)).detach(), mesh)
+                       for n in ("gate_up_proj", "down_proj")})
 
 
 def _tp_example_expected(example: dict) -> dict:

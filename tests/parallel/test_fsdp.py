@@ -91,21 +91,15 @@ def _layout(sizes, checkpoint: str) -> dict:
     x_all, g_all = _batch(mesh.size(("d", "e")))
     rows = slice(token_rank * ROWS, (token_rank + 1) * ROWS)
 
-    # a DTensor gathered over FSDP's ranks (the MoE's experts: this rank's 'ep' shard)
+    # every parameter and gradient is a DTensor of the whole tensor: FSDP's over 'dp', joined for the
+    # MoE's with the layer's own over 'ep' and 'tp'
     first, after = _train(model, x_all[rows], g_all[rows], lambda t: t.full_tensor().clone())
     reference = Toy(None)
     ref_first, ref_after = _train(reference, x_all, g_all, lambda t: t.clone())
-    def local(name, whole):
-        """This rank's block of the single process's tensor: the MoE's shards over 'ep' and 'tp'."""
-        short = name.removeprefix("grad ").removeprefix("moe.")
-        if "moe." in name and short in model.moe._whole_shapes and short not in ("gate_weight", "gate_bias"):
-            return model.moe.placement.shard(short, whole)
-        return whole
-
     errors = {"output": _rel(first, ref_first[rows])}
     for step, (mine, theirs) in enumerate(zip(after, ref_after), start=1):
         for name, value in mine.items():
-            errors[f"step {step} {name}"] = _rel(value, local(name, theirs[name]))
+            errors[f"step {step} {name}"] = _rel(value, theirs[name])
     out = {"errors": errors}
     # one more backward of the trained models, then the whole model's gradient norm, clipped to 0.05
     for net, xs, gs in ((model, x_all[rows], g_all[rows]), (reference, x_all, g_all)):
@@ -115,7 +109,7 @@ def _layout(sizes, checkpoint: str) -> dict:
     got = shardmoe.parallel.clip_grad_norm_(model, 0.05)
     out["norm"] = (got, want)
     for name, p in model.named_parameters():
-        errors[f"clipped grad {name}"] = _rel(p.grad.full_tensor(), local(name, reference.get_parameter(name).grad))
+        errors[f"clipped grad {name}"] = _rel(p.grad.full_tensor(), reference.get_parameter(name).grad)
     # torch.distributed.checkpoint of the FSDP model, loaded into the single-process model on every rank
     import torch.distributed.checkpoint as dcp
 
@@ -201,6 +195,6 @@ def test_clip_grad_norm_gives_the_whole_models_norm(world, layout):
 def test_sync_grads_refuses_parameters_fsdp_manages(world, layout):
     for _, outs in _ranks_of(world, layout):
         assert outs[layout]["sync_grads"] == (
-            "sync_grads: expected parameters that shardmoe reduces, got 'gate_weight' as a DTensor "
+            "sync_grads: expected parameters that shardmoe reduces, got 'gate_weight' as a DTensor it did not make "
             "(torch.distributed.fsdp.fully_shard manages it and reduces its gradient itself): call sync_grads only "
             "on modules FSDP does not manage (docs/parallel.md)")

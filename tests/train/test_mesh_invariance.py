@@ -20,6 +20,7 @@ import torch
 
 from shardmoe.mesh import Mesh
 from shardmoe.model.transformer import Transformer, full_shapes
+from shardmoe.moe.composition import local
 from shardmoe.testing import run_distributed
 from shardmoe.train.accumulate import accumulate_step
 from shardmoe.train.loop import build_streams, train
@@ -52,7 +53,7 @@ def float64_gradients(mesh, model_config=TINY_MODEL, micro_batches=0):
             if name.endswith(("gate_bias", "proj_bias")):  # the full tensor, then this rank's shard of it
                 shape = full_shapes(model_config)[name]
                 full = torch.linspace(-0.5, 0.5, math.prod(shape), dtype=p.dtype).view(shape)
-                p.copy_(model.shard_full(name, full))
+                local(p).copy_(model.shard_full(name, full))
     if micro_batches:
         step = accumulate_step(model, batch, micro_batches, "global", shards)
         ce, aux, loads = step.ce, step.aux, step.selected_per_expert

@@ -1,0 +1,323 @@
+"""PyTorch's own tools on a sharded MoE layer, whose parameters are DTensors of the whole tensors.
+
+One spawned 4-rank gloo world, float64, a layer with every kind of parameter (biased glu experts,
+router bias, gated shared expert) and every balance loss, against one process on the whole batch:
+
+  optimizer checkpoints  torch.optim.AdamW, then get_state_dict(model, optimizer) -> dcp.save ->
+                         dcp.load -> set_state_dict into a model seeded otherwise: every moment
+                         (exp_avg, exp_avg_sq) and step of every parameter equals the saved one,
+                         at the same layout (FSDP2 dp2 x ep2; Mesh(dp=2, ep=2) with sync_grads)
+                         and across layouts (dp2 x ep2 -> ep4 -> one process). Plain local
+                         shards had saved one rank's moments under the whole tensor's key.
+  clipping               torch.nn.utils.clip_grad_norm_ on the FSDP-only-MoE model and after
+                         sync_grads: the one process's norm on every rank, and after the clipped
+                         AdamW step the one process's parameters, the router's replicas equal
+                         (each 'ep' group had clipped by its own norm, and the replicas drifted).
+  drift                  replicas made to drift (one rank's router nudged) are caught within the
+                         check interval: sync_grads' check_every, the forward's REPLICA_CHECK_EVERY.
+  tensor parallel        ep2 x tp2: torch's clipping and AdamW as one process; DCP refuses the
+                         optimizer's gate_up_proj moments by key (two blocks per rank).
+  calls                  one rank in sync_grads while the others run the next forward: the same
+                         RankMismatchError on every rank, naming both calls and their ranks.
+"""
+import pytest
+import torch
+import torch.distributed as dist
+
+import shardmoe
+from shardmoe.mesh import Mesh
+from shardmoe.moe.composition import local
+from shardmoe.parallel import consistency, sync_grads
+from shardmoe.testing import run_distributed
+
+H, F, E, K = 8, 12, 8, 2
+TOKENS = 6  # per token-parallel rank
+OPTIONS = dict(aux_loss_coef=0.05, z_loss_coef=0.01, router_bias=True, bias=True, shared_ffn_size=6,
+               shared_gate=True, dtype=torch.float64)
+TOL = 1e-10
+MAX_NORM = 0.05  # below every norm here: the clip scales
+
+
+class Model(torch.nn.Module):
+    """The layer under a name, as a user's model holds it (state-dict keys 'moe.*')."""
+
+    def __init__(self, mesh, seed: int):
+        super().__init__()
+        torch.manual_seed(seed)  # every rank and the one process draw the same whole tensors
+        self.moe = shardmoe.MoE(H, F, E, K, mesh=mesh, **OPTIONS)
+
+    def forward(self, x):
+        return self.moe(x)
+
+
+def _batch(shards: int):
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(shards * TOKENS, H, generator=gen, dtype=torch.float64)
+    return x, torch.randn(x.shape, generator=gen, dtype=torch.float64)
+
+
+def _whole(t: torch.Tensor) -> torch.Tensor:
+    return (t.full_tensor() if isinstance(t, torch.distributed.tensor.DTensor) else t).detach().clone()
+
+
+def _rel(actual, expected) -> float:
+    return ((actual - expected).abs().max() / expected.abs().max().clamp_min(1e-300)).item()
+
+
+def _step(model, optimizer, x, g, mean: bool, sync: bool, clip: bool = False) -> float | None:
+    """One AdamW step on L = sum(y g) (/ tokens when `mean`: FSDP's convention) + aux; sync_grads
+    first when `sync`; torch's clip_grad_norm_ to MAX_NORM when `clip` (its norm returned)."""
+    optimizer.zero_grad()
+    y = model(x)
+    ((y * g).sum() / (x.shape[0] if mean else 1) + model.moe.aux_loss).backward()
+    if sync:
+        sync_grads(model, model.moe.mesh)
+    norm = None
+    if clip:
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+        norm = float(_whole(norm))
+    optimizer.step()
+    return norm
+
+
+def _moments(model, optimizer) -> dict:
+    """Every parameter's AdamW state, whole: {'<name> exp_avg': ..., '<name> step': ...}."""
+    out = {}
+    for name, p in model.named_parameters():
+        for key, value in optimizer.state[p].items():
+            out[f"{name} {key}"] = _whole(value)
+    return out
+
+
+def _differ(a: dict, b: dict) -> list[str]:
+    """Keys whose tensors are not bitwise equal (missing keys included)."""
+    return sorted(k for k in a.keys() | b.keys() if k not in a or k not in b or not torch.equal(a[k], b[k]))
+
+
+def _fsdp_model(job, seed: int):
+    from torch.distributed.fsdp import fully_shard
+
+    model = Model(job, seed)
+    fully_shard(model.moe, mesh=job["dp"])  # the model's only sharded module is the MoE layer
+    return model
+
+
+def _load(model, optimizer, path: str) -> None:
+    """The torchtitan recipe: get_state_dict, dcp.load into it, set_state_dict."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model_state, optim_state = get_state_dict(model, optimizer)
+    state = {"model": model_state, "optim": optim_state}
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+
+def _save(model, optimizer, path: str) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_state, optim_state = get_state_dict(model, optimizer)
+    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=path)
+
+
+def _reference(x_all, g_all, mean: bool, clip: bool) -> tuple[Model, torch.optim.Optimizer, list]:
+    model = Model(None, 0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    norms = [_step(model, optimizer, x_all, g_all, mean, sync=False, clip=clip) for _ in range(2)]
+    return model, optimizer, norms
+
+
+def _checkpoints(tmp: str) -> dict:
+    """Rows 'optimizer checkpoints' and 'clipping' of the module docstring."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    out = {}
+    job = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "ep"))
+    token_rank = Mesh.from_device_mesh(job).coord(("d", "e"))
+    x_all, g_all = _batch(4)
+    rows = slice(token_rank * TOKENS, (token_rank + 1) * TOKENS)
+    for label, mean, build in (("fsdp dp2 x ep2", True, lambda seed: _fsdp_model(job, seed)),
+                               ("sync_grads dp2 x ep2", False, lambda seed: Model(Mesh(dp=2, ep=2), seed))):
+        model = build(0)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        norms = [_step(model, optimizer, x_all[rows], g_all[rows], mean, sync=not mean, clip=True) for _ in range(2)]
+        reference, ref_optimizer, ref_norms = _reference(x_all, g_all, mean, clip=True)
+        out[label] = {
+            "norms": (norms, ref_norms),
+            "parameters": {n: _rel(_whole(p), reference.get_parameter(n).detach()) for n, p in model.named_parameters()},
+            "moments": {k: _rel(v, w) for k, v, w in
+                        ((k, v, _moments(reference, ref_optimizer)[k]) for k, v in _moments(model, optimizer).items())},
+            # the router gathered from this rank's replicas, by checksum: equal on every rank unless they drifted
+            "router checksums": [consistency.checksum(_whole(model.moe.gate_weight)),
+                                 consistency.checksum(_whole(model.moe.gate_bias))],
+        }
+        path = f"{tmp}/{label.replace(' ', '-')}"
+        _save(model, optimizer, path)
+        saved = _moments(model, optimizer)
+        again = build(7)
+        again_optimizer = torch.optim.AdamW(again.parameters(), lr=1e-2)
+        _load(again, again_optimizer, path)
+        out[label]["same layout"] = _differ(_moments(again, again_optimizer), saved)
+        if label.startswith("fsdp"):
+            for other, mesh in (("ep4", Mesh(ep=4)), ("one process", None)):
+                target = Model(mesh, 7)
+                target_optimizer = torch.optim.AdamW(target.parameters(), lr=1e-2)
+                _load(target, target_optimizer, path)
+                out[label][f"-> {other}"] = _differ(_moments(target, target_optimizer), saved)
+                out[label][f"-> {other} parameters"] = _differ(
+                    {n: _whole(p) for n, p in target.named_parameters()},
+                    {n: _whole(p) for n, p in model.named_parameters()})
+    return out
+
+
+def _tensor_parallel(tmp: str) -> dict:
+    """ep2 x tp2 with sync_grads: torch's clipping and AdamW as one process; a distributed checkpoint
+    of the optimizer refuses gate_up_proj's moments (two blocks of [E, 2F, H] per rank, one of its
+    [E, 2, F, H] view: a DCP chunk is one block), and a full state dict holds them whole."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    mesh = Mesh(ep=2, tp=2)
+    x_all, g_all = _batch(2)
+    rows = slice(mesh.coord(("d", "e")) * TOKENS, (mesh.coord(("d", "e")) + 1) * TOKENS)
+    model = Model(mesh, 0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    norms = [_step(model, optimizer, x_all[rows], g_all[rows], mean=False, sync=True, clip=True) for _ in range(2)]
+    reference, ref_optimizer, ref_norms = _reference(x_all, g_all, mean=False, clip=True)
+    want = _moments(reference, ref_optimizer)
+    out = {"norms": (norms, ref_norms),
+           "moments": {k: _rel(v, want[k]) for k, v in _moments(model, optimizer).items()}}
+    try:
+        _save(model, optimizer, f"{tmp}/ep2-tp2")
+        out["dcp"] = None
+    except BaseException as err:  # DCP's CheckpointException
+        out["dcp"] = str(err)
+    _, full = get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True))
+    out["full state dict"] = _rel(full["state"]["moe.gate_up_proj"]["exp_avg"], want["moe.gate_up_proj exp_avg"])
+    return out
+
+
+def _drift() -> dict:
+    """Rank 3 nudges its router replica; the next check names it, whichever comes first."""
+    out = {}
+    mesh = Mesh(dp=2, ep=2)
+    x, g = (torch.randn(TOKENS, H, dtype=torch.float64) for _ in range(2))
+    model = Model(mesh, 0)
+    caught = None
+    for call in range(6):
+        model.zero_grad()
+        (model(x) * g).sum().backward()
+        if call == 1 and dist.get_rank() == 3:
+            with torch.no_grad():
+                local(model.moe.gate_weight)[0, 0] += 1e-3
+        try:
+            sync_grads(model, mesh, check_every=4)
+        except consistency.RankMismatchError as err:
+            caught = (call, str(err))
+            break
+    out["sync_grads"] = caught
+    model, caught = Model(mesh, 0), None
+    consistency.REPLICA_CHECK_EVERY, every = 3, consistency.REPLICA_CHECK_EVERY
+    try:
+        for forward in range(6):
+            if forward == 1 and dist.get_rank() == 3:
+                with torch.no_grad():
+                    local(model.moe.gate_weight)[0, 0] += 1e-3
+            try:
+                model(x).sum().backward()
+            except consistency.RankMismatchError as err:
+                caught = (forward, str(err))
+                break
+    finally:
+        consistency.REPLICA_CHECK_EVERY = every
+    out["forward"] = caught
+    return out
+
+
+def _one_rank_syncs() -> str | None:
+    """After a step, rank 0 alone calls sync_grads; the others run their next forward."""
+    mesh = Mesh(dp=2, ep=2)
+    model = Model(mesh, 0)
+    x = torch.randn(TOKENS, H, dtype=torch.float64)
+    model(x).sum().backward()
+    try:
+        if dist.get_rank() == 0:
+            sync_grads(model, mesh)
+        model(x).sum().backward()
+    except consistency.RankMismatchError as err:
+        return str(err)
+    return None
+
+
+def _world(tmp: str) -> dict:
+    out = {"checkpoints": _checkpoints(tmp), "tensor parallel": _tensor_parallel(tmp), "drift": _drift(),
+           "one rank syncs": _one_rank_syncs()}
+    dist.barrier()
+    return out
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    return run_distributed(_world, 4, args=(str(tmp_path_factory.mktemp("dcp")),), timeout=240)
+
+
+LABELS = ["fsdp dp2 x ep2", "sync_grads dp2 x ep2"]
+
+
+@pytest.mark.parametrize("label", LABELS)
+def test_training_equals_one_process_with_torch_clipping(world, label):
+    for out in world:
+        result = out["checkpoints"][label]
+        norms, ref_norms = result["norms"]
+        assert all(abs(a - b) <= 1e-12 * b and b > MAX_NORM for a, b in zip(norms, ref_norms)), (label, norms, ref_norms)
+        bad = {k: v for k, v in {**result["parameters"], **result["moments"]}.items() if not v <= TOL}
+        assert not bad and len(result["parameters"]) == 9, (label, bad)
+    # replicas stay replicas: the router is the same on every rank after the clipped steps
+    assert len({tuple(out["checkpoints"][label]["router checksums"]) for out in world}) == 1
+
+
+@pytest.mark.parametrize("label", LABELS)
+def test_optimizer_state_round_trips_through_a_distributed_checkpoint(world, label):
+    for out in world:
+        assert out["checkpoints"][label]["same layout"] == [], label
+
+
+@pytest.mark.parametrize("other", ["ep4", "one process"])
+def test_optimizer_state_reshards_across_layouts(world, other):
+    for out in world:
+        result = out["checkpoints"]["fsdp dp2 x ep2"]
+        assert result[f"-> {other}"] == [] and result[f"-> {other} parameters"] == [], other
+
+
+def test_tensor_parallel_trains_as_one_process_and_its_checkpoint_refuses_loudly(world):
+    """With 't' splitting F, gate_up_proj is _StridedShard(1, split_factor=2) over 'tp': clipping
+    and AdamW are exact; DCP, whose chunks are one block per rank, refuses its moments by key
+    (the layer's own state dict holds the packed view and reshards: test_device_mesh.py)."""
+    for out in world:
+        result = out["tensor parallel"]
+        norms, ref_norms = result["norms"]
+        assert all(abs(a - b) <= 1e-12 * b for a, b in zip(norms, ref_norms)), (norms, ref_norms)
+        bad = {k: v for k, v in result["moments"].items() if not v <= TOL}
+        assert not bad and len(result["moments"]) == 27, bad
+        assert result["dcp"] is not None and "optim.state.moe.gate_up_proj.exp_avg has overlapping chunks" in \
+            result["dcp"], result["dcp"]
+        assert result["full state dict"] <= TOL
+
+
+def test_replicas_that_drift_are_caught_within_the_interval(world):
+    for out in world:
+        call, text = out["drift"]["sync_grads"]
+        assert call == 4, out["drift"]  # nudged after call 1's backward; calls 0 and 4 check
+        assert "sync_grads: parameter 'moe.gate_weight' must hold the same value on ranks" in text, text
+        forward, text = out["drift"]["forward"]
+        assert forward == 3, out["drift"]  # nudged before forward 1; forwards 0 and 3 check
+        assert "MoE layer: parameter 'gate_weight' must hold the same value on ranks" in text, text
+        assert "3" in text.split("must hold the same value on ranks")[1].split("(")[0]
+
+
+def test_a_collective_only_some_ranks_call_is_named_on_every_rank(world):
+    texts = {out["one rank syncs"] for out in world}
+    assert len(texts) == 1, texts
+    assert texts == {"ranks are in different collective calls: rank 0 has 'sync_grads', ranks 1, 2, 3 have 'the "
+                     "forward of a MoE layer': every rank of the mesh must make the same shardmoe calls in the same "
+                     "order (every layer's forward and backward; sync_grads on every rank after the same backward)"}
