@@ -36,6 +36,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor, nn
 
+from shardmoe.parallel import dtensors
 from shardmoe.shardops import all_gather, einsum_unreduced, psum_scatter
 
 from .residuals import autograd_grads, check_backward_mode, compute_dtype, forward_autocast, load_residuals, save_residuals
@@ -163,7 +164,8 @@ class Attention(nn.Module):
 
     n_q_heads = Q * K query heads over K = n_kv_heads key/value heads. Weights are initialised
     N(0, init_std^2); pass a smaller out_init_std to damp the residual branch of deep models.
-    With a mesh the parameters are this rank's blocks (kv heads over t, d_model over d).
+    With a mesh the parameters are DTensors of the whole weights whose local tensors are this
+    rank's blocks (kv heads over t, d_model over d; parallel/dtensors.py parameter).
     """
 
     SPECS = {"w_q": W_Q_SPEC, "w_kv": W_KV_SPEC, "w_o": W_O_SPEC}
@@ -178,14 +180,16 @@ class Attention(nn.Module):
         self.backward = check_backward_mode(backward)
         q_shape = (d_model, n_q_heads // n_kv_heads, n_kv_heads, head_dim)
         factory = dict(dtype=dtype, device=device)
-        self.w_q = nn.Parameter(torch.empty(local_shape(W_Q_SPEC, q_shape, mesh), **factory))
-        self.w_kv = nn.Parameter(torch.empty(local_shape(W_KV_SPEC, (2, d_model, n_kv_heads, head_dim), mesh),
-                                             **factory))
-        self.w_o = nn.Parameter(torch.empty(local_shape(W_O_SPEC, q_shape, mesh), **factory))
-        nn.init.normal_(self.w_q, std=init_std)
-        nn.init.normal_(self.w_kv, std=init_std)
-        nn.init.normal_(self.w_o, std=init_std if out_init_std is None else out_init_std)
+        w_q = torch.empty(local_shape(W_Q_SPEC, q_shape, mesh), **factory).normal_(std=init_std)
+        w_kv = torch.empty(local_shape(W_KV_SPEC, (2, d_model, n_kv_heads, head_dim), mesh), **factory)
+        w_o = torch.empty(local_shape(W_O_SPEC, q_shape, mesh), **factory)
+        w_kv.normal_(std=init_std)
+        w_o.normal_(std=init_std if out_init_std is None else out_init_std)
+        self.w_q = nn.Parameter(dtensors.parameter(W_Q_SPEC, w_q, mesh))
+        self.w_kv = nn.Parameter(dtensors.parameter(W_KV_SPEC, w_kv, mesh))
+        self.w_o = nn.Parameter(dtensors.parameter(W_O_SPEC, w_o, mesh))
 
     def forward(self, nx: Tensor, segment_ids: Tensor, rope: RopeTable) -> Tensor:
         """nx[B/d L M] -> out[B/d L M/t]; segment_ids and rope come from packed_layout / rope_table."""
-        return attention(nx, self.w_q, self.w_kv, self.w_o, segment_ids, rope, self.mesh, backward=self.backward)
+        w_q, w_kv, w_o = (dtensors.compute_view(w) for w in (self.w_q, self.w_kv, self.w_o))
+        return attention(nx, w_q, w_kv, w_o, segment_ids, rope, self.mesh, backward=self.backward)

@@ -18,6 +18,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor, nn
 
+from shardmoe.parallel import dtensors
 from shardmoe.shardops import all_gather, psum_scatter, unreduced
 
 from .residuals import autograd_grads, check_backward_mode, compute_dtype, forward_autocast, load_residuals, save_residuals
@@ -27,10 +28,12 @@ WEIGHT_SPEC = "V/t M/d"
 
 
 def vocab_table(vocab_size: int, d_model: int, init_std: float, mesh, dtype, device) -> nn.Parameter:
-    """This rank's block [V/t M/d] of a vocab_size x d_model table, drawn N(0, init_std^2);
-    the embedding and the unembedding both hold one."""
+    """A vocab_size x d_model table, this rank's block [V/t M/d] drawn N(0, init_std^2) (a DTensor
+    of the whole with a mesh: parallel/dtensors.py parameter); the embedding and the unembedding
+    both hold one."""
     shape = local_shape(WEIGHT_SPEC, (vocab_size, d_model), mesh)
-    return nn.Parameter(torch.empty(shape, dtype=dtype, device=device).normal_(std=init_std))
+    local = torch.empty(shape, dtype=dtype, device=device).normal_(std=init_std)
+    return nn.Parameter(dtensors.parameter(WEIGHT_SPEC, local, mesh))
 
 
 def vocab_block_ids(ids: Tensor, block: int, mesh) -> tuple[Tensor, Tensor]:
@@ -101,7 +104,8 @@ def embed(ids: Tensor, weight: Tensor, mesh=None, backward: str = "explicit") ->
 class Embedding(nn.Module):
     """Token embedding W[V M] ('V/t M/d'), initialised N(0, init_std^2).
 
-    With a mesh the parameter is this rank's block [V/t M/d] of the vocab_size x d_model table.
+    With a mesh the parameter is a DTensor of the vocab_size x d_model table whose local tensor is
+    this rank's block [V/t M/d].
     """
 
     SPECS = {"weight": WEIGHT_SPEC}
@@ -115,4 +119,4 @@ class Embedding(nn.Module):
 
     def forward(self, ids: Tensor) -> Tensor:
         """ids[B/d L] -> x[B/d L M/t]."""
-        return embed(ids, self.weight, self.mesh, backward=self.backward)
+        return embed(ids, dtensors.compute_view(self.weight), self.mesh, backward=self.backward)

@@ -22,6 +22,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor, nn
 
+from shardmoe.parallel import dtensors
 from shardmoe.shardops import all_gather, einsum_unreduced, psum_scatter, unreduced
 
 from .residuals import autograd_grads, check_backward_mode, compute_dtype, forward_autocast, load_residuals, save_residuals
@@ -94,7 +95,8 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float, mesh=None, backward: str = "
 class RMSNorm(nn.Module):
     """RMSNorm over the last dim with gain w[M] ('M/t/d'), initialised to ones.
 
-    With a mesh the parameter is this rank's block [M/t/d] and the input is x[B/d L M/t].
+    With a mesh the parameter is a DTensor of the gains whose local tensor is this rank's block
+    [M/t/d], and the input is x[B/d L M/t].
     """
 
     SPECS = {"weight": WEIGHT_SPEC}
@@ -105,8 +107,8 @@ class RMSNorm(nn.Module):
         self.eps, self.mesh = eps, mesh
         self.backward = check_backward_mode(backward)
         shape = local_shape(WEIGHT_SPEC, (d_model,), mesh)
-        self.weight = nn.Parameter(torch.ones(shape, dtype=dtype, device=device))
+        self.weight = nn.Parameter(dtensors.parameter(WEIGHT_SPEC, torch.ones(shape, dtype=dtype, device=device), mesh))
 
     def forward(self, x: Tensor) -> Tensor:
         """x[B/d L M/t] -> y[B/d L M]."""
-        return rms_norm(x, self.weight, self.eps, self.mesh, backward=self.backward)
+        return rms_norm(x, dtensors.compute_view(self.weight), self.eps, self.mesh, backward=self.backward)

@@ -18,12 +18,17 @@ w_o 'M/d Q K/t D', w_kv '2 M/d K/t D' (docs/model.md); MoE gate 'H E' (replicate
 down_proj_bias 'E/e H' (shardmoe/parallel/expert_tensor.py); with shared_ffn_size the shared
 expert's shared_gate_up_proj '2 Fs/t H' and shared_down_proj 'H Fs/t' (sliced over t like one
 expert, replicated over d and e: the MoE layer computes it on each rank's own tokens) and
-shared_gate_weight 'H' (replicated, like the gate).
+shared_gate_weight 'H' (replicated, like the gate). With a mesh of more than one rank every
+parameter is a DTensor of the whole tensor whose local tensor is this rank's shard (the dense
+ones on the mesh's DeviceMesh, parallel/dtensors.py parameter; the MoE layers' on their
+'ep' x 'tp' mesh), so that torch's optimizers, their distributed checkpoints and full_tensor()
+see the whole model; the modules compute on the local tensors.
 
 Gradient placement. The dense layers reduce-scatter their weight gradients over d (the duals of
 their FSDP gathers), but with tokens also split over e those sums miss the other e ranks' tokens:
 the dense parameters are marked for shardmoe.parallel.sync_grads over ('e',), next to the MoE's
-own marks (gate over ('d', 'e'), experts over ('d',)). `Transformer.sync_grads()` runs it.
+own marks (gate over ('d', 'e'), experts over ('d',)), and their DTensor gradients are Partial()
+over 'ep' until it sums them. `Transformer.sync_grads()` runs it.
 
 The MoE seam over t: the MoE hands back a whole input gradient on every t rank, while the
 RMSNorm before it sums partial gradients over t, so `whole_to_partial_grad` keeps it on t rank 0
@@ -421,18 +426,20 @@ class Transformer(nn.Module):
 
 
 def _whole_dense_entries(model: Transformer, state_dict: dict, prefix: str, local_metadata) -> None:
-    """state_dict post-hook: each dense parameter's entry is its whole tensor (Transformer.whole_entry),
-    as the MoE layers' hooks present their experts, so that a distributed checkpoint of
-    model.state_dict() saves every block once (a plain shard would pass for a replicated tensor)."""
+    """state_dict post-hook: each dense parameter's entry is its whole tensor (Transformer.whole_entry
+    of its local shard: the parameter's own DTensor layout, or a plain tensor where no axis of more
+    than one rank splits it, which a distributed checkpoint takes for a replicated one), as the MoE
+    layers' hooks present their experts, so that DCP saves every block once."""
     for name in model.specs:
         if model._kind(name) == "dense" and prefix + name in state_dict:
-            state_dict[prefix + name] = model.whole_entry(name, state_dict[prefix + name].detach())
+            state_dict[prefix + name] = model.whole_entry(name, composition.local(state_dict[prefix + name]).detach())
 
 
 def _local_dense_entries(model: Transformer, state_dict: dict, prefix: str, *args) -> None:
     """load_state_dict pre-hook: each dense parameter's entry (the whole tensor) becomes this rank's
     shard: a DTensor in the model's own layout gives its local tensor (no communication), another
-    DTensor is gathered whole (a collective over its mesh) and cut like a plain tensor (shard_full).
+    DTensor is gathered whole (a collective over its mesh) and cut like a plain tensor (shard_full);
+    the shard is then laid out as the parameter (a DTensor of the same placements, sharing it).
     ValueError naming the key and both shapes for another shape."""
     from torch.distributed.tensor import DTensor
 
@@ -444,14 +451,16 @@ def _local_dense_entries(model: Transformer, state_dict: dict, prefix: str, *arg
         if model._kind(name) != "dense" or key not in state_dict:
             continue
         value = state_dict[key]
-        expected = global_shape(spec, params[name].shape, model.mesh)
+        expected = global_shape(spec, composition.local(params[name]).shape, model.mesh)
         if tuple(value.shape) != expected:
             raise ValueError(f"state dict: {key} has shape {list(value.shape)}, expected the whole tensor's "
                              f"{list(expected)}")
         own = dtensors.own_local(spec, value, model.mesh)
         if own is None:
             own = model.shard_full(name, value.full_tensor() if isinstance(value, DTensor) else value)
-        state_dict[key] = own
+        param = params[name]
+        state_dict[key] = own if not isinstance(param, DTensor) else DTensor.from_local(
+            own, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride())
 
 
 def _unsharded(spec: str) -> str:

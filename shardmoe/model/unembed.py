@@ -26,6 +26,7 @@ import torch
 from torch import Tensor, nn
 
 from .embedding import WEIGHT_SPEC, vocab_block_ids, vocab_table
+from shardmoe.parallel import dtensors
 from shardmoe.shardops import all_gather, einsum_unreduced, psum, psum_scatter, unreduced
 
 from .residuals import autograd_grads, check_backward_mode, compute_dtype, forward_autocast, load_residuals, save_residuals
@@ -115,7 +116,8 @@ def unembed_cross_entropy(x: Tensor, weight: Tensor, targets: Tensor, num_tokens
 class Unembedding(nn.Module):
     """Output projection to vocab logits W[V M] ('V/t M/d') fused with the cross-entropy loss.
 
-    With a mesh the parameter is this rank's block [V/t M/d] and the input is x[B/d L M].
+    With a mesh the parameter is a DTensor of the table whose local tensor is this rank's block
+    [V/t M/d], and the input is x[B/d L M].
     """
 
     SPECS = {"weight": WEIGHT_SPEC}
@@ -129,8 +131,9 @@ class Unembedding(nn.Module):
 
     def forward(self, x: Tensor, targets: Tensor, num_tokens: int | None = None) -> Tensor:
         """Mean cross-entropy of x[B/d L M] against targets[B/d L], over every rank's tokens."""
-        return unembed_cross_entropy(x, self.weight, targets, num_tokens, self.mesh, backward=self.backward)
+        return unembed_cross_entropy(x, dtensors.compute_view(self.weight), targets, num_tokens, self.mesh,
+                                     backward=self.backward)
 
     def logits(self, x: Tensor) -> Tensor:
         """logits[B/d L V/t] in the compute dtype, for evaluation and sampling."""
-        return unembed_logits(x, self.weight, self.mesh)
+        return unembed_logits(x, dtensors.compute_view(self.weight), self.mesh)

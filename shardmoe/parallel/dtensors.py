@@ -1,14 +1,16 @@
 """A rank's shard, named by its spec, as a DTensor of the whole tensor (and back).
 
-shardmoe keeps parameters as plain local shards and names their layout with a spec ('V/t M/d':
-rows split over t, columns over d; shardmoe/notation.py). A DTensor names the same block as a
-piece of the whole tensor: on a DeviceMesh whose dims are the mesh axes (names 'dp', 'ep', 'tp'),
-Shard(i) on the dim of each axis that splits tensor dim i and Replicate on the others:
+shardmoe names the layout of a sharded parameter with a spec ('V/t M/d': rows split over t,
+columns over d; shardmoe/notation.py). A DTensor names the same block as a piece of the whole
+tensor: on a DeviceMesh whose dims are the mesh axes (names 'dp', 'ep', 'tp'), Shard(i) on the dim
+of each axis that splits tensor dim i and Replicate on the others:
 
     'V/t M/d' on ('dp', 'ep', 'tp')  ->  [Shard(1), Replicate(), Shard(0)]
 
 That is what torch.distributed.checkpoint needs to save every block once and to load any layout
-into any other, and what `full_tensor()` gathers.
+into any other, and what `full_tensor()` gathers. The sharded transformer's dense parameters are
+such DTensors (`parameter`), its modules computing on their local tensors (`compute_view`), so
+that torch's optimizers, their distributed checkpoints and norms see the whole tensors.
 
 A dim split over two axes ('M/t/d': t major, d minor) is cut by DTensor in the order of the
 DeviceMesh's dims, so it needs a DeviceMesh with 'tp' before 'dp'; Mesh.ordered_device_mesh gives
@@ -91,3 +93,33 @@ def own_local(spec: str, value, mesh) -> torch.Tensor | None:
     if device_mesh is None or value.device_mesh != device_mesh:
         return None
     return value.to_local() if list(value.placements) == placements(spec, device_mesh, mesh) else None
+
+
+def parameter(spec: str, local: torch.Tensor, mesh) -> torch.Tensor:
+    """The data of a parameter laid out by `spec` whose shard on this rank is `local`: with a mesh of
+    more than one rank, the DTensor of the whole tensor sharing local's storage (on
+    device_mesh_for(spec), or the mesh's own DeviceMesh, every placement Replicate(), when no axis
+    of more than one rank splits it); else local itself."""
+    if mesh is None or mesh.device_mesh is None or mesh.size() == 1:
+        return local
+    from torch.distributed.tensor import DTensor
+
+    device_mesh = device_mesh_for(spec, mesh) or mesh.device_mesh
+    shape = global_shape(spec, local.shape, mesh)
+    return DTensor.from_local(local, device_mesh, placements(spec, device_mesh, mesh), run_check=False, shape=shape,
+                              stride=torch.empty(shape, device="meta").stride())
+
+
+def compute_view(param: torch.Tensor) -> torch.Tensor:
+    """The tensor a module computes on for a parameter that `parameter` made: a DTensor's local
+    tensor, differentiable, whose gradient reaches the parameter as a DTensor that is Partial() on
+    each token-parallel dim ('dp', 'ep') that does not split it (each rank's gradient is its own
+    tokens' share until sync_grads sums it) and the parameter's placement elsewhere; a plain
+    parameter as it is."""
+    from torch.distributed.tensor import DTensor, Partial
+
+    if not isinstance(param, DTensor):
+        return param
+    grad = [Partial() if name in ("dp", "ep") and p.is_replicate() else p
+            for name, p in zip(param.device_mesh.mesh_dim_names, param.placements)]
+    return param.to_local(grad_placements=grad)

@@ -71,14 +71,16 @@ def compare_on_rank():
             for k, w in local.items():
                 grad = all_gather(f"{SPECS[k]} -> {UNSHARDED[k]}", w.grad, mesh)
                 errors[(backward, k)] = relative_error(grad, reference[k].grad)
-    module = Attention(M, Q * K, K, D, mesh=mesh)
-    shapes = (tuple(module.w_q.shape), tuple(module.w_kv.shape))
+    module = Attention(M, Q * K, K, D, mesh=mesh)  # DTensors of the whole weights, this rank's blocks local
+    shapes = {"whole": (tuple(module.w_q.shape), tuple(module.w_kv.shape)),
+              "local": (tuple(module.w_q.to_local().shape), tuple(module.w_kv.to_local().shape))}
     return errors, shapes
 
 
 def test_dp2_tp2_matches_single_process_float64():
     results = run_distributed(compare_on_rank, 4, timeout=240)
     for errors, shapes in results:
-        assert shapes == ((M // 2, Q, K // 2, D), (2, M // 2, K // 2, D))
+        assert shapes == {"whole": ((M, Q, K, D), (2, M, K, D)),
+                          "local": ((M // 2, Q, K // 2, D), (2, M // 2, K // 2, D))}
         for (backward, name), err in errors.items():
             assert err <= 1e-10, (backward, name, err)

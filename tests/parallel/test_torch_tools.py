@@ -13,6 +13,9 @@ router bias, gated shared expert) and every balance loss, against one process on
                          sync_grads: the one process's norm on every rank, and after the clipped
                          AdamW step the one process's parameters, the router's replicas equal
                          (each 'ep' group had clipped by its own norm, and the replicas drifted).
+  transformer            the sharded transformer, dense parameters DTensors too: torch's AdamW
+                         state round-trips through get_state_dict and DCP; shardmoe's
+                         clip_grad_norm_ equals the model's own global norm.
   drift                  replicas made to drift (one rank's router nudged) are caught within the
                          check interval: sync_grads' check_every, the forward's REPLICA_CHECK_EVERY.
   tensor parallel        ep2 x tp2: torch's clipping and AdamW as one process; DCP refuses the
@@ -197,6 +200,44 @@ def _tensor_parallel(tmp: str) -> dict:
     return out
 
 
+def _transformer(tmp: str) -> dict:
+    """The sharded transformer on dp2 x ep2 trained with torch.optim.AdamW after its sync_grads:
+    its dense parameters are DTensors too, so get_state_dict -> DCP -> set_state_dict gives every
+    moment back, and shardmoe.parallel.clip_grad_norm_ (torch's refuses parameters on two meshes)
+    equals the model's own global norm (train/optim.py)."""
+    from shardmoe.model.transformer import Transformer, TransformerConfig
+    from shardmoe.train.optim import global_grad_norm
+
+    config = TransformerConfig(vocab_size=64, d_model=16, n_layers=2, n_q_heads=4, n_kv_heads=2, head_dim=4,
+                               ffn_size=8, num_experts=4, top_k=2, aux_loss_coef=0.01)
+    mesh = Mesh(dp=2, ep=2)
+    gen = torch.Generator().manual_seed(mesh.coord(("d", "e")))
+    ids = torch.randint(0, 64, (2, 8), generator=gen)
+    starts = torch.zeros(2, 8, dtype=torch.bool)
+    starts[:, 0] = True
+    out = {}
+
+    def build(seed):
+        model = Transformer(config, mesh=mesh, dtype=torch.float64, seed=seed)
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
+
+    model, optimizer = build(0)
+    for _ in range(2):
+        optimizer.zero_grad()
+        model(ids, starts, ids.roll(-1, 1)).total.backward()
+        model.sync_grads()
+        own = global_grad_norm([(p.grad, model.replicas(n)) for n, p in model.named_parameters()])
+        out["norms"] = (shardmoe.parallel.clip_grad_norm_(model, 1e9), own)
+        optimizer.step()
+    _save(model, optimizer, f"{tmp}/transformer")
+    saved = _moments(model, optimizer)
+    again, again_optimizer = build(5)
+    _load(again, again_optimizer, f"{tmp}/transformer")
+    out["same layout"] = _differ(_moments(again, again_optimizer), saved)
+    out["dense DTensors"] = sorted({type(p).__name__ for n, p in model.named_parameters() if ".moe." not in n})
+    return out
+
+
 def _drift() -> dict:
     """Rank 3 nudges its router replica; the next check names it, whichever comes first."""
     out = {}
@@ -250,8 +291,8 @@ def _one_rank_syncs() -> str | None:
 
 
 def _world(tmp: str) -> dict:
-    out = {"checkpoints": _checkpoints(tmp), "tensor parallel": _tensor_parallel(tmp), "drift": _drift(),
-           "one rank syncs": _one_rank_syncs()}
+    out = {"checkpoints": _checkpoints(tmp), "tensor parallel": _tensor_parallel(tmp),
+           "transformer": _transformer(tmp), "drift": _drift(), "one rank syncs": _one_rank_syncs()}
     dist.barrier()
     return out
 
@@ -302,6 +343,15 @@ def test_tensor_parallel_trains_as_one_process_and_its_checkpoint_refuses_loudly
         assert result["dcp"] is not None and "optim.state.moe.gate_up_proj.exp_avg has overlapping chunks" in \
             result["dcp"], result["dcp"]
         assert result["full state dict"] <= TOL
+
+
+def test_the_sharded_transformer_round_trips_torch_optimizer_state(world):
+    for out in world:
+        result = out["transformer"]
+        assert result["dense DTensors"] == ["DTensor"]
+        assert result["same layout"] == []
+        got, own = result["norms"]
+        assert abs(got - own) <= 1e-12 * own, result["norms"]
 
 
 def test_replicas_that_drift_are_caught_within_the_interval(world):
