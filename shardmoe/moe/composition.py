@@ -99,12 +99,13 @@ def fully_sharded_over_d(layer) -> bool:
 
 def check_own_shards(layer) -> None:
     """Refuse, on a layer sharded over 'e' or 't', shards that are not the parameters it made (their
-    grad-sync mark is gone). torch.distributed.fsdp.fully_shard puts parameters of its own in
-    their place: it takes this rank's shard of the experts for a whole parameter, shards it
-    again over FSDP's ranks and all-gathers it in forward, which mixes the ranks' experts (two
-    ranks of an ep=2 layer both held experts [0, 3]), a silently wrong model; so this raises
-    before any work. Replicated parameters (the gate; the shared expert unless t splits it) keep
-    their values under FSDP and are not checked."""
+    grad-sync mark is gone): torch.distributed.fsdp.fully_shard applied to a module holding the
+    layer, rather than to the layer, puts FSDP's parameters in their place without the layer being
+    an FSDP module, so the layer cannot take FSDP's mean convention (fully_sharded_over_d) and its
+    gradients would come out e times too large beside unscaled balance losses, a silently wrong
+    model; so this raises before any work. (Over ranks other than 'd' torch itself refuses the
+    layer's DTensor parameters at fully_shard.) Replicated parameters (the gate; the shared expert
+    unless t splits it) are not checked."""
     axes = [a for a in ("e", "t") if layer.mesh.size(a) > 1]
     sharded = (*expert_param_names(layer.config), *(shared_ex.shared_param_names(layer.config) if "t" in axes else ()))
     for name in sharded:
@@ -113,10 +114,10 @@ def check_own_shards(layer) -> None:
             raise ValueError(
                 f"{name}: expected the parameter this layer made (this rank's shard over mesh axes {axes}, "
                 f"marked for sync_grads), got another in its place ({type(param).__name__} of shape "
-                f"{list(param.shape)}, unmarked). torch.distributed.fsdp.fully_shard does that, and takes "
-                "the shard for a whole parameter, mixing the ranks' experts. Leave the expert parameters "
-                "out of fully_shard (its ignored_params) and reduce their "
-                "gradients with shardmoe's sync_grads (docs/parallel.md)")
+                f"{list(param.shape)}, unmarked). torch.distributed.fsdp.fully_shard on a module holding this "
+                "layer does that, and the layer's gradients would then miss FSDP's mean convention: apply "
+                "fully_shard to the layer itself, over its mesh's 'dp' dimension, before its parent "
+                "(docs/parallel.md)")
 
 
 def state_entries(layer, state_dict: dict, prefix: str, local_metadata) -> None:

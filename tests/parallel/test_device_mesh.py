@@ -165,6 +165,13 @@ def _fully_shard_refusals(job) -> dict:
     from torch.distributed.fsdp import fully_shard
 
     refusals = {}
+    # over 'dp' on a module holding the layer: FSDP composes with the DTensors, the layer refuses
+    module = fully_shard(torch.nn.Sequential(_layer(job, 5)), mesh=job["dp"])
+    try:
+        module(torch.randn(3, H, dtype=torch.float64))
+        refusals["parent over dp", None] = None
+    except ValueError as err:
+        refusals["parent over dp", None] = f"forward: {err}"
     for names in (None, ("world",)):
         every = init_device_mesh("cpu", (4,), mesh_dim_names=names)
         for label in ("layer over every rank", "parent over every rank"):
@@ -301,7 +308,12 @@ def test_fully_shard_over_the_experts_is_refused_not_trained(world):
     silently on mixed experts)."""
     for out in world:
         refusals = out["fully_shard"]
-        assert len(refusals) == 4
+        assert len(refusals) == 5
+        parent = refusals.pop(("parent over dp", None))
+        assert parent is not None and parent.startswith(
+            "forward: gate_up_proj: expected the parameter this layer made (this rank's shard over mesh axes ['e'], "
+            "marked for sync_grads), got another in its place (DTensor of shape [8, 24, 8], unmarked). "
+            "torch.distributed.fsdp.fully_shard on a module holding this layer"), parent
         for (label, names), text in refusals.items():
             assert text is not None and text.startswith("fully_shard: "), (label, names, text)
         assert refusals["layer over every rank", ("world",)] == (
