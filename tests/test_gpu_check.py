@@ -117,20 +117,19 @@ def test_bench_times_every_candidate_and_prints_sonicmoe_beside_ours(dry_run):
     assert [c["shape_name"] for c in cases] == list(bench.DRY_RUN_SHAPES)
     for c in cases:
         rows = {r["candidate"]: r for r in c["rows"]}
-        assert set(rows) == {"dense", "grouped_mm", "shardmoe", "shardmoe:dh-once", "shardmoe:torch"}
+        assert set(rows) == {"dense", "grouped_mm", "shardmoe", "shardmoe:torch"}
         for r in rows.values():
             assert r["median_ms"] > 0 and r["tflops"] > 0 and r["repeats"] == bench.DRY_RUN_REPEATS
-        for name in ("grouped_mm", "shardmoe", "shardmoe:dh-once", "shardmoe:torch"):
+        for name in ("grouped_mm", "shardmoe", "shardmoe:torch"):
             assert rows[name]["forward_ms"] > 0 and rows[name]["backward_ms"] > 0
-        assert c["backends"] == {"shardmoe": "triton", "shardmoe:dh-once": "triton", "shardmoe:torch": "torch"}
-        assert set(c["errors"]) == {"shardmoe vs shardmoe:torch", "shardmoe:dh-once vs shardmoe:torch",
+        assert c["backends"] == {"shardmoe": "triton", "shardmoe:torch": "torch"}
+        assert set(c["errors"]) == {"shardmoe vs shardmoe:torch",
                                     "shardmoe vs grouped_mm", "shardmoe:torch vs grouped_mm"}
         assert all(math.isfinite(err) for err in c["errors"].values())
         assert c["errors"]["shardmoe vs shardmoe:torch"] < bench.CHECK_TOL and not c["problems"]
-        assert c["errors"]["shardmoe:dh-once vs shardmoe:torch"] < bench.CHECK_TOL
         float64 = c["float64_errors"]
-        assert set(float64) == {"grouped_mm", "shardmoe", "shardmoe:dh-once", "shardmoe:torch"}
-        assert c["checked"] == ["shardmoe", "shardmoe:dh-once", "shardmoe:torch"] and c["check_tol"] == bench.CHECK_TOL
+        assert set(float64) == {"grouped_mm", "shardmoe", "shardmoe:torch"}
+        assert c["checked"] == ["shardmoe", "shardmoe:torch"] and c["check_tol"] == bench.CHECK_TOL
         for name, errors in float64.items():
             assert set(errors) == {"y", "x", "router", "gate_up", "down"}, name
             assert all(math.isfinite(err) and err > 0 for err in errors.values()), (name, errors)
@@ -149,30 +148,26 @@ def test_sweep_times_the_three_paths_at_every_width(dry_run):
     for r in result["rows"]:
         assert set(r["median_ms"]) == set(sweep.PATHS) and all(ms > 0 for ms in r["median_ms"].values()), r
         assert r["repeats"] == bench.DRY_RUN_REPEATS
-        assert r["backends"] == {"shardmoe": "triton", "shardmoe:dh-once": "triton", "shardmoe:torch": "torch"}
+        assert r["backends"] == {"shardmoe": "triton", "shardmoe:torch": "torch"}
         assert not r["problems"] and all(0 < err < bench.CHECK_TOL for err in r["errors"].values()), r
         assert r["torch_over_kernels"] == pytest.approx(r["median_ms"]["shardmoe:torch"] / r["median_ms"]["shardmoe"])
-        assert r["torch_over_dh_once"] == pytest.approx(
-            r["median_ms"]["shardmoe:torch"] / r["median_ms"]["shardmoe:dh-once"])
     assert "crossover_ffn" in result and result["crossover_ffn"] == sweep.crossover(result["rows"])
     assert result["kernel_max_ffn"] == KERNEL_MAX_FFN
     md = dry_run[3]
-    assert "| F | kernels ms | dh-once ms | torch ms | torch/kernels | torch/dh-once |" in md
+    assert "| F | kernels ms | torch ms | torch/kernels |" in md
     assert f"kernels.KERNEL_MAX_FFN is {KERNEL_MAX_FFN} (not changed by this stage)" in md
 
 
 def test_sweep_crossover_and_budget(monkeypatch):
-    """The crossover is the widest F whose better kernel variant is not slower; F values past the
-    budget are listed as not run and fail the stage."""
-    def row(ffn, kernels_ms, dh_once_ms, torch_ms=10.0):
-        return {"ffn": ffn, "median_ms": {"shardmoe": kernels_ms, "shardmoe:dh-once": dh_once_ms,
-                                          "shardmoe:torch": torch_ms}, "repeats": 2, "backends": {}, "errors": {},
-                "torch_over_kernels": torch_ms / kernels_ms, "torch_over_dh_once": torch_ms / dh_once_ms,
-                "problems": []}
+    """The crossover is the widest F at which the kernels are not slower; F values past the budget
+    are listed as not run and fail the stage."""
+    def row(ffn, kernels_ms, torch_ms=10.0):
+        return {"ffn": ffn, "median_ms": {"shardmoe": kernels_ms, "shardmoe:torch": torch_ms}, "repeats": 2,
+                "backends": {}, "errors": {}, "torch_over_kernels": torch_ms / kernels_ms, "problems": []}
 
-    assert sweep.crossover([row(16, 5, 20), row(32, 20, 10), row(48, 11, 12)]) == 32
-    assert sweep.crossover([row(16, 11, 12)]) is None
-    measured = {16: row(16, 5, 20), 32: row(32, 20, 9)}
+    assert sweep.crossover([row(16, 5), row(32, 10), row(48, 11)]) == 32
+    assert sweep.crossover([row(16, 11)]) is None
+    measured = {16: row(16, 5), 32: row(32, 9)}
     monkeypatch.setattr(sweep, "measure", lambda s, ctx: measured[s.ffn])
     progress = []
     ctx = types.SimpleNamespace(dry_run=True, device="cpu", out_of_time=lambda: len(progress) >= 2,
@@ -190,16 +185,16 @@ def test_a_wrong_kernel_output_is_a_sweep_problem_and_the_timing_still_runs(monk
     def corrupted(c, context, grad):
         result = real(c, context, grad)
         calls.append(len(calls))
-        if len(calls) == 2:  # shardmoe:dh-once, the second path checked
+        if len(calls) == 1:  # shardmoe, the first path checked
             result["x"] = result["x"] * 1.1
         return result
 
     monkeypatch.setattr(bench, "check_step", corrupted)
     ctx = types.SimpleNamespace(dry_run=True, device="cpu")
     row = sweep.measure(dataclasses.replace(sweep.DRY_RUN_SHAPE, ffn=16), ctx)
-    assert len(calls) == 3 and row["errors"]["shardmoe vs shardmoe:torch"] < bench.CHECK_TOL
-    assert row["problems"] == [f"F=16: shardmoe:dh-once vs shardmoe:torch: error "
-                               f"{row['errors']['shardmoe:dh-once vs shardmoe:torch']:.2e} > {bench.CHECK_TOL:g}"]
+    assert len(calls) == 2
+    assert row["problems"] == [f"F=16: shardmoe vs shardmoe:torch: error "
+                               f"{row['errors']['shardmoe vs shardmoe:torch']:.2e} > {bench.CHECK_TOL:g}"]
     assert all(ms > 0 for ms in row["median_ms"].values())
 
 
@@ -216,13 +211,13 @@ def bench_check(s, grad):
     return notes, bench.check(bench.with_variants(cands), x, bench.contexts(), grad, False)
 
 
-@pytest.mark.parametrize("name, value", [("shardmoe", 5e-2), ("shardmoe", float("nan")), ("shardmoe:dh-once", 5e-2),
-                                         ("shardmoe:torch", 5e-2), ("transformers", 5e-2)])
+@pytest.mark.parametrize("name, value", [("shardmoe", 5e-2), ("shardmoe", float("nan")), ("shardmoe:torch", 5e-2),
+                                         ("transformers", 5e-2)])
 def test_a_wrong_bench_output_fails_the_check_unless_it_is_grouped_mm(monkeypatch, bench_check_inputs, name, value):
     """An output off by `value` relative (or NaN) against float64 fails the stage for shardmoe's own
     paths; grouped_mm's error is reported only (transformers' block runs in bf16)."""
     real, calls = bench.check_step, []
-    order = ["transformers", "shardmoe", "shardmoe:dh-once", "shardmoe:torch"]  # the check's order; dense: no forward
+    order = ["transformers", "shardmoe", "shardmoe:torch"]  # the check's order; dense: no forward
 
     def corrupted(c, context, grad):
         result = real(c, context, grad)
@@ -234,7 +229,7 @@ def test_a_wrong_bench_output_fails_the_check_unless_it_is_grouped_mm(monkeypatc
 
     monkeypatch.setattr(bench, "check_step", corrupted)
     _, (float64, errors, problems) = bench_check(*bench_check_inputs)
-    assert calls == ["transformers", "shardmoe", "shardmoe", "shardmoe"]
+    assert calls == ["transformers", "shardmoe", "shardmoe"]
     shown = bench.NAMES.get(name, name)
     assert float64[shown]["y"] > bench.CHECK_TOL if value == value else float64[shown]["y"] == math.inf
     assert all(err < bench.CHECK_TOL for other, errs in float64.items() if other != shown
@@ -243,8 +238,7 @@ def test_a_wrong_bench_output_fails_the_check_unless_it_is_grouped_mm(monkeypatc
         assert not problems and errors["shardmoe vs shardmoe:torch"] < bench.CHECK_TOL
     else:
         assert problems[0].startswith(f"{name}: y error vs float64 "), problems
-        pair = "shardmoe:dh-once vs shardmoe:torch" if name == "shardmoe:dh-once" else "shardmoe vs shardmoe:torch"
-        assert any(p.startswith(f"{pair}: error ") for p in problems), problems
+        assert any(p.startswith("shardmoe vs shardmoe:torch: error ") for p in problems), problems
 
 
 def test_bench_check_without_transformers_has_a_float64_truth(monkeypatch, bench_check_inputs):
@@ -258,7 +252,7 @@ def test_bench_check_without_transformers_has_a_float64_truth(monkeypatch, bench
     notes, (float64, errors, problems) = bench_check(*bench_check_inputs)
     assert notes == ["grouped_mm left out: transformers' block could not be built (ImportError: no transformers here)"]
     assert set(float64) == set(bench.CHECKED)
-    assert list(errors) == ["shardmoe vs shardmoe:torch", "shardmoe:dh-once vs shardmoe:torch"]
+    assert list(errors) == ["shardmoe vs shardmoe:torch"]
     assert all(0 < err < bench.CHECK_TOL for errs in float64.values() for err in errs.values()), float64
     assert not problems
 

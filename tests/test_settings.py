@@ -27,7 +27,7 @@ def test_override_restores_on_error_and_names_bad_arguments():
             raise KeyError("inside")
     assert settings.SETTINGS.fused_elementwise is before
     with pytest.raises(ValueError, match=r"override: expected settings among kernels, experts_mm, fused_elementwise, "
-                                         r"autotune, glu_grad_on_load, got \['triton'\]"):
+                                         r"autotune, got \['triton'\]"):
         with settings.override(triton=False):
             pass
     with pytest.raises(ValueError, match="override: expected bool values, got {'kernels': 0}"):

@@ -5,8 +5,6 @@ Candidates, built by shardmoe.bench.candidates on the same weights and input (fi
                   FLOPs in the same operand shapes (dense_candidate): the ceiling
   grouped_mm      transformers' MixtralSparseMoeBlock, experts_implementation="grouped_mm"
   shardmoe        shardmoe.MoE.from_mixtral(that block): the Triton path (forced: parity.triton_context)
-  shardmoe:dh-once  the same layer on the Triton path with settings glu_grad_on_load off: the glu's
-                  dh formed once in torch, then plain GEMMs (the A/B of docs/kernels.md)
   shardmoe:torch  the same layer under shardmoe.settings.override(kernels=False)
 Without transformers the layer gets the same weights directly (layer_candidate; checked against
 float64 the same way) and grouped_mm is left out (noted).
@@ -53,12 +51,11 @@ CHECK_TOL = 2e-2  # bf16 norm-relative error against float64, and between shardm
 NAMES = {"transformers": "grouped_mm"}  # the bench's candidate name -> this report's
 # the check's tensors: grads()' keys -> this report's names (p0 is the router's [E, H] gradient)
 TENSORS = {"y": "y", "x": "x", "p0": "router", "p1": "gate_up", "p2": "down"}
-LAYER_VARIANTS = ("shardmoe:dh-once", "shardmoe:torch")  # the shardmoe candidate's layer in another context
-BACKENDS = {"shardmoe": "triton", "shardmoe:dh-once": "triton", "shardmoe:torch": "torch"}  # what each must run
+LAYER_VARIANTS = ("shardmoe:torch",)  # the shardmoe candidate's layer in another context
+BACKENDS = {"shardmoe": "triton", "shardmoe:torch": "torch"}  # what each must run
 CHECKED = tuple(BACKENDS)  # held to CHECK_TOL against float64 and each other; the others are reported
 # the paths compared with each other (a pair with both sides in CHECKED is held to CHECK_TOL)
-PAIRS = (("shardmoe", "shardmoe:torch"), ("shardmoe:dh-once", "shardmoe:torch"), ("shardmoe", "transformers"),
-         ("shardmoe:torch", "transformers"))
+PAIRS = (("shardmoe", "shardmoe:torch"), ("shardmoe", "transformers"), ("shardmoe:torch", "transformers"))
 
 
 class Clock:
@@ -134,18 +131,11 @@ def output(value):
 
 def contexts() -> dict:
     """Each candidate's context for its steps: shardmoe on the Triton path (parity.triton_context:
-    forced), shardmoe:dh-once there with glu_grad_on_load off, shardmoe:torch off the kernels."""
-    from shardmoe import settings
-
+    forced), shardmoe:torch off the kernels."""
     from .parity import torch_context, triton_context
 
-    @contextlib.contextmanager
-    def dh_once():
-        with triton_context(), settings.override(glu_grad_on_load=False):
-            yield
-
     return {"dense": contextlib.nullcontext, "transformers": contextlib.nullcontext,
-            "shardmoe": triton_context, "shardmoe:dh-once": dh_once, "shardmoe:torch": torch_context}
+            "shardmoe": triton_context, "shardmoe:torch": torch_context}
 
 
 def free(cuda: bool) -> None:
