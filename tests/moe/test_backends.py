@@ -27,6 +27,14 @@ def test_cpu_tensors_get_the_torch_backend_with_the_forwards_passes():
     assert bound.name == "torch" and bound.workspace is ws
 
 
+def test_off_the_cpu_the_torch_backend_takes_no_workspace():
+    """Off the CPU (here the meta device stands in for a GPU) the torch backend allocates its rows, so
+    its GEMMs are grouped_mm's (a GEMM into a workspace buffer runs a loop over experts)."""
+    x = torch.zeros(3, 8, device="meta")
+    chosen = backends.select(MoEConfig(8, 6, 4, 2), x, Workspace())
+    assert chosen.name == "torch" and chosen.workspace is None
+
+
 @pytest.mark.parametrize("expert,bias,dtype", [("glu", False, torch.float32), ("glu", True, torch.bfloat16),
                                                 ("mlp", True, torch.float32)], ids=["glu", "glu-bias-bf16", "mlp-bias"])
 def test_the_passes_are_decided_once_per_forward_and_once_per_backward(monkeypatch, expert, bias, dtype):
