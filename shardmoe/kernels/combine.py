@@ -21,13 +21,12 @@ import triton
 import triton.language as tl
 
 from shardmoe.kernels.activations import activation
-from shardmoe.kernels.tuning import PRUNE, configs, unit_columns
+from shardmoe.kernels.tuning import autotune, unit_columns
 from shardmoe.rows import accumulation_dtype
 
 
-@triton.autotune(configs=configs([{"BLOCK_T": t, "BLOCK_H": h} for t in (16, 32) for h in (128, 256)],
-                                 {"BLOCK_T": 16, "BLOCK_H": 32}),
-                 key=["H", "TOP_K"], prune_configs_by=PRUNE)
+@autotune([{"BLOCK_T": t, "BLOCK_H": h} for t in (16, 32) for h in (128, 256)], {"BLOCK_T": 16, "BLOCK_H": 32},
+          key=["H", "TOP_K"])
 @triton.jit
 def token_combine_kernel(rows_ptr, stride_rows, scale_ptr, pair_row_ptr, out_ptr, stride_out, S, H,
                          TOP_K: tl.constexpr, SCALE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
@@ -50,9 +49,8 @@ def token_combine_kernel(rows_ptr, stride_rows, scale_ptr, pair_row_ptr, out_ptr
              mask=token_mask[:, None] & col_mask[None, :])
 
 
-@triton.autotune(configs=configs([{"BLOCK_R": r, "BLOCK_H": h} for r in (16, 32) for h in (128, 256)],
-                                 {"BLOCK_R": 16, "BLOCK_H": 32}),
-                 key=["H", "OUT_ACT", "STORE_GE", "DOT"], prune_configs_by=PRUNE)
+@autotune([{"BLOCK_R": r, "BLOCK_H": h} for r in (16, 32) for h in (128, 256)], {"BLOCK_R": 16, "BLOCK_H": 32},
+          key=["H", "OUT_ACT", "STORE_GE", "DOT"])
 @triton.jit
 def grad_combine_gate_kernel(g_ptr, g_index_ptr, stride_g, y_ptr, stride_y, scale_ptr, ge_ptr, stride_ge, dw_ptr,
                              N, H, OUT_ACT: tl.constexpr, GATHER: tl.constexpr, STORE_GE: tl.constexpr,

@@ -32,15 +32,15 @@ import triton.language as tl
 from shardmoe.kernels.activations import activation_args, glu, glu_grad
 from shardmoe.kernels.schedule import choose_block_m, experts_pad, row_tiles
 from shardmoe.kernels.tiles import dot_acc, row_tile
-from shardmoe.kernels.tuning import PRUNE, configs, dot_settings, unit_columns
+from shardmoe.kernels.tuning import autotune, dot_settings, unit_columns
 
 _GPU_TILES = [{"BLOCK_N": n, "BLOCK_K": k} for n in (128, 64) for k in (64, 32)]
 _INTERPRETER_TILES = {"BLOCK_N": 16, "BLOCK_K": 32}  # 16: several column tiles at the tests' F
 _SMALLEST_BLOCK_N = min(tiles["BLOCK_N"] for tiles in [*_GPU_TILES, _INTERPRETER_TILES])
 
 
-@triton.autotune(configs=configs(_GPU_TILES, _INTERPRETER_TILES, warps_stages=((8, 3), (4, 3), (8, 4))),
-                 key=["F", "H", "BLOCK_M", "ACT"], reset_to_zero=["dot_ptr"], prune_configs_by=PRUNE)
+@autotune(_GPU_TILES, _INTERPRETER_TILES, key=["F", "H", "BLOCK_M", "ACT"], warps_stages=((8, 3), (4, 3), (8, 4)),
+          reset_to_zero=["dot_ptr"])
 @triton.jit
 def down_grad_kernel(
     g_ptr, g_index_ptr, stride_g,

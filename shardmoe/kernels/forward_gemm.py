@@ -28,14 +28,14 @@ import triton.language as tl
 from shardmoe.kernels.activations import activation, activation_args, glu
 from shardmoe.kernels.schedule import choose_block_m, experts_pad, row_tiles
 from shardmoe.kernels.tiles import dot_acc, row_tile
-from shardmoe.kernels.tuning import PRUNE, configs, dot_settings, unit_columns
+from shardmoe.kernels.tuning import autotune, dot_settings, unit_columns
 
 # H100 (wgmma): 128-row tiles; the GLU keeps two accumulators, so its widest tile is half the plain one's
 _GPU_TILES = [{"BLOCK_N": n, "BLOCK_K": k} for n in (128, 64, 256) for k in (64, 32)]
 
 
-@triton.autotune(configs=configs(_GPU_TILES, {"BLOCK_N": 32, "BLOCK_K": 32}, warps_stages=((8, 3), (4, 3), (8, 4))),
-                 key=["O", "K", "BLOCK_M", "GLU", "ACT"], prune_configs_by=PRUNE)
+@autotune(_GPU_TILES, {"BLOCK_N": 32, "BLOCK_K": 32}, key=["O", "K", "BLOCK_M", "GLU", "ACT"],
+          warps_stages=((8, 3), (4, 3), (8, 4)))
 @triton.jit
 def forward_gemm_kernel(
     a_ptr, a_index_ptr, stride_a,

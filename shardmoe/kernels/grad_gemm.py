@@ -22,13 +22,13 @@ import triton.language as tl
 
 from shardmoe.kernels.schedule import choose_block_m, experts_pad, row_tiles
 from shardmoe.kernels.tiles import dot_acc, grad_operand, row_tile
-from shardmoe.kernels.tuning import PRUNE, configs, dot_settings, unit_columns
+from shardmoe.kernels.tuning import autotune, dot_settings, unit_columns
 
 _GPU_TILES = [{"BLOCK_N": n, "BLOCK_K": k} for n in (128, 256, 64) for k in (64, 32)]
 
 
-@triton.autotune(configs=configs(_GPU_TILES, {"BLOCK_N": 32, "BLOCK_K": 32}, warps_stages=((8, 3), (4, 3), (8, 4))),
-                 key=["N_OUT", "C", "BLOCK_M", "ACT"], prune_configs_by=PRUNE)
+@autotune(_GPU_TILES, {"BLOCK_N": 32, "BLOCK_K": 32}, key=["N_OUT", "C", "BLOCK_M", "ACT"],
+          warps_stages=((8, 3), (4, 3), (8, 4)))
 @triton.jit
 def grad_gemm_kernel(
     g_ptr, stride_g,

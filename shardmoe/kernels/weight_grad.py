@@ -30,16 +30,15 @@ import triton.language as tl
 
 from shardmoe.kernels.schedule import persistent_programs
 from shardmoe.kernels.tiles import dot_acc, expert_rows, grad_operand
-from shardmoe.kernels.tuning import PRUNE, configs, dot_settings, unit_columns
+from shardmoe.kernels.tuning import autotune, dot_settings, unit_columns
 
 # SonicMoE's 128 x 256 output tiles with 64-row steps first
 _GPU_TILES = [{"BLOCK_O": o, "BLOCK_K": k, "BLOCK_R": r}
               for o, k in ((128, 256), (128, 128), (256, 128), (64, 256)) for r in (64, 32)]
 
 
-@triton.autotune(configs=configs(_GPU_TILES, {"BLOCK_O": 32, "BLOCK_K": 32, "BLOCK_R": 16},
-                                 warps_stages=((8, 3), (8, 4), (4, 3))),
-                 key=["O", "K", "ACT"], prune_configs_by=PRUNE)
+@autotune(_GPU_TILES, {"BLOCK_O": 32, "BLOCK_K": 32, "BLOCK_R": 16}, key=["O", "K", "ACT"],
+          warps_stages=((8, 3), (8, 4), (4, 3)))
 @triton.jit
 def weight_grad_kernel(
     g_ptr, g_index_ptr, stride_g,
@@ -137,8 +136,7 @@ def weight_grad(grad: torch.Tensor, x: torch.Tensor, groups, *, width: int,
     return dw, db
 
 
-@triton.autotune(configs=configs([{"BLOCK_O": o, "BLOCK_R": 64} for o in (128, 256)], {"BLOCK_O": 32, "BLOCK_R": 32}),
-                 key=["O"], prune_configs_by=PRUNE)
+@autotune([{"BLOCK_O": o, "BLOCK_R": 64} for o in (128, 256)], {"BLOCK_O": 32, "BLOCK_R": 32}, key=["O"])
 @triton.jit
 def bias_grad_kernel(g_ptr, stride_g, ends_ptr, db_ptr, stride_dbe, O,
                      BLOCK_O: tl.constexpr, BLOCK_R: tl.constexpr):
