@@ -34,9 +34,30 @@ from shardmoe.kernels.schedule import choose_block_m, experts_pad, row_tiles
 from shardmoe.kernels.tiles import dot_acc, row_tile
 from shardmoe.kernels.tuning import autotune, dot_settings, unit_columns
 
-_GPU_TILES = [{"BLOCK_N": n, "BLOCK_K": k} for n in (128, 64) for k in (64, 32)]
-_INTERPRETER_TILES = {"BLOCK_N": 16, "BLOCK_K": 32}  # 16: several column tiles at the tests' F
+# 64 columns first: the epilogue holds h's two halves, a and dh beside the accumulator
+_GPU_TILES = [{"BLOCK_N": n, "BLOCK_K": k} for n in (64, 128) for k in (64, 32)]
+_INTERPRETER_TILES = {"BLOCK_N": 32, "BLOCK_K": 32}  # two 16-column halves: several column tiles at the tests' F
 _SMALLEST_BLOCK_N = min(tiles["BLOCK_N"] for tiles in [*_GPU_TILES, _INTERPRETER_TILES])
+
+
+@triton.jit
+def _epilogue(acc, cols, row_mask, local, h_tile, dh_tile, a_tile, stride_h, stride_a, scale, F, limit, alpha,
+              ACT: tl.constexpr):
+    """The epilogue on one accumulator tile u [R, C] of columns `cols`: stores a' = s a and
+    dh = dSwiGLU(s u, h) for them, returns the partial row dots u . a. h and dh share one layout, so one
+    offset tile addresses both; offsets within the tile are int32 from the tile's int64 first row
+    (half the registers of int64 offsets per element)."""
+    mask = row_mask[:, None] & (cols < F)[None, :]
+    offsets = local * stride_h + cols[None, :]
+    gate = tl.load(h_tile + offsets, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(h_tile + offsets + F, mask=mask, other=0.0).to(tl.float32)
+    a = glu(gate, up, limit, alpha, ACT)
+    dot = tl.sum(acc * a, axis=1)
+    tl.store(a_tile + local * stride_a + cols[None, :], (a * scale).to(a_tile.dtype.element_ty), mask=mask)
+    grad_gate, grad_up = glu_grad(acc * scale, gate, up, limit, alpha, ACT)
+    tl.store(dh_tile + offsets, grad_gate.to(dh_tile.dtype.element_ty), mask=mask)
+    tl.store(dh_tile + offsets + F, grad_up.to(dh_tile.dtype.element_ty), mask=mask)
+    return dot
 
 
 @autotune(_GPU_TILES, _INTERPRETER_TILES, key=["F", "H", "BLOCK_M", "ACT"], warps_stages=((8, 3), (4, 3), (8, 4)),
@@ -45,10 +66,9 @@ _SMALLEST_BLOCK_N = min(tiles["BLOCK_N"] for tiles in [*_GPU_TILES, _INTERPRETER
 def down_grad_kernel(
     g_ptr, g_index_ptr, stride_g,
     w_ptr, stride_we, stride_wh, stride_wf,
-    h_ptr, stride_h,
+    h_ptr, dh_ptr, stride_h,
     scale_ptr,
     ends_ptr, num_experts,
-    dh_ptr, stride_dh,
     a_ptr, stride_a,
     dot_ptr, stride_dot,
     bias_ptr, stride_be,
@@ -69,40 +89,41 @@ def down_grad_kernel(
         g_rows = tl.load(g_index_ptr + rows, mask=row_mask, other=0).to(tl.int64)
     else:
         g_rows = rows
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_mask = cols < F
+    # the tile's columns as two halves, each with its own accumulator: the epilogue then runs on one
+    # half after the other, and holds half the tiles at a time
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N // 2)
+    cols_hi = cols + BLOCK_N // 2
     w_expert = w_ptr + expert * stride_we
 
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_N // 2), dtype=tl.float32)
+    acc_hi = tl.zeros((BLOCK_M, BLOCK_N // 2), dtype=tl.float32)
     bias_dot = tl.zeros((BLOCK_M,), dtype=tl.float32)
     for k0 in range(0, H, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_mask = ks < H
         g = tl.load(g_ptr + g_rows[:, None] * stride_g + ks[None, :], mask=row_mask[:, None] & k_mask[None, :],
                     other=0.0)
-        w = tl.load(w_expert + ks[:, None] * stride_wh + cols[None, :] * stride_wf,
-                    mask=k_mask[:, None] & col_mask[None, :], other=0.0)
+        w_rows = w_expert + ks[:, None] * stride_wh
+        w = tl.load(w_rows + cols[None, :] * stride_wf, mask=k_mask[:, None] & (cols < F)[None, :], other=0.0)
         acc = dot_acc(g, w, acc, DOT_FP32, PRECISION)
+        w_hi = tl.load(w_rows + cols_hi[None, :] * stride_wf, mask=k_mask[:, None] & (cols_hi < F)[None, :], other=0.0)
+        acc_hi = dot_acc(g, w_hi, acc_hi, DOT_FP32, PRECISION)
         if DOT_BIAS:
             if pid_n == 0:  # one column tile adds it, so the row dot gets it once
                 b = tl.load(bias_ptr + expert * stride_be + ks, mask=k_mask, other=0.0).to(tl.float32)
                 bias_dot += tl.sum(g.to(tl.float32) * b[None, :], axis=1)
 
-    mask = row_mask[:, None] & col_mask[None, :]
-    h_row = h_ptr + rows[:, None] * stride_h
-    gate = tl.load(h_row + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(h_row + (cols + F)[None, :], mask=mask, other=0.0).to(tl.float32)
-    a = glu(gate, up, limit, alpha, ACT)
-    dot = tl.sum(acc * a, axis=1)
+    first = row_start.to(tl.int64)
+    local = tl.arange(0, BLOCK_M)[:, None]
+    h_tile, dh_tile, a_tile = h_ptr + first * stride_h, dh_ptr + first * stride_h, a_ptr + first * stride_a
+    scale = tl.load(scale_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)[:, None]
+    dot = _epilogue(acc, cols, row_mask, local, h_tile, dh_tile, a_tile, stride_h, stride_a, scale, F, limit, alpha,
+                    ACT)
+    dot += _epilogue(acc_hi, cols_hi, row_mask, local, h_tile, dh_tile, a_tile, stride_h, stride_a, scale, F, limit,
+                     alpha, ACT)
     if DOT_BIAS:
         dot += bias_dot
     tl.store(dot_ptr + rows * stride_dot + pid_n, dot, mask=row_mask)
-    scale = tl.load(scale_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)[:, None]
-    grad_gate, grad_up = glu_grad(acc * scale, gate, up, limit, alpha, ACT)
-    dh = dh_ptr + rows[:, None] * stride_dh + cols[None, :]
-    tl.store(dh, grad_gate.to(dh_ptr.dtype.element_ty), mask=mask)
-    tl.store(dh + F, grad_up.to(dh_ptr.dtype.element_ty), mask=mask)
-    tl.store(a_ptr + rows[:, None] * stride_a + cols[None, :], (a * scale).to(a_ptr.dtype.element_ty), mask=mask)
 
 
 def down_grad(grad: torch.Tensor, weight_rows: torch.Tensor, h: torch.Tensor, down_proj: torch.Tensor, groups,
@@ -115,12 +136,13 @@ def down_grad(grad: torch.Tensor, weight_rows: torch.Tensor, h: torch.Tensor, do
     (activations.activation_args); dot_bias [E, H] (the down bias) adds g . bdown_e to the dots."""
     act_args = activation_args(activation, True)
     num_rows, num_experts, ffn = groups.num_rows, groups.num_experts, down_proj.shape[2]
-    grad_h = grad.new_empty((num_rows, 2 * ffn))
+    grad_h = grad.new_empty((num_rows, 2 * ffn))  # contiguous, as h is made below
     a_scaled = grad.new_empty((num_rows, ffn))
     dots = torch.zeros((num_rows, triton.cdiv(ffn, _SMALLEST_BLOCK_N)), dtype=torch.float32, device=grad.device)
     if num_rows == 0:
         return grad_h, a_scaled, dots.sum(1)
-    grad, h = unit_columns(grad), unit_columns(h)
+    grad = unit_columns(grad)
+    h = h if h.stride() == grad_h.stride() else h.contiguous()
     dot_bias = None if dot_bias is None else unit_columns(dot_bias)
     block_m = choose_block_m(num_rows, num_experts)
     tiles = row_tiles(num_rows, num_experts, block_m)
@@ -128,10 +150,9 @@ def down_grad(grad: torch.Tensor, weight_rows: torch.Tensor, h: torch.Tensor, do
     down_grad_kernel[grid](
         grad, grad_index, grad.stride(0),
         down_proj, down_proj.stride(0), down_proj.stride(1), down_proj.stride(2),
-        h, h.stride(0),
+        h, grad_h, grad_h.stride(0),
         weight_rows,
         groups.offsets, num_experts,
-        grad_h, grad_h.stride(0),
         a_scaled, a_scaled.stride(0),
         dots, dots.stride(0),
         dot_bias, 0 if dot_bias is None else dot_bias.stride(0),

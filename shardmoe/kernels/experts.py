@@ -9,10 +9,10 @@ fusions the torch path cannot express:
               grad_out) and row r reads row row_index[r] inside the kernel, so the
               gathered copy x[row_token] / grad_out[row_token] is never made.
 
-Two entry points fuse across stages and have no single torch counterpart:
-expert_forward_combine (expert forward + combine) and glu_backward (stages 2-4 of the
-"glu" expert, SonicMoE's data flow). Outputs are in the input dtype (float32 accumulation
-inside), as in the torch path.
+Three entry points fuse across stages and have no single torch counterpart:
+expert_forward_combine (expert forward + combine), glu_backward (stages 2-4 of the "glu"
+expert, SonicMoE's data flow) and mlp_backward (stages 1-4 of "mlp"). Outputs are in the input
+dtype (float32 accumulation inside), as in the torch path.
 
 Every expert kind of the torch path runs here: "glu" with or without its biases
 (gate_up_proj_bias [E, 2F], down_proj_bias [E, H]) and with an activation name or a
@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from shardmoe.expert_kinds import ExpertKind
-from shardmoe.kernels.combine import combine
+from shardmoe.kernels.combine import combine, grad_combine_gate
 from shardmoe.kernels.down_grad import down_grad
 from shardmoe.kernels.forward_gemm import forward_gemm
 from shardmoe.kernels.grad_gemm import grad_gemm
@@ -122,21 +122,26 @@ def glu_backward(grad_rows: torch.Tensor, weight_rows: torch.Tensor, xs: torch.T
                                 "down_proj": grad_down, "down_proj_bias": grad_down_bias}
 
 
-def grad_post_gemm_mlp(grad_expert: torch.Tensor, z2: torch.Tensor, a1: torch.Tensor, w2: torch.Tensor,
-                       has_bias: bool, groups, output_activation: str):
-    """Stage 3 for "mlp": (da1 = dz2 W2_e [N, P], dW2_e = sum dz2^T a1 [E, H, P], db2 [E, H] or None)
-    with dz2 = ge act_out'(z2) formed in registers (fGETGrad)."""
-    grad_a1 = grad_gemm(grad_expert, w2, groups, z=z2, activation=output_activation)
-    grad_w2, grad_b2 = weight_grad(grad_expert, a1, groups, width=w2.shape[1], z=z2,
-                                   activation=output_activation, with_bias=has_bias)
-    return grad_a1, grad_w2, grad_b2
+def mlp_backward(grad_rows: torch.Tensor, weight_rows: torch.Tensor, xs: torch.Tensor, z1: torch.Tensor,
+                 z2: torch.Tensor, a1: torch.Tensor, params: dict[str, torch.Tensor | None], groups, activation: str,
+                 output_activation: str, *, row_index=None):
+    """Stages 1-4 for "mlp": (dx rows [N, H], gate dots dw [N] float32, {parameter: gradient}).
 
+      combine.grad_combine_gate   dz2 = w g act_out'(z2) [N, H], dw = g . act_out(z2): one pass
+      dz1      = (dz2 W2_e) act'(z1)  [N, P]   the derivative in the GEMM's epilogue (grad_gemm)
+      dW2_e    = sum dz2^T a1, db2_e = sum dz2;  dW1_e = sum dz1^T x, db1_e = sum dz1   (weight_grad)
+      dx       = dz1 W1_e  [N, H]
 
-def grad_pre_gemm_mlp(grad_a1: torch.Tensor, z1: torch.Tensor, xs: torch.Tensor, w1: torch.Tensor,
-                      has_bias: bool, groups, activation: str, *, row_index=None):
-    """Stage 4 for "mlp": (dx = dz1 W1_e [N, H], dW1_e = sum dz1^T x [E, P, H], db1 [E, P] or None)
-    with dz1 = da1 act'(z1) formed in registers (fGETGrad)."""
-    grad_x = grad_gemm(grad_a1, w1, groups, z=z1, activation=activation)
-    grad_w1, grad_b1 = weight_grad(grad_a1, xs, groups, width=w1.shape[1], x_index=row_index, z=z1,
-                                   activation=activation, with_bias=has_bias)
-    return grad_x, grad_w1, grad_b1
+    Every GEMM reads plain operands: each derivative is applied once, where its tensor is made.
+    a1 = act(z1) [N, P] is the caller's (the backend recomputes it in torch). With row_index [N],
+    grad_rows and xs are the token-order [S, H] tensors, read through it."""
+    has_bias = params["b1"] is not None
+    grad_z2, grad_dots = grad_combine_gate(grad_rows, z2, weight_rows, output_activation=output_activation,
+                                           row_index=row_index)
+    w1, w2 = params["w1"], params["w2"]
+    grad_z1 = grad_gemm(grad_z2, w2, groups, z=z1, activation=activation)
+    grad_w2, grad_b2 = weight_grad(grad_z2, a1, groups, width=w2.shape[1], with_bias=has_bias)
+    del grad_z2
+    grad_w1, grad_b1 = weight_grad(grad_z1, xs, groups, width=w1.shape[1], x_index=row_index, with_bias=has_bias)
+    grad_xs = grad_gemm(grad_z1, w1, groups)
+    return grad_xs, grad_dots, {"w1": grad_w1, "b1": grad_b1, "w2": grad_w2, "b2": grad_b2}

@@ -1,14 +1,13 @@
-"""fGETGrad: the input-gradient grouped GEMM, with the activation derivative applied to the
-incoming tile before the multiply (as FlashMoE's backward GEMM of that name does; docs/kernels.md).
+"""The input-gradient grouped GEMM, with an activation derivative in its epilogue.
 
 For each dispatched row r of expert e (N rows, expert-sorted; W [E, C, N_out]):
 
-  G'_r  = g_r * act'(z_r)                 (g_r itself for identity)
-  out_r = G'_r W_e                        [N_out]
+  out_r = (g_r W_e) * act'(z_r)           [N_out]   (z [N, N_out]; g_r W_e itself for identity)
 
-G' lives only in registers: each K step loads the g, z tiles and forms G' there (tiles.
-grad_operand), so dz is never written to memory. Used for da1 = dz2 W2 and dx = dz1 W1 ("mlp"),
-dx = dh Wgu ("glu", identity: dh is formed once, by glu_grad.py) and grouped_linear_t.
+The derivative is applied once, to the product, where the torch path applies it to a stored
+gradient: "mlp"'s dz1 = (dz2 W2_e) * act'(z1) comes out of the GEMM that makes da1, so the GEMMs
+after it read plain operands (as glu's dh comes out of down_grad.py). Used for dz1 ("mlp", with
+its activation), dx = dz1 W1 and dx = dh Wgu (identity) and grouped_linear_t.
 
 Tiling: one program per (row tile of one expert, found on the device by tiles.row_tile; BLOCK_N
 output columns), a K loop over C in BLOCK_K steps. Autotuned over BLOCK_N, BLOCK_K, warps and
@@ -21,10 +20,12 @@ import triton
 import triton.language as tl
 
 from shardmoe.kernels.schedule import choose_block_m, experts_pad, row_tiles
-from shardmoe.kernels.tiles import dot_acc, grad_operand, row_tile
+from shardmoe.kernels.activations import activation_grad
+from shardmoe.kernels.tiles import dot_acc, row_tile
 from shardmoe.kernels.tuning import autotune, dot_settings, unit_columns
 
-_GPU_TILES = [{"BLOCK_N": n, "BLOCK_K": k} for n in (128, 256, 64) for k in (64, 32)]
+# 64 columns first: with a derivative in the epilogue (gelu), 128 spill on an H100 (--only static)
+_GPU_TILES = [{"BLOCK_N": n, "BLOCK_K": k} for n in (64, 128, 256) for k in (64, 32)]
 
 
 @autotune(_GPU_TILES, {"BLOCK_N": 32, "BLOCK_K": 32}, key=["N_OUT", "C", "BLOCK_M", "ACT"],
@@ -55,19 +56,23 @@ def grad_gemm_kernel(
     for k0 in range(0, C, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_mask = ks < C
-        g = grad_operand(g_ptr, rows, stride_g, z_ptr, rows, stride_z, ks, row_mask, k_mask, ACT)
+        g = tl.load(g_ptr + rows[:, None] * stride_g + ks[None, :], mask=row_mask[:, None] & k_mask[None, :],
+                    other=0.0)
         w = tl.load(w_expert + ks[:, None] * stride_wc + cols[None, :] * stride_wn,
                     mask=k_mask[:, None] & col_mask[None, :], other=0.0)
         acc = dot_acc(g, w, acc, DOT_FP32, PRECISION)
-    tl.store(out_ptr + rows[:, None] * stride_out + cols[None, :], acc.to(out_ptr.dtype.element_ty),
-             mask=row_mask[:, None] & col_mask[None, :])
+    mask = row_mask[:, None] & col_mask[None, :]
+    if ACT != "identity":
+        z = tl.load(z_ptr + rows[:, None] * stride_z + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        acc = acc * activation_grad(z, ACT)
+    tl.store(out_ptr + rows[:, None] * stride_out + cols[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def grad_gemm(grad: torch.Tensor, weight: torch.Tensor, groups, *, z: torch.Tensor | None = None,
               activation: str = "identity") -> torch.Tensor:
     """Launch grad_gemm_kernel over the N = groups.num_rows dispatched rows: out [N, N_out] in
-    grad's dtype for grad [N, C], z [N, C] the saved pre-activation (not read for identity),
-    weight [E, C, N_out]."""
+    grad's dtype for grad [N, C], weight [E, C, N_out] and z [N, N_out] the saved pre-activation
+    of the output's columns (not read for identity)."""
     num_rows, num_experts, width = groups.num_rows, groups.num_experts, weight.shape[2]
     out = grad.new_empty((num_rows, width))
     if num_rows == 0:

@@ -1,9 +1,6 @@
-"""Device helpers shared by the GEMM kernels: where a row tile lies, the accumulating dot, and
-fGETGrad's operand tile."""
+"""Device helpers shared by the GEMM kernels: where a row tile lies and the accumulating dot."""
 import triton
 import triton.language as tl
-
-from shardmoe.kernels.activations import activation_grad
 
 
 @triton.jit
@@ -55,20 +52,3 @@ def dot_acc(a, b, acc, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr):
     else:
         out = tl.dot(a.to(b.dtype), b, acc, input_precision=PRECISION)
     return out
-
-
-@triton.jit
-def grad_operand(g_ptr, g_rows, stride_g, z_ptr, z_rows, stride_z, cols, row_mask, col_mask, ACT: tl.constexpr):
-    """fGETGrad's left operand for an [R, C] tile: the incoming gradient times the activation
-    derivative, formed in registers before the multiply (never stored),
-
-      G'[r, c] = g[r, c] * act'(z[r, c])            (g as loaded, and no z read, for identity)
-
-    g_rows index the gradient (they differ from z_rows when the gradient is gathered from token
-    order); z_rows index the dispatched rows."""
-    mask = row_mask[:, None] & col_mask[None, :]
-    tile = tl.load(g_ptr + g_rows[:, None] * stride_g + cols[None, :], mask=mask, other=0.0)
-    if ACT != "identity":
-        z = tl.load(z_ptr + z_rows[:, None] * stride_z + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        tile = tile.to(tl.float32) * activation_grad(z, ACT)
-    return tile

@@ -2,13 +2,14 @@
 
 For expert e with rows R_e (N rows in all, expert-sorted):
 
-  G'_r  = g_r act'(z_r)          (the fGETGrad operand of grad_gemm.py; g_r itself for identity;
-                                  g optionally gathered from token order)
-  dW_e  = sum_{r in R_e} G'_r^T X_r      [O, K]    X_r optionally gathered (x[row_token])
-  db_e  = sum_{r in R_e} s_r G'_r        [O]       s an optional row scale, for the bias only
+  dW_e  = sum_{r in R_e} G_r^T X_r       [O, K]    G_r optionally gathered from token order (g),
+                                                   X_r too (x[row_token])
+  db_e  = sum_{r in R_e} s_r G_r         [O]       s an optional row scale, for the bias only
 
-Covers dW1/db1 (G' = dz1, X = x), dW2/db2 (G' = dz2, X = a1), dWgate_up (G' = dh, X = x) and
-dWdown (G' = g, X = a' = w a from down_grad.py, and dbdown = sum w g).
+Both operands are plain: every activation derivative is formed once before (glu's dh by
+down_grad.py, "mlp"'s dz2 by combine.py and dz1 by grad_gemm.py). Covers dW1/db1 (G = dz1,
+X = x), dW2/db2 (G = dz2, X = a1), dWgate_up (G = dh, X = x) and dWdown (G = g, X = a' = w a from
+down_grad.py, and dbdown = sum w g).
 
 A varlen-K grouped GEMM: the reduction dimension is each expert's row count, so it tiles the output.
 The E x ceil(O / BLOCK_O) x ceil(K / BLOCK_K) output tiles are taken by persistent programs (one
@@ -16,8 +17,8 @@ per multiprocessor, schedule.persistent_programs), tile after tile, in expert-ma
 the programs running side by side read the same expert's rows; each tile walks its expert's rows
 BLOCK_R at a time, reading the expert's bounds from the groups' ends on the device. Each dW element
 has one owner, so there are no atomics and an empty expert stores zeros. The bias is summed from
-the same G' tiles by the tiles of the first K column. Autotuned over BLOCK_O, BLOCK_K, BLOCK_R,
-warps and stages, keyed on (O, K, ACT) and the dtypes.
+the same G tiles by the tiles of the first K column. Autotuned over BLOCK_O, BLOCK_K, BLOCK_R,
+warps and stages, keyed on (O, K) and the dtypes.
 
 A very uneven routing leaves the tiles of one expert with most of the rows; splitting the row loop
 would need a second reduction pass (noted in docs/kernels.md).
@@ -29,7 +30,7 @@ import triton
 import triton.language as tl
 
 from shardmoe.kernels.schedule import persistent_programs
-from shardmoe.kernels.tiles import dot_acc, expert_rows, grad_operand
+from shardmoe.kernels.tiles import dot_acc, expert_rows
 from shardmoe.kernels.tuning import autotune, dot_settings, unit_columns
 
 # SonicMoE's 128 x 256 output tiles with 64-row steps first
@@ -37,18 +38,17 @@ _GPU_TILES = [{"BLOCK_O": o, "BLOCK_K": k, "BLOCK_R": r}
               for o, k in ((128, 256), (128, 128), (256, 128), (64, 256)) for r in (64, 32)]
 
 
-@autotune(_GPU_TILES, {"BLOCK_O": 32, "BLOCK_K": 32, "BLOCK_R": 16}, key=["O", "K", "ACT"],
+@autotune(_GPU_TILES, {"BLOCK_O": 32, "BLOCK_K": 32, "BLOCK_R": 16}, key=["O", "K"],
           warps_stages=((8, 3), (8, 4), (4, 3)))
 @triton.jit
 def weight_grad_kernel(
     g_ptr, g_index_ptr, stride_g,
-    z_ptr, stride_z,
     x_ptr, x_index_ptr, stride_x,
     ends_ptr, num_experts,
     dw_ptr, stride_de, stride_do, stride_dk,
     db_ptr, stride_dbe, bias_scale_ptr,
     O, K,
-    ACT: tl.constexpr, GATHER_G: tl.constexpr, GATHER_X: tl.constexpr,
+    GATHER_G: tl.constexpr, GATHER_X: tl.constexpr,
     HAS_BIAS: tl.constexpr, BIAS_SCALE: tl.constexpr,
     DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_O: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
@@ -81,7 +81,8 @@ def weight_grad_kernel(
                 x_rows = tl.load(x_index_ptr + rows, mask=row_mask, other=0).to(tl.int64)
             else:
                 x_rows = rows
-            g = grad_operand(g_ptr, g_rows, stride_g, z_ptr, rows, stride_z, o_cols, row_mask, o_mask, ACT)
+            g = tl.load(g_ptr + g_rows[:, None] * stride_g + o_cols[None, :], mask=row_mask[:, None] & o_mask[None, :],
+                        other=0.0)
             x = tl.load(x_ptr + x_rows[:, None] * stride_x + k_cols[None, :],
                         mask=row_mask[:, None] & k_mask[None, :], other=0.0)
             acc = dot_acc(tl.trans(g), x, acc, DOT_FP32, PRECISION)
@@ -102,13 +103,11 @@ def weight_grad_kernel(
 
 def weight_grad(grad: torch.Tensor, x: torch.Tensor, groups, *, width: int,
                 grad_index: torch.Tensor | None = None, x_index: torch.Tensor | None = None,
-                z: torch.Tensor | None = None, activation: str = "identity", with_bias: bool = False,
-                bias_scale: torch.Tensor | None = None):
+                with_bias: bool = False, bias_scale: torch.Tensor | None = None):
     """Launch weight_grad_kernel: (dW [E, width, K], db [E, width] or None), in grad's dtype.
 
     grad [N, width] (or token-order rows through grad_index [N]); x [N, K] (or token-order rows
-    through x_index [N]); z [N, width] the saved pre-activation (not read for identity);
-    bias_scale [N] the row scale of the bias sum only (with_bias).
+    through x_index [N]); bias_scale [N] the row scale of the bias sum only (with_bias).
     """
     num_experts, in_width = groups.num_experts, x.shape[1]
     dw = grad.new_empty((num_experts, width, in_width))
@@ -116,7 +115,6 @@ def weight_grad(grad: torch.Tensor, x: torch.Tensor, groups, *, width: int,
     if dw.numel() == 0:
         return dw, db
     grad, x = unit_columns(grad), unit_columns(x)
-    z = None if z is None else unit_columns(z)
 
     def grid(meta):
         tiles = num_experts * triton.cdiv(width, meta["BLOCK_O"]) * triton.cdiv(in_width, meta["BLOCK_K"])
@@ -124,13 +122,12 @@ def weight_grad(grad: torch.Tensor, x: torch.Tensor, groups, *, width: int,
 
     weight_grad_kernel[grid](
         grad, grad_index, grad.stride(0),
-        z, 0 if z is None else z.stride(0),
         x, x_index, x.stride(0),
         groups.offsets, num_experts,
         dw, dw.stride(0), dw.stride(1), dw.stride(2),
         db, 0 if db is None else db.stride(0), bias_scale,
         width, in_width,
-        ACT=activation, GATHER_G=grad_index is not None, GATHER_X=x_index is not None,
+        GATHER_G=grad_index is not None, GATHER_X=x_index is not None,
         HAS_BIAS=with_bias, BIAS_SCALE=bias_scale is not None, **dot_settings(grad.dtype),
     )
     return dw, db

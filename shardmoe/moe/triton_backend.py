@@ -21,8 +21,9 @@ acc dtype, {parameter: gradient}):
          and a' = w a; then plain grouped GEMMs: dWdown = sum g^T a', dWgu = sum dh^T x (both
          varlen-K: each expert's rows are the reduction), dx = dh Wgu; dbdown = sum w g and
          dbgu = sum dh come from the tiles of the weight-gradient GEMMs
-  "mlp"  stages 1 + 2 in one pass over g (ge = w g and dw = g . act_out(z2)), then stages 3 and 4
-         with act' applied in the GEMMs' prologues
+  "mlp"  stages 1 + 2 in one pass over g (dz2 = w g act_out'(z2) and dw = g . act_out(z2)), then
+         dz1 = (dz2 W2_e) act'(z1) with the derivative in that GEMM's epilogue, and plain grouped
+         GEMMs for dW2, dW1 (varlen-K) and dx (kernels.experts.mlp_backward)
   then stage 5, dx_t = sum over the token's kept rows of dx_r, a gather-and-sum like the forward's.
 With row_index [N] (the fused layer), the gradient and input arguments are the token-order [S, H]
 tensors and the kernels read row r from row row_index[r]: grad_out[row_token] and x[row_token] are
@@ -76,15 +77,8 @@ def _glu_backward(activation, output_activation, grad_rows, weight_rows, xs, sav
 
 def _mlp_backward(activation, output_activation, grad_rows, weight_rows, xs, saved, params, groups, row_index):
     z1, z2 = saved
-    has_bias = params["b1"] is not None
-    grad_expert, grad_dots = kernel_combine.grad_combine_gate(grad_rows, z2, weight_rows,
-                                                              output_activation=output_activation,
-                                                              row_index=row_index)
-    grad_a1, grad_w2, grad_b2 = kernel_experts.grad_post_gemm_mlp(
-        grad_expert, z2, activate(activation, z1), params["w2"], has_bias, groups, output_activation)
-    grad_xs, grad_w1, grad_b1 = kernel_experts.grad_pre_gemm_mlp(grad_a1, z1, xs, params["w1"], has_bias, groups,
-                                                                 activation, row_index=row_index)
-    return grad_xs, grad_dots, {"w1": grad_w1, "b1": grad_b1, "w2": grad_w2, "b2": grad_b2}
+    return kernel_experts.mlp_backward(grad_rows, weight_rows, xs, z1, z2, activate(activation, z1), params, groups,
+                                       activation, output_activation, row_index=row_index)
 
 
 _BACKWARD = {GLU: _glu_backward, MLP: _mlp_backward}

@@ -111,26 +111,25 @@ def test_down_grad_epilogue(routed, expert_params, rel_err):
     assert_all_close(got, expected, rel_err)
 
 
-@pytest.mark.parametrize("output_activation,bias", [(a, i % 2 == 0) for i, a in enumerate(ACTIVATIONS)])
-def test_grad_post_gemm_mlp(routed, expert_params, cast, rel_err, output_activation, bias):
-    groups = groups_of(routed)
-    params = expert_params("mlp", bias, routed.x.device)
-    _, (z1, z2) = ex.expert_forward(MLP, "gelu", output_activation, routed.x[routed.row_token], params, groups)
-    a1 = activate("gelu", z1)
-    grad_expert = random_like(z2, seed=5)
-    expected = ex.grad_post_gemm_mlp(grad_expert, z2, a1, params["w2"], bias, groups, output_activation)
-    got = kex.grad_post_gemm_mlp(*cast((grad_expert, z2, a1, params["w2"]), F32), bias, groups, output_activation)
-    assert_all_close(got, expected, rel_err)
-
-
-@pytest.mark.parametrize("activation,bias", [(a, i % 2 == 1) for i, a in enumerate(ACTIVATIONS)])
-def test_grad_pre_gemm_mlp(routed, expert_params, cast, rel_err, activation, bias):
+@pytest.mark.parametrize("activation,output_activation,bias",
+                         [(a, b, i % 2 == 0) for i, (a, b) in enumerate(zip(ACTIVATIONS, ACTIVATIONS[::-1]))])
+def test_mlp_backward(routed, expert_params, rel_err, activation, output_activation, bias):
+    """Stages 1-4 of "mlp" (dx rows, gate dots, every gradient) against the torch path's stages in
+    float64: every activation in both places, act_out' formed in the combine pass and act' in the
+    da1 GEMM's epilogue; g and x read in token order."""
     groups = groups_of(routed)
     params = expert_params("mlp", bias, routed.x.device)
     xs = routed.x[routed.row_token]
-    _, (z1, _) = ex.expert_forward(MLP, activation, "identity", xs, params, groups)
-    grad_a1 = random_like(z1, seed=6)
-    expected = ex.grad_pre_gemm_mlp(grad_a1, z1, xs, params["w1"], bias, groups, activation)
-    got = kex.grad_pre_gemm_mlp(*cast((grad_a1, z1, routed.x, params["w1"]), F32), bias, groups, activation,
-                                row_index=routed.row_token)
-    assert_all_close(got, expected, rel_err)
+    _, (z1, z2) = ex.expert_forward(MLP, activation, output_activation, xs, params, groups)
+    grad_rows = routed.grad_out[routed.row_token]
+    dx, dots, grads = ex.expert_backward(MLP, activation, output_activation, grad_rows, routed.weight_rows, xs,
+                                         (z1, z2), params, groups, stages=backends.TorchBackend())
+    r32 = routed.cast(F32)
+    params32 = {k: None if v is None else v.to(F32) for k, v in params.items()}
+    z1_32 = z1.to(F32)
+    got_dx, got_dots, got = kex.mlp_backward(r32.grad_out, r32.weight_rows, r32.x, z1_32, z2.to(F32),
+                                             activate(activation, z1_32), params32, groups, activation,
+                                             output_activation, row_index=r32.row_token)
+    assert_all_close((got_dx, got_dots), (dx, dots), rel_err)
+    assert set(got) == set(grads)
+    assert_all_close([got[k] for k in grads], [grads[k] for k in grads], rel_err)
