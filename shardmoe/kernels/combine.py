@@ -26,7 +26,7 @@ from shardmoe.rows import accumulation_dtype
 
 
 @autotune([{"BLOCK_T": t, "BLOCK_H": h} for t in (16, 32) for h in (128, 256)], {"BLOCK_T": 16, "BLOCK_H": 32},
-          key=["H", "TOP_K"])
+          key=["H", "TOP_K"], warps_stages=((4, 3),))
 @triton.jit
 def token_combine_kernel(rows_ptr, stride_rows, scale_ptr, pair_row_ptr, out_ptr, stride_out, S, H,
                          TOP_K: tl.constexpr, SCALE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
@@ -50,7 +50,7 @@ def token_combine_kernel(rows_ptr, stride_rows, scale_ptr, pair_row_ptr, out_ptr
 
 
 @autotune([{"BLOCK_R": r, "BLOCK_H": h} for r in (16, 32) for h in (128, 256)], {"BLOCK_R": 16, "BLOCK_H": 32},
-          key=["H", "OUT_ACT", "STORE_GE", "DOT"])
+          key=["H", "OUT_ACT", "STORE_GE", "DOT"], warps_stages=((4, 3),))
 @triton.jit
 def grad_combine_gate_kernel(g_ptr, g_index_ptr, stride_g, y_ptr, stride_y, scale_ptr, ge_ptr, stride_ge, dw_ptr,
                              N, H, OUT_ACT: tl.constexpr, GATHER: tl.constexpr, STORE_GE: tl.constexpr,

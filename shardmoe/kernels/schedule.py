@@ -38,9 +38,14 @@ def row_tiles(num_rows: int, num_experts: int, block_m: int) -> int:
     return triton.cdiv(num_rows, block_m) + num_experts
 
 
+MIN_EXPERTS_PAD = 256
+
+
 def experts_pad(num_experts: int) -> int:
-    """E_PAD: the power of two at or above E (tiles.row_tile reads the E ends as one vector)."""
-    return max(2, triton.next_power_of_2(num_experts))
+    """E_PAD, the width of the vector tiles.row_tile reads the E ends into: a power of two at or
+    above E, and at least 256, so that layers of up to 256 experts share one compiled kernel (E_PAD
+    is a constexpr: each value is another compile, and another autotune on a bare GPU)."""
+    return max(MIN_EXPERTS_PAD, triton.next_power_of_2(num_experts))
 
 
 @functools.cache

@@ -34,12 +34,11 @@ from shardmoe.kernels.tiles import dot_acc, expert_rows
 from shardmoe.kernels.tuning import autotune, dot_settings, unit_columns
 
 # SonicMoE's 128 x 256 output tiles with 64-row steps first
-_GPU_TILES = [{"BLOCK_O": o, "BLOCK_K": k, "BLOCK_R": r}
-              for o, k in ((128, 256), (128, 128), (256, 128), (64, 256)) for r in (64, 32)]
+_GPU_TILES = [{"BLOCK_O": o, "BLOCK_K": k, "BLOCK_R": 64} for o, k in ((128, 256), (128, 128), (256, 128))]
 
 
 @autotune(_GPU_TILES, {"BLOCK_O": 32, "BLOCK_K": 32, "BLOCK_R": 16}, key=["O", "K"],
-          warps_stages=((8, 3), (8, 4), (4, 3)))
+          warps_stages=((8, 3), (8, 4)))
 @triton.jit
 def weight_grad_kernel(
     g_ptr, g_index_ptr, stride_g,
