@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from shardmoe import gpu_check
-from shardmoe.gpu_check import bench, parity, pytest_stage, runner, sanitize, sanitizer, sweep
+from shardmoe.gpu_check import bench, model, parity, pytest_stage, runner, sanitize, sanitizer, static, sweep
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
@@ -32,15 +32,17 @@ def dry_run(tmp_path_factory):
     return done.returncode, done.stdout + done.stderr, report, (out / "report.md").read_text(), out
 
 
-def test_dry_run_passes_every_stage_and_skips_only_the_sanitizer(dry_run):
+def test_dry_run_passes_every_stage_and_skips_only_the_sanitizer_and_static(dry_run):
     code, output, report, _, _ = dry_run
     assert code == 0, output
     assert list(report["stages"]) == list(gpu_check.STAGE_NAMES)
     statuses = {name: entry["status"] for name, entry in report["stages"].items()}
-    assert statuses == {"env": "ok", "tests": "ok", "sanitizer": "skipped", "parity": "ok", "bench": "ok",
-                        "sweep": "ok", "calibrate": "ok"}, output
+    assert statuses == {"env": "ok", "static": "skipped", "tests": "ok", "sanitizer": "skipped", "parity": "ok",
+                        "bench": "ok", "sweep": "ok", "model": "ok", "calibrate": "ok"}, output
+    assert "--only static" in report["stages"]["static"]["note"]
     assert report["runs"][0]["dry_run"] is True and report["runs"][0]["device"] == "cpu"
-    assert all(entry["error"] is None and entry["seconds"] > 0 for entry in report["stages"].values())
+    assert all(entry["error"] is None for entry in report["stages"].values())
+    assert all(entry["seconds"] > 0 for name, entry in report["stages"].items() if name != "static")
 
 
 def test_env_records_versions_and_the_interpreter(dry_run):
@@ -198,6 +200,72 @@ def test_a_wrong_kernel_output_is_a_sweep_problem_and_the_timing_still_runs(monk
     assert all(ms > 0 for ms in row["median_ms"].values())
 
 
+def test_model_stage_steps_both_implementations_on_the_triton_path(dry_run):
+    result = dry_run[2]["stages"]["model"]["result"]
+    assert result["family"] == "qwen3_moe" and result["sizes"] == dataclasses.asdict(model.DRY_RUN_MODEL)
+    assert result["backends"] == ["triton"] and not result["problems"] and result["passed"]
+    assert set(result["median_ms"]) == set(model.IMPLEMENTATIONS) and all(ms > 0 for ms in result["median_ms"].values())
+    assert result["grouped_mm_over_shardmoe"] == pytest.approx(result["median_ms"]["grouped_mm"]
+                                                              / result["median_ms"]["shardmoe"])
+    # the same weights: the two losses agree to bf16 round-off; the gradients' distance is reported only
+    # (grouped_mm routes in bf16: 8.7e-2 apart at these tiny sizes)
+    assert result["loss_rel_diff"] < 1e-2 and 0 < result["grad_rel_error"] < math.inf
+    assert "grouped_mm / shardmoe:" in dry_run[3]
+
+
+def test_bench_reports_host_syncs_only_on_cuda(dry_run):
+    assert all(c["host_sync"] is None for c in dry_run[2]["stages"]["bench"]["result"]["cases"])
+
+
+@pytest.fixture(scope="module")
+def static_run(tmp_path_factory):
+    """(exit code, output, report.json) of `--only static`: every kernel compiled for an H100 here."""
+    out = tmp_path_factory.mktemp("gpu_check") / "static"
+    env = {k: v for k, v in ENV.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-m", "shardmoe.gpu_check", "--out", str(out), "--only", "static"], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=900)
+    return (done.returncode, done.stdout + done.stderr, json.loads((out / "report.json").read_text()),
+            (out / "report.md").read_text())
+
+
+def test_static_every_gemm_kernel_has_tensor_core_mma_and_no_spills(static_run):
+    """Every GEMM kernel of the bench's layer steps (and an mlp and a biased clamped glu), at the config
+    an H100 runs, compiled for sm_90a: HGMMA (wgmma) in its machine code and no spilled registers."""
+    code, output, report, md = static_run
+    entry = report["stages"]["static"]
+    if entry["status"] == "skipped":
+        pytest.skip(f"static stage skipped: {entry['note']}")
+    assert code == 0 and entry["status"] == "ok", output + str(entry["result"].get("problems"))
+    rows = entry["result"]["kernels"]
+    assert set(compiled_gemms()) <= {r["name"] for r in rows}
+    assert {w.name for w in static.WORKLOADS} == {w for r in rows for w in r["workloads"]}
+    for r in rows:
+        assert {"name", "config", "registers", "spill_bytes", "shared_bytes", "mma_instructions",
+                "tma_instructions"} <= set(r), r
+        assert 0 < r["registers"] <= 255 and r["shared_bytes"] >= 0 and "num_warps" in r["config"], r
+        if r["gemm"]:
+            assert r["mma_instructions"] > 0 and r["spill_bytes"] == 0, r
+        else:
+            assert r["mma_instructions"] == 0, r
+    assert "| kernel | config | variant | workloads | registers | spill bytes | shared bytes | HGMMA |" in md
+
+
+def compiled_gemms():
+    from shardmoe.kernels.compiled import GEMM_KERNELS
+
+    return GEMM_KERNELS
+
+
+def test_static_problems_name_a_kernel_without_mma_or_with_spills():
+    row = {"name": "weight_grad_kernel", "config": {"BLOCK_O": 128}, "workloads": ["w"], "gemm": True,
+           "registers": 255, "spill_bytes": 64, "mma_instructions": 0, "mma_sync_instructions": 2}
+    found = static.problems({"kernels": [row]})
+    assert found[0].startswith("GEMM kernels not compiled: down_grad_kernel, forward_gemm_kernel, grad_gemm_kernel")
+    assert found[1] == ("weight_grad_kernel {'BLOCK_O': 128} (w): expected tensor-core MMA (HGMMA), got none "
+                        "(2 HMMA)")
+    assert found[2] == "weight_grad_kernel {'BLOCK_O': 128} (w): expected no spills, got 64 bytes (255 registers)"
+
+
 @pytest.fixture(scope="module")
 def bench_check_inputs():
     """(shape, the bench's output gradient) at the dry run's fine shape, on the CPU."""
@@ -272,8 +340,8 @@ def test_calibrate_writes_constants_the_simulator_reads(dry_run):
 
 def test_report_markdown_has_every_stage_section_and_table(dry_run):
     md = dry_run[3]
-    for name, status in (("env", "ok"), ("tests", "ok"), ("sanitizer", "skipped"), ("parity", "ok"),
-                         ("bench", "ok"), ("sweep", "ok"), ("calibrate", "ok")):
+    for name, status in (("env", "ok"), ("static", "skipped"), ("tests", "ok"), ("sanitizer", "skipped"),
+                         ("parity", "ok"), ("bench", "ok"), ("sweep", "ok"), ("model", "ok"), ("calibrate", "ok")):
         assert f"## {name}: {status}" in md
     assert "| glu-deepseek-router | bfloat16 | 3 | triton |" in md
     assert "SonicMoE, published (H100, S=24576 H=1536 F=256 E=128 k=8): forward 365, backward 405 TFLOP/s" in md
@@ -285,8 +353,8 @@ def test_report_markdown_has_every_stage_section_and_table(dry_run):
 
 @pytest.mark.parametrize("argv, message", [
     (["--out", "{tmp}", "--only", "parity,bogus"],
-     "--only: expected comma-separated stage names among env, tests, sanitizer, parity, bench, sweep, calibrate, "
-     "got 'bogus' in 'parity,bogus'"),
+     "--only: expected comma-separated stage names among env, static, tests, sanitizer, parity, bench, sweep, "
+     "model, calibrate (or lease), got 'bogus' in 'parity,bogus'"),
     (["--only", "parity"], "--out: expected a directory for report.md and report.json, got None"),
     (["--out", "{tmp}", "--budget", "0"], "--budget: expected a number >= 1, got 0.0"),
     (["--out", "{tmp}", "--merge", "{tmp}/missing.json"], "--merge: expected a report.json written by"),
@@ -302,11 +370,13 @@ def test_a_full_run_without_cuda_is_refused(tmp_path, capsys):
         pytest.skip("a CUDA device is present: a full run is valid here")
     assert gpu_check.main(["--out", str(tmp_path), "--only", "parity"]) == 2
     assert ("--dry-run: expected it on a machine without CUDA (torch.cuda.is_available() is False), got a full run "
-            "of env,parity") in capsys.readouterr().err
+            "of env,parity (only env, static run without it)") in capsys.readouterr().err
 
 
 def test_only_runs_env_first_and_stages_in_their_order():
     assert gpu_check.parse_only("bench,parity", merging=False) == ["env", "parity", "bench"]
+    assert gpu_check.parse_only("lease", merging=False) == ["env", "static", "parity", "bench", "sweep", "model",
+                                                              "calibrate"]
     assert gpu_check.parse_only(None, merging=False) == list(gpu_check.STAGE_NAMES)
     assert gpu_check.parse_only(None, merging=True) == []
     assert tuple(runner.STAGES) == gpu_check.STAGE_NAMES

@@ -17,6 +17,8 @@ start, the end of the forward and the end of the backward, and the report gives 
   x dense          median(dense) / median: the fraction of the dense ceiling
   vs grouped_mm    median(grouped_mm) / median: above 1, faster than transformers
   peak GiB         torch.cuda.max_memory_allocated during one step, above what was allocated before it
+After timing (CUDA): one shardmoe step under torch.cuda.set_sync_debug_mode("error") (host_sync):
+a dropless step must not synchronise with the host.
 Before timing, one step of each module candidate is checked against a float64 truth (float64_truth:
 a deep copy of the shardmoe layer in float64 on the torch path, on the same bf16-rounded weights,
 input and output gradient upcast). Per candidate and per tensor (output y, dL/dx, the router's,
@@ -85,7 +87,7 @@ def layer_candidate(s: Shape, dtype, device):
     import shardmoe
     from shardmoe.bench.candidates import Candidate, _init_weights
 
-    router, gate_up, down = _init_weights(s, 0)
+    router, gate_up, down = _init_weights(s, 0, device)
     layer = shardmoe.MoE(s.hidden, s.ffn, s.experts, s.top_k, dtype=dtype, device=device)
     with torch.no_grad():
         layer.gate_weight.copy_(router.t())
@@ -264,6 +266,26 @@ def time_steps(bases: dict, steps_in: dict, grad, clock: Clock, warmup: int, rep
     return timed, {name: marks[name][warmup:warmup + len(times[name])] for name in timed}
 
 
+def host_sync(c, context) -> str | None:
+    """None when one step of candidate c made no host synchronisation under
+    torch.cuda.set_sync_debug_mode("error") (no .item(), no copy to the host, no wait for the
+    device), else the first line of the error. CUDA only; after warm-up (autotuning benchmarks)."""
+    import torch
+
+    c.reset()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with context():
+            c.step()
+    except RuntimeError as err:
+        return str(err).strip().splitlines()[0]
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+        c.reset()
+    return None
+
+
 def split_timed(c, context, grad, clock: Clock):
     """(a copy of candidate c whose step marks start / end of forward / end of backward, the marks)."""
     marks = []
@@ -311,6 +333,9 @@ def measure(shape_name: str, s: Shape, ctx) -> dict:
             torch.cuda.synchronize()
             peaks[name] = (torch.cuda.max_memory_allocated() - before) / 2 ** 30
             bases[name].reset()
+        synced = host_sync(bases["shardmoe"], steps_in["shardmoe"])
+        if synced is not None:
+            problems.append(f"shardmoe: a dropless step synchronised with the host: {synced}")
     flops = total_flops(s)
     rows = []
     for name in timed:
@@ -338,6 +363,7 @@ def measure(shape_name: str, s: Shape, ctx) -> dict:
               "expert_flops": expert_flops(s), "router_flops": router_flops(s), "warmup": warmup, "repeats": repeats,
               "timing": "CUDA events" if cuda else "perf_counter (CPU)", "backends": chosen,
               "float64_errors": float64, "checked": list(CHECKED), "check_tol": CHECK_TOL, "errors": errors,
+              "host_sync": None if not cuda else ("none" if synced is None else synced),
               "rows": rows, "notes": notes, "problems": problems}
     if shape_name == SONICMOE["shape"]:
         result["sonicmoe"] = {**SONICMOE, "published_shape": asdict(SHAPES[SONICMOE["shape"]]),
