@@ -1,12 +1,11 @@
 """Where one CUDA forward + backward of the layer spends its time: torch.profiler's kernel table.
 
-    PYTHONPATH=. python benchmarks/gpu_profile.py S H F E k [--torch | --dh-once]
+    PYTHONPATH=. python benchmarks/gpu_profile.py S H F E k [--torch]
 
 bf16, random weights and input, three warm-up steps (the first autotunes the kernels), then two
 profiled steps; prints the 22 rows with the most CUDA time. Each path runs in the GPU bench's
 context for it (shardmoe.gpu_check.bench.contexts()): the Triton path forced (also past
-KERNEL_MAX_FFN); --torch the torch path instead, --dh-once the Triton path with glu's dh formed once
-(shardmoe.settings glu_grad_on_load off).
+KERNEL_MAX_FFN); --torch the torch path instead.
 docs/gpu/2026-11-24-h100/profile-*.txt were made with it.
 """
 import sys
@@ -21,13 +20,13 @@ from shardmoe.gpu_check.bench import contexts
 def main(argv: list[str]) -> None:
     flags = {a for a in argv if a.startswith("--")}
     sizes = [a for a in argv if a not in flags]
-    if len(sizes) != 5 or not flags <= {"--torch", "--dh-once"} or len(flags) > 1:
-        sys.exit(f"gpu_profile.py: expected S H F E k and at most one of --torch, --dh-once, got {' '.join(argv)!r}")
+    if len(sizes) != 5 or not flags <= {"--torch"}:
+        sys.exit(f"gpu_profile.py: expected S H F E k and optionally --torch, got {' '.join(argv)!r}")
     tokens, hidden, ffn, experts, top_k = map(int, sizes)
     layer = shardmoe.MoE(hidden, ffn, experts, top_k, dtype=torch.bfloat16, device="cuda")
     x = torch.randn(1, tokens, hidden, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     grad = torch.randn(1, tokens, hidden, device="cuda", dtype=torch.bfloat16)
-    path = {"--torch": "shardmoe:torch", "--dh-once": "shardmoe:dh-once"}.get(next(iter(flags), None), "shardmoe")
+    path = "shardmoe:torch" if flags else "shardmoe"
     with contexts()[path]():
         for _ in range(3):
             layer(x).backward(grad)

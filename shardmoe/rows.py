@@ -8,6 +8,7 @@ both: neither package imports the other for them.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -20,7 +21,14 @@ def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
 
 @dataclass(frozen=True)
 class Groups:
-    """Expert e owns rows [start_e, start_e + sizes[e]) of the dispatched matrix.
+    """Expert e owns rows [start_e, start_e + size_e) of the dispatched matrix.
+
+    counts [E] (the sizes) and offsets [E] (int32, their cumulative ends, as grouped_mm and the
+    Triton kernels read them) live on the rows' device; `sizes`, the same counts as a host tuple,
+    is read from the device the first time something asks for it (the CPU loops over experts do;
+    the GPU paths never do, so a step on them waits for no copy to the host). num_rows, N, is
+    given when the caller knows it without reading the counts (a dropless step: S k) and read
+    from them otherwise.
 
     row_tile T > 0 pads expert groups to whole tiles in the GEMMs that map rows to rows (the
     forward GEMMs and the input-gradient GEMMs, per-expert loop only): expert e's GEMM runs on
@@ -33,15 +41,34 @@ class Groups:
     Weight-gradient GEMMs reduce over rows and take exact counts here (the side-by-side GEMMs of
     cpu_gemm.py, which row tiles turn off, pad them with zero rows in bf16 instead)."""
 
-    sizes: tuple[int, ...]
-    offsets: torch.Tensor  # int32 [E], cumulative ends, as grouped_mm wants them
+    counts: torch.Tensor
+    offsets: torch.Tensor
     row_tile: int = 0
+    given_rows: int | None = None
 
     @classmethod
-    def from_counts(cls, counts: torch.Tensor, row_tile: int = 0) -> "Groups":
+    def from_counts(cls, counts: torch.Tensor, row_tile: int = 0, num_rows: int | None = None) -> "Groups":
+        """counts [E] rows per expert (any integer dtype, on the rows' device); num_rows their sum
+        when the caller knows it without reading them."""
         if row_tile < 0:
             raise ValueError(f"row_tile: expected >= 0, got {row_tile}")
-        return cls(tuple(int(c) for c in counts.tolist()), torch.cumsum(counts, 0).to(torch.int32), row_tile)
+        if num_rows is not None and num_rows < 0:
+            raise ValueError(f"num_rows: expected >= 0, got {num_rows}")
+        return cls(counts, torch.cumsum(counts, 0).to(torch.int32), row_tile, num_rows)
+
+    @property
+    def num_experts(self) -> int:
+        return self.counts.shape[0]
+
+    @functools.cached_property
+    def sizes(self) -> tuple[int, ...]:
+        """Rows per expert on the host (a copy from the device, made once)."""
+        return tuple(int(c) for c in self.counts.tolist())
+
+    @functools.cached_property
+    def num_rows(self) -> int:
+        """N = sum of the sizes: as given, else read from the counts."""
+        return sum(self.sizes) if self.given_rows is None else self.given_rows
 
     def expert_rows(self, rows: torch.Tensor, out: torch.Tensor):
         """(e, rows of e, out rows of e) for every expert in order, both extended to whole row tiles
@@ -56,9 +83,10 @@ class Groups:
             start += size
 
     def row_expert(self, device=None) -> torch.Tensor:
-        """[N] expert index of each row."""
-        sizes = torch.tensor(self.sizes, device=device if device is not None else self.offsets.device)
-        return torch.repeat_interleave(torch.arange(len(self.sizes), device=sizes.device), sizes)
+        """[N] expert index of each row (on the counts' device unless `device` says otherwise)."""
+        counts = self.counts.to(device) if device is not None else self.counts
+        return torch.repeat_interleave(torch.arange(self.num_experts, device=counts.device), counts,
+                                       output_size=self.num_rows)
 
 
 def row_tile_for(dtype: torch.dtype, counts: torch.Tensor) -> int:

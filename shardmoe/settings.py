@@ -10,9 +10,6 @@ off) and may be changed for a block of code with override(), for ablations and b
                                                  off, each takes its first (kernels/tuning.py): for
                                                  checks at many small shapes, where compiling dominates;
                                                  a shape keeps its first choice for the process
-  glu_grad_on_load   SHARDMOE_GLU_GRAD_ON_LOAD   the Triton glu backward forms dh = [dA hu act'(hg) |
-                                                 dA act(hg)] on load inside both stage-4 GEMMs; off,
-                                                 once in torch, and the GEMMs read it (moe/triton_backend.py)
 
   with shardmoe.settings.override(fused_elementwise=False):
       layer(x).sum().backward()          # the torch code of the same stages
@@ -27,8 +24,7 @@ import dataclasses
 import os
 
 ENVIRONMENT = {"kernels": "SHARDMOE_KERNELS", "experts_mm": "SHARDMOE_EXPERTS_MM",
-               "fused_elementwise": "SHARDMOE_FUSED_ELEMENTWISE", "autotune": "SHARDMOE_AUTOTUNE",
-               "glu_grad_on_load": "SHARDMOE_GLU_GRAD_ON_LOAD"}
+               "fused_elementwise": "SHARDMOE_FUSED_ELEMENTWISE", "autotune": "SHARDMOE_AUTOTUNE"}
 
 
 @dataclasses.dataclass
@@ -37,7 +33,6 @@ class Settings:
     experts_mm: bool = True
     fused_elementwise: bool = True
     autotune: bool = True
-    glu_grad_on_load: bool = True
 
     @classmethod
     def from_environ(cls) -> "Settings":

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from shardmoe import gpu_check
-from shardmoe.gpu_check import bench, parity, pytest_stage, runner, sanitize, sanitizer, sweep
+from shardmoe.gpu_check import bench, model, parity, pytest_stage, runner, sanitize, sanitizer, static, sweep
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
@@ -32,15 +32,17 @@ def dry_run(tmp_path_factory):
     return done.returncode, done.stdout + done.stderr, report, (out / "report.md").read_text(), out
 
 
-def test_dry_run_passes_every_stage_and_skips_only_the_sanitizer(dry_run):
+def test_dry_run_passes_every_stage_and_skips_only_the_sanitizer_and_static(dry_run):
     code, output, report, _, _ = dry_run
     assert code == 0, output
     assert list(report["stages"]) == list(gpu_check.STAGE_NAMES)
     statuses = {name: entry["status"] for name, entry in report["stages"].items()}
-    assert statuses == {"env": "ok", "tests": "ok", "sanitizer": "skipped", "parity": "ok", "bench": "ok",
-                        "sweep": "ok", "calibrate": "ok"}, output
+    assert statuses == {"env": "ok", "static": "skipped", "tests": "ok", "sanitizer": "skipped", "parity": "ok",
+                        "bench": "ok", "sweep": "ok", "model": "ok", "calibrate": "ok"}, output
+    assert "--only static" in report["stages"]["static"]["note"]
     assert report["runs"][0]["dry_run"] is True and report["runs"][0]["device"] == "cpu"
-    assert all(entry["error"] is None and entry["seconds"] > 0 for entry in report["stages"].values())
+    assert all(entry["error"] is None for entry in report["stages"].values())
+    assert all(entry["seconds"] > 0 for name, entry in report["stages"].items() if name != "static")
 
 
 def test_env_records_versions_and_the_interpreter(dry_run):
@@ -117,20 +119,19 @@ def test_bench_times_every_candidate_and_prints_sonicmoe_beside_ours(dry_run):
     assert [c["shape_name"] for c in cases] == list(bench.DRY_RUN_SHAPES)
     for c in cases:
         rows = {r["candidate"]: r for r in c["rows"]}
-        assert set(rows) == {"dense", "grouped_mm", "shardmoe", "shardmoe:dh-once", "shardmoe:torch"}
+        assert set(rows) == {"dense", "grouped_mm", "shardmoe", "shardmoe:torch"}
         for r in rows.values():
             assert r["median_ms"] > 0 and r["tflops"] > 0 and r["repeats"] == bench.DRY_RUN_REPEATS
-        for name in ("grouped_mm", "shardmoe", "shardmoe:dh-once", "shardmoe:torch"):
+        for name in ("grouped_mm", "shardmoe", "shardmoe:torch"):
             assert rows[name]["forward_ms"] > 0 and rows[name]["backward_ms"] > 0
-        assert c["backends"] == {"shardmoe": "triton", "shardmoe:dh-once": "triton", "shardmoe:torch": "torch"}
-        assert set(c["errors"]) == {"shardmoe vs shardmoe:torch", "shardmoe:dh-once vs shardmoe:torch",
+        assert c["backends"] == {"shardmoe": "triton", "shardmoe:torch": "torch"}
+        assert set(c["errors"]) == {"shardmoe vs shardmoe:torch",
                                     "shardmoe vs grouped_mm", "shardmoe:torch vs grouped_mm"}
         assert all(math.isfinite(err) for err in c["errors"].values())
         assert c["errors"]["shardmoe vs shardmoe:torch"] < bench.CHECK_TOL and not c["problems"]
-        assert c["errors"]["shardmoe:dh-once vs shardmoe:torch"] < bench.CHECK_TOL
         float64 = c["float64_errors"]
-        assert set(float64) == {"grouped_mm", "shardmoe", "shardmoe:dh-once", "shardmoe:torch"}
-        assert c["checked"] == ["shardmoe", "shardmoe:dh-once", "shardmoe:torch"] and c["check_tol"] == bench.CHECK_TOL
+        assert set(float64) == {"grouped_mm", "shardmoe", "shardmoe:torch"}
+        assert c["checked"] == ["shardmoe", "shardmoe:torch"] and c["check_tol"] == bench.CHECK_TOL
         for name, errors in float64.items():
             assert set(errors) == {"y", "x", "router", "gate_up", "down"}, name
             assert all(math.isfinite(err) and err > 0 for err in errors.values()), (name, errors)
@@ -149,30 +150,26 @@ def test_sweep_times_the_three_paths_at_every_width(dry_run):
     for r in result["rows"]:
         assert set(r["median_ms"]) == set(sweep.PATHS) and all(ms > 0 for ms in r["median_ms"].values()), r
         assert r["repeats"] == bench.DRY_RUN_REPEATS
-        assert r["backends"] == {"shardmoe": "triton", "shardmoe:dh-once": "triton", "shardmoe:torch": "torch"}
+        assert r["backends"] == {"shardmoe": "triton", "shardmoe:torch": "torch"}
         assert not r["problems"] and all(0 < err < bench.CHECK_TOL for err in r["errors"].values()), r
         assert r["torch_over_kernels"] == pytest.approx(r["median_ms"]["shardmoe:torch"] / r["median_ms"]["shardmoe"])
-        assert r["torch_over_dh_once"] == pytest.approx(
-            r["median_ms"]["shardmoe:torch"] / r["median_ms"]["shardmoe:dh-once"])
     assert "crossover_ffn" in result and result["crossover_ffn"] == sweep.crossover(result["rows"])
     assert result["kernel_max_ffn"] == KERNEL_MAX_FFN
     md = dry_run[3]
-    assert "| F | kernels ms | dh-once ms | torch ms | torch/kernels | torch/dh-once |" in md
+    assert "| F | kernels ms | torch ms | torch/kernels |" in md
     assert f"kernels.KERNEL_MAX_FFN is {KERNEL_MAX_FFN} (not changed by this stage)" in md
 
 
 def test_sweep_crossover_and_budget(monkeypatch):
-    """The crossover is the widest F whose better kernel variant is not slower; F values past the
-    budget are listed as not run and fail the stage."""
-    def row(ffn, kernels_ms, dh_once_ms, torch_ms=10.0):
-        return {"ffn": ffn, "median_ms": {"shardmoe": kernels_ms, "shardmoe:dh-once": dh_once_ms,
-                                          "shardmoe:torch": torch_ms}, "repeats": 2, "backends": {}, "errors": {},
-                "torch_over_kernels": torch_ms / kernels_ms, "torch_over_dh_once": torch_ms / dh_once_ms,
-                "problems": []}
+    """The crossover is the widest F at which the kernels are not slower; F values past the budget
+    are listed as not run and fail the stage."""
+    def row(ffn, kernels_ms, torch_ms=10.0):
+        return {"ffn": ffn, "median_ms": {"shardmoe": kernels_ms, "shardmoe:torch": torch_ms}, "repeats": 2,
+                "backends": {}, "errors": {}, "torch_over_kernels": torch_ms / kernels_ms, "problems": []}
 
-    assert sweep.crossover([row(16, 5, 20), row(32, 20, 10), row(48, 11, 12)]) == 32
-    assert sweep.crossover([row(16, 11, 12)]) is None
-    measured = {16: row(16, 5, 20), 32: row(32, 20, 9)}
+    assert sweep.crossover([row(16, 5), row(32, 10), row(48, 11)]) == 32
+    assert sweep.crossover([row(16, 11)]) is None
+    measured = {16: row(16, 5), 32: row(32, 9)}
     monkeypatch.setattr(sweep, "measure", lambda s, ctx: measured[s.ffn])
     progress = []
     ctx = types.SimpleNamespace(dry_run=True, device="cpu", out_of_time=lambda: len(progress) >= 2,
@@ -190,17 +187,83 @@ def test_a_wrong_kernel_output_is_a_sweep_problem_and_the_timing_still_runs(monk
     def corrupted(c, context, grad):
         result = real(c, context, grad)
         calls.append(len(calls))
-        if len(calls) == 2:  # shardmoe:dh-once, the second path checked
+        if len(calls) == 1:  # shardmoe, the first path checked
             result["x"] = result["x"] * 1.1
         return result
 
     monkeypatch.setattr(bench, "check_step", corrupted)
     ctx = types.SimpleNamespace(dry_run=True, device="cpu")
     row = sweep.measure(dataclasses.replace(sweep.DRY_RUN_SHAPE, ffn=16), ctx)
-    assert len(calls) == 3 and row["errors"]["shardmoe vs shardmoe:torch"] < bench.CHECK_TOL
-    assert row["problems"] == [f"F=16: shardmoe:dh-once vs shardmoe:torch: error "
-                               f"{row['errors']['shardmoe:dh-once vs shardmoe:torch']:.2e} > {bench.CHECK_TOL:g}"]
+    assert len(calls) == 2
+    assert row["problems"] == [f"F=16: shardmoe vs shardmoe:torch: error "
+                               f"{row['errors']['shardmoe vs shardmoe:torch']:.2e} > {bench.CHECK_TOL:g}"]
     assert all(ms > 0 for ms in row["median_ms"].values())
+
+
+def test_model_stage_steps_both_implementations_on_the_triton_path(dry_run):
+    result = dry_run[2]["stages"]["model"]["result"]
+    assert result["family"] == "qwen3_moe" and result["sizes"] == dataclasses.asdict(model.DRY_RUN_MODEL)
+    assert result["backends"] == ["triton"] and not result["problems"] and result["passed"]
+    assert set(result["median_ms"]) == set(model.IMPLEMENTATIONS) and all(ms > 0 for ms in result["median_ms"].values())
+    assert result["grouped_mm_over_shardmoe"] == pytest.approx(result["median_ms"]["grouped_mm"]
+                                                              / result["median_ms"]["shardmoe"])
+    # the same weights: the two losses agree to bf16 round-off; the gradients' distance is reported only
+    # (grouped_mm routes in bf16: 8.7e-2 apart at these tiny sizes)
+    assert result["loss_rel_diff"] < 1e-2 and 0 < result["grad_rel_error"] < math.inf
+    assert "grouped_mm / shardmoe:" in dry_run[3]
+
+
+def test_bench_reports_host_syncs_only_on_cuda(dry_run):
+    assert all(c["host_sync"] is None for c in dry_run[2]["stages"]["bench"]["result"]["cases"])
+
+
+@pytest.fixture(scope="module")
+def static_run(tmp_path_factory):
+    """(exit code, output, report.json) of `--only static`: every kernel compiled for an H100 here."""
+    out = tmp_path_factory.mktemp("gpu_check") / "static"
+    env = {k: v for k, v in ENV.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-m", "shardmoe.gpu_check", "--out", str(out), "--only", "static"], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=900)
+    return (done.returncode, done.stdout + done.stderr, json.loads((out / "report.json").read_text()),
+            (out / "report.md").read_text())
+
+
+def test_static_every_gemm_kernel_has_tensor_core_mma_and_no_spills(static_run):
+    """Every GEMM kernel of the bench's layer steps (and an mlp and a biased clamped glu), at the config
+    an H100 runs, compiled for sm_90a: HGMMA (wgmma) in its machine code and no spilled registers."""
+    code, output, report, md = static_run
+    entry = report["stages"]["static"]
+    if entry["status"] == "skipped":
+        pytest.skip(f"static stage skipped: {entry['note']}")
+    assert code == 0 and entry["status"] == "ok", output + str(entry["result"].get("problems"))
+    rows = entry["result"]["kernels"]
+    assert set(compiled_gemms()) <= {r["name"] for r in rows}
+    assert {w.name for w in static.WORKLOADS} == {w for r in rows for w in r["workloads"]}
+    for r in rows:
+        assert {"name", "config", "registers", "spill_bytes", "shared_bytes", "mma_instructions",
+                "tma_instructions"} <= set(r), r
+        assert 0 < r["registers"] <= 255 and r["shared_bytes"] >= 0 and "num_warps" in r["config"], r
+        if r["gemm"]:
+            assert r["mma_instructions"] > 0 and r["spill_bytes"] == 0, r
+        else:
+            assert r["mma_instructions"] == 0, r
+    assert "| kernel | config | variant | workloads | registers | spill bytes | shared bytes | HGMMA |" in md
+
+
+def compiled_gemms():
+    from shardmoe.kernels.compiled import GEMM_KERNELS
+
+    return GEMM_KERNELS
+
+
+def test_static_problems_name_a_kernel_without_mma_or_with_spills():
+    row = {"name": "weight_grad_kernel", "config": {"BLOCK_O": 128}, "workloads": ["w"], "gemm": True,
+           "registers": 255, "spill_bytes": 64, "mma_instructions": 0, "mma_sync_instructions": 2}
+    found = static.problems({"kernels": [row]})
+    assert found[0].startswith("GEMM kernels not compiled: down_grad_kernel, forward_gemm_kernel, grad_gemm_kernel")
+    assert found[1] == ("weight_grad_kernel {'BLOCK_O': 128} (w): expected tensor-core MMA (HGMMA), got none "
+                        "(2 HMMA)")
+    assert found[2] == "weight_grad_kernel {'BLOCK_O': 128} (w): expected no spills, got 64 bytes (255 registers)"
 
 
 @pytest.fixture(scope="module")
@@ -216,13 +279,13 @@ def bench_check(s, grad):
     return notes, bench.check(bench.with_variants(cands), x, bench.contexts(), grad, False)
 
 
-@pytest.mark.parametrize("name, value", [("shardmoe", 5e-2), ("shardmoe", float("nan")), ("shardmoe:dh-once", 5e-2),
-                                         ("shardmoe:torch", 5e-2), ("transformers", 5e-2)])
+@pytest.mark.parametrize("name, value", [("shardmoe", 5e-2), ("shardmoe", float("nan")), ("shardmoe:torch", 5e-2),
+                                         ("transformers", 5e-2)])
 def test_a_wrong_bench_output_fails_the_check_unless_it_is_grouped_mm(monkeypatch, bench_check_inputs, name, value):
     """An output off by `value` relative (or NaN) against float64 fails the stage for shardmoe's own
     paths; grouped_mm's error is reported only (transformers' block runs in bf16)."""
     real, calls = bench.check_step, []
-    order = ["transformers", "shardmoe", "shardmoe:dh-once", "shardmoe:torch"]  # the check's order; dense: no forward
+    order = ["transformers", "shardmoe", "shardmoe:torch"]  # the check's order; dense: no forward
 
     def corrupted(c, context, grad):
         result = real(c, context, grad)
@@ -234,7 +297,7 @@ def test_a_wrong_bench_output_fails_the_check_unless_it_is_grouped_mm(monkeypatc
 
     monkeypatch.setattr(bench, "check_step", corrupted)
     _, (float64, errors, problems) = bench_check(*bench_check_inputs)
-    assert calls == ["transformers", "shardmoe", "shardmoe", "shardmoe"]
+    assert calls == ["transformers", "shardmoe", "shardmoe"]
     shown = bench.NAMES.get(name, name)
     assert float64[shown]["y"] > bench.CHECK_TOL if value == value else float64[shown]["y"] == math.inf
     assert all(err < bench.CHECK_TOL for other, errs in float64.items() if other != shown
@@ -243,8 +306,7 @@ def test_a_wrong_bench_output_fails_the_check_unless_it_is_grouped_mm(monkeypatc
         assert not problems and errors["shardmoe vs shardmoe:torch"] < bench.CHECK_TOL
     else:
         assert problems[0].startswith(f"{name}: y error vs float64 "), problems
-        pair = "shardmoe:dh-once vs shardmoe:torch" if name == "shardmoe:dh-once" else "shardmoe vs shardmoe:torch"
-        assert any(p.startswith(f"{pair}: error ") for p in problems), problems
+        assert any(p.startswith("shardmoe vs shardmoe:torch: error ") for p in problems), problems
 
 
 def test_bench_check_without_transformers_has_a_float64_truth(monkeypatch, bench_check_inputs):
@@ -258,7 +320,7 @@ def test_bench_check_without_transformers_has_a_float64_truth(monkeypatch, bench
     notes, (float64, errors, problems) = bench_check(*bench_check_inputs)
     assert notes == ["grouped_mm left out: transformers' block could not be built (ImportError: no transformers here)"]
     assert set(float64) == set(bench.CHECKED)
-    assert list(errors) == ["shardmoe vs shardmoe:torch", "shardmoe:dh-once vs shardmoe:torch"]
+    assert list(errors) == ["shardmoe vs shardmoe:torch"]
     assert all(0 < err < bench.CHECK_TOL for errs in float64.values() for err in errs.values()), float64
     assert not problems
 
@@ -278,8 +340,8 @@ def test_calibrate_writes_constants_the_simulator_reads(dry_run):
 
 def test_report_markdown_has_every_stage_section_and_table(dry_run):
     md = dry_run[3]
-    for name, status in (("env", "ok"), ("tests", "ok"), ("sanitizer", "skipped"), ("parity", "ok"),
-                         ("bench", "ok"), ("sweep", "ok"), ("calibrate", "ok")):
+    for name, status in (("env", "ok"), ("static", "skipped"), ("tests", "ok"), ("sanitizer", "skipped"),
+                         ("parity", "ok"), ("bench", "ok"), ("sweep", "ok"), ("model", "ok"), ("calibrate", "ok")):
         assert f"## {name}: {status}" in md
     assert "| glu-deepseek-router | bfloat16 | 3 | triton |" in md
     assert "SonicMoE, published (H100, S=24576 H=1536 F=256 E=128 k=8): forward 365, backward 405 TFLOP/s" in md
@@ -291,8 +353,8 @@ def test_report_markdown_has_every_stage_section_and_table(dry_run):
 
 @pytest.mark.parametrize("argv, message", [
     (["--out", "{tmp}", "--only", "parity,bogus"],
-     "--only: expected comma-separated stage names among env, tests, sanitizer, parity, bench, sweep, calibrate, "
-     "got 'bogus' in 'parity,bogus'"),
+     "--only: expected comma-separated stage names among env, static, tests, sanitizer, parity, bench, sweep, "
+     "model, calibrate (or lease), got 'bogus' in 'parity,bogus'"),
     (["--only", "parity"], "--out: expected a directory for report.md and report.json, got None"),
     (["--out", "{tmp}", "--budget", "0"], "--budget: expected a number >= 1, got 0.0"),
     (["--out", "{tmp}", "--merge", "{tmp}/missing.json"], "--merge: expected a report.json written by"),
@@ -308,11 +370,13 @@ def test_a_full_run_without_cuda_is_refused(tmp_path, capsys):
         pytest.skip("a CUDA device is present: a full run is valid here")
     assert gpu_check.main(["--out", str(tmp_path), "--only", "parity"]) == 2
     assert ("--dry-run: expected it on a machine without CUDA (torch.cuda.is_available() is False), got a full run "
-            "of env,parity") in capsys.readouterr().err
+            "of env,parity (only env, static run without it)") in capsys.readouterr().err
 
 
 def test_only_runs_env_first_and_stages_in_their_order():
     assert gpu_check.parse_only("bench,parity", merging=False) == ["env", "parity", "bench"]
+    assert gpu_check.parse_only("lease", merging=False) == ["env", "static", "parity", "bench", "sweep", "model",
+                                                              "calibrate"]
     assert gpu_check.parse_only(None, merging=False) == list(gpu_check.STAGE_NAMES)
     assert gpu_check.parse_only(None, merging=True) == []
     assert tuple(runner.STAGES) == gpu_check.STAGE_NAMES

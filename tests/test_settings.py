@@ -27,7 +27,7 @@ def test_override_restores_on_error_and_names_bad_arguments():
             raise KeyError("inside")
     assert settings.SETTINGS.fused_elementwise is before
     with pytest.raises(ValueError, match=r"override: expected settings among kernels, experts_mm, fused_elementwise, "
-                                         r"autotune, glu_grad_on_load, got \['triton'\]"):
+                                         r"autotune, got \['triton'\]"):
         with settings.override(triton=False):
             pass
     with pytest.raises(ValueError, match="override: expected bool values, got {'kernels': 0}"):
@@ -47,11 +47,12 @@ def test_switching_the_cpu_passes_off_changes_the_path_not_the_result():
 
 
 def test_autotune_off_leaves_each_kernel_its_first_config():
-    """The autotuner's early prune (kernels/tuning.py) keeps every candidate, or the first one."""
-    from shardmoe.kernels.tuning import first_unless_tuning
+    """The autotuner's early prune (kernels/tuning.py) keeps every candidate, or the first one (here,
+    without CUDA, no tuned config applies)."""
+    from shardmoe.kernels.tuning import Prune
 
-    candidates = ["a", "b", "c"]
+    candidates, prune = ["a", "b", "c"], Prune("kernel", ["O"])
     with settings.override(autotune=True):  # whatever SHARDMOE_AUTOTUNE says
-        assert first_unless_tuning(candidates, {}) == candidates
+        assert prune(candidates, {"O": 1}) == candidates
     with settings.override(autotune=False):
-        assert first_unless_tuning(candidates, {}) == ["a"]
+        assert prune(candidates, {"O": 1}) == ["a"]

@@ -24,16 +24,19 @@ CANDIDATES = ("transformers", "loop", "dense", "dense+alloc", "shardmoe")
 VARIANTS = ("shardmoe:no-workspace", "shardmoe:tile")
 
 
-def _init_weights(s: Shape, seed: int):
+def _init_weights(s: Shape, seed: int, device="cpu"):
     """The benchmark's weights, in transformers' layouts: router [E, H], gate_up_proj
     [E, 2F, H], down_proj [E, H, F]; router and gate_up ~ N(0, 1/H), down ~ N(0, 1/F), so
-    activations stay O(1) in bf16."""
+    activations stay O(1) in bf16. Drawn on `device` by its own generator (a GPU builds the
+    Mixtral shape's 1.4 G weights in milliseconds where a CPU takes most of a minute; the values
+    differ from the CPU's)."""
     import torch
 
-    gen = torch.Generator().manual_seed(seed)
-    router = torch.randn(s.experts, s.hidden, generator=gen) / s.hidden ** 0.5
-    gate_up = torch.randn(s.experts, 2 * s.ffn, s.hidden, generator=gen) / s.hidden ** 0.5
-    down = torch.randn(s.experts, s.hidden, s.ffn, generator=gen) / s.ffn ** 0.5
+    gen = torch.Generator(device=device).manual_seed(seed)
+    draw = dict(generator=gen, device=device)
+    router = torch.randn(s.experts, s.hidden, **draw) / s.hidden ** 0.5
+    gate_up = torch.randn(s.experts, 2 * s.ffn, s.hidden, **draw) / s.hidden ** 0.5
+    down = torch.randn(s.experts, s.hidden, s.ffn, **draw) / s.ffn ** 0.5
     return router, gate_up, down
 
 
@@ -47,7 +50,8 @@ def _mixtral_block(s: Shape, weights, dtype, device):
     config = MixtralConfig(hidden_size=s.hidden, intermediate_size=s.ffn, num_local_experts=s.experts,
                            num_experts_per_tok=s.top_k, hidden_act="silu", router_jitter_noise=0.0,
                            experts_implementation="grouped_mm")
-    block = MixtralSparseMoeBlock(config)
+    with torch.device(device):  # allocated where it runs: on a GPU, no CPU-side init of the weights
+        block = MixtralSparseMoeBlock(config)
     router, gate_up, down = weights
     with torch.no_grad():
         block.gate.weight.copy_(router)
@@ -113,7 +117,7 @@ def build_candidates(s: Shape, dtype, device, names, seed: int = 0, fresh_inputs
     x_pool = [x_base] + [torch.randn(1, s.tokens, s.hidden, generator=gen).to(device=device, dtype=dtype)
                          for _ in range(fresh_inputs)]
     cands: dict[str, Candidate] = {}
-    weights = _init_weights(s, seed)
+    weights = _init_weights(s, seed, device)
     shardmoes = [n for n in ("shardmoe", *VARIANTS) if n in names]
     block = _mixtral_block(s, weights, dtype, device) if "transformers" in names or shardmoes else None
 

@@ -5,8 +5,6 @@ Candidates, built by shardmoe.bench.candidates on the same weights and input (fi
                   FLOPs in the same operand shapes (dense_candidate): the ceiling
   grouped_mm      transformers' MixtralSparseMoeBlock, experts_implementation="grouped_mm"
   shardmoe        shardmoe.MoE.from_mixtral(that block): the Triton path (forced: parity.triton_context)
-  shardmoe:dh-once  the same layer on the Triton path with settings glu_grad_on_load off: the glu's
-                  dh formed once in torch, then plain GEMMs (the A/B of docs/kernels.md)
   shardmoe:torch  the same layer under shardmoe.settings.override(kernels=False)
 Without transformers the layer gets the same weights directly (layer_candidate; checked against
 float64 the same way) and grouped_mm is left out (noted).
@@ -19,6 +17,8 @@ start, the end of the forward and the end of the backward, and the report gives 
   x dense          median(dense) / median: the fraction of the dense ceiling
   vs grouped_mm    median(grouped_mm) / median: above 1, faster than transformers
   peak GiB         torch.cuda.max_memory_allocated during one step, above what was allocated before it
+After timing (CUDA): one shardmoe step under torch.cuda.set_sync_debug_mode("error") (host_sync):
+a dropless step must not synchronise with the host.
 Before timing, one step of each module candidate is checked against a float64 truth (float64_truth:
 a deep copy of the shardmoe layer in float64 on the torch path, on the same bf16-rounded weights,
 input and output gradient upcast). Per candidate and per tensor (output y, dL/dx, the router's,
@@ -53,12 +53,11 @@ CHECK_TOL = 2e-2  # bf16 norm-relative error against float64, and between shardm
 NAMES = {"transformers": "grouped_mm"}  # the bench's candidate name -> this report's
 # the check's tensors: grads()' keys -> this report's names (p0 is the router's [E, H] gradient)
 TENSORS = {"y": "y", "x": "x", "p0": "router", "p1": "gate_up", "p2": "down"}
-LAYER_VARIANTS = ("shardmoe:dh-once", "shardmoe:torch")  # the shardmoe candidate's layer in another context
-BACKENDS = {"shardmoe": "triton", "shardmoe:dh-once": "triton", "shardmoe:torch": "torch"}  # what each must run
+LAYER_VARIANTS = ("shardmoe:torch",)  # the shardmoe candidate's layer in another context
+BACKENDS = {"shardmoe": "triton", "shardmoe:torch": "torch"}  # what each must run
 CHECKED = tuple(BACKENDS)  # held to CHECK_TOL against float64 and each other; the others are reported
 # the paths compared with each other (a pair with both sides in CHECKED is held to CHECK_TOL)
-PAIRS = (("shardmoe", "shardmoe:torch"), ("shardmoe:dh-once", "shardmoe:torch"), ("shardmoe", "transformers"),
-         ("shardmoe:torch", "transformers"))
+PAIRS = (("shardmoe", "shardmoe:torch"), ("shardmoe", "transformers"), ("shardmoe:torch", "transformers"))
 
 
 class Clock:
@@ -88,7 +87,7 @@ def layer_candidate(s: Shape, dtype, device):
     import shardmoe
     from shardmoe.bench.candidates import Candidate, _init_weights
 
-    router, gate_up, down = _init_weights(s, 0)
+    router, gate_up, down = _init_weights(s, 0, device)
     layer = shardmoe.MoE(s.hidden, s.ffn, s.experts, s.top_k, dtype=dtype, device=device)
     with torch.no_grad():
         layer.gate_weight.copy_(router.t())
@@ -134,18 +133,11 @@ def output(value):
 
 def contexts() -> dict:
     """Each candidate's context for its steps: shardmoe on the Triton path (parity.triton_context:
-    forced), shardmoe:dh-once there with glu_grad_on_load off, shardmoe:torch off the kernels."""
-    from shardmoe import settings
-
+    forced), shardmoe:torch off the kernels."""
     from .parity import torch_context, triton_context
 
-    @contextlib.contextmanager
-    def dh_once():
-        with triton_context(), settings.override(glu_grad_on_load=False):
-            yield
-
     return {"dense": contextlib.nullcontext, "transformers": contextlib.nullcontext,
-            "shardmoe": triton_context, "shardmoe:dh-once": dh_once, "shardmoe:torch": torch_context}
+            "shardmoe": triton_context, "shardmoe:torch": torch_context}
 
 
 def free(cuda: bool) -> None:
@@ -274,6 +266,26 @@ def time_steps(bases: dict, steps_in: dict, grad, clock: Clock, warmup: int, rep
     return timed, {name: marks[name][warmup:warmup + len(times[name])] for name in timed}
 
 
+def host_sync(c, context) -> str | None:
+    """None when one step of candidate c made no host synchronisation under
+    torch.cuda.set_sync_debug_mode("error") (no .item(), no copy to the host, no wait for the
+    device), else the first line of the error. CUDA only; after warm-up (autotuning benchmarks)."""
+    import torch
+
+    c.reset()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with context():
+            c.step()
+    except RuntimeError as err:
+        return str(err).strip().splitlines()[0]
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+        c.reset()
+    return None
+
+
 def split_timed(c, context, grad, clock: Clock):
     """(a copy of candidate c whose step marks start / end of forward / end of backward, the marks)."""
     marks = []
@@ -321,6 +333,9 @@ def measure(shape_name: str, s: Shape, ctx) -> dict:
             torch.cuda.synchronize()
             peaks[name] = (torch.cuda.max_memory_allocated() - before) / 2 ** 30
             bases[name].reset()
+        synced = host_sync(bases["shardmoe"], steps_in["shardmoe"])
+        if synced is not None:
+            problems.append(f"shardmoe: a dropless step synchronised with the host: {synced}")
     flops = total_flops(s)
     rows = []
     for name in timed:
@@ -348,6 +363,7 @@ def measure(shape_name: str, s: Shape, ctx) -> dict:
               "expert_flops": expert_flops(s), "router_flops": router_flops(s), "warmup": warmup, "repeats": repeats,
               "timing": "CUDA events" if cuda else "perf_counter (CPU)", "backends": chosen,
               "float64_errors": float64, "checked": list(CHECKED), "check_tol": CHECK_TOL, "errors": errors,
+              "host_sync": None if not cuda else ("none" if synced is None else synced),
               "rows": rows, "notes": notes, "problems": problems}
     if shape_name == SONICMOE["shape"]:
         result["sonicmoe"] = {**SONICMOE, "published_shape": asdict(SHAPES[SONICMOE["shape"]]),

@@ -3,7 +3,8 @@ its traceback and the next one runs; the report is rewritten after every stage.
 
 A stage is a module with run(ctx: Context) -> dict and markdown(result: dict) -> list[str]. Its
 result may say {"passed": False} (status failed: it ran, and a check it makes did not hold), else
-{"skipped": "why"} (status skipped); otherwise the status is ok.
+{"skipped": "why"} (status skipped); otherwise the status is ok. On CUDA, DIR/tuned_configs.json is
+rewritten after every stage with what the kernels' autotuning chose so far (write_tuned).
 """
 from __future__ import annotations
 
@@ -15,12 +16,12 @@ import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import bench, calibrate, env, parity, pytest_stage, sanitizer, sweep
+from . import bench, calibrate, env, model, parity, pytest_stage, sanitizer, static, sweep
 from .report import Report
 
 # the order they run in, whatever the order --only names them in (calibrate reads bench's rates)
-STAGES = {"env": env, "tests": pytest_stage, "sanitizer": sanitizer, "parity": parity, "bench": bench,
-          "sweep": sweep, "calibrate": calibrate}
+STAGES = {"env": env, "static": static, "tests": pytest_stage, "sanitizer": sanitizer, "parity": parity,
+          "bench": bench, "sweep": sweep, "model": model, "calibrate": calibrate}
 MARKDOWN = {name: module.markdown for name, module in STAGES.items()}
 
 
@@ -52,6 +53,22 @@ class Context:
         """Record the stage's results so far (status running) and rewrite the report."""
         self.report.record(self.stage, "running", result=partial, note="cut short: these are partial results")
         self.report.write(MARKDOWN)
+
+
+def write_tuned(out: Path) -> None:
+    """DIR/tuned_configs.json: every config the kernels' autotuners chose in this process, for this
+    device (shardmoe/kernels/tuned.py; python -m shardmoe.kernels.tuned --merge takes it into the package)."""
+    import torch
+
+    from shardmoe import kernels
+
+    if not kernels.triton_importable():
+        return
+    from shardmoe.kernels import tuned
+
+    chosen = tuned.collect()
+    if chosen:
+        tuned.write(out / "tuned_configs.json", torch.cuda.get_device_name(), chosen)
 
 
 def run(out: Path, stages: list[str], dry_run: bool, budget: float | None, merged: list[dict],
@@ -93,6 +110,8 @@ def run(out: Path, stages: list[str], dry_run: bool, budget: float | None, merge
             report.record(name, status, seconds=time.monotonic() - start, result=result, note=result.get("skipped"))
         failed |= report.stages[name]["status"] == "failed"
         report.write(MARKDOWN)
+        if device == "cuda":
+            write_tuned(out)
         entry = report.stages[name]
         print(f"gpu_check: {name} {entry['status']} in {entry['seconds']:.1f} s"
               + (f"\n{entry['error']}" if entry["error"] else ""), flush=True, file=sys.stdout)

@@ -5,17 +5,15 @@ For each F in FFNS, at S=8192 H=4096 E=8 k=2 in bf16, one shardmoe.MoE with rand
 L = sum(y * g) on its three paths, timed interleaved (shardmoe.bench.timing.time_interleaved,
 bench.WARMUP warm-up rounds then bench.REPEATS timed, each step between two CUDA events):
   shardmoe          the Triton path (forced: parity.triton_context)
-  shardmoe:dh-once  the Triton path with settings glu_grad_on_load off
   shardmoe:torch    kernels off
 Per F the report gives each path's median step ms and
   torch/kernels     median(shardmoe:torch) / median(shardmoe)
-  torch/dh-once     median(shardmoe:torch) / median(shardmoe:dh-once)
-above 1 the kernels win. The crossover is the largest F measured at which the better kernel variant
-is at least as fast as the torch path (max of the two ratios >= 1), printed beside
+above 1 the kernels win. The crossover is the largest F measured at which the kernels are at
+least as fast as the torch path (torch/kernels >= 1), printed beside
 kernels.KERNEL_MAX_FFN, the width past which CUDA layers take the torch path by default (not changed
 here). Before timing at each F, one step on each path (it also autotunes the kernels at that F) is
-checked: both kernel paths within bench.CHECK_TOL of the torch path (bench.case.relative_error, the
-largest over y, dL/dx and the three weight gradients), and the backends chosen triton, triton, torch;
+checked: the kernel path within bench.CHECK_TOL of the torch path (bench.case.relative_error, the
+largest over y, dL/dx and the three weight gradients), and the backends chosen triton, torch;
 a miss is a problem (the stage fails) and the timing still runs. The layer is freed between F values;
 the F values not started within the budget are listed as not run.
 """
@@ -33,7 +31,7 @@ SHAPE = Shape(8192, 4096, 0, 8, 2)  # F from FFNS
 FFNS = (512, 1024, 2048, 4096, 8192, 14336)
 DRY_RUN_SHAPE = Shape(64, 32, 0, 4, 2)
 DRY_RUN_FFNS = (16, 32, 48)
-PATHS = bench.CHECKED  # shardmoe, shardmoe:dh-once, shardmoe:torch
+PATHS = bench.CHECKED  # shardmoe, shardmoe:torch
 
 
 def measure(s: Shape, ctx) -> dict:
@@ -48,7 +46,7 @@ def measure(s: Shape, ctx) -> dict:
     steps_in = bench.contexts()
     chosen, wrong_backends = bench.chosen_backends(cand.layer.config, grad, steps_in)
     outputs = {name: bench.check_step(cand, steps_in[name], grad) for name in PATHS}
-    errors, pair_problems = bench.pair_errors(outputs)  # each kernel variant against the torch path
+    errors, pair_problems = bench.pair_errors(outputs)  # the kernel path against the torch path
     del outputs
     bench.free(cuda)
     problems = [f"F={s.ffn}: {p}" for p in (*wrong_backends, *pair_problems)]
@@ -59,13 +57,12 @@ def measure(s: Shape, ctx) -> dict:
     bench.free(cuda)
     torch_ms = median_ms["shardmoe:torch"]
     return {"ffn": s.ffn, "median_ms": median_ms, "repeats": repeats, "backends": chosen, "errors": errors,
-            "torch_over_kernels": torch_ms / median_ms["shardmoe"],
-            "torch_over_dh_once": torch_ms / median_ms["shardmoe:dh-once"], "problems": problems}
+            "torch_over_kernels": torch_ms / median_ms["shardmoe"], "problems": problems}
 
 
 def crossover(rows: list[dict]) -> int | None:
-    """The largest F whose better kernel variant is at least as fast as the torch path; None when none is."""
-    won = [r["ffn"] for r in rows if max(r["torch_over_kernels"], r["torch_over_dh_once"]) >= 1]
+    """The largest F at which the kernels are at least as fast as the torch path; None when none is."""
+    won = [r["ffn"] for r in rows if r["torch_over_kernels"] >= 1]
     return max(won, default=None)
 
 
@@ -86,7 +83,7 @@ def run(ctx) -> dict:
         result["rows"].append(row)
         result["crossover_ffn"] = crossover(result["rows"])  # in each progress report
         print(f"  F={ffn}: " + ", ".join(f"{name} {ms:.2f} ms" for name, ms in row["median_ms"].items())
-              + f"; torch/kernels {row['torch_over_kernels']:.2f}, torch/dh-once {row['torch_over_dh_once']:.2f}"
+              + f"; torch/kernels {row['torch_over_kernels']:.2f}"
               + "".join(f"\n  - {p}" for p in row["problems"]), flush=True)
         ctx.progress(result)
     result["crossover_ffn"] = crossover(result["rows"])
@@ -100,20 +97,19 @@ def markdown(result: dict) -> list[str]:
     lines = [f"S={shape['tokens']} H={shape['hidden']} E={shape['experts']} k={shape['top_k']}, {result['dtype']}, "
              f"random weights; median step (forward + backward) of {rows[0]['repeats'] if rows else '-'} after "
              f"{result['warmup']} warm-up, {result['timing']}; a ratio above 1: the kernels win.", ""]
-    lines += table(["F", "kernels ms", "dh-once ms", "torch ms", "torch/kernels", "torch/dh-once"],
-                   [[r["ffn"], fmt(r["median_ms"]["shardmoe"], ".2f"), fmt(r["median_ms"]["shardmoe:dh-once"], ".2f"),
-                     fmt(r["median_ms"]["shardmoe:torch"], ".2f"), fmt(r["torch_over_kernels"], ".2f"),
-                     fmt(r["torch_over_dh_once"], ".2f")] for r in rows])
+    lines += table(["F", "kernels ms", "torch ms", "torch/kernels"],
+                   [[r["ffn"], fmt(r["median_ms"]["shardmoe"], ".2f"), fmt(r["median_ms"]["shardmoe:torch"], ".2f"),
+                     fmt(r["torch_over_kernels"], ".2f")] for r in rows])
     cross, widest = result.get("crossover_ffn"), max((r["ffn"] for r in rows), default=None)
     if cross is None:
-        found = "the torch path is faster than both kernel variants at every F measured"
+        found = "the torch path is faster than the kernels at every F measured"
     else:
-        found = (f"the better kernel variant is at least as fast as the torch path up to F={cross}"
+        found = (f"the kernels are at least as fast as the torch path up to F={cross}"
                  + (" (the widest measured)" if cross == widest else ""))
     lines += ["", f"Measured crossover: {found}; kernels.KERNEL_MAX_FFN is {result['kernel_max_ffn']} "
               "(not changed by this stage).", ""]
     if rows:
-        lines += ["Check before timing, error against shardmoe:torch (kernels / dh-once, <= "
+        lines += ["Check before timing, error of the kernels against shardmoe:torch (<= "
                   f"{result['check_tol']:g}): " + ", ".join(
                       f"F={r['ffn']} " + " / ".join(f"{err:.1e}" for err in r["errors"].values()) for r in rows)
                   + "; backends " + ", ".join(sorted({"/".join(r["backends"].values()) for r in rows})) + ".", ""]

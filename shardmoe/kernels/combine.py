@@ -9,10 +9,10 @@ t * k + j. Two kernels:
       sums them in float32 registers: every output element has one owner, so there are
       no atomics and the sum order is fixed (deterministic). Serves combine (s = w) and
       grad_input_combine (no s).
-  grad_combine_gate_kernel  ge_r = w_r g_r   and   dw_r = g_r . act_out(y_r)
-      Stages 1 and 2 in one pass: one program per BLOCK_R rows walks H in BLOCK_H steps,
-      reading g_r (optionally gathered from token order) and the saved expert output y_r
-      (z2 for "mlp", with act_out applied in registers) exactly once each.
+  grad_combine_gate_kernel  dz2_r = w_r g_r act_out'(z2_r)   and   dw_r = g_r . act_out(z2_r)
+      Stages 1, 2 and "mlp"'s output-activation derivative in one pass: one program per BLOCK_R
+      rows walks H in BLOCK_H steps, reading g_r (optionally gathered from token order) and the
+      saved z2_r (y_r itself for an identity act_out) exactly once each.
 """
 from __future__ import annotations
 
@@ -20,14 +20,13 @@ import torch
 import triton
 import triton.language as tl
 
-from shardmoe.kernels.activations import activation
-from shardmoe.kernels.tuning import PRUNE, configs, unit_columns
+from shardmoe.kernels.activations import activation, activation_grad
+from shardmoe.kernels.tuning import autotune, unit_columns
 from shardmoe.rows import accumulation_dtype
 
 
-@triton.autotune(configs=configs([{"BLOCK_T": t, "BLOCK_H": h} for t in (16, 32) for h in (128, 256)],
-                                 {"BLOCK_T": 16, "BLOCK_H": 32}),
-                 key=["H", "TOP_K"], prune_configs_by=PRUNE)
+@autotune([{"BLOCK_T": t, "BLOCK_H": h} for t in (16, 32) for h in (128, 256)], {"BLOCK_T": 16, "BLOCK_H": 32},
+          key=["H", "TOP_K"], warps_stages=((4, 3),))
 @triton.jit
 def token_combine_kernel(rows_ptr, stride_rows, scale_ptr, pair_row_ptr, out_ptr, stride_out, S, H,
                          TOP_K: tl.constexpr, SCALE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
@@ -50,9 +49,8 @@ def token_combine_kernel(rows_ptr, stride_rows, scale_ptr, pair_row_ptr, out_ptr
              mask=token_mask[:, None] & col_mask[None, :])
 
 
-@triton.autotune(configs=configs([{"BLOCK_R": r, "BLOCK_H": h} for r in (16, 32) for h in (128, 256)],
-                                 {"BLOCK_R": 16, "BLOCK_H": 32}),
-                 key=["H", "OUT_ACT", "STORE_GE", "DOT"], prune_configs_by=PRUNE)
+@autotune([{"BLOCK_R": r, "BLOCK_H": h} for r in (16, 32) for h in (128, 256)], {"BLOCK_R": 16, "BLOCK_H": 32},
+          key=["H", "OUT_ACT", "STORE_GE", "DOT"], warps_stages=((4, 3),))
 @triton.jit
 def grad_combine_gate_kernel(g_ptr, g_index_ptr, stride_g, y_ptr, stride_y, scale_ptr, ge_ptr, stride_ge, dw_ptr,
                              N, H, OUT_ACT: tl.constexpr, GATHER: tl.constexpr, STORE_GE: tl.constexpr,
@@ -71,11 +69,14 @@ def grad_combine_gate_kernel(g_ptr, g_index_ptr, stride_g, y_ptr, stride_y, scal
         cols = h0 + tl.arange(0, BLOCK_H)
         mask = row_mask[:, None] & (cols < H)[None, :]
         g = tl.load(g_ptr + g_rows[:, None] * stride_g + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        if STORE_GE:
-            ge = (g * weight[:, None]).to(ge_ptr.dtype.element_ty)
-            tl.store(ge_ptr + rows[:, None] * stride_ge + cols[None, :], ge, mask=mask)
-        if DOT:
+        if DOT or OUT_ACT != "identity":
             y = tl.load(y_ptr + rows[:, None] * stride_y + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        if STORE_GE:
+            ge = g * weight[:, None]
+            if OUT_ACT != "identity":
+                ge = ge * activation_grad(y, OUT_ACT)
+            tl.store(ge_ptr + rows[:, None] * stride_ge + cols[None, :], ge.to(ge_ptr.dtype.element_ty), mask=mask)
+        if DOT:
             dot += tl.sum(g * activation(y, OUT_ACT), axis=1)
     if DOT:
         tl.store(dw_ptr + rows, dot, mask=row_mask)
@@ -139,14 +140,14 @@ def grad_gate_combine(grad_rows: torch.Tensor, out_rows: torch.Tensor) -> torch.
 
 def grad_combine_gate(grad_rows: torch.Tensor, out_rows: torch.Tensor, weight_rows: torch.Tensor, *,
                       output_activation: str = "identity", row_index: torch.Tensor | None = None):
-    """Stages 1 and 2 fused, reading g and the expert output once:
-      ge_r = w_r g_r  [N, H] (g's dtype)   and   dw_r = g_r . act_out(out_r)  [N] (acc dtype).
+    """Stages 1 and 2 and the output activation's derivative fused, reading g and the saved z2 once:
+      dz2_r = w_r g_r act_out'(z2_r)  [N, H] (g's dtype)   and   dw_r = g_r . act_out(z2_r)  [N] (acc dtype).
 
-    out_rows [N, H] is the saved pre-activation (z2 for "mlp", act_out applied in the
-    kernel) or y itself with output_activation="identity". With row_index [N], grad_rows
-    is the token-order gradient [S, H] and row r reads grad_rows[row_index[r]], so the
-    gathered copy grad_out[row_token] is never made.
-    Equals (grad_combine(g, w), grad_gate_combine(g, act_out(out))) with g = grad_rows[row_index].
+    out_rows [N, H] is the saved pre-activation (z2 for "mlp", act_out and act_out' applied in
+    the kernel) or y itself with output_activation="identity" (then dz2 = w g). With row_index
+    [N], grad_rows is the token-order gradient [S, H] and row r reads grad_rows[row_index[r]],
+    so the gathered copy grad_out[row_token] is never made. Equals
+    (grad_combine(g, w) * act_out'(z2), grad_gate_combine(g, act_out(z2))) with g = grad_rows[row_index].
     """
     return _grad_combine_gate(grad_rows, out_rows, weight_rows, row_index=row_index,
                               output_activation=output_activation, store_ge=True, dot=True)

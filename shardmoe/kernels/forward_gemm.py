@@ -1,4 +1,4 @@
-"""The forward grouped GEMM: gathered rows in, activation and combine fused in the epilogue.
+"""The forward grouped GEMM: gathered rows in, the activation fused in the epilogue.
 
 For each dispatched row r of expert e (N rows, expert-sorted; W [E, O_total, K]):
 
@@ -8,19 +8,16 @@ For each dispatched row r of expert e (N rows, expert-sorted; W [E, O_total, K])
   post_r = act(z_r)                          (O = O_total)
          = glu(z_r[:O], z_r[O:])            (GLU: O_total = 2 O; rows 0:O gate, O:2O up;
                                              act(hg) hu, or the clamped SwiGLU: activations.py)
-  then optionally post_r *= s_r (routing weight) and stored at row dest[r] (a slot
-  index) instead of r.
 
-Outputs: `pre` [N, O_total] = z (what backward saves: h for GLU, z1 or z2 for MLP) and
-`post` [*, O]. Storing post scaled at slot t*k + j makes the second expert GEMM write
-each (token, expert) contribution exactly once, with no atomics; for top-1 routing the
-slot buffer is the combined output itself.
+Outputs: `pre` [N, O_total] = z (what backward saves: h for GLU, z1 or z2 for MLP, and the
+expert output y itself for an identity output activation) and `post` [N, O].
 
-Tiling: one program per (row tile of one expert, BLOCK_N output columns), the row tile
-taken from the host schedule (schedule.py); the K loop walks BLOCK_K columns of a and
-of W_e. GLU keeps two accumulators (gate and up columns n and O + n), so the epilogue
-has both halves of the product in registers. Autotuned over BLOCK_N, BLOCK_K, warps and
-stages, keyed on (O, K, BLOCK_M, GLU, ACT) and the dtypes.
+Tiling: one program per (row tile of one expert, BLOCK_N output columns); the program finds its
+row tile from the groups' ends on the device (tiles.row_tile), so the launch reads nothing from
+the device; the K loop walks BLOCK_K columns of a and of W_e. GLU keeps two accumulators (gate
+and up columns n and O + n), so the epilogue has both halves of the product in registers.
+Autotuned over BLOCK_N, BLOCK_K, warps and stages, keyed on (O, K, BLOCK_M, GLU, ACT) and the
+dtypes.
 """
 from __future__ import annotations
 
@@ -29,34 +26,36 @@ import triton
 import triton.language as tl
 
 from shardmoe.kernels.activations import activation, activation_args, glu
-from shardmoe.kernels.schedule import choose_block_m, row_tile_schedule
-from shardmoe.kernels.tiles import dot_acc
-from shardmoe.kernels.tuning import PRUNE, configs, dot_settings, unit_columns
+from shardmoe.kernels.schedule import choose_block_m, experts_pad, row_tiles
+from shardmoe.kernels.tiles import dot_acc, row_tile
+from shardmoe.kernels.tuning import autotune, dot_settings, unit_columns
 
-_GPU_TILES = [{"BLOCK_N": n, "BLOCK_K": k} for n in (64, 128, 256) for k in (32, 64)]
+# The first is the untuned default: 64 columns, as the GLU keeps two accumulators (gate and up), and
+# at 128 rows two 128-column ones spill on an H100 (python -m shardmoe.gpu_check --only static).
+# Few candidates: each is a compile of every variant on a bare GPU, within a lease's minutes.
+_GPU_TILES = [{"BLOCK_N": n, "BLOCK_K": 64} for n in (64, 128)]
 
 
-@triton.autotune(configs=configs(_GPU_TILES, {"BLOCK_N": 32, "BLOCK_K": 32}),
-                 key=["O", "K", "BLOCK_M", "GLU", "ACT"], prune_configs_by=PRUNE)
+@autotune(_GPU_TILES, {"BLOCK_N": 32, "BLOCK_K": 32}, key=["O", "K", "BLOCK_M", "GLU", "ACT"],
+          warps_stages=((8, 3), (8, 4)))
 @triton.jit
 def forward_gemm_kernel(
     a_ptr, a_index_ptr, stride_a,
     w_ptr, stride_we, stride_wo, stride_wk,
     bias_ptr, stride_be,
-    schedule_ptr,
+    ends_ptr, num_experts,
     pre_ptr, stride_pre,
-    post_ptr, dest_ptr, stride_post,
-    scale_ptr,
+    post_ptr, stride_post,
     O, K, limit, alpha,
     ACT: tl.constexpr, GLU: tl.constexpr, GATHER: tl.constexpr, HAS_BIAS: tl.constexpr,
-    STORE_PRE: tl.constexpr, STORE_POST: tl.constexpr, SCALE: tl.constexpr, SCATTER: tl.constexpr,
+    STORE_PRE: tl.constexpr, STORE_POST: tl.constexpr,
     DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, E_PAD: tl.constexpr,
 ):
-    tile = tl.program_id(0)
-    expert = tl.load(schedule_ptr + tile * 3).to(tl.int64)
-    row_start = tl.load(schedule_ptr + tile * 3 + 1)
-    row_end = tl.load(schedule_ptr + tile * 3 + 2)
+    expert, row_start, row_end = row_tile(tl.program_id(0), ends_ptr, num_experts, BLOCK_M, E_PAD)
+    if expert >= num_experts:  # past the last row tile
+        return
+    expert = expert.to(tl.int64)
     rows = row_start + tl.arange(0, BLOCK_M)
     row_mask = rows < row_end
     rows = rows.to(tl.int64)  # row * stride can pass 2^31 elements
@@ -100,30 +99,23 @@ def forward_gemm_kernel(
             post = glu(acc, acc_up, limit, alpha, ACT)
         else:
             post = activation(acc, ACT)
-        if SCALE:
-            post = post * tl.load(scale_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)[:, None]
-        if SCATTER:
-            dest = tl.load(dest_ptr + rows, mask=row_mask, other=0).to(tl.int64)
-        else:
-            dest = rows
-        tl.store(post_ptr + dest[:, None] * stride_post + cols[None, :], post.to(post_ptr.dtype.element_ty),
+        tl.store(post_ptr + rows[:, None] * stride_post + cols[None, :], post.to(post_ptr.dtype.element_ty),
                  mask=out_mask)
 
 
 def forward_gemm(a: torch.Tensor, weight: torch.Tensor, groups, *, a_index: torch.Tensor | None = None,
                  bias: torch.Tensor | None = None, activation="identity", glu: bool = False,
-                 store_pre: bool = True, post: torch.Tensor | None = None, scale: torch.Tensor | None = None,
-                 dest: torch.Tensor | None = None) -> torch.Tensor | None:
-    """Launch forward_gemm_kernel over the N = sum(groups.sizes) dispatched rows.
+                 store_pre: bool = True, post: torch.Tensor | None = None) -> torch.Tensor | None:
+    """Launch forward_gemm_kernel over the N = groups.num_rows dispatched rows.
 
     a [N, K] (or [S, K] gathered through a_index [N]); weight [E, O_total, K]; bias
     [E, O_total] (for GLU both halves' biases, [E, 2 O]). Returns pre [N, O_total] in a's dtype
-    when store_pre, else None. `post` (preallocated, [N, O] or [slots, O] with dest [N]) receives
-    the activation, times scale [N] when given. `activation` is a name, or with glu a clamped
-    SwiGLU (activations.activation_args). Row strides may be anything; columns must be unit-stride.
+    when store_pre, else None. `post` (preallocated [N, O]) receives the activation. `activation`
+    is a name, or with glu a clamped SwiGLU (activations.activation_args). Row strides may be
+    anything; columns must be unit-stride.
     """
     act_args = activation_args(activation, glu)
-    num_rows = sum(groups.sizes)
+    num_rows, num_experts = groups.num_rows, groups.num_experts
     out_total = weight.shape[1]
     width = out_total // 2 if glu else out_total
     pre = a.new_empty((num_rows, out_total)) if store_pre else None
@@ -131,20 +123,19 @@ def forward_gemm(a: torch.Tensor, weight: torch.Tensor, groups, *, a_index: torc
         return pre
     a = unit_columns(a)
     bias = None if bias is None else unit_columns(bias)
-    block_m = choose_block_m(groups.sizes)
-    schedule = row_tile_schedule(groups.sizes, block_m, a.device)
-    grid = lambda meta: (schedule.shape[0], triton.cdiv(width, meta["BLOCK_N"]))  # noqa: E731
+    block_m = choose_block_m(num_rows, num_experts)
+    tiles = row_tiles(num_rows, num_experts, block_m)
+    grid = lambda meta: (tiles, triton.cdiv(width, meta["BLOCK_N"]))  # noqa: E731
     forward_gemm_kernel[grid](
         a, a_index, a.stride(0),
         weight, weight.stride(0), weight.stride(1), weight.stride(2),
         bias, 0 if bias is None else bias.stride(0),
-        schedule,
+        groups.offsets, num_experts,
         pre, 0 if pre is None else pre.stride(0),
-        post, dest, 0 if post is None else post.stride(0),
-        scale,
+        post, 0 if post is None else post.stride(0),
         width, a.shape[1],
         GLU=glu, GATHER=a_index is not None, HAS_BIAS=bias is not None,
-        STORE_PRE=store_pre, STORE_POST=post is not None, SCALE=scale is not None, SCATTER=dest is not None,
-        BLOCK_M=block_m, **act_args, **dot_settings(a.dtype),
+        STORE_PRE=store_pre, STORE_POST=post is not None,
+        BLOCK_M=block_m, E_PAD=experts_pad(num_experts), **act_args, **dot_settings(a.dtype),
     )
     return pre

@@ -1,70 +1,60 @@
-"""Host-side tile schedules for grouped GEMMs over expert-sorted rows.
+"""Launch shapes of the grouped GEMMs over expert-sorted rows, from sizes the host knows.
 
-Expert e owns rows [start_e, start_e + sizes[e]) of the dispatched matrix (Groups).
-A row-tiled grouped GEMM launches one program per (row tile, column tile); the row
-tiles never straddle two experts, so each program multiplies by one expert's weight.
-The schedule maps a program's row-tile id to that expert and row range:
+Expert e owns rows [ends[e-1], ends[e]) of the dispatched matrix (Groups.offsets, int32 [E],
+on the device). The kernels read those ends themselves (tiles.row_tile, tiles.expert_rows), so a
+launch needs only N (the rows, known without reading the counts in a dropless step: S k) and E:
 
-  schedule[i] = (expert, row_start, row_end)      int32 [T, 3]
-  T = sum_e ceil(sizes[e] / BLOCK_M)              (empty experts contribute no tile)
-
-Rows row_start .. min(row_start + BLOCK_M, row_end) - 1 belong to tile i; row_end is
-the expert's last row + 1, so a tile's mask is `row < row_end`. Building it on the host
-costs nothing extra: Groups.sizes is already a host tuple.
+  row-tiled GEMMs    one program per (row tile, column tile); a row tile holds BLOCK_M rows of
+                     one expert, and there are at most ceil(N / BLOCK_M) + E of them (each expert
+                     adds at most one partial tile); programs past the last tile return at once
+  weight gradients   persistent programs over the E x (output tiles) tiles, each reducing over
+                     its expert's rows (the K dimension of that GEMM is the expert's row count)
 """
 from __future__ import annotations
 
 import functools
 
 import torch
+import triton
 
 MIN_BLOCK_M = 16  # tl.dot needs every tile dim >= 16
 MAX_BLOCK_M = 128
+INTERPRETER_PROGRAMS = 3  # persistent programs under the interpreter: more than one, so the tile loop strides
 
 
-def choose_block_m(sizes: tuple[int, ...]) -> int:
-    """Rows per tile: the power of two nearest above the mean non-empty group size,
-    clamped to [16, 128]. Small groups (many experts, few tokens) get short tiles, so
-    little of each tile is padding; large groups get tall tiles, so each weight tile
-    loaded is reused by more rows."""
-    nonempty = [s for s in sizes if s > 0]
-    if not nonempty:
-        return MIN_BLOCK_M
-    mean = sum(nonempty) / len(nonempty)
+def choose_block_m(num_rows: int, num_experts: int) -> int:
+    """Rows per tile: the power of two at or above the mean rows per expert N / E, clamped to
+    [16, 128]. Small groups (many experts, few tokens) get short tiles, so little of each tile is
+    padding; large groups get tall tiles, so each weight tile loaded is reused by more rows."""
+    mean = num_rows / max(num_experts, 1)
     block = MIN_BLOCK_M
     while block < mean and block < MAX_BLOCK_M:
         block *= 2
     return block
 
 
-@functools.lru_cache(maxsize=64)
-def _schedule_cached(sizes: tuple[int, ...], block_m: int, device: torch.device) -> torch.Tensor:
-    entries = []
-    start = 0
-    for expert, size in enumerate(sizes):
-        end = start + size
-        entries.extend((expert, row, end) for row in range(start, end, block_m))
-        start = end
-    table = torch.tensor(entries, dtype=torch.int32).reshape(-1, 3)
-    return table.to(device)
+def row_tiles(num_rows: int, num_experts: int, block_m: int) -> int:
+    """The row-tiled grid's first dimension: an upper bound on sum_e ceil(size_e / block_m)."""
+    return triton.cdiv(num_rows, block_m) + num_experts
 
 
-def row_tile_schedule(sizes: tuple[int, ...], block_m: int, device: torch.device) -> torch.Tensor:
-    """int32 [T, 3] of (expert, row_start, row_end), one entry per BLOCK_M row tile.
-
-    Cached by (sizes, block_m, device): the forward and the backward of one layer,
-    and the several kernels of each, share one host-to-device copy."""
-    return _schedule_cached(tuple(sizes), block_m, torch.device(device))
+MIN_EXPERTS_PAD = 256
 
 
-@functools.lru_cache(maxsize=64)
-def _bounds_cached(sizes: tuple[int, ...], device: torch.device) -> torch.Tensor:
-    bounds = [0]
-    for size in sizes:
-        bounds.append(bounds[-1] + size)
-    return torch.tensor(bounds, dtype=torch.int32).to(device)
+def experts_pad(num_experts: int) -> int:
+    """E_PAD, the width of the vector tiles.row_tile reads the E ends into: a power of two at or
+    above E, and at least 256, so that layers of up to 256 experts share one compiled kernel (E_PAD
+    is a constexpr: each value is another compile, and another autotune on a bare GPU)."""
+    return max(MIN_EXPERTS_PAD, triton.next_power_of_2(num_experts))
 
 
-def group_bounds(sizes: tuple[int, ...], device: torch.device) -> torch.Tensor:
-    """int32 [E + 1]: expert e owns rows [bounds[e], bounds[e + 1])."""
-    return _bounds_cached(tuple(sizes), torch.device(device))
+@functools.cache
+def _multiprocessors(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def persistent_programs(device: torch.device, tiles: int, per_multiprocessor: int = 1) -> int:
+    """Programs of a persistent kernel: one per multiprocessor (CUDA), never more than its tiles."""
+    device = torch.device(device)
+    slots = _multiprocessors(device) * per_multiprocessor if device.type == "cuda" else INTERPRETER_PROGRAMS
+    return max(1, min(tiles, slots))

@@ -1,8 +1,43 @@
-"""Device helpers shared by the GEMM kernels: the accumulating dot and fGETGrad's operand tile."""
+"""Device helpers shared by the GEMM kernels: where a row tile lies and the accumulating dot."""
 import triton
 import triton.language as tl
 
-from shardmoe.kernels.activations import activation_grad, glu_grad
+
+@triton.jit
+def row_tile(tile, ends_ptr, num_experts, BLOCK_M: tl.constexpr, E_PAD: tl.constexpr):
+    """(expert, row_start, row_end) of row tile `tile` of the expert-sorted rows, read from the
+    device: ends_ptr holds the groups' cumulative ends [E] (int32; expert e owns rows
+    [ends[e-1], ends[e]), ends[-1] = 0), E_PAD >= E is a power of two.
+
+      tiles_e    = ceil(size_e / BLOCK_M)          (an empty expert has none)
+      tile_end_e = tiles_0 + ... + tiles_e
+      expert     = #{e : tile_end_e <= tile}        (the expert whose tiles hold `tile`)
+      row_start  = start_expert + (tile - tile_end_expert + tiles_expert) BLOCK_M
+      row_end    = ends[expert]                      (the tile's rows stop there)
+
+    A tile past the last one gets expert >= num_experts: its program has nothing to do. The
+    grid can thus be sized without reading the counts, ceil(N / BLOCK_M) + E programs (each
+    expert adds at most one partial tile), and no tile straddles two experts."""
+    e = tl.arange(0, E_PAD)
+    present = e < num_experts
+    ends = tl.load(ends_ptr + e, mask=present, other=0)
+    starts = tl.load(ends_ptr + e - 1, mask=present & (e > 0), other=0)
+    tiles = tl.where(present, (ends - starts + BLOCK_M - 1) // BLOCK_M, 0)
+    tile_end = tl.cumsum(tiles, axis=0)
+    expert = tl.sum((tile_end <= tile).to(tl.int32), axis=0)
+    this = e == expert
+    first_tile = tl.sum(tl.where(this, tile_end - tiles, 0), axis=0)
+    row_start = tl.sum(tl.where(this, starts, 0), axis=0) + (tile - first_tile) * BLOCK_M
+    row_end = tl.sum(tl.where(this, ends, 0), axis=0)
+    return expert, row_start, row_end
+
+
+@triton.jit
+def expert_rows(expert, ends_ptr):
+    """(start, end) of expert `expert`'s rows, from the cumulative ends on the device."""
+    start = tl.load(ends_ptr + expert - 1, mask=expert > 0, other=0)
+    end = tl.load(ends_ptr + expert)
+    return start, end
 
 
 @triton.jit
@@ -17,38 +52,3 @@ def dot_acc(a, b, acc, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr):
     else:
         out = tl.dot(a.to(b.dtype), b, acc, input_precision=PRECISION)
     return out
-
-
-@triton.jit
-def grad_operand(g_ptr, g_rows, stride_g, z_ptr, z_rows, stride_z, cols, row_mask, col_mask, half, limit, alpha,
-                 ACT: tl.constexpr, GLU: tl.constexpr):
-    """fGETGrad's left operand for an [R, C] tile, float32: the incoming gradient times the
-    activation derivative, formed in registers before the multiply (never stored).
-
-      plain:  G'[r, c] = g[r, c] * act'(z[r, c])            (no z read for identity)
-      GLU:    z = h = [hg | hu] [N, 2 half], g = dA [N, half], c in [0, 2 half):
-              c <  half:  G'[r, c] = dhg[r, c]                                   (dA hu act'(hg))
-              c >= half:  G'[r, c] = dhu[r, c'],  c' = c - half                  (dA act(hg))
-              with (dhg, dhu) = activations.glu_grad, which also has the clamped SwiGLU's form
-              (limit, alpha: its constants; unused otherwise)
-
-    g_rows index the gradient (they differ from z_rows when the gradient is gathered from
-    token order); z_rows index the dispatched rows. A tile may straddle the gate/up
-    boundary; each column picks its formula.
-    """
-    mask = row_mask[:, None] & col_mask[None, :]
-    if GLU:
-        is_gate = cols < half
-        col = tl.where(is_gate, cols, cols - half)
-        grad = tl.load(g_ptr + g_rows[:, None] * stride_g + col[None, :], mask=mask, other=0.0).to(tl.float32)
-        z_row = z_ptr + z_rows[:, None] * stride_z
-        gate = tl.load(z_row + col[None, :], mask=mask, other=0.0).to(tl.float32)
-        up = tl.load(z_row + (col + half)[None, :], mask=mask, other=0.0).to(tl.float32)
-        grad_gate, grad_up = glu_grad(grad, gate, up, limit, alpha, ACT)
-        tile = tl.where(is_gate[None, :], grad_gate, grad_up)
-    else:
-        tile = tl.load(g_ptr + g_rows[:, None] * stride_g + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        if ACT != "identity":
-            z = tl.load(z_ptr + z_rows[:, None] * stride_z + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-            tile = tile * activation_grad(z, ACT)
-    return tile

@@ -1,18 +1,30 @@
-"""Autotune candidates, dot settings and operand layout shared by every kernel launcher.
+"""Autotune candidates, tuned configs, dot settings and operand layout shared by every kernel launcher.
 
-On a GPU each kernel is autotuned (triton.autotune) over a few tile shapes, keyed on
-the weight-shaped sizes that stay fixed for a layer (never on the row count, which
-changes every step and would retune every step). Under TRITON_INTERPRET=1 there is no
-timing to learn from, so each kernel gets a single small config: the autotuner then
-skips benchmarking altogether.
+On a GPU each kernel is autotuned (triton.autotune) over a few tile shapes, keyed on the
+weight-shaped sizes that stay fixed for a layer (never on the row count, which changes every step
+and would retune every step). Which candidate a key gets, in order:
+
+  1. the config tuned.py holds for this device and key (what a GPU lease's autotuning picked,
+     kept as data in the package): no tuning at all;
+  2. with shardmoe.settings autotune off, the first candidate;
+  3. otherwise triton times every candidate on the first launch of the key.
+
+Under TRITON_INTERPRET=1 there is no timing to learn from, so each kernel gets a single small
+config and the autotuner skips all of this.
 """
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
 from triton import knobs
 
+from shardmoe.kernels import tuned
 from shardmoe.settings import SETTINGS
+
+# every kernel that autotune() decorated, by name: tuned.collect reads their choices
+AUTOTUNED: dict[str, triton.runtime.Autotuner] = {}
 
 
 def interpreting() -> bool:
@@ -28,16 +40,53 @@ def configs(gpu: list[dict], interpreter: dict, warps_stages=((4, 3), (8, 3), (4
     return [triton.Config(tiles, num_warps=w, num_stages=s) for tiles in gpu for w, s in warps_stages]
 
 
-def first_unless_tuning(candidates: list, named_args: dict, **kwargs) -> list:
-    """early_config_prune: every candidate, or only the first with shardmoe.settings autotune off
-    (each candidate is one more compile per kernel variant; a check at many shapes pays that).
-    triton prunes only for a key (the kernel's `key` sizes and dtypes) it has not tuned yet and
-    keeps that key's choice for the process: the setting holds for the keys first seen while it
-    does, before and after an override alike."""
-    return candidates if SETTINGS.autotune else candidates[:1]
+def tuning_key(key_names, named_args: dict) -> tuple:
+    """The autotuner's key for a launch, as triton builds it: the values of the `key` arguments, then
+    the dtype of every argument that has one, in argument order."""
+    values = [named_args[name] for name in key_names if name in named_args]
+    values += [str(arg.dtype) for arg in named_args.values() if hasattr(arg, "dtype")]
+    return tuple(values)
 
 
-PRUNE = {"early_config_prune": first_unless_tuning}
+@functools.cache
+def _device_name(index: int) -> str:
+    return torch.cuda.get_device_name(index)
+
+
+def current_device_name() -> str | None:
+    """The CUDA device's name (the tuned table's first key), None without CUDA."""
+    return _device_name(torch.cuda.current_device()) if torch.cuda.is_available() else None
+
+
+class Prune:
+    """early_config_prune of one kernel: the tuned config of this device and key when tuned.py has
+    one, else every candidate, or only the first with shardmoe.settings autotune off (each
+    candidate is one more compile per kernel variant; a check at many shapes pays that).
+    triton prunes only for a key it has not tuned yet and keeps that key's choice for the process:
+    the setting holds for the keys first seen while it does, before and after an override alike."""
+
+    def __init__(self, name: str, key_names: list[str]):
+        self.name, self.key_names = name, list(key_names)
+
+    def __call__(self, candidates: list, named_args: dict, **kwargs) -> list:
+        device = current_device_name()
+        if device is not None:
+            found = tuned.lookup(device, self.name, tuning_key(self.key_names, {**named_args, **kwargs}))
+            if found is not None:
+                return [found]
+        return candidates if SETTINGS.autotune else candidates[:1]
+
+
+def autotune(gpu: list[dict], interpreter: dict, key: list[str], warps_stages=((4, 3), (8, 3), (4, 4)), **kwargs):
+    """triton.autotune over configs(gpu, interpreter, warps_stages), pruned by Prune, the kernel
+    registered in AUTOTUNED under its name."""
+    def decorate(fn):
+        tuner = triton.autotune(configs=configs(gpu, interpreter, warps_stages), key=key,
+                                prune_configs_by={"early_config_prune": Prune(fn.__name__, key)}, **kwargs)(fn)
+        AUTOTUNED[fn.__name__] = tuner
+        return tuner
+
+    return decorate
 
 
 def dot_settings(dtype: torch.dtype) -> dict:

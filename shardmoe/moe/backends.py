@@ -11,16 +11,18 @@ dispatchers call nothing else. Two families of entry points:
                                                               combine into its GEMMs)
   combine side         combine, grad_combine (stage 1), grad_gate_combine (stage 2),
                        grad_input_combine (stage 5)
-  stages 3 / 4         grad_post_gemm_glu, grad_pre_gemm_glu, grad_post_gemm_mlp, grad_pre_gemm_mlp
 
 select() makes the one decision per forward, and again for its backward from the same config, input
 and weights (the operators carry no Python objects from one to the other), so the two agree unless
 a setting changes in between; either way the results agree to round-off. Backends today:
 
   torch   TorchBackend: the stage functions of moe/experts.py and moe/combine.py (any device torch
-          runs on), with its row buffers from the layer's workspace and, on CPU, the C++ passes of
-          moe/elementwise.py and moe/cpu_gemm.py that the forward's CpuPasses allows (decided in
-          select(); each stage then checks only that its operands fit)
+          runs on; its expert_backward runs stages 3 and 4 through its own grad_post_gemm_glu,
+          grad_pre_gemm_glu, grad_post_gemm_mlp and grad_pre_gemm_mlp), with, on CPU, its row
+          buffers from the layer's workspace and the C++ passes of moe/elementwise.py and
+          moe/cpu_gemm.py that the forward's CpuPasses allows (decided in select(); each stage then
+          checks only that its operands fit); on a GPU fresh buffers, so that its GEMMs are
+          grouped_mm's
   triton  TritonBackend (moe/triton_backend.py): the Triton kernels of shardmoe/kernels, chosen for
           CUDA tensors of a kernel dtype when the config has only what the kernels implement
           (kernels.fused_path)
@@ -85,14 +87,6 @@ class Backend(Protocol):
 
     def grad_input_combine(self, dx_rows: torch.Tensor, row_pair: torch.Tensor, num_tokens: int,
                            top_k: int) -> torch.Tensor: ...
-
-    def grad_post_gemm_glu(self, grad_rows, weight_rows, a, down_proj, groups, has_bias=False): ...
-
-    def grad_pre_gemm_glu(self, grad_a, h, act_gate, xs, gate_up_proj, groups, activation, has_bias=False): ...
-
-    def grad_post_gemm_mlp(self, grad_expert, z2, a1, w2, has_bias, groups, output_activation): ...
-
-    def grad_pre_gemm_mlp(self, grad_a1, z1, xs, w1, has_bias, groups, activation): ...
 
 
 def gather_rows(tokens: torch.Tensor, row_token: torch.Tensor, workspace: Workspace | None) -> torch.Tensor:
@@ -169,10 +163,12 @@ def select(config: MoEConfig, x: torch.Tensor, workspace: Workspace | None = Non
     kernels.fused_path(config, x, expert_width) (a CUDA tensor of a kernel dtype, or any under the
     test switch kernels.force_kernel_path(); triton importable; kernels not switched off in
     shardmoe.settings; experts at most kernels.KERNEL_MAX_FFN wide, `expert_width` being the width
-    this rank computes); torch otherwise, drawing its row buffers from `workspace` when one is given
-    (the kernels allocate their own) and using the C++ passes that CpuPasses.decide(x) allows."""
+    this rank computes); torch otherwise, using the C++ passes that CpuPasses.decide(x) allows and
+    drawing its row buffers from `workspace` on CPU only: the pool exists for the CPU allocator's
+    page faults (moe/workspace.py), and on a GPU a GEMM into a given buffer would leave grouped_mm
+    (which allocates its output) for a loop over experts. The kernels allocate their own."""
     if kernels.fused_path(config, x, expert_width):
         from shardmoe.moe.triton_backend import TRITON  # imports triton: only when it runs
 
         return TRITON
-    return TorchBackend(workspace, CpuPasses.decide(x))
+    return TorchBackend(workspace if x.device.type == "cpu" else None, CpuPasses.decide(x))

@@ -61,7 +61,7 @@ def _use_grouped_mm(*operands: torch.Tensor) -> bool:
 def _side_by_side(groups: Groups, *operands: torch.Tensor, passes: CpuPasses | None) -> bool:
     """Whether the experts' GEMMs run side by side, one per thread (cpu_gemm.py): not with row
     tiles, whose padded GEMMs must run in expert order (each overwrites the next one's first rows)."""
-    return groups.row_tile == 0 and len(groups.sizes) > 1 and cpu_gemm.available(*operands, passes=passes)
+    return groups.row_tile == 0 and groups.num_experts > 1 and cpu_gemm.available(*operands, passes=passes)
 
 
 def grouped_linear(rows: torch.Tensor, weight: torch.Tensor, groups: Groups,
@@ -109,7 +109,7 @@ def grouped_weight_grad(grad_rows: torch.Tensor, in_rows: torch.Tensor, groups: 
     grad_t = grad_rows.t()
     if _use_grouped_mm(grad_t, in_rows) and grad_rows.shape[0] > 0:
         return F.grouped_mm(grad_t, in_rows, offs=groups.offsets)
-    out = grad_rows.new_zeros((len(groups.sizes), grad_rows.shape[1], in_rows.shape[1]))
+    out = grad_rows.new_zeros((groups.num_experts, grad_rows.shape[1], in_rows.shape[1]))
     for e, (g, x) in enumerate(zip(grad_rows.split(groups.sizes), in_rows.split(groups.sizes))):
         if g.shape[0]:
             out[e] = g.t() @ x
@@ -119,9 +119,9 @@ def grouped_weight_grad(grad_rows: torch.Tensor, in_rows: torch.Tensor, groups: 
 def grouped_bias_grad(grad_rows: torch.Tensor, groups: Groups, *, passes: CpuPasses | None = None) -> torch.Tensor:
     """db_e = sum over rows r of e of grad_r: [N, O] -> [E, O], summed in the acc dtype."""
     if elementwise.available(grad_rows, passes=passes):  # the same row-order sum, one pass
-        return elementwise.combine_rows(grad_rows, groups.row_expert(), len(groups.sizes)).to(grad_rows.dtype)
+        return elementwise.combine_rows(grad_rows, groups.row_expert(), groups.num_experts).to(grad_rows.dtype)
     acc = accumulation_dtype(grad_rows.dtype)
-    out = grad_rows.new_zeros((len(groups.sizes), grad_rows.shape[1]), dtype=acc)
+    out = grad_rows.new_zeros((groups.num_experts, grad_rows.shape[1]), dtype=acc)
     out.index_add_(0, groups.row_expert(grad_rows.device), grad_rows.to(acc))
     return out.to(grad_rows.dtype)
 

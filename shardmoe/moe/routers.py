@@ -28,15 +28,26 @@ def scores_from_logits(logits: torch.Tensor, logsumexp: torch.Tensor, config: Mo
 
 
 def top_indices(values: torch.Tensor, k: int) -> torch.Tensor:
-    """Indices of the k largest entries along the last dim, descending, ties to the lowest index.
+    """Indices of the k largest entries along the last dim, descending, ties to the lowest index
+    (NaN above every number, as a stable descending sort puts it).
 
-    torch.topk of k + 1 first (4x faster than a full sort at E = 64 and k = 8): where those k + 1
-    values are strictly decreasing, the k largest and their order are unique, so topk's answer is
-    the stable sort's. Rows with equal neighbours among them (a tie inside the top k or at its
-    edge, -inf from group masking included) or a NaN take the stable descending sort."""
+    Up to 32-bit floats: one torch.topk over int64 keys that order as the values and then by the
+    lower index, so its answer is the stable sort's with no tie to look for: a tie check would be
+    a host read of the device every step. The key is the value's bits made monotonic (negative
+    floats' magnitude bits flipped; -0 taken as +0 and every NaN as one NaN first) times 2^16, plus
+    65535 - index. float64 (the CPU checks) has no room for the index in 64 bits: torch.topk of k + 1
+    first (4x faster than a full sort at E = 64 and k = 8), and the rows with equal neighbours among
+    those (a tie inside the top k or at its edge) or a NaN take the stable descending sort."""
     width = values.shape[-1]
     if k >= width:
         return torch.sort(values, dim=-1, descending=True, stable=True).indices[..., :k]
+    if values.dtype != torch.float64:
+        v = values.float()
+        v = torch.where(v.isnan(), float("nan"), v + 0.0)
+        bits = v.view(torch.int32)
+        ordered = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(torch.int64)
+        lower_first = 65535 - torch.arange(width, device=values.device)
+        return torch.topk(ordered * 65536 + lower_first, k, dim=-1).indices
     top = torch.topk(values, k + 1, dim=-1)
     indices = top.indices[..., :k]
     tied = (top.values[..., 1:] == top.values[..., :-1]).any(-1) | top.values.isnan().any(-1)

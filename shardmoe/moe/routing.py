@@ -64,8 +64,10 @@ class Routing:
     sequence_tokens: torch.Tensor
 
     @property
-    def dropped_pairs(self) -> int:
-        return int(self.selected_per_expert.sum() - self.kept_per_expert.sum())
+    def dropped_pairs(self) -> torch.Tensor:
+        """The pairs capacity dropped, a 0-dim int64 tensor on the routing's device (reading it is
+        the caller's host wait, not the step's)."""
+        return self.selected_per_expert.sum() - self.kept_per_expert.sum()
 
     def rows(self, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(token [N], combine weight w [N]) of each dispatched row."""
@@ -117,9 +119,11 @@ def dispatch_order(top_idx: torch.Tensor, num_experts: int, capacity: int | None
     top_idx [S, k] -> row_pair [N] (kept pair indices, grouped by expert, token order
     within a group), selected_per_expert [E], kept_per_expert [E].
     """
-    pair_expert = top_idx.reshape(-1)
+    pair_expert = top_idx.reshape(-1).to(torch.int64)
     order = torch.argsort(pair_expert, stable=True)
-    selected = torch.bincount(pair_expert, minlength=num_experts)
+    # a scatter rather than bincount, whose output size CUDA reads from the data (a host wait)
+    selected = torch.zeros(num_experts, dtype=torch.int64, device=top_idx.device).scatter_add_(
+        0, pair_expert, torch.ones_like(pair_expert))
     if capacity is None:
         return order, selected, selected.clone()
     row_pair, kept = keep_first(order, pair_expert[order], selected, capacity)

@@ -60,7 +60,7 @@ def shared_param_shapes(config: MoEConfig) -> dict[str, tuple[int, ...]]:
 
 
 def _one_group(num_tokens: int, device) -> ex.Groups:
-    return ex.Groups.from_counts(torch.tensor([num_tokens], device=device))
+    return ex.Groups.from_counts(torch.tensor([num_tokens], device=device), num_rows=num_tokens)
 
 
 def shared_gate(x: torch.Tensor, gate_weight: torch.Tensor | None) -> torch.Tensor:

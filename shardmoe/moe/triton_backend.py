@@ -9,32 +9,38 @@ balance losses and stage 6 stay in torch (moe/routing.py) on every path.
 Forward, for x [S, H], N kept rows sorted by expert (row_token [N], weights w [N], row_pair [N]):
   torch path   xs = x[row_token] [N, H];  y = experts(xs) [N, H];  out = combine(w, y)  [S, H]
   this path    one gathered GEMM with the activation epilogue (reads x through row_token, so xs is
-               never formed), one GEMM whose epilogue writes w_r y_r into slot t * k + j of an
-               [S k, H] buffer (y is never stored), then a sum over each token's k slots.
+               never formed), one plain grouped GEMM storing y [N, H], then each token gathers and
+               sums its k rows w_r y_r (kernels/combine.py).
 Both save the same tensors for backward ("glu": h [N, 2F]; "mlp": z1 [N, P], z2 [N, H]), so the
 backward reads the same context whichever path the forward took.
 
 Backward, same contract as moe.experts.expert_backward (dx rows [N, H], gate dots dw [N] in the
 acc dtype, {parameter: gradient}):
-  "glu"  stages 2 + 3 in one GEMM (dw_r = (g_r Wdown_e) . a_r + g_r . bdown_e in the GEMM of
-         dA = w g Wdown_e, so g Wdown is never stored), then stage 4 with dh formed in registers
-         (fGETGrad); the biases' gradients dbdown = sum w g and dbgu = sum dh come from the tiles
-         of the weight-gradient GEMMs
-  "mlp"  stages 1 + 2 in one pass over g (ge = w g and dw = g . act_out(z2)), then stages 3 and 4
-         with act' applied in the GEMMs' prologues
+  "glu"  SonicMoE's data flow (kernels.experts.glu_backward): the GEMM dA' = g Wdown_e forms, in
+         its epilogue, the gate dots dw = (g Wdown_e) . a (+ g . bdown_e), dh = dSwiGLU(w dA', h)
+         and a' = w a; then plain grouped GEMMs: dWdown = sum g^T a', dWgu = sum dh^T x (both
+         varlen-K: each expert's rows are the reduction), dx = dh Wgu; dbdown = sum w g and
+         dbgu = sum dh come from the tiles of the weight-gradient GEMMs
+  "mlp"  stages 1 + 2 in one pass over g (dz2 = w g act_out'(z2) and dw = g . act_out(z2)), then
+         dz1 = (dz2 W2_e) act'(z1) with the derivative in that GEMM's epilogue, and plain grouped
+         GEMMs for dW2, dW1 (varlen-K) and dx (kernels.experts.mlp_backward)
+  then stage 5, dx_t = sum over the token's kept rows of dx_r, a gather-and-sum like the forward's.
 With row_index [N] (the fused layer), the gradient and input arguments are the token-order [S, H]
 tensors and the kernels read row r from row row_index[r]: grad_out[row_token] and x[row_token] are
 never copied. Expert parallelism passes already-dispatched rows and no row_index.
 
 Every expert kind the torch path runs runs here: "glu" with or without biases and with any
 activation, GPT-OSS's clamped SwiGLU included (a ClampedSwiGLU as `activation`, evaluated in the
-kernels' GLU epilogue and fGETGrad operand); "mlp" with or without biases. A shared expert
+forward GEMM's GLU epilogue and in down_grad's); "mlp" with or without biases. A shared expert
 (moe/shared_experts.py) is a dense GEMM pair over all tokens that moe/function.py runs beside the
 backend, on torch, whichever backend the routed experts take.
 
 What this path saves against the torch path: nothing more (the same h or z1, z2); what it avoids
-allocating: xs and y [N, H] in forward, grad_out[row_token] and xs [N, H] (plus g Wdown [N, F] for
-"glu", ge [N, H] apart from its one fused pass for "mlp") in backward.
+allocating: xs [N, H] in forward, grad_out[row_token] and xs [N, H] in backward, and for "glu" the
+torch path's a, act(hg), g Wdown and dA [N, F] (it keeps dh [N, 2F] and a' [N, F]).
+
+No step reads the device from the host: the kernels read the groups' offsets from device memory and
+their launches need only N and E (kernels/schedule.py).
 """
 from __future__ import annotations
 
@@ -45,12 +51,10 @@ from shardmoe.kernels import combine as kernel_combine
 from shardmoe.kernels import experts as kernel_experts
 from shardmoe.moe.activations import activate
 from shardmoe.moe.elementwise import CpuPasses
-from shardmoe.moe.experts import glu_activation, glu_grad
 from shardmoe.rows import Groups
-from shardmoe.settings import SETTINGS
 
-# its tensors are on the GPU: none of the C++ CPU passes, for the torch helpers below (glu_activation,
-# glu_grad) and the shared experts' stages, which function.py runs with the backend's passes
+# its tensors are on the GPU: none of the C++ CPU passes, for the shared experts' stages, which
+# function.py runs with the backend's passes
 NO_CPU_PASSES = CpuPasses()
 
 
@@ -68,39 +72,13 @@ def expert_backward(kind: ExpertKind, activation, output_activation: str, grad_r
 
 def _glu_backward(activation, output_activation, grad_rows, weight_rows, xs, saved, params, groups, row_index):
     (h,) = saved
-    has_bias = params.get("gate_up_proj_bias") is not None
-    a, act_gate = glu_activation(h, activation, passes=NO_CPU_PASSES)
-    grad_a, grad_down, grad_dots, grad_down_bias = kernel_experts.grad_gate_post_gemm_glu(
-        grad_rows, weight_rows, a, params["down_proj"], groups, params.get("down_proj_bias"), has_bias,
-        row_index=row_index)
-    grad_xs, grad_gate_up, grad_gate_up_bias = grad_pre_gemm_glu(
-        grad_a, h, act_gate, xs, params["gate_up_proj"], groups, activation, has_bias, row_index=row_index)
-    return grad_xs, grad_dots, {"gate_up_proj": grad_gate_up, "gate_up_proj_bias": grad_gate_up_bias,
-                                "down_proj": grad_down, "down_proj_bias": grad_down_bias}
-
-
-def grad_pre_gemm_glu(grad_a, h, act_gate, xs, gate_up_proj, groups, activation, has_bias, *, row_index=None):
-    """Stage 4 for "glu" on the kernels: dh formed on load inside both GEMMs (the default), or with
-    shardmoe.settings glu_grad_on_load off once in torch (glu_grad) and read by plain GEMMs, so no
-    activation work is repeated per output tile (an A/B for the GPU bench, docs/kernels.md)."""
-    if SETTINGS.glu_grad_on_load:
-        return kernel_experts.grad_pre_gemm_glu(grad_a, h, act_gate, xs, gate_up_proj, groups, activation, has_bias,
-                                                row_index=row_index)
-    return kernel_experts.grad_pre_gemm_given(glu_grad(grad_a, h, act_gate, activation, passes=NO_CPU_PASSES), xs,
-                                              gate_up_proj, groups, has_bias, row_index=row_index)
+    return kernel_experts.glu_backward(grad_rows, weight_rows, xs, h, params, groups, activation, row_index=row_index)
 
 
 def _mlp_backward(activation, output_activation, grad_rows, weight_rows, xs, saved, params, groups, row_index):
     z1, z2 = saved
-    has_bias = params["b1"] is not None
-    grad_expert, grad_dots = kernel_combine.grad_combine_gate(grad_rows, z2, weight_rows,
-                                                              output_activation=output_activation,
-                                                              row_index=row_index)
-    grad_a1, grad_w2, grad_b2 = kernel_experts.grad_post_gemm_mlp(
-        grad_expert, z2, activate(activation, z1), params["w2"], has_bias, groups, output_activation)
-    grad_xs, grad_w1, grad_b1 = kernel_experts.grad_pre_gemm_mlp(grad_a1, z1, xs, params["w1"], has_bias, groups,
-                                                                 activation, row_index=row_index)
-    return grad_xs, grad_dots, {"w1": grad_w1, "b1": grad_b1, "w2": grad_w2, "b2": grad_b2}
+    return kernel_experts.mlp_backward(grad_rows, weight_rows, xs, z1, z2, activate(activation, z1), params, groups,
+                                       activation, output_activation, row_index=row_index)
 
 
 _BACKWARD = {GLU: _glu_backward, MLP: _mlp_backward}
@@ -144,18 +122,6 @@ class TritonBackend:
 
     def grad_input_combine(self, dx_rows, row_pair, num_tokens, top_k):
         return kernel_combine.grad_input_combine(dx_rows, row_pair, num_tokens, top_k)
-
-    def grad_post_gemm_glu(self, grad_rows, weight_rows, a, down_proj, groups, has_bias=False):
-        return kernel_experts.grad_post_gemm_glu(grad_rows, weight_rows, a, down_proj, groups, has_bias)
-
-    def grad_pre_gemm_glu(self, grad_a, h, act_gate, xs, gate_up_proj, groups, activation, has_bias=False):
-        return grad_pre_gemm_glu(grad_a, h, act_gate, xs, gate_up_proj, groups, activation, has_bias)
-
-    def grad_post_gemm_mlp(self, grad_expert, z2, a1, w2, has_bias, groups, output_activation):
-        return kernel_experts.grad_post_gemm_mlp(grad_expert, z2, a1, w2, has_bias, groups, output_activation)
-
-    def grad_pre_gemm_mlp(self, grad_a1, z1, xs, w1, has_bias, groups, activation):
-        return kernel_experts.grad_pre_gemm_mlp(grad_a1, z1, xs, w1, has_bias, groups, activation)
 
 
 TRITON = TritonBackend()

@@ -80,7 +80,7 @@ def make_routed(device, *, top_k=TOP_K, drop_every=7, seed=0) -> Routed:
     grad_out = torch.randn(NUM_TOKENS, HIDDEN, generator=gen, dtype=torch.float64)
     to = dict(device=device)
     return Routed(x.to(**to), grad_out.to(**to), row_pair.to(**to), (row_pair // top_k).to(**to),
-                  weights.reshape(-1)[row_pair].to(**to), counts, NUM_TOKENS, top_k)
+                  weights.reshape(-1)[row_pair].to(**to), counts.to(**to), NUM_TOKENS, top_k)
 
 
 @pytest.fixture

@@ -1,5 +1,6 @@
-"""Backward kernels (float32): fGETGrad input-gradient GEMMs and weight/bias-gradient GEMMs,
-against the float64 torch path of shardmoe.moe.experts."""
+"""Backward kernels (float32): the glu backward (down_grad's GEMM and epilogue, the varlen-K weight
+gradients, dx), the fGETGrad input-gradient GEMMs and the weight/bias-gradient GEMMs, against the
+float64 torch path of shardmoe.moe.experts."""
 import pytest
 import torch
 
@@ -10,6 +11,8 @@ if not triton_importable():
 
 from shardmoe.expert_kinds import GLU, MLP  # noqa: E402
 from shardmoe.kernels import experts as kex  # noqa: E402
+from shardmoe.kernels.down_grad import down_grad  # noqa: E402
+from shardmoe.moe import backends  # noqa: E402
 from shardmoe.moe import combine as comb  # noqa: E402
 from shardmoe.moe import experts as ex  # noqa: E402
 from shardmoe.moe.activations import ClampedSwiGLU, activate  # noqa: E402
@@ -56,78 +59,77 @@ def test_grouped_gemms(routed, expert_params, rel_err):
 
 
 def _glu_saved(routed, params, activation):
-    """(xs, h, a, act_gate) of the float64 forward."""
+    """(xs, h) of the float64 forward."""
     groups = groups_of(routed)
     xs = routed.x[routed.row_token]
     _, (h,) = ex.expert_forward(GLU, activation, "identity", xs, params, groups)
-    a, act_gate = ex.glu_activation(h, activation)
-    return xs, h, a, act_gate
-
-
-@pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
-def test_grad_post_gemm_glu(routed, expert_params, rel_err, bias):
-    """Stage 3 (dA, dWdown, g Wdown, dbdown), on rows and gathered; stages 2 + 3 fused, whose gate
-    dots gain g . bdown_e with the down bias (y = a Wdown_e^T + bdown_e)."""
-    groups = groups_of(routed)
-    params = expert_params("glu", bias, routed.x.device)
-    _, _, a, _ = _glu_saved(routed, params, "silu")
-    grad_rows = routed.grad_out[routed.row_token]
-    expected = ex.grad_post_gemm_glu(grad_rows, routed.weight_rows, a, params["down_proj"], groups, bias)
-    assert (expected[3] is not None) == bias
-    r32 = routed.cast(F32)
-    args = (r32.weight_rows, a.to(F32), params["down_proj"].to(F32), groups, bias)
-    assert_all_close(kex.grad_post_gemm_glu(r32.grad_out[r32.row_token], *args), expected, rel_err)
-    assert_all_close(kex.grad_post_gemm_glu(r32.grad_out, *args, row_index=r32.row_token), expected, rel_err)
-
-    grad_a, grad_down, g_down, grad_down_bias = expected
-    dots = comb.grad_gate_combine(g_down, a)
-    down_bias = params["down_proj_bias"]
-    if bias:
-        dots = dots + comb.grad_gate_combine(grad_rows, down_bias[groups.row_expert()])
-        assert rel_err(dots, comb.grad_gate_combine(g_down, a)) > 1e-2  # the bias term is no round-off
-    fused = kex.grad_gate_post_gemm_glu(r32.grad_out, r32.weight_rows, a.to(F32), params["down_proj"].to(F32),
-                                        groups, None if down_bias is None else down_bias.to(F32), bias,
-                                        row_index=r32.row_token)
-    assert_all_close(fused, (grad_a, grad_down, dots, grad_down_bias), rel_err)
+    return xs, h
 
 
 @pytest.mark.parametrize("activation,bias", [(a, False) for a in ACTIVATIONS] + [("silu", True), (CLAMPED, False),
                                                                                   (CLAMPED, True)],
                          ids=[*ACTIVATIONS, "silu-bias", "clamped", "clamped-bias"])
-def test_grad_pre_gemm_glu(routed, expert_params, rel_err, activation, bias):
-    """Stage 4 (dx, dWgu, dbgu) with dh formed in registers: every activation, the clamped SwiGLU's
-    derivative (zero beyond its clamps) and the gate/up bias gradient."""
+def test_glu_backward(routed, expert_params, rel_err, activation, bias):
+    """Stages 2-4 of "glu" (dx rows, gate dots, every gradient) against the torch path's stages in
+    float64: every activation, the clamped SwiGLU's derivative (zero beyond its clamps), both
+    biases, whose g . bdown_e term joins the gate dots; g and x read in token order."""
     groups = groups_of(routed)
     params = expert_params("glu", bias, routed.x.device)
-    xs, h, a, act_gate = _glu_saved(routed, params, activation)
-    grad_a = random_like(a, seed=4)
-    expected = ex.grad_pre_gemm_glu(grad_a, h, act_gate, xs, params["gate_up_proj"], groups, activation, bias)
-    assert (expected[2] is not None) == bias
-    got = kex.grad_pre_gemm_glu(grad_a.to(F32), h.to(F32), act_gate.to(F32), routed.x.to(F32),
-                                params["gate_up_proj"].to(F32), groups, activation, bias, row_index=routed.row_token)
-    assert_all_close(got, expected, rel_err)
+    xs, h = _glu_saved(routed, params, activation)
+    grad_rows = routed.grad_out[routed.row_token]
+    dx, dots, grads = ex.expert_backward(GLU, activation, "identity", grad_rows, routed.weight_rows, xs, (h,),
+                                         params, groups, stages=backends.TorchBackend())
+    if bias:  # the bias term is no round-off
+        without = ex.expert_backward(GLU, activation, "identity", grad_rows, routed.weight_rows, xs, (h,),
+                                     {**params, "down_proj_bias": None}, groups, stages=backends.TorchBackend())[1]
+        assert rel_err(without, dots) > 1e-2
+    r32 = routed.cast(F32)
+    params32 = {k: None if v is None else v.to(F32) for k, v in params.items()}
+    got_dx, got_dots, got = kex.glu_backward(r32.grad_out, r32.weight_rows, r32.x, h.to(F32), params32, groups,
+                                             activation, row_index=r32.row_token)
+    assert_all_close((got_dx, got_dots), (dx, dots), rel_err)
+    assert set(got) == set(grads)
+    assert_all_close([got[k] for k in grads], [grads[k] for k in grads], rel_err)
+    rows = kex.glu_backward(r32.grad_out[r32.row_token], r32.weight_rows, r32.x[r32.row_token], h.to(F32), params32,
+                            groups, activation)
+    assert_all_close(rows[:2], (dx, dots), rel_err)
 
 
-@pytest.mark.parametrize("output_activation,bias", [(a, i % 2 == 0) for i, a in enumerate(ACTIVATIONS)])
-def test_grad_post_gemm_mlp(routed, expert_params, cast, rel_err, output_activation, bias):
+def test_down_grad_epilogue(routed, expert_params, rel_err):
+    """down_grad's three outputs on their own: dh = dSwiGLU(w g Wdown_e, h), a' = w a, the dots."""
     groups = groups_of(routed)
-    params = expert_params("mlp", bias, routed.x.device)
-    _, (z1, z2) = ex.expert_forward(MLP, "gelu", output_activation, routed.x[routed.row_token], params, groups)
-    a1 = activate("gelu", z1)
-    grad_expert = random_like(z2, seed=5)
-    expected = ex.grad_post_gemm_mlp(grad_expert, z2, a1, params["w2"], bias, groups, output_activation)
-    got = kex.grad_post_gemm_mlp(*cast((grad_expert, z2, a1, params["w2"]), F32), bias, groups, output_activation)
+    params = expert_params("glu", False, routed.x.device)
+    _, h = _glu_saved(routed, params, "silu")
+    grad_rows = routed.grad_out[routed.row_token]
+    a, act_gate = ex.glu_activation(h, "silu")
+    g_down = ex.grouped_linear_t(grad_rows, params["down_proj"], groups)
+    expected = (ex.glu_grad(g_down * routed.weight_rows[:, None], h, act_gate, "silu"), a * routed.weight_rows[:, None],
+                comb.grad_gate_combine(g_down, a))
+    r32 = routed.cast(F32)
+    got = down_grad(r32.grad_out, r32.weight_rows, h.to(F32), params["down_proj"].to(F32), groups, "silu",
+                    grad_index=r32.row_token)
     assert_all_close(got, expected, rel_err)
 
 
-@pytest.mark.parametrize("activation,bias", [(a, i % 2 == 1) for i, a in enumerate(ACTIVATIONS)])
-def test_grad_pre_gemm_mlp(routed, expert_params, cast, rel_err, activation, bias):
+@pytest.mark.parametrize("activation,output_activation,bias",
+                         [(a, b, i % 2 == 0) for i, (a, b) in enumerate(zip(ACTIVATIONS, ACTIVATIONS[::-1]))])
+def test_mlp_backward(routed, expert_params, rel_err, activation, output_activation, bias):
+    """Stages 1-4 of "mlp" (dx rows, gate dots, every gradient) against the torch path's stages in
+    float64: every activation in both places, act_out' formed in the combine pass and act' in the
+    da1 GEMM's epilogue; g and x read in token order."""
     groups = groups_of(routed)
     params = expert_params("mlp", bias, routed.x.device)
     xs = routed.x[routed.row_token]
-    _, (z1, _) = ex.expert_forward(MLP, activation, "identity", xs, params, groups)
-    grad_a1 = random_like(z1, seed=6)
-    expected = ex.grad_pre_gemm_mlp(grad_a1, z1, xs, params["w1"], bias, groups, activation)
-    got = kex.grad_pre_gemm_mlp(*cast((grad_a1, z1, routed.x, params["w1"]), F32), bias, groups, activation,
-                                row_index=routed.row_token)
-    assert_all_close(got, expected, rel_err)
+    _, (z1, z2) = ex.expert_forward(MLP, activation, output_activation, xs, params, groups)
+    grad_rows = routed.grad_out[routed.row_token]
+    dx, dots, grads = ex.expert_backward(MLP, activation, output_activation, grad_rows, routed.weight_rows, xs,
+                                         (z1, z2), params, groups, stages=backends.TorchBackend())
+    r32 = routed.cast(F32)
+    params32 = {k: None if v is None else v.to(F32) for k, v in params.items()}
+    z1_32 = z1.to(F32)
+    got_dx, got_dots, got = kex.mlp_backward(r32.grad_out, r32.weight_rows, r32.x, z1_32, z2.to(F32),
+                                             activate(activation, z1_32), params32, groups, activation,
+                                             output_activation, row_index=r32.row_token)
+    assert_all_close((got_dx, got_dots), (dx, dots), rel_err)
+    assert set(got) == set(grads)
+    assert_all_close([got[k] for k in grads], [grads[k] for k in grads], rel_err)

@@ -9,7 +9,7 @@ if not triton_importable():
 
 from shardmoe.kernels import combine as kcomb  # noqa: E402
 from shardmoe.moe import combine as comb  # noqa: E402
-from shardmoe.moe.activations import activate  # noqa: E402
+from shardmoe.moe.activations import activate, activate_backward  # noqa: E402
 
 TOL = 1e-5
 F32 = torch.float32
@@ -49,10 +49,11 @@ def test_grad_combine_and_gate_combine(routed, rel_err):
 
 @pytest.mark.parametrize("output_activation", ["identity", "gelu_tanh"])
 def test_grad_combine_gate_fused(routed, rel_err, output_activation):
-    """Stages 1 + 2 in one pass, g gathered from token order, act_out applied to the saved z2."""
+    """Stages 1 + 2 and act_out' in one pass, g gathered from token order, act_out and its derivative
+    applied to the saved z2."""
     z2 = expert_rows(routed, seed=9)
     grad_rows = routed.grad_out[routed.row_token]
-    expected = (comb.grad_combine(grad_rows, routed.weight_rows),
+    expected = (activate_backward(output_activation, comb.grad_combine(grad_rows, routed.weight_rows), z2),
                 comb.grad_gate_combine(grad_rows, activate(output_activation, z2)))
     r32 = routed.cast(F32)
     got = kcomb.grad_combine_gate(r32.grad_out, z2.to(F32), r32.weight_rows, output_activation=output_activation,

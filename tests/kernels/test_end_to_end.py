@@ -2,9 +2,10 @@
 the fused layer (the MoE operators of shardmoe/moe/ops.py) in float64.
 
 The expert side is the Triton backend's fused entry points, which the MoE operators run on the kernel path: rows are
-gathered inside the kernels (no x[row_token] or grad_out[row_token] copies), the second GEMM
-writes weighted slots, stages 1 + 2 (mlp) or 2 + 3 (glu) run as one kernel. Routing and stage 6
-stay on torch (routing.py). tests/kernels/test_layer_path.py runs the same code through the layer.
+gathered inside the kernels (no x[row_token] or grad_out[row_token] copies), each token gathers
+and sums its rows, stages 1 + 2 (mlp) run as one kernel and glu's stages 2-4 as one GEMM with its
+epilogue and three plain GEMMs. Routing and stage 6 stay on torch (routing.py).
+tests/kernels/test_layer_path.py runs the same code through the layer.
 """
 import pytest
 import torch
@@ -34,7 +35,7 @@ def kernel_moe(x, gate_weight, params, config: MoEConfig, grad_out, grad_loss):
     by the fused entry points the Triton backend gives the layer, called directly."""
     num_tokens, k = x.shape[0], config.top_k
     routing = route(x, gate_weight, config)
-    groups = Groups.from_counts(routing.kept_per_expert)
+    groups = Groups.from_counts(routing.kept_per_expert, num_rows=routing.row_pair.shape[0])
     row_token, weight_rows = routing.rows(k)
     activation = config.expert_activation  # the name, or a ClampedSwiGLU
     out, saved = kex.expert_forward_combine(config.kind, activation, config.output_activation, x, row_token,
@@ -74,14 +75,10 @@ CONFIGS = [
     dict(expert="glu", activation="clamped_swiglu", swiglu_limit=0.5, bias=True),
 ]
 CONFIG_IDS = ["glu-silu", "mlp-gelu-bias", "glu-clamped-bias"]
-# (options, shardmoe.settings glu_grad_on_load): glu's dh formed on load in both stage-4 GEMMs (the
-# default) and formed once in torch (the A/B the GPU bench times)
-CASES = [(c, True) for c in CONFIGS] + [(c, False) for c in CONFIGS if c["expert"] == "glu"]
-CASE_IDS = CONFIG_IDS + [f"{i}-dh-once" for c, i in zip(CONFIGS, CONFIG_IDS) if c["expert"] == "glu"]
 
 
-@pytest.mark.parametrize("options,on_load", CASES, ids=CASE_IDS)
-def test_layer_forward_backward(device, routed, expert_params, cast, rel_err, options, on_load):
+@pytest.mark.parametrize("options", CONFIGS, ids=CONFIG_IDS)
+def test_layer_forward_backward(device, routed, expert_params, cast, rel_err, options):
     config = MoEConfig(hidden_size=routed.x.shape[1], ffn_size=expert_params("glu", False, "cpu")["down_proj"].shape[2],
                        num_experts=6, top_k=2, capacity_factor=1.0, aux_loss_coef=0.01, z_loss_coef=0.001, **options)
     gen = torch.Generator().manual_seed(11)
@@ -93,8 +90,7 @@ def test_layer_forward_backward(device, routed, expert_params, cast, rel_err, op
     params = expert_params(config.expert, config.bias, device)
     grad_loss = torch.tensor(0.7, dtype=F64, device=device)
     expected = fused_operator(x, gate_weight, params, config, routed.grad_out, grad_loss)
-    with settings.override(glu_grad_on_load=on_load):
-        got = kernel_moe(*cast((x, gate_weight, params), F32), config, routed.grad_out.to(F32), grad_loss.to(F32))
+    got = kernel_moe(*cast((x, gate_weight, params), F32), config, routed.grad_out.to(F32), grad_loss.to(F32))
 
     # Same routing decisions in both precisions: an empty expert and capacity drops included.
     assert torch.equal(got[3].row_pair, expected[3].row_pair)
@@ -111,8 +107,8 @@ def test_layer_forward_backward(device, routed, expert_params, cast, rel_err, op
             assert rel_err(got[2][name], grad) < TOL, name
 
 
-@pytest.mark.parametrize("options,on_load", CASES, ids=CASE_IDS)
-def test_layer_forward_backward_bf16(device, routed, expert_params, cast, rel_err, options, on_load):
+@pytest.mark.parametrize("options", CONFIGS, ids=CONFIG_IDS)
+def test_layer_forward_backward_bf16(device, routed, expert_params, cast, rel_err, options):
     """bfloat16 storage, float32 accumulation: within bfloat16 round-off (unit round-off
     2^-9, a few roundings per stage) of the float64 layer on the same bf16-representable
     inputs. On CPU the interpreter multiplies in float32 (its bfloat16 dot is wrong), so
@@ -140,8 +136,7 @@ def test_layer_forward_backward_bf16(device, routed, expert_params, cast, rel_er
     else:  # measured at most 3.6e-3 (output) and 1.1e-2 (gradients) from float64
         expected = fused_operator(x, gate_weight, params, config, grad_out.to(F64), grad_loss)
         bound = 2e-2
-    with settings.override(glu_grad_on_load=on_load):
-        got = kernel_moe(*cast((x, gate_weight, params), bf16), config, grad_out, grad_loss.to(F32))
+    got = kernel_moe(*cast((x, gate_weight, params), bf16), config, grad_out, grad_loss.to(F32))
 
     assert torch.equal(got[3].row_pair, expected[3].row_pair)
     assert got[0].dtype == F32 and rel_err(got[0], expected[0]) < bound

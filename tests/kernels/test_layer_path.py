@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import shardmoe
-from shardmoe import kernels, settings
+from shardmoe import kernels
 from shardmoe.mesh import Mesh
 from shardmoe.moe import backends
 from shardmoe.moe import experts as ex
@@ -136,48 +136,31 @@ def _check_against_reference(layer, layer64, x, x32, out, grad_out):
         assert _rel(p.grad, ref_grads[pname]) < TOL, pname
 
 
-# (kind, settings glu_grad_on_load): glu's dh on load (default) or formed once (the GPU bench's A/B)
-KIND_CASES = [(name, True) for name in KINDS] + [(name, False) for name in KINDS if KINDS[name]["expert"] == "glu"]
-
-
-@pytest.mark.parametrize("name,on_load", KIND_CASES,
-                         ids=[name + ("" if on_load else "-dh-once") for name, on_load in KIND_CASES])
-def test_every_expert_kind_on_the_kernel_path(spy, monkeypatch, name, on_load):
+@pytest.mark.parametrize("name", KINDS)
+def test_every_expert_kind_on_the_kernel_path(spy, name):
     """The routed experts run on the Triton backend's fused entry points (never the torch expert
     stages) for every expert kind; the shared expert's dense GEMMs run on torch beside them. Output
     and every gradient within 1e-5 of the float64 reference."""
-    from shardmoe.kernels import experts as kernel_experts
-
-    given = []
-    formed_once = kernel_experts.grad_pre_gemm_given
-    monkeypatch.setattr(kernel_experts, "grad_pre_gemm_given", lambda *a, **k: given.append(1) or formed_once(*a, **k))
     layer, layer64 = _layers(KINDS[name], empty_expert=4)
     x, grad_out = _inputs(25)
     x32 = x.float().requires_grad_()
-    with kernels.force_kernel_path(), settings.override(glu_grad_on_load=on_load):
+    with kernels.force_kernel_path():
         out = layer(x32)
         out.backward(grad_out.float())
     assert spy == {"forward_combine": 1, "backward": 1, "torch_forward": 0, "torch_backward": 0}
-    assert len(given) == (0 if on_load else 1)  # dh formed once only with the setting off
     assert layer.stats["tokens_per_expert"][4] == 0
     if KINDS[name].get("capacity_factor"):
         assert layer.stats["dropped_tokens"] > 0
     _check_against_reference(layer, layer64, x, x32, out, grad_out)
 
 
-@pytest.mark.parametrize("on_load", [True, False], ids=["dh-on-load", "dh-once"])
-def test_expert_parallel_dispatcher_takes_the_kernel_path(spy, monkeypatch, on_load):
+def test_expert_parallel_dispatcher_takes_the_kernel_path(spy, monkeypatch):
     """Expert parallelism's dispatcher (parallel/expert_parallel.py) on a one-rank mesh, in one
     process (the placement picks LOCAL for one rank, so it is put in by hand): its expert stages
-    run on the Triton backend's row entry points, and the layer matches the float64 reference,
-    with glu's dh formed on load or once."""
-    from shardmoe.kernels import experts as kernel_experts
+    run on the Triton backend's row entry points, and the layer matches the float64 reference."""
     from shardmoe.moe.triton_backend import TritonBackend
     from shardmoe.parallel.expert_parallel import ExpertParallel
 
-    given = []
-    formed_once = kernel_experts.grad_pre_gemm_given
-    monkeypatch.setattr(kernel_experts, "grad_pre_gemm_given", lambda *a, **k: given.append(1) or formed_once(*a, **k))
     calls = {"forward": 0, "backward": 0}
     for method, key in (("expert_forward", "forward"), ("expert_backward", "backward")):
         def wrapped(self, *args, _original=getattr(TritonBackend, method), _key=key, **kwargs):
@@ -191,11 +174,10 @@ def test_expert_parallel_dispatcher_takes_the_kernel_path(spy, monkeypatch, on_l
     layer.placement.dispatcher = ExpertParallel(layer.config, layer.mesh)
     x, grad_out = _inputs(25)
     x32 = x.float().requires_grad_()
-    with kernels.force_kernel_path(), settings.override(glu_grad_on_load=on_load):
+    with kernels.force_kernel_path():
         out = layer(x32)
         out.backward(grad_out.float())
     assert calls == {"forward": 1, "backward": 1}
-    assert len(given) == (0 if on_load else 1)  # dh formed once only with the setting off
     assert spy == {"forward_combine": 0, "backward": 0, "torch_forward": 0, "torch_backward": 0}
     assert layer.stats["dropped_tokens"] > 0
     _check_against_reference(layer, layer64, x, x32, out, grad_out)
@@ -226,7 +208,7 @@ def test_kernel_path_not_taken_for_float64(spy):
                                      dict(expert="glu", bias=True, activation="clamped_swiglu", swiglu_limit=1.0)],
                          ids=["glu", "mlp-bias", "glu-bias-clamped"])
 def test_expert_parallel_backward_stage_equals_torch_stage(options):
-    """parallel.expert_parallel._experts_backward on the Triton backend (stages 1+2 or 2+3 fused)
+    """parallel.expert_parallel._experts_backward on the Triton backend (stages 1+2 or 2-4 fused)
     equals the torch stages on the same dispatched rows (a one-rank mesh: no communication)."""
     from shardmoe.parallel.expert_parallel import _experts_backward, _experts_forward
     layer, _ = _layers(options)

@@ -27,6 +27,14 @@ def test_cpu_tensors_get_the_torch_backend_with_the_forwards_passes():
     assert bound.name == "torch" and bound.workspace is ws
 
 
+def test_off_the_cpu_the_torch_backend_takes_no_workspace():
+    """Off the CPU (here the meta device stands in for a GPU) the torch backend allocates its rows, so
+    its GEMMs are grouped_mm's (a GEMM into a workspace buffer runs a loop over experts)."""
+    x = torch.zeros(3, 8, device="meta")
+    chosen = backends.select(MoEConfig(8, 6, 4, 2), x, Workspace())
+    assert chosen.name == "torch" and chosen.workspace is None
+
+
 @pytest.mark.parametrize("expert,bias,dtype", [("glu", False, torch.float32), ("glu", True, torch.bfloat16),
                                                 ("mlp", True, torch.float32)], ids=["glu", "glu-bias-bf16", "mlp-bias"])
 def test_the_passes_are_decided_once_per_forward_and_once_per_backward(monkeypatch, expert, bias, dtype):
@@ -50,7 +58,7 @@ def test_the_passes_are_decided_once_per_forward_and_once_per_backward(monkeypat
 
 
 def test_every_backend_implements_the_whole_protocol():
-    assert {"expert_forward", "gathered_backward", "grad_pre_gemm_mlp"} <= PROTOCOL
+    assert {"expert_forward", "gathered_backward", "grad_input_combine"} <= PROTOCOL
     assert PROTOCOL <= set(dir(backends.TorchBackend))
     pytest.importorskip("triton")
     from shardmoe.moe.triton_backend import TritonBackend
@@ -68,15 +76,19 @@ def test_kernels_take_every_layer_kind():
     assert backends.select(MoEConfig(8, 6, 4, 2), x).name == "torch"
 
 
+# the torch backend's own stage 3 / 4 functions, which its expert_backward calls on itself
+TORCH_STAGES = {"grad_post_gemm_glu", "grad_pre_gemm_glu", "grad_post_gemm_mlp", "grad_pre_gemm_mlp"}
+
+
 class _Recording(backends.TorchBackend):
-    """The torch backend, noting the name of every protocol method called on it."""
+    """The torch backend, noting the name of every protocol method and stage function called on it."""
 
     def __init__(self, workspace, calls):
         super().__init__(workspace)
         self.calls = calls
 
     def __getattribute__(self, name):
-        if name in PROTOCOL - {"name", "workspace", "passes"}:
+        if name in (PROTOCOL | TORCH_STAGES) - {"name", "workspace", "passes"}:
             object.__getattribute__(self, "calls").append(name)
         return object.__getattribute__(self, name)
 

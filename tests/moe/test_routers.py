@@ -144,18 +144,22 @@ def test_ties_in_selection_go_to_the_lowest_index_in_fused_path_and_reference():
     assert _rel(y, ref_y) <= 1e-10 and _rel(grads["gate_weight"], ref_grads["gate_weight"]) <= 1e-10
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("width,k", [(8, 2), (64, 8), (256, 8), (5, 5)])
-def test_top_indices_is_the_stable_descending_sort_with_ties_and_masks(width, k):
-    """topk where no tie can matter, the stable sort elsewhere: the same indices in every row, with
-    ties planted inside the top k, at its edge and below it, -inf masks, -0.0 against 0.0 and NaN."""
+def test_top_indices_is_the_stable_descending_sort_with_ties_and_masks(width, k, dtype):
+    """float32: one topk over value-then-index keys; float64: topk where no tie can matter, the
+    stable sort elsewhere. The same indices in every row, with ties planted inside the top k, at its
+    edge and below it, -inf masks, -0.0 against 0.0, negative values and NaN."""
     from shardmoe.moe.routers import top_indices
     gen = torch.Generator().manual_seed(width)
-    values = torch.randn(400, width, generator=gen)
+    values = torch.randn(400, width, generator=gen, dtype=dtype)
     coarse = (values[:100] * 2).round() / 2  # many equal values
     values[:100] = coarse
     values[100:150, width // 2:] = float("-inf")
     values[150, :2] = torch.tensor([0.0, -0.0])
     values[151, 0] = float("nan")
+    values[152, :3] = torch.tensor([-0.0, 0.0, float("nan")])
+    values[153] = -1.0 - torch.arange(width) % 3  # negative values only, many equal
     want = torch.sort(values, dim=-1, descending=True, stable=True).indices[..., :k]
     assert torch.equal(top_indices(values, k), want)
 

@@ -1,0 +1,213 @@
+"""The kernels as an H100 runs them, compiled without a GPU: registers, spills, shared memory, and
+the tensor-core (HGMMA) and TMA instructions in the machine code.
+
+triton compiles for a target it is told (GPUTarget("cuda", 90, 32): sm_90a, warp size 32) on a
+machine without one. compile_only() replaces every autotuned kernel's launch by a compile for that
+target, at the config the launch would get on an H100 (tuned.py's config for the device and key,
+else the first autotune candidate: what the kernels run with SHARDMOE_AUTOTUNE=0 or before tuning).
+The launchers themselves run unchanged on meta tensors (shapes and strides, no data), so every
+argument, constexpr variant and specialization is the one a real launch at those shapes would have,
+and a launcher that read device data would fail here (meta tensors hold none).
+
+Of each compiled kernel (analyse):
+  registers, spill_bytes     ptxas -v (triton's own run of its bundled ptxas, its log kept):
+                             registers per thread, spill stores + spill loads in bytes
+  shared_bytes               the shared memory triton allocates for it (its pipeline buffers)
+  mma_instructions           HGMMA (wgmma, Hopper's warpgroup tensor-core MMA) in the SASS
+  mma_sync_instructions      HMMA (mma.sync, the pre-Hopper tensor-core MMA)
+  tma_instructions           UTMA* / UBLK* (tensor-memory-accelerator copies) in the SASS
+The SASS comes from the cubin through cuobjdump -sass (triton's bundled one, else one on PATH,
+else nvdisasm).
+
+toolchain() says what is missing where it cannot run: triton without its NVIDIA backend, no
+cuobjdump or nvdisasm.
+"""
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+H100 = "NVIDIA H100 80GB HBM3"  # torch.cuda.get_device_name of the H100s measured: the tuned table's key
+CAPABILITY, WARP_SIZE = 90, 32
+GEMM_KERNELS = ("forward_gemm_kernel", "grad_gemm_kernel", "down_grad_kernel", "weight_grad_kernel")
+TMA_PREFIXES = ("UTMA", "UBLK")
+
+
+def toolchain() -> tuple[dict | None, str | None]:
+    """({"disassembler": [command]}, None) when kernels can be compiled for sm_90 here, else
+    (None, the reason)."""
+    try:
+        import triton.backends
+        from triton.backends.compiler import GPUTarget  # noqa: F401
+    except Exception as err:  # an absent or broken triton
+        return None, f"triton cannot be imported ({type(err).__name__}: {err})"
+    if "nvidia" not in triton.backends.backends:
+        return None, "triton has no NVIDIA backend here"
+    from triton import knobs
+
+    for name, args in (("cuobjdump", ["-sass"]), ("nvdisasm", [])):
+        try:
+            path = getattr(knobs.nvidia, name).path
+        except Exception:  # not bundled with this triton
+            path = shutil.which(name)
+        if path and os.access(path, os.X_OK):
+            return {"disassembler": [path, *args]}, None
+    return None, "neither cuobjdump nor nvdisasm found (triton's bundled tools or PATH)"
+
+
+@dataclass
+class Compiled:
+    """One compiled kernel variant and where it was launched."""
+
+    name: str
+    config: dict
+    variant: dict
+    kernel: object
+    ptxas_log: str
+    workloads: list = field(default_factory=list)
+
+
+def _compile_launch(jit_fn, target, args: tuple, kwargs: dict):
+    """triton's own binding, specialization and compile of one launch, for `target` (no launch)."""
+    import triton
+    from triton.compiler import ASTSource, make_backend
+    from triton.runtime.jit import create_function_from_signature
+
+    backend = make_backend(target)
+    binder = create_function_from_signature(jit_fn.signature, jit_fn.params, backend)
+    bound, specialization, options = binder(*args, **kwargs)
+    options, signature, constexprs, attrs = jit_fn._pack_args(backend, kwargs, bound, specialization, options)
+    variant = {jit_fn.arg_names[path[0]]: value for path, value in constexprs.items() if len(path) == 1}
+    key = (jit_fn.__name__, repr(sorted(signature.items())), repr(sorted(variant.items(), key=str)), repr(attrs),
+           repr(sorted(options.__dict__.items(), key=str)))
+    return key, variant, lambda: triton.compile(ASTSource(jit_fn, signature, constexprs, attrs), target=target,
+                                                options=options.__dict__)
+
+
+def run_config(device_name: str):
+    """The config a launch gets on `device_name`: tuned.py's for its key, else the first candidate."""
+    from shardmoe.kernels import tuned
+    from shardmoe.kernels.tuning import tuning_key
+
+    def choose(tuner, name: str, named_args: dict) -> list:
+        return [tuned.lookup(device_name, name, tuning_key(tuner.keys, named_args)) or tuner.configs[0]]
+
+    return choose
+
+
+@contextlib.contextmanager
+def compile_only(choose=None):
+    """Inside it, a launch of any autotuned kernel of shardmoe.kernels compiles for sm_90 (once per
+    variant and config) instead of running; yields ({key: Compiled}, which fills as the launchers run,
+    and {"name": the workload's name, set by the caller}). `choose(tuner, kernel name, named args)`
+    gives the configs to compile for a launch: by default run_config(H100), the one an H100 runs.
+    Each compile runs in a fresh triton cache, so ptxas always runs and its log is the kernel's."""
+    from triton import knobs
+    from triton.backends.compiler import GPUTarget
+    from triton.runtime.autotuner import Autotuner
+
+    from shardmoe.kernels.tuning import AUTOTUNED
+
+    choose = choose or run_config(H100)
+    target = GPUTarget("cuda", CAPABILITY, WARP_SIZE)
+    found: dict = {}
+    workload = {"name": None}
+    tiles = {name: set().union(*(c.kwargs for c in tuner.configs)) for name, tuner in AUTOTUNED.items()}
+
+    def run(self, *args, grid=None, warmup=False, **kwargs):
+        name = self.fn.__name__
+        for config in choose(self, name, {**dict(zip(self.arg_names, args)), **kwargs}):
+            key, variant, build = _compile_launch(self.fn, target, args, {**kwargs, **config.all_kwargs()})
+            if key not in found:
+                log = io.StringIO()
+                with contextlib.redirect_stdout(log):
+                    kernel = build()
+                shown = {k: v for k, v in variant.items() if k not in tiles.get(name, ()) and not k.endswith("_ptr")}
+                found[key] = Compiled(name, {**config.kwargs, "num_warps": config.num_warps,
+                                             "num_stages": config.num_stages}, shown, kernel, log.getvalue())
+            if workload["name"] not in found[key].workloads:
+                found[key].workloads.append(workload["name"])
+
+    previous_run, previous_log, previous_cache = Autotuner.run, knobs.nvidia.dump_ptxas_log, knobs.cache.dir
+    with tempfile.TemporaryDirectory(prefix="shardmoe-compiled-") as cache:
+        Autotuner.run = run
+        knobs.nvidia.dump_ptxas_log = True
+        knobs.cache.dir = cache
+        try:
+            yield found, workload
+        finally:
+            Autotuner.run = previous_run
+            knobs.nvidia.dump_ptxas_log = previous_log
+            knobs.cache.dir = previous_cache
+
+
+def sass_opcodes(cubin: bytes, disassembler: list[str]) -> Counter:
+    """Opcode (without modifiers) -> count in the cubin's machine code."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        done = subprocess.run([*disassembler, f.name], capture_output=True, text=True, timeout=120)
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(disassembler)} failed ({done.returncode}): {done.stderr.strip()[-400:]}")
+    # an instruction line: /*0a30*/  [@P0 | @!UP1 ]OPCODE.MOD ... ;
+    ops = re.findall(r"^\s*/\*[0-9a-f]+\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_]*)", done.stdout, re.M)
+    return Counter(ops)
+
+
+def ptxas_usage(log: str) -> tuple[int | None, int | None]:
+    """(registers, spill stores + spill loads in bytes) from a ptxas -v log."""
+    registers = re.search(r"Used (\d+) registers", log)
+    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
+    return (int(registers.group(1)) if registers else None,
+            int(spills.group(1)) + int(spills.group(2)) if spills else None)
+
+
+def analyse(compiled: Compiled, disassembler: list[str]) -> dict:
+    """The report row of one compiled kernel (module docstring)."""
+    ops = sass_opcodes(compiled.kernel.asm["cubin"], disassembler)
+    registers, spills = ptxas_usage(compiled.ptxas_log)
+    return {"name": compiled.name, "config": compiled.config, "variant": compiled.variant,
+            "workloads": compiled.workloads, "gemm": compiled.name in GEMM_KERNELS,
+            "registers": registers, "spill_bytes": spills, "shared_bytes": compiled.kernel.metadata.shared,
+            "mma_instructions": ops["HGMMA"], "mma_sync_instructions": ops["HMMA"],
+            "tma_instructions": sum(n for op, n in ops.items() if op.startswith(TMA_PREFIXES))}
+
+
+def meta_groups(num_experts: int, num_rows: int):
+    """Groups of num_rows rows over num_experts experts on the meta device (no counts to read)."""
+    from shardmoe.rows import Groups
+
+    return Groups.from_counts(torch.empty(num_experts, dtype=torch.int64, device="meta"), num_rows=num_rows)
+
+
+def trace_layer_step(config, tokens: int) -> None:
+    """One forward and backward of the Triton backend for a layer of `config` over `tokens` tokens,
+    dropless, on meta tensors in the layer's dtype (bf16): the calls the local dispatcher makes."""
+    from shardmoe.moe.function import expert_param_names
+    from shardmoe.moe.triton_backend import TRITON
+
+    meta = dict(device="meta", dtype=torch.bfloat16)
+    num_rows, hidden = tokens * config.top_k, config.hidden_size
+    shapes = config.kind.whole_shapes(hidden, config.ffn_size, config.num_experts)
+    params = {name: torch.empty(shapes[name], **meta) for name in expert_param_names(config)}
+    params.update({name: None for name in config.kind.bias_names if not config.bias})
+    groups = meta_groups(config.num_experts, num_rows)
+    x = torch.empty(tokens, hidden, **meta)
+    row_token = torch.empty(num_rows, dtype=torch.int64, device="meta")
+    weight_rows = torch.empty(num_rows, dtype=torch.float32, device="meta")
+    activation = config.expert_activation
+    _, saved = TRITON.gathered_forward(config.kind, activation, config.output_activation, x, row_token, weight_rows,
+                                       row_token, config.top_k, params, groups)
+    grad_xs, _, _ = TRITON.gathered_backward(config.kind, activation, config.output_activation, x, weight_rows, x,
+                                             row_token, saved, params, groups)
+    TRITON.grad_input_combine(grad_xs, row_token, tokens, config.top_k)

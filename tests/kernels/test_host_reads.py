@@ -1,0 +1,76 @@
+"""A dropless step on the Triton path reads nothing from the device on the host: the MoE Function's
+forward and backward (routing, dispatch, the Triton backend, the router's backward) run on meta
+tensors, which hold shapes and no data, so any .item(), .tolist(), .cpu(), int(t), bool(t), a
+boolean-mask index or a data-sized output (bincount, repeat_interleave without its size) raises.
+The kernel launches are recorded instead of run: what each launch needs from the host is then only
+shapes (N = S k, E), never counts. On a GPU the same holds under torch.cuda.set_sync_debug_mode
+("error"), which the lease's model stage checks (docs/gpu.md)."""
+import pytest
+import torch
+
+from shardmoe.kernels import triton_importable
+
+if not triton_importable():
+    pytest.skip("triton cannot be imported; install triton==3.9.0 to run the kernel tests", allow_module_level=True)
+
+from triton.runtime.autotuner import Autotuner  # noqa: E402
+
+from shardmoe import kernels  # noqa: E402
+from shardmoe.moe.config import MoEConfig  # noqa: E402
+from shardmoe.moe.dispatch import LOCAL  # noqa: E402
+from shardmoe.moe.function import MoECall, expert_param_names, moe_backward, moe_forward  # noqa: E402
+from shardmoe.moe.routing import GateRouter  # noqa: E402
+
+S, H, F, E, K = 48, 32, 16, 8, 2
+META = dict(device="meta", dtype=torch.bfloat16)
+GLU_LAUNCHES = ["forward_gemm_kernel", "forward_gemm_kernel", "token_combine_kernel",  # forward
+                "down_grad_kernel", "weight_grad_kernel", "weight_grad_kernel", "grad_gemm_kernel",  # stages 2-4
+                "token_combine_kernel"]  # stage 5
+MLP_LAUNCHES = ["forward_gemm_kernel", "forward_gemm_kernel", "token_combine_kernel",
+                "grad_combine_gate_kernel", "grad_gemm_kernel", "weight_grad_kernel", "weight_grad_kernel",
+                "grad_gemm_kernel", "token_combine_kernel"]
+
+
+def step(config: MoEConfig, launched: list):
+    """One forward and backward of the MoE Function on meta tensors, kernels forced (bf16)."""
+    shapes = config.kind.whole_shapes(H, F, E)
+    params = [torch.empty(shapes[n], **META) if n in shapes and (config.bias or n not in config.kind.bias_names)
+              else None for n in expert_param_names(config)]
+    stats = []
+    call = MoECall(config, GateRouter(config), LOCAL, stats=stats.append, loss_scale=1.0)
+    x = torch.empty(S, H, **META)
+    tensors = (torch.empty(H, E, **META), None, None, None, *params)
+    with kernels.force_kernel_path():
+        out, loss, made = moe_forward(call, x, tensors)
+        grads = moe_backward(call, x, tensors, made, torch.empty(S, H, **META), torch.ones((), device="meta"))
+    return out, loss, grads, stats
+
+
+@pytest.fixture
+def launched(monkeypatch):
+    calls = []
+
+    def record(self, *args, grid=None, warmup=False, **kwargs):
+        calls.append(self.fn.__name__)
+
+    monkeypatch.setattr(Autotuner, "run", record)
+    return calls
+
+
+@pytest.mark.parametrize("options,expected", [
+    (dict(expert="glu", activation="silu", aux_loss_coef=0.01, z_loss_coef=0.001), GLU_LAUNCHES),
+    (dict(expert="glu", activation="clamped_swiglu", bias=True), GLU_LAUNCHES),
+    (dict(expert="mlp", activation="gelu", bias=True), MLP_LAUNCHES)], ids=["glu-aux-z", "glu-bias-clamped", "mlp-bias"])
+def test_a_dropless_step_reads_nothing_from_the_device(launched, options, expected):
+    out, loss, grads, stats = step(MoEConfig(H, F, E, K, **options), launched)
+    assert launched == expected
+    assert out.shape == (S, H) and out.device.type == "meta" and loss.shape == ()
+    assert grads[0].shape == (S, H) and grads[1].shape == (H, E)  # dx, the gate weight's gradient
+    assert stats[0]["dropped_tokens"].device.type == "meta"  # a tensor: reading it is the caller's wait
+
+
+def test_the_meta_step_catches_a_host_read(launched):
+    """The check is not vacuous: capacity drops choose the kept rows by a boolean mask, whose size
+    only the data knows (a host wait on a GPU), and on meta tensors that raises."""
+    with pytest.raises((RuntimeError, NotImplementedError)):
+        step(MoEConfig(H, F, E, K, capacity_factor=1.0), launched)
