@@ -5,6 +5,7 @@ bad configuration fails at construction rather than deep inside a GEMM.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -21,6 +22,19 @@ def _check_int(name: str, value, low: int, high: int | None = None) -> None:
     if value < low or (high is not None and value > high):
         span = f">= {low}" if high is None else f"in {low}..{high}"
         raise ValueError(f"{name}: expected an int {span}, got {value}")
+
+
+def check_bool(name: str, value) -> None:
+    # a string such as "false" is truthy: taken as a flag it would switch the option on
+    if not isinstance(value, bool):
+        raise ValueError(f"{name}: expected a bool, got {value!r}")
+
+
+def check_bool_fields(config) -> None:
+    """check_bool on every field of the dataclass `config` annotated `bool` (the switches)."""
+    for f in dataclasses.fields(config):
+        if f.type == "bool":  # annotations are strings here (from __future__ import annotations)
+            check_bool(f.name, getattr(config, f.name))
 
 
 def _check_choice(name: str, value, choices: tuple[str, ...]) -> None:
@@ -90,6 +104,7 @@ class MoEConfig:
         _check_int("num_experts", self.num_experts, 1)
         _check_int("top_k", self.top_k, 1, self.num_experts)
         _check_choice("expert", self.expert, EXPERT_KINDS)
+        check_bool_fields(self)
         kind = self.kind
         if self.activation == "clamped_swiglu" and self.activation not in kind.activations:
             raise ValueError(f"activation: 'clamped_swiglu' expects expert='glu', got expert={self.expert!r}")
@@ -118,8 +133,6 @@ class MoEConfig:
 
     def _check_shared(self) -> None:
         _check_int("shared_ffn_size", self.shared_ffn_size, 0)
-        if not isinstance(self.shared_gate, bool):
-            raise ValueError(f"shared_gate: expected a bool, got {self.shared_gate!r}")
         if self.shared_gate and not self.shared_ffn_size:
             raise ValueError("shared_gate: expected False without a shared expert (shared_ffn_size=0), got True")
         # no model family pairs GPT-OSS's clamped SwiGLU with shared experts: refuse rather than guess
@@ -129,9 +142,6 @@ class MoEConfig:
 
     def _check_router(self) -> None:
         _check_choice("score_func", self.score_func, SCORE_FUNCS)
-        for name in ("renormalize", "router_bias", "correction_bias"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name}: expected a bool, got {getattr(self, name)!r}")
         v = self.routed_scaling_factor
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
             raise ValueError(f"routed_scaling_factor: expected a finite number > 0, got {v!r}")

@@ -30,6 +30,9 @@ def test_toml_and_json_files_load_with_a_model_table(tmp_path):
     ('steps = [', "run.toml"),
     ('[model]\nvocab_size = 100', "model.vocab_size: expected at least the byte tokenizer's 257 ids, got 100"),
     ('timeout_minutes = 0', r"timeout_minutes: expected a finite number in \(0.0, inf\), got 0"),
+    # a truthy string switched the expert biases on
+    ('[model]\nexpert_bias = "false"', "expert_bias: expected a bool, got 'false'"),
+    ('[model]\nrouter_bias = 0', "router_bias: expected a bool, got 0"),
 ])
 def test_bad_files_name_the_setting(tmp_path, text, message):
     path = tmp_path / "run.toml"
