@@ -2,8 +2,9 @@
 check_arguments before its work; a ValueError becomes one line and exit code 2)."""
 from __future__ import annotations
 
-import math
 from pathlib import Path
+
+from shardmoe.moe.config import is_finite_number
 
 
 def check_out_dir(option: str, path) -> None:
@@ -18,5 +19,5 @@ def check_out_dir(option: str, path) -> None:
 
 def check_at_least(option: str, value, low) -> None:
     """Raise ValueError unless value is a finite number >= low."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < low:
+    if not is_finite_number(value) or value < low:
         raise ValueError(f"{option}: expected a number >= {low}, got {value!r}")

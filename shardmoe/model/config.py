@@ -5,8 +5,9 @@ V vocab, M d_model, K kv heads, Q query heads per kv head, D head dim.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
+
+from shardmoe.moe.config import is_finite_number
 
 
 def check_positive_int(name: str, value) -> None:
@@ -15,7 +16,7 @@ def check_positive_int(name: str, value) -> None:
 
 
 def check_positive_number(name: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+    if not is_finite_number(value) or value <= 0:
         raise ValueError(f"{name}: expected a positive finite number, got {value!r}")
 
 

@@ -14,6 +14,7 @@ from shardmoe.moe.activations import ClampedSwiGLU
 
 GLU_ACTIVATIONS = GLU.activations  # every activation name: ACTIVATIONS and the clamped SwiGLU
 SCORE_FUNCS = ("softmax", "sigmoid")
+FLOAT32_MAX = 3.4028234663852886e38  # the largest float32: options the kernels take as float32 scalars
 
 
 def _check_int(name: str, value, low: int, high: int | None = None) -> None:
@@ -22,6 +23,17 @@ def _check_int(name: str, value, low: int, high: int | None = None) -> None:
     if value < low or (high is not None and value > high):
         span = f">= {low}" if high is None else f"in {low}..{high}"
         raise ValueError(f"{name}: expected an int {span}, got {value}")
+
+
+def is_finite_number(value) -> bool:
+    """Whether value is an int or a float (not a bool) with a finite float value: an int beyond the
+    float range (a JSON file may hold one) makes math.isfinite raise OverflowError instead."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
 
 
 def check_bool(name: str, value) -> None:
@@ -111,8 +123,8 @@ class MoEConfig:
         _check_choice("activation", self.activation, kind.activations)
         for name, default in (("swiglu_limit", 7.0), ("swiglu_alpha", 1.702)):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
-                raise ValueError(f"{name}: expected a finite number > 0, got {v!r}")
+            if not is_finite_number(v) or not 0 < v <= FLOAT32_MAX:  # a float32 scalar of the kernels
+                raise ValueError(f"{name}: expected a finite number > 0 (at most float32's {FLOAT32_MAX:.6g}), got {v!r}")
             if v != default and self.activation != "clamped_swiglu":  # it would be silently ignored
                 raise ValueError(f"{name}: expected the default {default} with activation={self.activation!r} "
                                  f"(only 'clamped_swiglu' uses it), got {v!r}")
@@ -122,11 +134,11 @@ class MoEConfig:
                              f"expert={self.expert!r}, got {self.output_activation!r}")
         if self.capacity_factor is not None:
             cf = self.capacity_factor
-            if isinstance(cf, bool) or not isinstance(cf, (int, float)) or not math.isfinite(cf) or cf <= 0:
+            if not is_finite_number(cf) or cf <= 0:
                 raise ValueError(f"capacity_factor: expected None or a positive finite number, got {cf!r}")
         for name in ("aux_loss_coef", "z_loss_coef", "seq_aux_loss_coef", "bias_update_rate", "renormalize_epsilon"):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+            if not is_finite_number(v) or v < 0:
                 raise ValueError(f"{name}: expected a finite number >= 0, got {v!r}")
         self._check_router()
         self._check_shared()
@@ -143,7 +155,7 @@ class MoEConfig:
     def _check_router(self) -> None:
         _check_choice("score_func", self.score_func, SCORE_FUNCS)
         v = self.routed_scaling_factor
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+        if not is_finite_number(v) or v <= 0:
             raise ValueError(f"routed_scaling_factor: expected a finite number > 0, got {v!r}")
         _check_int("n_group", self.n_group, 1, self.num_experts)
         if self.num_experts % self.n_group:
