@@ -27,7 +27,7 @@ class DenseConfig:
     n_q_heads = Q * K query heads share K = n_kv_heads key/value heads (GQA; K = n_q_heads is
     plain multi-head attention, K = 1 multi-query). head_dim D must be even for RoPE.
     For vocab sharding over the tensor axis t, vocab_size must be a multiple of t: the byte
-    tokenizer's 257 ids are usually padded up (see shardmoe.train.data.padded_vocab_size).
+    tokenizer's 257 ids are usually padded up (see shardmoe.train.tokenizer.padded_vocab_size).
     """
 
     vocab_size: int

@@ -21,12 +21,15 @@ from pathlib import Path
 
 from shardmoe.train.checkpoint import FILE_NAME as CHECKPOINT_FILE
 from shardmoe.train.metrics import METRICS_FILE
+from shardmoe.train.run_settings import SETTINGS_FILE
+from shardmoe.train.sample import SAMPLES_FILE
 from shardmoe.train.sharded_checkpoint import DIR_NAME as SHARDED_CHECKPOINT_DIR
 
 LOCK_FILE = ".lock"
 CURVE_FILE = "loss_curve.png"
 LOAD_FILE = "expert_load.png"
-RUN_FILES = (METRICS_FILE, METRICS_FILE + ".tmp", CHECKPOINT_FILE, CHECKPOINT_FILE + ".tmp", CURVE_FILE, LOAD_FILE)
+RUN_FILES = tuple(name + suffix for name in (METRICS_FILE, CHECKPOINT_FILE, SETTINGS_FILE, SAMPLES_FILE)
+                  for suffix in ("", ".tmp")) + (CURVE_FILE, LOAD_FILE)
 
 
 class RunDirLock:

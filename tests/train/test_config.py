@@ -28,8 +28,10 @@ def test_toml_and_json_files_load_with_a_model_table(tmp_path):
     ('steps = 0', "steps"),
     ('threads = 100000', r"threads: expected an int in 0\.\.\d+ \(os\.cpu_count\(\)\), got 100000"),
     ('steps = [', "run.toml"),
-    ('[model]\nvocab_size = 100', "model.vocab_size: expected at least the byte tokenizer's 257 ids, got 100"),
-    ('timeout_minutes = 0', r"timeout_minutes: expected a finite number in \(0.0, inf\), got 0"),
+    ('[model]\nvocab_size = 100', r"model.vocab_size: expected at least the byte tokenizer's 257 ids \(its tokens "
+                                   r"and BOS\), got 100"),
+    ('timeout_minutes = 0', r"timeout_minutes: expected minutes from 1 ms \(1\.67e-05\) to 1e\+08 \(the most the "
+                            r"process group can count\), got 0"),
     # a truthy string switched the expert biases on
     ('[model]\nexpert_bias = "false"', "expert_bias: expected a bool, got 'false'"),
     ('[model]\nrouter_bias = 0', "router_bias: expected a bool, got 0"),
