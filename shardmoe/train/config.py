@@ -40,7 +40,7 @@ RESUME_IDENTITY = ("arch", "model", "dtype", "seq_len", "batch_size", "seed", "d
 # Settings that are paths: a config file's relative ones are read from the file's folder.
 PATH_SETTINGS = ("data", "tokenizer", "token_cache")
 # Settings under the names checkpoints of earlier versions stored them with.
-RENAMED_SETTINGS = {"corpus": "data", "sample_tokens": "sample_tokens"}
+RENAMED_SETTINGS = {"corpus": "data", "sample_bytes": "sample_tokens"}
 INT64_MAX = 2 ** 63 - 1  # step counts, positions and sizes become int64 in numpy and torch
 SEED_MAX = 2 ** 64 - 1  # torch.manual_seed and torch.Generator.manual_seed take 64 bits
 # The process group's timeout: timedelta(minutes=...) in whole milliseconds (below 1 ms it is 0 and

@@ -238,3 +238,28 @@ def test_a_diverged_run_stops_with_one_line_after_logging_the_step(tmp_path, cap
                                        f"{read_rows(out)[1]['loss']}, gradient norm inf; lower lr or raise "
                                        "warmup_steps\n")
     assert [r["step"] for r in read_rows(out)] == [1, 2]
+
+
+def test_a_checkpoint_with_settings_under_their_former_names_resumes(tmp_path, capsys, one_thread):
+    """A run directory without config.json whose checkpoint stores `corpus` and `sample_bytes` (and
+    no tokenizer) in its settings and identity: --resume reads them as data, sample_tokens, bytes."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    out = tmp_path / "run"
+    loop.train(tiny_train_config(steps=4, sample_tokens=0), out, stop_after=2, progress=False)
+    path = ckpt.checkpoint_path(out)
+    with safe_open(str(path), "pt") as f:
+        tensors, metadata = {k: f.get_tensor(k) for k in f.keys()}, f.metadata()
+    former = {"data": "corpus", "sample_tokens": "sample_bytes"}
+    for key in ("config", "identity"):
+        values = json.loads(metadata[key])
+        for name in ("tokenizer", "token_cache", "sample_every"):  # settings the former version did not have
+            values.pop(name, None)
+        metadata[key] = json.dumps({former.get(k, k): v for k, v in values.items()})
+    save_file(tensors, str(path), metadata=metadata)
+    assert "corpus" in json.loads(ckpt.read_metadata(path)["config"])
+
+    assert main(["train", "--out", str(out), "--resume", "--no-progress"]) == 0
+    assert f"resuming {out} from {path} at step 2 of 4\n" in capsys.readouterr().out
+    assert [r["step"] for r in read_rows(out)] == [1, 2, 3, 4]
