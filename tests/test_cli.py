@@ -52,3 +52,19 @@ def test_bad_input_is_one_line_naming_the_option_with_exit_code_2(argv, message,
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"shardmoe {argv[0]}: "), err
     assert message in lines[0], lines[0]
+
+
+def test_an_unknown_option_gets_the_commands_usage(capsys):
+    """`shardmoe train --corpus x` printed the top-level usage, which lists no option of `train`."""
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["train", "--corpus", "x"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: shardmoe train [-h]") and "--data PATH" in err
+    assert err.endswith("shardmoe train: error: unrecognized arguments: --corpus x\n")
+
+
+def test_train_help_points_at_the_table_of_settings(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["train", "--help"])
+    assert 'docs/training.md, "Configuration"' in " ".join(capsys.readouterr().out.split())

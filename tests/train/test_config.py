@@ -56,3 +56,17 @@ def test_resume_identity_covers_what_fixes_weights_and_data():
     assert base.replace(lr=1.0, steps=5).resume_identity() == base.resume_identity()
     assert base.replace(seq_len=32).resume_identity() != base.resume_identity()
     assert base.replace(model=TransformerConfig(d_model=64)).resume_identity() != base.resume_identity()
+
+
+def test_the_settings_table_of_the_docs_lists_every_setting():
+    """docs/training.md ("Configuration") has a row for every key a config file takes."""
+    import dataclasses
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).parents[2] / "docs" / "training.md").read_text()
+    table = text.split("Every setting (`model.` ones go in the `model` table):")[1].split("\n\n")[1]
+    listed = {name for row in table.splitlines()[2:] for name in re.findall(r"`([a-z_.0-9]+)`", row.split(" | ")[0])}
+    keys = {f.name for f in dataclasses.fields(TrainConfig) if f.name != "model"}
+    keys |= {f"model.{f.name}" for f in dataclasses.fields(TransformerConfig)}
+    assert listed == keys, (sorted(keys - listed), sorted(listed - keys))
