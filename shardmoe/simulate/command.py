@@ -132,12 +132,13 @@ def run_calibration() -> int:
 
 def check_arguments(args) -> None:
     """Every input error before any work: presets and overrides, GPU counts, routing, --out."""
-    from shardmoe.arguments import check_out_dir
+    from shardmoe.arguments import check_out_dir, check_seed
 
     from .routing import popularity
     from .sweep import layout
 
     counts = parse_gpus(args.gpus)
+    check_seed("--seed", args.seed)
     if args.calibrate:
         return
     hardware, shape = resolve(args.hardware, args.preset, args.config, args.set)

@@ -75,7 +75,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def check_arguments(args: argparse.Namespace) -> None:
     """Every input error before any work: the layer's options (MoEConfig's checks), the schedule's
     sizes, --out."""
-    from shardmoe.arguments import check_at_least, check_out_dir
+    from shardmoe.arguments import check_at_least, check_out_dir, check_seed
     from shardmoe.moe.config import MoEConfig
 
     MoEConfig(args.hidden, args.ffn, args.experts, args.top_k, expert=args.expert, activation=args.activation,
@@ -84,6 +84,7 @@ def check_arguments(args: argparse.Namespace) -> None:
     check_at_least("--tokens", args.tokens, 0)
     for option in ("peers", "ranks_per_node", "processors", "block_m", "block_n"):
         check_at_least("--" + option.replace("_", "-"), getattr(args, option), 1)
+    check_seed("--seed", args.seed)
     check_out_dir("--out", args.out)
 
 

@@ -25,6 +25,7 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from shardmoe.arguments import SEED_MAX
 from shardmoe.model.residuals import check_backward_mode
 from shardmoe.model.transformer import TransformerConfig
 from shardmoe.moe.config import FLOAT32_MAX, check_bool_fields, is_finite_number
@@ -42,7 +43,6 @@ PATH_SETTINGS = ("data", "tokenizer", "token_cache")
 # Settings under the names checkpoints of earlier versions stored them with.
 RENAMED_SETTINGS = {"corpus": "data", "sample_bytes": "sample_tokens"}
 INT64_MAX = 2 ** 63 - 1  # step counts, positions and sizes become int64 in numpy and torch
-SEED_MAX = 2 ** 64 - 1  # torch.manual_seed and torch.Generator.manual_seed take 64 bits
 # The process group's timeout: timedelta(minutes=...) in whole milliseconds (below 1 ms it is 0 and
 # the store times out at once), counted in int64 nanoseconds by torch's store (about 1.5e8 minutes).
 TIMEOUT_MINUTES = (1 / 60_000, 1e8)

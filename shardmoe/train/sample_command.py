@@ -31,12 +31,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def check_arguments(args: argparse.Namespace) -> None:
-    from shardmoe.train.config import INT64_MAX, SEED_MAX
+    from shardmoe.arguments import check_seed
+    from shardmoe.train.config import INT64_MAX
 
-    for option, value, low, high in (("--max-tokens", args.max_tokens, 1, INT64_MAX),
-                                     ("--top-k", args.top_k, 0, INT64_MAX), ("--seed", args.seed, 0, SEED_MAX)):
-        if value is not None and not low <= value <= high:
-            raise ValueError(f"{option}: expected an int in {low}..{high}, got {value}")
+    for option, value, low in (("--max-tokens", args.max_tokens, 1), ("--top-k", args.top_k, 0)):
+        if value is not None and not low <= value <= INT64_MAX:
+            raise ValueError(f"{option}: expected an int in {low}..{INT64_MAX}, got {value}")
+    check_seed("--seed", args.seed)
     t = args.temperature
     if t is not None and not 0 < t < float("inf"):
         raise ValueError(f"--temperature: expected a finite number > 0, got {t}")
