@@ -117,7 +117,8 @@ def check_memory(config: TrainConfig) -> None:
     from shardmoe.model.transformer import full_shapes
 
     def count(n_layers: int) -> int:
-        return sum(math.prod(shape) for shape in full_shapes(dataclasses.replace(config.model, n_layers=n_layers)).values())
+        shapes = full_shapes(dataclasses.replace(config.model, n_layers=n_layers))
+        return sum(math.prod(shape) for shape in shapes.values())
 
     params = count(1) + (config.model.n_layers - 1) * (count(2) - count(1))
     dtype = config.param_dtype

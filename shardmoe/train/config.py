@@ -31,7 +31,8 @@ from shardmoe.model.transformer import TransformerConfig
 from shardmoe.moe.config import FLOAT32_MAX, check_bool_fields, is_finite_number
 from shardmoe.train.accumulate import BALANCE_OVER
 from shardmoe.train.presets import DEFAULT_ARCH, check_arch, with_preset
-from shardmoe.train.tokenizer import BYTE, VOCAB_MULTIPLE, byte_tokenizer, check_vocab, load_tokenizer, padded_vocab_size
+from shardmoe.train.tokenizer import (BYTE, VOCAB_MULTIPLE, byte_tokenizer, check_vocab, load_tokenizer,
+                                      padded_vocab_size)
 
 DTYPES = ("float32", "float64", "bfloat16")
 CHECKPOINT_FORMATS = ("auto", "safetensors", "dcp")
@@ -58,7 +59,8 @@ class TrainConfig:
     data: None for the embedded KJV text, or a file, a directory or a glob of text, JSONL or Parquet
     files (shardmoe/train/documents.py); tokenizer: "byte" or a local Hugging Face tokenizer
     (shardmoe/train/tokenizer.py); token_cache: the directory of tokenized corpora (None:
-    ~/.cache/shardmoe/tokens, shardmoe/train/token_cache.py). eval_batches: held-out batches scored at the end (and every eval_every steps if > 0).
+    ~/.cache/shardmoe/tokens, shardmoe/train/token_cache.py). eval_batches: held-out batches scored
+    at the end (and every eval_every steps if > 0).
     checkpoint_every: also save every so many steps (0: only at the end). checkpoint_format:
     "safetensors" (one file, the whole state gathered), "dcp" (sharded, every rank writing its own
     blocks; the single file is still written at the last step, as the run's export) or "auto"

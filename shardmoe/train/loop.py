@@ -11,9 +11,9 @@ One optimizer step n (1-based) on every rank of the mesh:
     update     AdamW with the warm-up + cosine learning rate of step n, then each MoE correction
                bias from the step's global expert loads (when the model has them)
 and rank 0 appends one JSON row to DIR/metrics.jsonl. The logged `loss` is the cross-entropy of
-the global batch before the update (nats per token; per byte with the byte tokenizer); `aux_loss` the summed weighted MoE losses;
-the load columns (metrics.load_columns) count each layer's tokens per expert over the global
-batch. Under a mesh the MoE layer's stats["tokens_per_expert"] is already that global count: the
+the global batch before the update (nats per token; per byte with the byte tokenizer); `aux_loss`
+the summed weighted MoE losses; the load columns (metrics.load_columns) count each layer's tokens
+per expert over the global batch. Under a mesh the MoE layer's stats["tokens_per_expert"] is already that global count: the
 dispatch plan all-gathers every token-parallel rank's (d, e) counts before any row moves
 (shardmoe/parallel/dispatch.py), and t peers hold the same tokens, so nothing is summed again.
 
@@ -168,18 +168,18 @@ def train(config: TrainConfig, out_dir: str | Path | None, *, mesh=None, resume:
             result.metrics.append(row)
             if metrics_log is not None:
                 metrics_log.append(row)
-            if config.sample_tokens and prompts and (step == config.steps or (config.sample_every and
-                                                                            step % config.sample_every == 0)):
-                with _autocast(config):
-                    result.samples = _samples(model, tokenizer, prompts, config, step)
-                if sample_log is not None:
-                    sample_log.append(result.samples)
             if bar is not None:
                 bar.set_postfix(loss=f"{ce:.3f}", tok_s=f"{row['tokens_per_s']:.0f}", mfu=f"{row['mfu']:.1%}")
                 bar.update(1)
             if not math.isfinite(ce) or not math.isfinite(grad_norm):
                 raise TrainingDiverged(f"training diverged at step {step}: loss {ce}, gradient norm {grad_norm}; "
                                    "lower lr or raise warmup_steps")
+            if config.sample_tokens and prompts and (step == config.steps or (config.sample_every and
+                                                                            step % config.sample_every == 0)):
+                with _autocast(config):
+                    result.samples = _samples(model, tokenizer, prompts, config, step)
+                if sample_log is not None:
+                    sample_log.append(result.samples)
             periodic = config.checkpoint_every and step % config.checkpoint_every == 0
             if out_dir is not None and (step == last or periodic):
                 saved = (out_dir, model, optimizer, step, config.to_dict(), config.resume_identity(), data.state_dict())
@@ -201,8 +201,11 @@ def _samples(model: Transformer, tokenizer: Tokenizer, prompts, config: TrainCon
     """A continuation of each prompt, drawn from torch's global generator (collective under a mesh)."""
     rows = []
     for prompt in prompts:
-        continuation = sample(model, prompt, config.sample_tokens, tokenizer=tokenizer, seq_len=config.seq_len,
-                              temperature=config.sample_temperature)
+        try:
+            continuation = sample(model, prompt, config.sample_tokens, tokenizer=tokenizer, seq_len=config.seq_len,
+                                  temperature=config.sample_temperature)
+        except ValueError as err:  # the update of this step made the weights non-finite
+            raise TrainingDiverged(f"training diverged at step {step}: {err}; lower lr or raise warmup_steps") from None
         rows.append({"step": step, "prompt": tokenizer.decode(prompt), "sample": tokenizer.decode(continuation)})
     return rows
 

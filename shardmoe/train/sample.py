@@ -51,6 +51,8 @@ def sample(model: Transformer, prompt, max_tokens: int, *, tokenizer: Tokenizer,
         is_seq_start = torch.zeros_like(window, dtype=torch.bool)
         is_seq_start[:, 0] = True
         logits = model.logits(window, is_seq_start)[0, -1, :tokenizer.vocab_size].double()
+        if not bool(torch.isfinite(logits).all()):
+            raise ValueError("sample: the model's next-token logits are not finite")
         logits[tokenizer.bos] = float("-inf")
         if 0 < top_k < tokenizer.vocab_size - 1:
             logits[logits < torch.topk(logits, top_k).values[-1]] = float("-inf")

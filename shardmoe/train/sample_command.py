@@ -7,9 +7,9 @@ The run's settings (DIR/config.json, else its checkpoint's) give the model and t
 weights are those of its newest checkpoint, of either format and any mesh (a sharded one loads
 into one process). Each prompt is continued by shardmoe.train.sample.sample from a generator
 seeded with --seed, so the same command prints the same text: the prompt and its continuation,
-one block per prompt, control characters but newline and tab shown as U+FFFD. Nothing in DIR is written or locked: a running training may be sampled
-(between its checkpoints). A missing run, an unreadable checkpoint or a bad option is one line,
-exit status 2.
+one block per prompt, control characters but newline and tab shown as U+FFFD. Nothing in DIR is
+written or locked: a running training may be sampled (between its checkpoints). A missing run,
+an unreadable checkpoint or a bad option is one line, exit status 2.
 """
 from __future__ import annotations
 
@@ -74,8 +74,12 @@ def run(args: argparse.Namespace) -> int:
     print(f"{args.out} at step {step} ({path.name}), tokenizer {tokenizer.spec}, temperature {temperature:g}, "
           f"top-k {args.top_k or 'all'}, seed {args.seed}:")
     for prompt in args.prompt:
-        ids = sample(model, tokenizer.encode(prompt), max_tokens, tokenizer=tokenizer, seq_len=config.seq_len,
-                     temperature=temperature, top_k=args.top_k, generator=generator)
+        try:
+            ids = sample(model, tokenizer.encode(prompt), max_tokens, tokenizer=tokenizer, seq_len=config.seq_len,
+                         temperature=temperature, top_k=args.top_k, generator=generator)
+        except ValueError as err:  # a checkpoint of a run that diverged
+            print(f"shardmoe sample: {err} (checkpoint {path})", file=sys.stderr)
+            return 1
         print("\n" + printable(prompt + tokenizer.decode(ids)))
     return 0
 

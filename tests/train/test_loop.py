@@ -203,3 +203,25 @@ def test_a_resume_restores_the_generator_the_samples_draw_from(tmp_path, tiny_co
     assert read_samples(tmp_path / "split", up_to=6) == read_samples(tmp_path / "whole", up_to=6)
     assert resumed.samples == whole.samples and len({r["sample"] for r in whole.samples}) == 3
     assert torch.equal(torch.get_rng_state(), after_whole)  # the continued draws
+
+
+def test_weights_made_non_finite_by_a_step_stop_the_samples_with_the_divergence(tmp_path, tiny_config, monkeypatch,
+                                                                              one_thread):
+    """A step whose loss and gradient norm are finite can still leave non-finite weights; the
+    samples after it (drawn from NaN probabilities, a RuntimeError deep in torch.multinomial) end
+    the run as a divergence instead."""
+    from shardmoe.train import loop
+    from shardmoe.train.loop import TrainingDiverged
+
+    real_step = loop.AdamW.step
+
+    def poisoning_step(self, lr):  # the last step's update: its loss and norm were finite
+        real_step(self, lr)
+        if self.step_count == 2:
+            with torch.no_grad():
+                self.params["unembedding.weight"].fill_(float("nan"))
+
+    monkeypatch.setattr(loop.AdamW, "step", poisoning_step)
+    with pytest.raises(TrainingDiverged, match="training diverged at step 2: sample: the model's next-token logits "
+                                               "are not finite; lower lr or raise warmup_steps"):
+        train(tiny_config(steps=2, eval_batches=0), tmp_path, progress=False)

@@ -53,7 +53,8 @@ def test_a_directory_is_read_by_autotokenizer_offline(bpe_tokenizer, tmp_path):
 def test_the_model_vocabulary_follows_the_tokenizer_unless_set(bpe_tokenizer):
     assert TrainConfig.from_dict({}).model.vocab_size == 320  # 257 byte ids, padded to a multiple of 64
     assert TrainConfig.from_dict({"tokenizer": bpe_tokenizer(400)}).model.vocab_size == 448  # 401 ids
-    assert TrainConfig.from_dict({"tokenizer": bpe_tokenizer(400), "model": {"vocab_size": 512}}).model.vocab_size == 512
+    given = TrainConfig.from_dict({"tokenizer": bpe_tokenizer(400), "model": {"vocab_size": 512}})
+    assert given.model.vocab_size == 512
     check_vocab(401, load_tokenizer(bpe_tokenizer(400)))
     with pytest.raises(ValueError, match=r"model.vocab_size: expected at least the tokenizer .*'s 401 ids \(its tokens "
                                          r"and BOS\), got 400"):
