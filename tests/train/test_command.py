@@ -85,9 +85,14 @@ def test_training_on_your_own_text_and_jsonl(tmp_path, capsys, monkeypatch, one_
     assert rows[-1]["loss"] < rows[0]["loss"] - 1.0, [r["loss"] for r in rows]
     assert "samples at step 8" in printed
 
-    assert main(["sample", "--out", str(out), "--prompt", "The quiet river", "--max-tokens", "24"]) == 0
-    sampled = capsys.readouterr().out.split("\n\n", 1)[1]
-    assert sampled.startswith("The quiet river") and len(sampled) > len("The quiet river") + 10
+    def sampled(*options):
+        assert main(["sample", "--out", str(out), "--prompt", "The quiet river", "--max-tokens", "24", *options]) == 0
+        return capsys.readouterr().out.split("\n\n", 1)[1]
+
+    text = sampled("--seed", "1")
+    assert text.startswith("The quiet river") and len(text) > len("The quiet river") + 10
+    assert sampled("--seed", "1") == text  # its own seeded generator
+    assert sampled("--top-k", "1", "--seed", "1") == sampled("--top-k", "1", "--seed", "2")  # greedy
 
 
 @pytest.mark.parametrize("changes, mesh, message", [
