@@ -131,13 +131,13 @@ def check_memory(config: TrainConfig) -> None:
 
 
 def validate_setup(config: TrainConfig, sizes: dict[str, int], world_size: int, out_dir: str, resume: bool,
-                   progress: bool = False) -> tuple[Path, int] | None:
+                   overwrite: bool = False, progress: bool = False) -> tuple[Path, int] | None:
     """Every check that needs no process group; raises ValueError with one clear message. Tokenizes
     the data into the token cache if it is not there yet (a progress bar when `progress`). Returns
     (checkpoint, step) a resume continues from, else None."""
     from shardmoe.train.checkpoint import check_resumable, latest_checkpoint
     from shardmoe.train.loop import build_streams
-    from shardmoe.train.rundir import check_unclaimed
+    from shardmoe.train.rundir import check_claimable
 
     check_layout(config.model, sizes["d"], sizes["e"], sizes["t"])
     token_shards = sizes["d"] * sizes["e"]
@@ -153,9 +153,10 @@ def validate_setup(config: TrainConfig, sizes: dict[str, int], world_size: int, 
         launch = f"torchrun --nproc-per-node {ranks} -m shardmoe train ..." if ranks > 1 else "one process"
         raise ValueError(f"--mesh d={sizes['d']},e={sizes['e']},t={sizes['t']} needs {ranks} rank(s), but the "
                          f"world size is {world_size}: launch with {launch}")
+    # before the checkpoint is read: a run writing out_dir may be replacing it right now
+    check_claimable(out_dir, resume=resume, overwrite=overwrite)
     resume_from = None
     if resume:
-        check_unclaimed(out_dir)  # a run writing out_dir may be replacing its checkpoint right now
         path = latest_checkpoint(out_dir)
         resume_from = path, check_resumable(path, config.resume_identity())
     build_streams(config, progress=progress)  # missing, empty or too small data; the tokenizer
@@ -168,7 +169,7 @@ def run(args: argparse.Namespace) -> int:
         config, notes = resolve_config(args)
         sizes = parse_mesh(args.mesh)
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
-        resume_from = validate_setup(config, sizes, world_size, args.out, args.resume,
+        resume_from = validate_setup(config, sizes, world_size, args.out, args.resume, args.overwrite,
                                      progress=rank == 0 and not args.no_progress)
     except ValueError as err:
         print(f"shardmoe train: {err}", file=sys.stderr)

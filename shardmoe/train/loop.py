@@ -83,15 +83,19 @@ def build_streams(config: TrainConfig, dp_rank: int = 0, dp_size: int = 1, *,
     check_vocab(config.model.vocab_size, tokenizer)
     tokens = open_tokens(config.data, tokenizer, config.val_fraction, config.token_cache, progress=progress)
     common = dict(bos=tokenizer.bos, dp_rank=dp_rank, dp_size=dp_size, source=tokens.key)
-    try:
-        train = PackedBatches(tokens.train, config.seq_len, config.batch_size, seed=config.seed,
-                              num_documents=tokens.meta["train_documents"], **common)
-        val = PackedBatches(tokens.val, config.seq_len, config.batch_size, shuffle=False,
-                            num_documents=tokens.meta["val_documents"], **common)
-    except ValueError as err:
-        raise ValueError(f"data: too small for batch_size={config.batch_size}, seq_len={config.seq_len}: "
-                         f"{err} (training documents: {tokens.meta['train_tokens']} tokens, held-out: "
-                         f"{tokens.meta['val_tokens']})") from None
+
+    def stream(split: str, split_tokens, documents: int, remedy: str, **options) -> PackedBatches:
+        try:
+            return PackedBatches(split_tokens, config.seq_len, config.batch_size, num_documents=documents,
+                                 **options, **common)
+        except ValueError as err:
+            raise ValueError(f"data: the {split} documents are too small for batch_size={config.batch_size}, "
+                             f"seq_len={config.seq_len}: {err}; {remedy}") from None
+
+    train = stream("training", tokens.train, tokens.meta["train_documents"], "lower batch_size or seq_len",
+                   seed=config.seed)
+    val = stream("held-out", tokens.val, tokens.meta["val_documents"],
+                 "lower batch_size or seq_len, or raise val_fraction", shuffle=False)
     return train, val
 
 

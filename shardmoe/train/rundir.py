@@ -69,6 +69,19 @@ def claim_run_dir(out_dir: str | Path, *, resume: bool, overwrite: bool) -> RunD
     return lock
 
 
+def check_claimable(out_dir: str | Path, *, resume: bool, overwrite: bool) -> None:
+    """The refusals of claim_run_dir that need no lock of our own (an --out that is a file, a live
+    run holding DIR, a new run into a directory holding a run), checked read-only before the work
+    that precedes the claim (tokenizing the data), so that they come first. claim_run_dir checks
+    again under the lock."""
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out}: expected a directory, got an existing file")
+    check_unclaimed(out)  # a live run there is named as such, whatever its files look like
+    if out.is_dir():
+        _check_contents(out, resume=resume or overwrite, overwrite=False)
+
+
 def check_unclaimed(out_dir: str | Path) -> None:
     """ValueError if another live run holds DIR's lock (nothing is created or kept): checked before
     a --resume reads the checkpoint, which that run may be replacing, so the refusal names the

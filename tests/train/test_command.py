@@ -104,6 +104,9 @@ def test_training_on_your_own_text_and_jsonl(tmp_path, capsys, monkeypatch, one_
     ({"data": "TMP/empty"}, "", "data: the directory 'TMP/empty' holds no files"),
     ({"data": "TMP/blank.txt"}, "", "data: no documents in 'TMP/blank.txt' (every file is empty or whitespace)"),
     ({"data": "TMP/*.jsonl"}, "", "data: no files match 'TMP/*.jsonl'"),
+    ({"data": "TMP/small.txt"}, "", "data: the training documents are too small for batch_size=4, seq_len=16: the "
+                                    "documents hold 2 tokens, fewer than one batch of 4 rows of 16 tokens; lower "
+                                    "batch_size or seq_len"),
     ({"tokenizer": "/nonexistent/tokenizer.json"}, "", "tokenizer: no such file or directory '/nonexistent/tokenizer"),
     ({"tokenizer": "TMP/blank.txt"}, "", "tokenizer: cannot read 'TMP/blank.txt' as a Hugging Face tokenizer.json"),
     ({"tokenizer": "TMP"}, "", "tokenizer: cannot read the directory 'TMP' with transformers' AutoTokenizer"),
@@ -132,6 +135,7 @@ def test_bad_input_stops_with_one_message_before_any_process_group(tmp_path, cap
                                                                     bpe_tokenizer):
     (tmp_path / "empty").mkdir()
     (tmp_path / "blank.txt").write_text("\n  \n\t\n")
+    (tmp_path / "small.txt").write_text("a\n\nb\n")
     placeholders = {"TMP": str(tmp_path), "BPE400": bpe_tokenizer(400)}
 
     def filled(value):
@@ -144,7 +148,7 @@ def test_bad_input_stops_with_one_message_before_any_process_group(tmp_path, cap
         config[key] = {**config[key], **value} if isinstance(value, dict) else filled(value)
     path = tmp_path / "bad.json"
     path.write_text(json.dumps(config))
-    assert main(["train", "--config", str(path), "--mesh", mesh, "--out", str(tmp_path / "run")]) == 2
+    assert main(["train", "--config", str(path), "--mesh", mesh, "--out", str(tmp_path / "run"), "--no-progress"]) == 2
     message = filled(message)
     err = capsys.readouterr().err
     assert err.startswith("shardmoe train: ") and message in err and err.count("\n") == 1
@@ -199,9 +203,9 @@ def test_a_bad_out_path_is_one_line(tmp_path, capsys):
     a_file = tmp_path / "file"
     a_file.write_text("")
     config = write_config(tmp_path)
-    assert main(["train", "--config", config, "--out", str(a_file)]) == 2
+    assert main(["train", "--config", config, "--out", str(a_file)]) == 2  # before tokenizing (no progress bar)
     assert capsys.readouterr().err == f"shardmoe train: --out {a_file}: expected a directory, got an existing file\n"
-    assert main(["train", "--config", config, "--out", str(a_file / "run")]) == 2
+    assert main(["train", "--config", config, "--out", str(a_file / "run"), "--no-progress"]) == 2
     assert capsys.readouterr().err == (f"shardmoe train: --out {a_file / 'run'}: cannot create the run directory "
                                        "(Not a directory)\n")
 
