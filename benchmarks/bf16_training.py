@@ -64,7 +64,7 @@ def main() -> None:
         parser.error("--out: expected a directory for the two runs (or --speed-only)")
     runs = {}
     for dtype in ("float32", "bfloat16"):
-        config = TrainConfig.from_dict({"steps": args.steps, "dtype": dtype, "sample_bytes": 0})
+        config = TrainConfig.from_dict({"steps": args.steps, "dtype": dtype, "sample_tokens": 0})
         runs[dtype] = train(config, Path(args.out) / dtype, progress=False).metrics
     fp32, bf16 = runs["float32"], runs["bfloat16"]
     last = len(fp32)

@@ -3,6 +3,11 @@
   torchrun --nproc-per-node 4 examples/fsdp_expert_parallel.py [--steps 30] [--checkpoint DIR]
   python examples/fsdp_expert_parallel.py [--steps 30]      # the same on 4 local gloo processes (CPU)
 
+It needs exactly 4 ranks (the 2 x 2 job mesh): another WORLD_SIZE under torchrun is refused with one
+line, exit status 2, before any process group. Every rank saves into and loads from one checkpoint
+directory: --checkpoint, or else a temporary directory rank 0 makes and tells the others (on one
+machine; across machines, pass a --checkpoint every rank sees).
+
 One job mesh ("dp", "ep") of 2 x 2 ranks. The model, one residual block: x + MoE(tanh(x W)), the MoE a
 shardmoe.MoE on the job mesh (8 experts split over 'ep', DeepSeek-V3's sigmoid router with a
 correction bias, a shared expert, aux and sequence-wise balance losses). Each MoE layer is
@@ -20,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import tempfile
 
 import torch
@@ -29,6 +35,7 @@ import shardmoe
 
 H, F, E, K = 32, 64, 8, 2
 ROWS, T = 4, 16  # rows per rank, tokens per row (a row is a sequence of the sequence-wise loss)
+WORLD = 4  # the ("dp", "ep") job mesh of 2 x 2
 
 
 class Model(torch.nn.Module):
@@ -67,7 +74,7 @@ def train(steps: int, checkpoint: str) -> dict:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.device_mesh import init_device_mesh
 
-    job = init_device_mesh("cuda" if torch.cuda.is_available() else "cpu", (2, 2), mesh_dim_names=("dp", "ep"))
+    job = init_device_mesh("cuda" if torch.cuda.is_available() else "cpu", (2, WORLD // 2), mesh_dim_names=("dp", "ep"))
     token_rank = dist.get_rank()  # ("dp", "ep") row-major: the rank is the token shard
     model = build(job)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
@@ -101,22 +108,32 @@ def train(steps: int, checkpoint: str) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--checkpoint", default=None, help="directory for the checkpoint (default: a temporary one)")
+    parser.add_argument("--checkpoint", default=None, help="directory for the checkpoint, one for every rank "
+                                                           "(default: a temporary one)")
     args = parser.parse_args()
-    checkpoint = args.checkpoint or tempfile.mkdtemp(prefix="shardmoe-fsdp-")
     if "RANK" in os.environ:  # under torchrun
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        if world != WORLD:
+            print(f"{parser.prog}: expected {WORLD} ranks (a 2 x 2 job mesh of dp and ep), got WORLD_SIZE={world}: "
+                  f"launch with torchrun --nproc-per-node {WORLD}", file=sys.stderr)
+            sys.exit(2)
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
         dist.init_process_group(backend)
         try:
-            train(args.steps, checkpoint)
+            # one directory for every rank: DCP writes each rank's shards beside rank 0's metadata
+            checkpoint = [args.checkpoint or (tempfile.mkdtemp(prefix="shardmoe-fsdp-") if dist.get_rank() == 0
+                                              else None)]
+            dist.broadcast_object_list(checkpoint, src=0)
+            train(args.steps, checkpoint[0])
         finally:
             dist.destroy_process_group()
         return
     from shardmoe.testing import run_distributed
 
-    run_distributed(train, 4, args=(args.steps, checkpoint), timeout=600)
+    run_distributed(train, WORLD, args=(args.steps, args.checkpoint or tempfile.mkdtemp(prefix="shardmoe-fsdp-")),
+                    timeout=600)
 
 
 if __name__ == "__main__":

@@ -2,8 +2,9 @@
 check_arguments before its work; a ValueError becomes one line and exit code 2)."""
 from __future__ import annotations
 
-import math
 from pathlib import Path
+
+from shardmoe.moe.config import is_finite_number
 
 
 def check_out_dir(option: str, path) -> None:
@@ -18,5 +19,15 @@ def check_out_dir(option: str, path) -> None:
 
 def check_at_least(option: str, value, low) -> None:
     """Raise ValueError unless value is a finite number >= low."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < low:
+    if not is_finite_number(value) or value < low:
         raise ValueError(f"{option}: expected a number >= {low}, got {value!r}")
+
+
+SEED_MAX = 2 ** 64 - 1  # torch.manual_seed and torch.Generator.manual_seed take 64 bits
+
+
+def check_seed(option: str, value) -> None:
+    """Raise ValueError unless value is an int in 0..SEED_MAX (a larger one was an OverflowError
+    traceback from torch)."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= SEED_MAX:
+        raise ValueError(f"{option}: expected an int in 0..{SEED_MAX}, got {value!r}")

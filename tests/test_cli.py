@@ -34,6 +34,14 @@ CASES = [
     (["bench", "--json", "/nonexistent/dir/x.json"], "--json: expected a file in an existing directory"),
     (["bench", "--mesh", "d=3"], "--mesh d=3: expected a mesh of the world size 1, got 3 rank(s): launch with torchrun"),
     (["train", "--resume", "--overwrite"], "--resume and --overwrite: expected at most one"),
+    # seeds beyond 64 bits were an OverflowError traceback from torch
+    (["trace", "--out", "OUT", "--seed", str(2 ** 64)], "--seed: expected an int in 0..18446744073709551615, got"),
+    (["simulate", "--seed", "-1"], "--seed: expected an int in 0..18446744073709551615, got -1"),
+    (["train", "--seed", str(2 ** 64)], "seed: expected an int in 0..18446744073709551615, got 18446744073709551616"),
+    (["train", "--timeout-minutes", "1e300"], "timeout_minutes: expected minutes from 1 ms"),
+    (["sample", "--out", "OUT", "--prompt", "x", "--seed", str(2 ** 64)], "--seed: expected an int in 0.."),
+    (["sample", "--out", "OUT", "--prompt", "x", "--temperature", "0"], "--temperature: expected a finite number > 0"),
+    (["sample", "--out", "OUT", "--prompt", "x"], "--out: OUT holds no run (no config.json, no checkpoint)"),
 ]
 if not torch.cuda.is_available():
     CASES.append((["check", "--device", "cuda"], "--device: expected a device this machine has, got 'cuda'"))
@@ -51,4 +59,20 @@ def test_bad_input_is_one_line_naming_the_option_with_exit_code_2(argv, message,
     assert code == 2, err
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"shardmoe {argv[0]}: "), err
-    assert message in lines[0], lines[0]
+    assert message.replace("OUT", str(tmp_path / "out")) in lines[0], lines[0]
+
+
+def test_an_unknown_option_gets_the_commands_usage(capsys):
+    """`shardmoe train --corpus x` printed the top-level usage, which lists no option of `train`."""
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["train", "--corpus", "x"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: shardmoe train [-h]") and "--data PATH" in err
+    assert err.endswith("shardmoe train: error: unrecognized arguments: --corpus x\n")
+
+
+def test_train_help_points_at_the_table_of_settings(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["train", "--help"])
+    assert 'docs/training.md, "Configuration"' in " ".join(capsys.readouterr().out.split())

@@ -15,7 +15,7 @@ each layer saves for backward per token. Method and formulas: docs/benchmarks.md
   candidates   the five candidates above, each a step() of one forward + backward
   timing       interleaved rounds with rotating order, warm-up and a time budget
   case         one (shape, dtype) case: build, check against transformers, time; its rows and targets
-  report       the tables, the targets line, the environment and the JSON file
+  report       the legend, the tables, the targets line (--strict), the environment and the JSON file
   this module  the subcommand: add_arguments(parser), run(args) -> exit code, main(argv)
 
 A --mesh run (or a torchrun job) is handed to shardmoe.parallel.bench.
@@ -32,7 +32,7 @@ import sys
 from shardmoe.bench.candidates import CANDIDATES, VARIANTS
 from shardmoe.bench.case import run_case
 from shardmoe.bench.flops import SHAPES, Shape
-from shardmoe.bench.report import environment, format_case, format_targets, write_json
+from shardmoe.bench.report import environment, format_case, format_targets, legend, write_json
 
 QUICK_TOKENS = 512
 QUICK_BUDGET_S = 3.0
@@ -64,7 +64,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "step, as in training; fixed: the same input every step")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--json", metavar="PATH", default=None, help="write every number to this JSON file")
-    parser.add_argument("--strict", action="store_true", help="exit 1 when a target is missed")
+    parser.add_argument("--strict", action="store_true",
+                        help="print the layer's targets (docs/benchmarks.md) and exit 1 when one is missed")
     parser.add_argument("--hf", metavar="FAMILY", default=None,
                         help="time one sparse MoE block of a transformers family (mixtral, qwen2_moe, qwen3_moe, "
                              "olmoe, deepseek_v3, gpt_oss, or all) with experts 'shardmoe' vs 'grouped_mm' vs "
@@ -167,6 +168,7 @@ def run(args: argparse.Namespace) -> int:
     env = environment()
     print(f"shardmoe bench: device={args.device} threads={env['threads']} torch {env['torch']} "
           f"transformers {env['transformers']} cpu {env['cpu']} commit {env['commit']}")
+    print(legend(dtype_names))
     results = []
     for shape_name in shape_names:
         S, H, F, E, k = SHAPES[shape_name]
@@ -179,7 +181,8 @@ def run(args: argparse.Namespace) -> int:
                          args.routing)
             results.append(r)
             print(format_case(r), flush=True)
-    print(format_targets(results))
+    if args.strict:
+        print(format_targets(results))
     if args.json:
         write_json(args.json, env, args.device, bool(args.quick), results)
         print(f"wrote {args.json}")

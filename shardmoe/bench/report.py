@@ -1,4 +1,5 @@
-"""What a run prints and writes: one table per case, the targets line, the environment, JSON."""
+"""What a run prints and writes: the columns' legend, one table per case, the targets line (with
+--strict), the environment, JSON."""
 from __future__ import annotations
 
 import json
@@ -11,6 +12,23 @@ from shardmoe.bench.flops import Shape
 
 def _fmt(v, spec: str, missing: str = "-") -> str:
     return missing if v is None else format(v, spec)
+
+
+LEGEND = """\
+columns: median ms, min ms: one forward + backward; GFLOP/s: its GEMM FLOPs per second;
+  x dense: that over the dense ceiling (plain matmuls of the same FLOPs); vs tf, vs loop: speedup over
+  transformers' block, over a per-expert loop; saved B/tok: bytes the forward keeps for the backward,
+  per token; saved/tf: that over transformers'; ws B/tok: the layer's workspace (reused row buffers)
+  per token; peak/tf: the step's peak allocation over transformers'; rel err: the largest relative
+  L2 difference of output and gradients from transformers; n: timed rounds (docs/benchmarks.md)"""
+BF16_NOTE = """\
+bf16: shardmoe's rel err (about 0.1) is not its rounding: transformers computes the router logits in
+  bf16, shardmoe in fp32, so the tokens near a tie pick another expert (fp32 agrees to 5e-7)"""
+
+
+def legend(dtypes) -> str:
+    """What the columns mean, and why bf16's rel err is large when bf16 is among `dtypes`."""
+    return LEGEND + ("\n" + BF16_NOTE if "bf16" in dtypes else "")
 
 
 def format_case(r: CaseResult) -> str:

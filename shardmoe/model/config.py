@@ -5,8 +5,9 @@ V vocab, M d_model, K kv heads, Q query heads per kv head, D head dim.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
+
+from shardmoe.moe.config import is_finite_number
 
 
 def check_positive_int(name: str, value) -> None:
@@ -15,7 +16,7 @@ def check_positive_int(name: str, value) -> None:
 
 
 def check_positive_number(name: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+    if not is_finite_number(value) or value <= 0:
         raise ValueError(f"{name}: expected a positive finite number, got {value!r}")
 
 
@@ -26,7 +27,7 @@ class DenseConfig:
     n_q_heads = Q * K query heads share K = n_kv_heads key/value heads (GQA; K = n_q_heads is
     plain multi-head attention, K = 1 multi-query). head_dim D must be even for RoPE.
     For vocab sharding over the tensor axis t, vocab_size must be a multiple of t: the byte
-    tokenizer's 257 ids are usually padded up (see shardmoe.train.data.padded_vocab_size).
+    tokenizer's 257 ids are usually padded up (see shardmoe.train.tokenizer.padded_vocab_size).
     """
 
     vocab_size: int

@@ -49,7 +49,7 @@ from torch import Tensor, nn
 
 from shardmoe import shardops
 from shardmoe.moe import composition
-from shardmoe.moe.config import MoEConfig
+from shardmoe.moe.config import MoEConfig, check_bool_fields
 from shardmoe.moe.layer import ROUTER_OPTIONS, SHARED_OPTIONS, MoE
 from shardmoe.moe.workspace import share as share_workspace
 from shardmoe.notation import MESH_AXES, global_shape, parse_spec
@@ -121,6 +121,7 @@ class TransformerConfig:
     init_std: float = 0.02
 
     def __post_init__(self) -> None:
+        check_bool_fields(self)  # here, by these names: MoEConfig knows expert_bias as bias
         self.dense(), self.moe()  # their own checks, with messages naming the option
         check_positive_int("n_layers", self.n_layers)
         check_positive_number("init_std", self.init_std)

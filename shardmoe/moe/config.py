@@ -5,6 +5,7 @@ bad configuration fails at construction rather than deep inside a GEMM.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -13,6 +14,7 @@ from shardmoe.moe.activations import ClampedSwiGLU
 
 GLU_ACTIVATIONS = GLU.activations  # every activation name: ACTIVATIONS and the clamped SwiGLU
 SCORE_FUNCS = ("softmax", "sigmoid")
+FLOAT32_MAX = 3.4028234663852886e38  # the largest float32: options the kernels take as float32 scalars
 
 
 def _check_int(name: str, value, low: int, high: int | None = None) -> None:
@@ -21,6 +23,30 @@ def _check_int(name: str, value, low: int, high: int | None = None) -> None:
     if value < low or (high is not None and value > high):
         span = f">= {low}" if high is None else f"in {low}..{high}"
         raise ValueError(f"{name}: expected an int {span}, got {value}")
+
+
+def is_finite_number(value) -> bool:
+    """Whether value is an int or a float (not a bool) with a finite float value: an int beyond the
+    float range (a JSON file may hold one) makes math.isfinite raise OverflowError instead."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
+
+
+def check_bool(name: str, value) -> None:
+    # a string such as "false" is truthy: taken as a flag it would switch the option on
+    if not isinstance(value, bool):
+        raise ValueError(f"{name}: expected a bool, got {value!r}")
+
+
+def check_bool_fields(config) -> None:
+    """check_bool on every field of the dataclass `config` annotated `bool` (the switches)."""
+    for f in dataclasses.fields(config):
+        if f.type == "bool":  # annotations are strings here (from __future__ import annotations)
+            check_bool(f.name, getattr(config, f.name))
 
 
 def _check_choice(name: str, value, choices: tuple[str, ...]) -> None:
@@ -90,14 +116,15 @@ class MoEConfig:
         _check_int("num_experts", self.num_experts, 1)
         _check_int("top_k", self.top_k, 1, self.num_experts)
         _check_choice("expert", self.expert, EXPERT_KINDS)
+        check_bool_fields(self)
         kind = self.kind
         if self.activation == "clamped_swiglu" and self.activation not in kind.activations:
             raise ValueError(f"activation: 'clamped_swiglu' expects expert='glu', got expert={self.expert!r}")
         _check_choice("activation", self.activation, kind.activations)
         for name, default in (("swiglu_limit", 7.0), ("swiglu_alpha", 1.702)):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
-                raise ValueError(f"{name}: expected a finite number > 0, got {v!r}")
+            if not is_finite_number(v) or not 0 < v <= FLOAT32_MAX:  # a float32 scalar of the kernels
+                raise ValueError(f"{name}: expected a finite number > 0 (at most float32's {FLOAT32_MAX:.6g}), got {v!r}")
             if v != default and self.activation != "clamped_swiglu":  # it would be silently ignored
                 raise ValueError(f"{name}: expected the default {default} with activation={self.activation!r} "
                                  f"(only 'clamped_swiglu' uses it), got {v!r}")
@@ -107,19 +134,17 @@ class MoEConfig:
                              f"expert={self.expert!r}, got {self.output_activation!r}")
         if self.capacity_factor is not None:
             cf = self.capacity_factor
-            if isinstance(cf, bool) or not isinstance(cf, (int, float)) or not math.isfinite(cf) or cf <= 0:
+            if not is_finite_number(cf) or cf <= 0:
                 raise ValueError(f"capacity_factor: expected None or a positive finite number, got {cf!r}")
         for name in ("aux_loss_coef", "z_loss_coef", "seq_aux_loss_coef", "bias_update_rate", "renormalize_epsilon"):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+            if not is_finite_number(v) or v < 0:
                 raise ValueError(f"{name}: expected a finite number >= 0, got {v!r}")
         self._check_router()
         self._check_shared()
 
     def _check_shared(self) -> None:
         _check_int("shared_ffn_size", self.shared_ffn_size, 0)
-        if not isinstance(self.shared_gate, bool):
-            raise ValueError(f"shared_gate: expected a bool, got {self.shared_gate!r}")
         if self.shared_gate and not self.shared_ffn_size:
             raise ValueError("shared_gate: expected False without a shared expert (shared_ffn_size=0), got True")
         # no model family pairs GPT-OSS's clamped SwiGLU with shared experts: refuse rather than guess
@@ -129,11 +154,8 @@ class MoEConfig:
 
     def _check_router(self) -> None:
         _check_choice("score_func", self.score_func, SCORE_FUNCS)
-        for name in ("renormalize", "router_bias", "correction_bias"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name}: expected a bool, got {getattr(self, name)!r}")
         v = self.routed_scaling_factor
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+        if not is_finite_number(v) or v <= 0:
             raise ValueError(f"routed_scaling_factor: expected a finite number > 0, got {v!r}")
         _check_int("n_group", self.n_group, 1, self.num_experts)
         if self.num_experts % self.n_group:

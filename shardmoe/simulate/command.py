@@ -1,10 +1,11 @@
 """`shardmoe simulate`: one MoE layer's forward + backward at several GPU counts, the tile-task
 schedule (FlashMoE's, run by shardmoe.tasks without tensors under the cost model) against the
-bulk-synchronous baseline. Prints a table, writes DIR/simulate.json and DIR/simulate.png.
+bulk-synchronous baseline. Prints the model and hardware it simulates, a progress bar (stderr)
+and a table; with --out DIR it also writes DIR/simulate.json and DIR/simulate.png.
 
     shardmoe simulate --preset deepseek-v3 --gpus 8,64,512,1024
     shardmoe simulate --preset mixtral-8x7b --routing zipf:1.2 --set fabric_bandwidth=25e9
-    shardmoe simulate --config cluster.toml --routing replay:runs/default/metrics.jsonl
+    shardmoe simulate --config cluster.toml --routing replay:runs/default/metrics.jsonl --out runs/simulate
 
 GPU counts whose expert-parallel group is the same (min(gpus, E)) are simulated once (their
 data-parallel copies are identical within the layer: sweep.py).
@@ -29,7 +30,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
                         help="override one hardware or model field (repeatable)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", default="runs/simulate", help="directory for simulate.json and simulate.png")
+    parser.add_argument("--out", default=None, metavar="DIR",
+                        help="write simulate.json (every number) and simulate.png there (default: print only)")
     parser.add_argument("--calibrate", action="store_true",
                         help="measure this machine's GEMM, copy and exchange rates and compare the model's "
                              "predicted 1- and 2-rank expert-parallel step with the measured one (calibrate.py)")
@@ -45,16 +47,30 @@ def parse_gpus(text: str) -> list[int]:
     return counts
 
 
-def sweep(counts: list[int], shape, hardware, routing: str, seed: int) -> list[dict]:
+def sweep(counts: list[int], shape, hardware, routing: str, seed: int, progress: bool = False) -> list[dict]:
+    from tqdm import tqdm
+
     from .sweep import layout, simulate_point
     eps = [layout(gpus, shape, hardware)["ep"] for gpus in counts]  # every count checked before any work
     simulated: dict[int, dict] = {}
     rows = []
-    for gpus, ep in zip(counts, eps):
-        if ep not in simulated:
-            simulated[ep] = simulate_point(gpus, shape, hardware, routing, seed)
-        rows.append(dict(simulated[ep], gpus=gpus, replicas=gpus // ep))
+    with tqdm(total=len(set(eps)), desc="simulating", unit="EP size", disable=not progress) as bar:
+        for gpus, ep in zip(counts, eps):
+            if ep not in simulated:
+                bar.set_postfix(gpus=gpus)
+                simulated[ep] = simulate_point(gpus, shape, hardware, routing, seed)
+                bar.update(1)
+            rows.append(dict(simulated[ep], gpus=gpus, replicas=gpus // ep))
     return rows
+
+
+def describe(preset: str, shape, hardware_name: str, hardware, routing: str) -> str:
+    """One line naming the simulated layer and machine, with the values in force (--set included)."""
+    return (f"simulating one MoE layer, forward + backward: {preset} (H {shape.hidden_size}, F {shape.ffn_size}, "
+            f"E {shape.num_experts}, top-{shape.top_k}, {shape.tokens_per_gpu} tokens per GPU), {routing} routing, "
+            f"on {hardware_name} GPUs ({hardware.peak_flops / 1e12:g} TFLOP/s peak x {hardware.gemm_efficiency:g}, "
+            f"HBM {hardware.hbm_bandwidth / 1e12:g} TB/s, NVLink {hardware.nvlink_bandwidth / 1e9:g} GB/s, fabric "
+            f"{hardware.fabric_bandwidth / 1e9:g} GB/s per GPU, {hardware.gpus_per_node} per node)")
 
 
 def format_table(rows: list[dict]) -> str:
@@ -116,19 +132,21 @@ def run_calibration() -> int:
 
 def check_arguments(args) -> None:
     """Every input error before any work: presets and overrides, GPU counts, routing, --out."""
-    from shardmoe.arguments import check_out_dir
+    from shardmoe.arguments import check_out_dir, check_seed
 
     from .routing import popularity
     from .sweep import layout
 
     counts = parse_gpus(args.gpus)
+    check_seed("--seed", args.seed)
     if args.calibrate:
         return
     hardware, shape = resolve(args.hardware, args.preset, args.config, args.set)
     for gpus in counts:
         layout(gpus, shape, hardware)
     popularity(args.routing, shape.num_experts)
-    check_out_dir("--out", args.out)
+    if args.out is not None:
+        check_out_dir("--out", args.out)
 
 
 def run(args) -> int:
@@ -136,8 +154,11 @@ def run(args) -> int:
         return run_calibration()
     hardware, shape = resolve(args.hardware, args.preset, args.config, args.set)
     counts = parse_gpus(args.gpus)
-    rows = sweep(counts, shape, hardware, args.routing, args.seed)
+    print(describe(args.preset, shape, args.hardware, hardware, args.routing), flush=True)
+    rows = sweep(counts, shape, hardware, args.routing, args.seed, progress=True)
     print(format_table(rows))
+    if args.out is None:
+        return 0
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     report = {"preset": args.preset, "routing": args.routing, "hardware": dataclasses.asdict(hardware),

@@ -14,36 +14,68 @@ from shardmoe.tasks.schedulers import SCHEDULERS
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--out", required=True, type=Path, help="directory for the trace files")
-    layer = parser.add_argument_group("layer")
-    layer.add_argument("--tokens", type=int, default=64, help="S")
-    layer.add_argument("--hidden", type=int, default=16, help="H")
-    layer.add_argument("--ffn", type=int, default=32, help="P (mlp) or F (glu)")
-    layer.add_argument("--experts", type=int, default=8, help="E")
-    layer.add_argument("--top-k", type=int, default=2)
-    layer.add_argument("--expert", choices=EXPERT_KINDS, default="mlp")
-    layer.add_argument("--activation", choices=ACTIVATIONS, default="silu")
-    layer.add_argument("--output-activation", choices=ACTIVATIONS, default="identity")
-    layer.add_argument("--bias", action="store_true")
-    layer.add_argument("--capacity-factor", type=float, default=None)
-    layer.add_argument("--aux-loss-coef", type=float, default=0.0)
-    layer.add_argument("--z-loss-coef", type=float, default=0.0)
-    layer.add_argument("--dtype", choices=("float64", "float32"), default="float64")
-    run = parser.add_argument_group("schedule")
-    run.add_argument("--peers", type=int, default=4, help="simulated devices")
-    run.add_argument("--ranks-per-node", type=int, default=2, help="devices per node (P2P inside, remote across)")
-    run.add_argument("--processors", type=int, default=4, help="processors per device")
-    run.add_argument("--scheduler", choices=SCHEDULERS, default="random")
-    run.add_argument("--seed", type=int, default=0, help="seeds the inputs and the random scheduler")
-    run.add_argument("--block-m", type=int, default=8)
-    run.add_argument("--block-n", type=int, default=8)
-    run.add_argument("--gate-dependency", choices=GATE_DEPENDENCIES, default="token")
+    parser.epilog = "The tile runtime and its schedule, and how these options shape them: docs/tasks.md."
+    parser.add_argument("--out", required=True, type=Path, metavar="DIR",
+                        help="directory for forward.json, backward.json (Chrome traces), forward.png, backward.png "
+                             "(Gantt charts) and counts.json")
+    layer = parser.add_argument_group("layer", "the one MoE layer run as tile tasks (shardmoe.MoE's options)")
+    layer.add_argument("--tokens", type=int, default=64, metavar="S",
+                       help="tokens of the input, S; 0 allowed (default %(default)s)")
+    layer.add_argument("--hidden", type=int, default=16, metavar="H", help="hidden size, H (default %(default)s)")
+    layer.add_argument("--ffn", type=int, default=32, metavar="F",
+                       help="each expert's intermediate size: P for --expert mlp, F for glu (default %(default)s)")
+    layer.add_argument("--experts", type=int, default=8, metavar="E",
+                       help="number of experts, E (default %(default)s)")
+    layer.add_argument("--top-k", type=int, default=2, metavar="K",
+                       help="experts per token, 1..E (default %(default)s)")
+    layer.add_argument("--expert", choices=EXPERT_KINDS, default="mlp",
+                       help="mlp: W1, b1, act, W2, b2, act_out; glu: Mixtral's gate/up and down projections "
+                            "(default %(default)s)")
+    layer.add_argument("--activation", choices=ACTIVATIONS, default="silu",
+                       help="the experts' activation (default %(default)s)")
+    layer.add_argument("--output-activation", choices=ACTIVATIONS, default="identity",
+                       help="activation after the second GEMM, --expert mlp only (default %(default)s)")
+    layer.add_argument("--bias", action="store_true",
+                       help="give the experts biases (mlp: b1, b2; glu: both projections; default none)")
+    layer.add_argument("--capacity-factor", type=float, default=None, metavar="CF",
+                       help="keep at most ceil(S/E * CF * k) pairs per expert, dropping the rest (default: "
+                            "dropless)")
+    layer.add_argument("--aux-loss-coef", type=float, default=0.0, metavar="C",
+                       help="weight of the load-balancing loss, whose gradient gradGateGEMM adds (default "
+                            "%(default)s)")
+    layer.add_argument("--z-loss-coef", type=float, default=0.0, metavar="C",
+                       help="weight of the router z-loss (default %(default)s)")
+    layer.add_argument("--dtype", choices=("float64", "float32"), default="float64",
+                       help="the layer's dtype; the tile result must equal the fused layer's within 1e-10 "
+                            "(float64) or 1e-4 (float32), else exit 1 (default %(default)s)")
+    run = parser.add_argument_group("schedule", "the simulated devices and how tasks are cut and picked")
+    run.add_argument("--peers", type=int, default=4, metavar="N",
+                     help="simulated devices, the experts split over them (default %(default)s)")
+    run.add_argument("--ranks-per-node", type=int, default=2, metavar="N",
+                     help="devices per node: peers on one node exchange by P2P stores, others by remote puts "
+                          "(default %(default)s)")
+    run.add_argument("--processors", type=int, default=4, metavar="N",
+                     help="processors (task runners) per device (default %(default)s)")
+    run.add_argument("--scheduler", choices=SCHEDULERS, default="random",
+                     help="which ready task a free processor takes: the oldest (fifo), the newest (lifo), or a "
+                          "random one, each duration stretched by a random factor (random) (default %(default)s)")
+    run.add_argument("--seed", type=int, default=0,
+                     help="seeds the inputs and the random scheduler (default %(default)s)")
+    run.add_argument("--block-m", type=int, default=8, metavar="ROWS",
+                     help="rows per row tile: an expert's rows on a device are cut into tiles of this many "
+                          "(default %(default)s)")
+    run.add_argument("--block-n", type=int, default=8, metavar="COLS",
+                     help="columns per column tile of the GEMMs, over F and over H (default %(default)s)")
+    run.add_argument("--gate-dependency", choices=GATE_DEPENDENCIES, default="token",
+                     help="when gradGateGEMM may start: once every kept row of its tokens has had its "
+                          "gradGateCombine (token), or once whole row tiles are done, FlashMoE's rule (row_tile) "
+                          "(default %(default)s)")
 
 
 def check_arguments(args: argparse.Namespace) -> None:
     """Every input error before any work: the layer's options (MoEConfig's checks), the schedule's
     sizes, --out."""
-    from shardmoe.arguments import check_at_least, check_out_dir
+    from shardmoe.arguments import check_at_least, check_out_dir, check_seed
     from shardmoe.moe.config import MoEConfig
 
     MoEConfig(args.hidden, args.ffn, args.experts, args.top_k, expert=args.expert, activation=args.activation,
@@ -52,6 +84,7 @@ def check_arguments(args: argparse.Namespace) -> None:
     check_at_least("--tokens", args.tokens, 0)
     for option in ("peers", "ranks_per_node", "processors", "block_m", "block_n"):
         check_at_least("--" + option.replace("_", "-"), getattr(args, option), 1)
+    check_seed("--seed", args.seed)
     check_out_dir("--out", args.out)
 
 

@@ -44,8 +44,10 @@ from safetensors.torch import save_file
 
 from shardmoe.model.transformer import Transformer, full_shapes
 from shardmoe.train.presets import DEFAULT_ARCH
+from shardmoe.train.tokenizer import BYTE
 
 from . import sharded_checkpoint
+from .config import with_current_names
 from .optim import AdamW
 
 FILE_NAME = "checkpoint.safetensors"
@@ -158,7 +160,9 @@ def check_resumable(path: str | Path, identity: dict) -> int:
         raise ValueError(f"--resume: no checkpoint at {path} (nor a sharded one in "
                          f"{sharded_checkpoint.checkpoint_root(path.parent)})")
     saved.setdefault("arch", DEFAULT_ARCH)  # written before presets existed: the defaults, i.e. mixtral
-    differences = _differences(saved, json.loads(json.dumps(identity)))
+    saved = with_current_names(saved)
+    saved.setdefault("tokenizer", BYTE)  # written before tokenizers could be chosen: bytes
+    differences = setting_differences(saved, json.loads(json.dumps(identity)))
     if differences:
         raise ValueError(f"--resume: checkpoint {path} was written with another config: "
                          + "; ".join(differences))
@@ -190,13 +194,13 @@ def load_checkpoint(path: str | Path, model: Transformer, optimizer: AdamW, mesh
     return int(metadata["step"]), json.loads(metadata["data"])
 
 
-def _differences(saved, current, prefix: str = "") -> list[str]:
+def setting_differences(saved, current, prefix: str = "") -> list[str]:
     """'key: saved X, now Y' for every leaf that differs between two nested dicts."""
     out = []
     for key in sorted(set(saved) | set(current)):
         a, b = saved.get(key), current.get(key)
         if isinstance(a, dict) and isinstance(b, dict):
-            out += _differences(a, b, f"{prefix}{key}.")
+            out += setting_differences(a, b, f"{prefix}{key}.")
         elif a != b:
             out.append(f"{prefix}{key}: saved {a!r}, now {b!r}")
     return out

@@ -1,25 +1,30 @@
-"""`shardmoe train`: train the MoE transformer on the embedded corpus (or a configured one).
+"""`shardmoe train`: train the MoE transformer on the embedded corpus or your own data.
 
     shardmoe train                                   # the default config, one process
     shardmoe train --arch mixtral                    # an architecture preset (shardmoe.train.presets)
+    shardmoe train --data my.txt --out runs/mine     # a file, a directory or a glob of text/JSONL/Parquet
+    shardmoe train --data docs/ --tokenizer tok/tokenizer.json   # a local Hugging Face tokenizer
     shardmoe train --steps 50 --out runs/short --seed 1
-    shardmoe train --resume                          # continue runs/default from its checkpoint
+    shardmoe train --resume                          # continue runs/default with its settings
     shardmoe train --overwrite                       # start runs/default afresh, deleting the old run
     torchrun --nproc-per-node 4 -m shardmoe train --mesh d=2,e=2
 
-Every configuration error (a mesh that cannot split the model, a missing corpus or config file,
-a checkpoint written by another config or corrupt, a world size that is not the mesh's) is
-reported as one line, exit status 2, before any process group exists. Rank 0 then claims the run
-directory (shardmoe.train.rundir: locked against a second run, empty unless --resume or
---overwrite) and tells the other ranks the outcome. A peer that hangs or dies makes the others
-fail within --timeout-minutes with one line and exit status 1, as does a failed write of the
-metrics. At the end rank 0 writes DIR/loss_curve.png and DIR/expert_load.png (tokens per expert
-over the steps) and prints a summary and a few sampled lines.
+Every configuration error (a mesh that cannot split the model, missing data or config file, an
+unreadable tokenizer, a checkpoint written by another config or corrupt, a world size that is not
+the mesh's, a setting given to --resume that differs from the run's) is reported as one line,
+exit status 2, before any process group exists; the data is tokenized into the token cache last
+(shardmoe.train.token_cache). Rank 0 then claims the run directory (shardmoe.train.rundir:
+locked against a second run, empty unless --resume or --overwrite), tells the other ranks the
+outcome, and records the resolved settings in DIR/config.json (shardmoe.train.run_settings).
+A peer that hangs or dies makes the others fail within --timeout-minutes with one line and exit
+status 1, as does a failed write of the metrics. At the end rank 0 writes DIR/loss_curve.png and
+DIR/expert_load.png (tokens per expert over the steps) and prints a summary and the last samples.
 """
 from __future__ import annotations
 
 import argparse
 import datetime
+import math
 import os
 import sys
 import time
@@ -28,23 +33,39 @@ from pathlib import Path
 from shardmoe.mesh import parse_mesh
 from shardmoe.model.residuals import BACKWARD_MODES
 from shardmoe.model.transformer import check_layout
-from shardmoe.train.config import TrainConfig, load_config
+from shardmoe.train.config import TrainConfig, read_config_file
 from shardmoe.train.presets import ARCH_PRESETS, DEFAULT_ARCH, check_arch
 
 DEFAULT_OUT = "runs/default"
 MESH_AXIS_NAMES = {"d": "dp", "e": "ep", "t": "tp"}
+# the settings a flag of the same name (dashes for underscores) sets over the config file
+FLAG_SETTINGS = ("arch", "steps", "seed", "backward", "timeout_minutes", "data", "tokenizer")
+SETTINGS_TABLE = 'docs/training.md, "Configuration"'
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.epilog = (f"Every setting of a config file, with its type, default and meaning: {SETTINGS_TABLE}. "
+                     "A flag overrides the file's setting of the same name.")
     parser.add_argument("--config", metavar="FILE",
-                        help="JSON or TOML file of settings (a [model] table for the model)")
+                        help="JSON or TOML file of settings (a [model] table for the model); relative paths in it "
+                             "are read from its folder")
     parser.add_argument("--arch", metavar="NAME",
                         help=f"architecture preset: {', '.join(ARCH_PRESETS)} (default: the config file's "
                              f"arch, else {DEFAULT_ARCH}); the config file's settings override it")
-    parser.add_argument("--steps", type=int, metavar="N", help="optimizer steps (also the cosine schedule's length)")
+    parser.add_argument("--data", metavar="PATH",
+                        help="training text: a file, a directory or a glob (.jsonl: a 'text' field per line, "
+                             ".parquet: a 'text' column, anything else: plain text, documents separated by blank "
+                             "lines); default: the embedded KJV corpus")
+    parser.add_argument("--tokenizer", metavar="SPEC",
+                        help="'byte' (default) or a local Hugging Face tokenizer: a tokenizer.json file or a "
+                             "directory AutoTokenizer reads (nothing is downloaded); the model's vocabulary follows it")
+    parser.add_argument("--steps", type=int, metavar="N",
+                        help="optimizer steps (also the cosine schedule's length; with --resume: move the run's end)")
     parser.add_argument("--out", default=DEFAULT_OUT, metavar="DIR", help=f"output directory (default {DEFAULT_OUT})")
     parser.add_argument("--seed", type=int, metavar="S", help="seed of the initial weights and the data order")
-    parser.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in DIR (checkpoint.safetensors or checkpoint.dcp/)")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue the run in DIR from its newest checkpoint (checkpoint.safetensors or "
+                             "checkpoint.dcp/) with its settings (DIR/config.json)")
     parser.add_argument("--overwrite", action="store_true",
                         help="start a new run in DIR even though it holds one (its files are deleted)")
     parser.add_argument("--mesh", default="", metavar="d=2,e=2",
@@ -56,32 +77,51 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
-def resolve_config(args: argparse.Namespace) -> TrainConfig:
-    """Defaults < the preset (--arch, else the file's arch) < the config file < the other flags."""
-    if args.arch is not None:
-        check_arch(args.arch, "--arch")
+def resolve_config(args: argparse.Namespace) -> tuple[TrainConfig, list[str]]:
+    """(the run's settings, lines to print about them). A new run: defaults < the preset (--arch,
+    else the file's arch) < the config file < the other flags. --resume: the run's own settings
+    (run_settings), which what is given again must match, but for --steps."""
+    from shardmoe.train.run_settings import resume_settings, stored_settings
+
+    if args.resume and args.overwrite:
+        raise ValueError("--resume and --overwrite: expected at most one (continue the run in --out, or replace it)")
+    flags = {name: getattr(args, name) for name in FLAG_SETTINGS if getattr(args, name) is not None}
+    if "arch" in flags:
+        check_arch(flags["arch"], "--arch")
+    for name in ("data", "tokenizer"):  # a flag's relative path is the current directory's
+        if name in flags and not (name == "tokenizer" and flags[name] == "byte"):
+            flags[name] = os.path.abspath(os.path.expanduser(flags[name]))
+    values = {}
     if args.config:
-        config = load_config(args.config, args.arch)
-    else:
-        config = TrainConfig.from_dict({} if args.arch is None else {"arch": args.arch})
-    overrides = {k: getattr(args, k) for k in ("steps", "seed", "backward", "timeout_minutes")
-                 if getattr(args, k) is not None}
-    return config.replace(**overrides) if overrides else config
+        values = read_config_file(args.config)
+        try:  # the file's own errors, named by the file
+            TrainConfig.from_dict({**values, **({"arch": flags["arch"]} if "arch" in flags else {})})
+        except (ValueError, TypeError) as err:
+            raise ValueError(f"--config {args.config}: {err}") from None
+    given = TrainConfig.from_dict({**values, **flags})
+    if not args.resume:
+        return given, []
+    return resume_settings(stored_settings(args.out), given.to_dict() if args.config else flags, args.out)
 
 
 def check_memory(config: TrainConfig) -> None:
     """Raise ValueError when the model cannot fit in this machine's memory: its parameters, their
     gradients and AdamW's two moments, each element stored once however the mesh shards it (a lower
-    bound of a step's need; activations come on top). The model is built on the meta device to
-    count them, so nothing is allocated (model.vocab_size 1e8 was an out-of-memory traceback)."""
+    bound of a step's need; activations come on top). The parameters are counted from their shapes
+    (full_shapes of one and two layers, the difference per layer), so nothing is built or allocated,
+    however large the settings (model.vocab_size 1e8 was an out-of-memory traceback)."""
+    import dataclasses
+
     import torch
 
-    from shardmoe.model.transformer import Transformer
+    from shardmoe.model.transformer import full_shapes
 
+    def count(n_layers: int) -> int:
+        shapes = full_shapes(dataclasses.replace(config.model, n_layers=n_layers))
+        return sum(math.prod(shape) for shape in shapes.values())
+
+    params = count(1) + (config.model.n_layers - 1) * (count(2) - count(1))
     dtype = config.param_dtype
-    with torch.device("meta"):
-        model = Transformer(config.model, mesh=None, dtype=dtype, seed=config.seed)
-    params = sum(p.numel() for p in model.parameters())
     need = params * 4 * torch.empty((), dtype=dtype).element_size()  # weights, gradients, two moments
     have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     if need > have:
@@ -91,14 +131,13 @@ def check_memory(config: TrainConfig) -> None:
 
 
 def validate_setup(config: TrainConfig, sizes: dict[str, int], world_size: int, out_dir: str, resume: bool,
-                   overwrite: bool = False) -> None:
-    """Every check that needs no process group; raises ValueError with one clear message."""
+                   overwrite: bool = False, progress: bool = False) -> tuple[Path, int] | None:
+    """Every check that needs no process group; raises ValueError with one clear message. Tokenizes
+    the data into the token cache if it is not there yet (a progress bar when `progress`). Returns
+    (checkpoint, step) a resume continues from, else None."""
     from shardmoe.train.checkpoint import check_resumable, latest_checkpoint
     from shardmoe.train.loop import build_streams
-    from shardmoe.train.rundir import check_unclaimed
-
-    if resume and overwrite:
-        raise ValueError("--resume and --overwrite: expected at most one (continue the run in --out, or replace it)")
+    from shardmoe.train.rundir import check_claimable
 
     check_layout(config.model, sizes["d"], sizes["e"], sizes["t"])
     token_shards = sizes["d"] * sizes["e"]
@@ -108,24 +147,30 @@ def validate_setup(config: TrainConfig, sizes: dict[str, int], world_size: int, 
     if (config.batch_size // token_shards) % config.grad_accum_steps:
         raise ValueError(f"grad_accum_steps: expected a divisor of the {config.batch_size // token_shards} rows per "
                          f"rank (batch_size / (d*e)), got {config.grad_accum_steps}")
-    build_streams(config)  # a missing or too small corpus
     check_memory(config)
-    if resume:
-        check_unclaimed(out_dir)  # a run writing out_dir may be replacing its checkpoint right now
-        check_resumable(latest_checkpoint(out_dir), config.resume_identity())
     ranks = sizes["d"] * sizes["e"] * sizes["t"]
     if ranks != world_size:
         launch = f"torchrun --nproc-per-node {ranks} -m shardmoe train ..." if ranks > 1 else "one process"
         raise ValueError(f"--mesh d={sizes['d']},e={sizes['e']},t={sizes['t']} needs {ranks} rank(s), but the "
                          f"world size is {world_size}: launch with {launch}")
+    # before the checkpoint is read: a run writing out_dir may be replacing it right now
+    check_claimable(out_dir, resume=resume, overwrite=overwrite)
+    resume_from = None
+    if resume:
+        path = latest_checkpoint(out_dir)
+        resume_from = path, check_resumable(path, config.resume_identity())
+    build_streams(config, progress=progress)  # missing, empty or too small data; the tokenizer
+    return resume_from
 
 
 def run(args: argparse.Namespace) -> int:
+    rank = int(os.environ.get("RANK", "0"))
     try:
-        config = resolve_config(args)
+        config, notes = resolve_config(args)
         sizes = parse_mesh(args.mesh)
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
-        validate_setup(config, sizes, world_size, args.out, args.resume, args.overwrite)
+        resume_from = validate_setup(config, sizes, world_size, args.out, args.resume, args.overwrite,
+                                     progress=rank == 0 and not args.no_progress)
     except ValueError as err:
         print(f"shardmoe train: {err}", file=sys.stderr)
         return 2
@@ -137,7 +182,6 @@ def run(args: argparse.Namespace) -> int:
 
     if config.threads:
         torch.set_num_threads(config.threads)
-    rank = int(os.environ.get("RANK", "0"))
     try:
         mesh = _init_mesh(sizes, world_size, config.timeout_minutes)
         try:
@@ -145,6 +189,8 @@ def run(args: argparse.Namespace) -> int:
             if lock is None:
                 return 2
             try:
+                if rank == 0:
+                    _announce(config, args.out, notes, resume_from)
                 return _train_and_report(config, args, mesh)
             finally:
                 lock.release()
@@ -200,6 +246,18 @@ def _claim_out(args: argparse.Namespace, rank: int, distributed: bool):
     return None if refusal is not None else lock
 
 
+def _announce(config: TrainConfig, out: str, notes: list[str], resume_from: tuple[Path, int] | None) -> None:
+    """Rank 0, once it holds --out: record the settings (DIR/config.json) and say what runs."""
+    from shardmoe.train.run_settings import write_settings
+
+    write_settings(out, config)
+    for line in notes:
+        print(line)
+    if resume_from is not None:
+        path, step = resume_from
+        print(f"resuming {out} from {path} at step {step} of {config.steps}")
+
+
 def _lost_peer(err: RuntimeError) -> bool:
     """Whether a collective failed because a peer hung or died: torch raises DistError from the store
     and the process group, but gloo's transport timeouts and closed connections arrive as plain
@@ -227,7 +285,6 @@ def _train_and_report(config: TrainConfig, args: argparse.Namespace, mesh) -> in
     from shardmoe.train.loop import train
     from shardmoe.train.plots import plot_expert_load, plot_loss_curve
     from shardmoe.train.rundir import CURVE_FILE, LOAD_FILE
-    from shardmoe.train.sample import DEFAULT_PROMPTS, sample
 
     rank0 = mesh is None or mesh.rank == 0
     started = time.perf_counter()
@@ -238,10 +295,6 @@ def _train_and_report(config: TrainConfig, args: argparse.Namespace, mesh) -> in
         if rank0:
             print(f"nothing to train: {args.out} is already at step {result.start_step} of {config.steps}")
         return 0
-    # Collective under a mesh: every rank samples, rank 0 prints.
-    samples = [sample(result.model, prompt, config.sample_bytes, seq_len=config.seq_len,
-                      temperature=config.sample_temperature, seed=config.seed + i)
-               for i, prompt in enumerate(DEFAULT_PROMPTS)] if config.sample_bytes else []
     if not rank0:
         return 0
     model = config.model
@@ -259,8 +312,14 @@ def _train_and_report(config: TrainConfig, args: argparse.Namespace, mesh) -> in
     print(f"wrote {Path(args.out) / 'metrics.jsonl'}, {curve}, {load} and {Path(args.out) / 'checkpoint.safetensors'}")
     print(f"expert load, max/mean over the experts of the worst layer: step {new[0]['step']} "
           f"{new[0]['worst_load_max_over_mean']:.2f} -> step {final['step']} {final['worst_load_max_over_mean']:.2f}")
-    if samples:
-        print("samples:")
-        for text in samples:  # one line each: sampling stops at a newline; control bytes are masked
-            print("  " + "".join(c if c.isprintable() else "\ufffd" for c in text.rstrip("\n")))
+    if result.samples:
+        print(f"samples at step {result.samples[0]['step']} (held-out prompt | continuation; all in "
+              f"{Path(args.out) / 'samples.jsonl'}):")
+        for row in result.samples:
+            print(f"  {one_line(row['prompt'])} | {one_line(row['sample'])}")
     return 0
+
+
+def one_line(text: str) -> str:
+    """text on one line: newlines shown as ⏎, other control characters as U+FFFD."""
+    return "".join("\u23ce" if c == "\n" else c if c.isprintable() else "\ufffd" for c in text)

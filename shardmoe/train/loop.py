@@ -11,16 +11,21 @@ One optimizer step n (1-based) on every rank of the mesh:
     update     AdamW with the warm-up + cosine learning rate of step n, then each MoE correction
                bias from the step's global expert loads (when the model has them)
 and rank 0 appends one JSON row to DIR/metrics.jsonl. The logged `loss` is the cross-entropy of
-the global batch before the update (nats per byte); `aux_loss` the summed weighted MoE losses;
-the load columns (metrics.load_columns) count each layer's tokens per expert over the global
-batch. Under a mesh the MoE layer's stats["tokens_per_expert"] is already that global count: the
+the global batch before the update (nats per token; per byte with the byte tokenizer); `aux_loss`
+the summed weighted MoE losses; the load columns (metrics.load_columns) count each layer's tokens
+per expert over the global batch. Under a mesh the MoE layer's stats["tokens_per_expert"] is already that global count: the
 dispatch plan all-gathers every token-parallel rank's (d, e) counts before any row moves
 (shardmoe/parallel/dispatch.py), and t peers hold the same tokens, so nothing is summed again.
 
+Every sample_every steps and at the last step the model continues prompts taken from the held-out
+documents (train/sample.py), drawing from torch's global generator, and rank 0 appends them to
+DIR/samples.jsonl; RunResult.samples holds the last round.
+
 Determinism: initial weights come from config.seed, the batch stream is a pure function of
-(seed, position), the optimizer is elementwise, and nothing else draws random numbers; so a run
-resumed from a checkpoint computes bitwise the same losses as an uninterrupted one (same mesh,
-same thread count).
+(seed, position), the optimizer is elementwise, and the samples are the only draws from torch's
+global generator, which a fresh run seeds with config.seed and a checkpoint saves; so a run
+resumed from a checkpoint computes bitwise the same losses, and samples the same text, as an
+uninterrupted one (same mesh, same thread count).
 """
 from __future__ import annotations
 
@@ -38,12 +43,14 @@ from shardmoe.train.accumulate import accumulate_step
 from shardmoe.train import sharded_checkpoint
 from shardmoe.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from shardmoe.train.config import TrainConfig
-from shardmoe.train.data import PackedBatches, load_corpus, split_documents
+from shardmoe.train.data import PackedBatches, document_prompts
 from shardmoe.train.flops import measure_peak_flops, train_flops_per_token
 from shardmoe.train.metrics import MetricsLog, load_columns, read_metrics, write_metrics
 from shardmoe.train.optim import AdamW, clip_grads, global_grad_norm, learning_rate
-
-SPLIT_SEED = 0  # the held-out documents stay the same whatever the training seed
+from shardmoe.train.sample import (PROMPTS, SampleLog, prompt_length, read_samples, sample, samples_path,
+                                   write_samples)
+from shardmoe.train.token_cache import open_tokens
+from shardmoe.train.tokenizer import Tokenizer, check_vocab, load_tokenizer
 
 
 class TrainingDiverged(RuntimeError):
@@ -59,39 +66,36 @@ class RunResult:
     metrics: list[dict] = field(default_factory=list)
     peak_flops: float = 0.0
     start_step: int = 0  # steps already taken when this run began (the checkpoint's step on resume)
+    samples: list[dict] = field(default_factory=list)  # the last round's {"step", "prompt", "sample"}
 
     @property
     def new_metrics(self) -> list[dict]:
         return [m for m in self.metrics if m["step"] > self.start_step]
 
 
-def load_documents(config: TrainConfig) -> list[str]:
-    """The corpus as documents: the embedded KJV text, or config.corpus split at blank lines."""
-    if config.corpus is None:
-        return load_corpus()
-    path = Path(config.corpus)
-    if not path.exists():
-        raise ValueError(f"corpus: no such file {str(path)!r}")
-    if not path.is_file():  # /dev/null, a directory: it said "no such file"
-        raise ValueError(f"corpus: expected a regular text file, got {str(path)!r} (a "
-                         f"{'directory' if path.is_dir() else 'device or other special file'})")
-    documents = [d for d in path.read_text(encoding="utf-8").split("\n\n") if d.strip()]
-    if len(documents) < 2:
-        raise ValueError(f"corpus: {path} holds {len(documents)} document(s); expected at least 2 "
-                         "(documents are separated by a blank line; some are held out)")
-    return documents
+def build_streams(config: TrainConfig, dp_rank: int = 0, dp_size: int = 1, *,
+                  progress: bool = False) -> tuple[PackedBatches, PackedBatches]:
+    """(training stream, held-out stream in corpus order) of this token-parallel rank, read from the
+    token cache (built first if needed, with a progress bar when `progress`). ValueError naming the
+    setting for an unreadable tokenizer, one the model's vocabulary does not cover, data that is
+    missing, empty or too small for one batch."""
+    tokenizer = load_tokenizer(config.tokenizer)
+    check_vocab(config.model.vocab_size, tokenizer)
+    tokens = open_tokens(config.data, tokenizer, config.val_fraction, config.token_cache, progress=progress)
+    common = dict(bos=tokenizer.bos, dp_rank=dp_rank, dp_size=dp_size, source=tokens.key)
 
+    def stream(split: str, split_tokens, documents: int, remedy: str, **options) -> PackedBatches:
+        try:
+            return PackedBatches(split_tokens, config.seq_len, config.batch_size, num_documents=documents,
+                                 **options, **common)
+        except ValueError as err:
+            raise ValueError(f"data: the {split} documents are too small for batch_size={config.batch_size}, "
+                             f"seq_len={config.seq_len}: {err}; {remedy}") from None
 
-def build_streams(config: TrainConfig, dp_rank: int = 0, dp_size: int = 1) -> tuple[PackedBatches, PackedBatches]:
-    """(training stream, held-out stream in corpus order) of this token-parallel rank."""
-    train_docs, val_docs = split_documents(load_documents(config), config.val_fraction, seed=SPLIT_SEED)
-    common = dict(dp_rank=dp_rank, dp_size=dp_size)
-    try:
-        train = PackedBatches(train_docs, config.seq_len, config.batch_size, seed=config.seed, **common)
-        val = PackedBatches(val_docs, config.seq_len, config.batch_size, shuffle=False, **common)
-    except ValueError as err:
-        raise ValueError(f"corpus: too small for batch_size={config.batch_size}, "
-                         f"seq_len={config.seq_len}: {err}") from None
+    train = stream("training", tokens.train, tokens.meta["train_documents"], "lower batch_size or seq_len",
+                   seed=config.seed)
+    val = stream("held-out", tokens.val, tokens.meta["val_documents"],
+                 "lower batch_size or seq_len, or raise val_fraction", shuffle=False)
     return train, val
 
 
@@ -105,18 +109,25 @@ def train(config: TrainConfig, out_dir: str | Path | None, *, mesh=None, resume:
     token_shards = 1 if mesh is None else mesh.size(("d", "e"))
     token_rank = 0 if mesh is None else mesh.coord(("d", "e"))
     data, val = build_streams(config, token_rank, token_shards)
+    tokenizer = load_tokenizer(config.tokenizer)
+    prompts = document_prompts(val.tokens, val.bos, PROMPTS, prompt_length(config.seq_len))
     model = Transformer(config.model, mesh=mesh, backward=config.backward, dtype=config.param_dtype, seed=config.seed)
     optimizer = AdamW(model.named_parameters(), betas=(config.beta1, config.beta2), eps=config.adam_eps,
                       weight_decay=config.weight_decay)
 
-    start, history = 0, []
+    start, history, samples = 0, [], []
     if resume:
         start, data_state = load_checkpoint(latest_checkpoint(out_dir), model, optimizer, mesh)
         data.load_state_dict(data_state)
         history = read_metrics(out_dir, up_to=start)
+        samples = read_samples(out_dir, up_to=start)
+    else:
+        torch.manual_seed(config.seed)  # the samples' draws; a resume restores the checkpoint's state
     if out_dir is not None and rank0:
         Path(out_dir).mkdir(parents=True, exist_ok=True)
         write_metrics(out_dir, history)  # drops rows logged after the checkpoint (or a fresh run's old rows)
+        if samples or samples_path(out_dir).exists():
+            write_samples(out_dir, samples)
 
     last = config.steps if stop_after is None else min(stop_after, config.steps)
     result = RunResult(model, history, measure_peak_flops(config.autocast_dtype or config.param_dtype), start)
@@ -128,6 +139,7 @@ def train(config: TrainConfig, out_dir: str | Path | None, *, mesh=None, resume:
     params = list(model.named_parameters())
     bar = _progress_bar(progress and rank0, start, last)
     metrics_log = MetricsLog(out_dir) if out_dir is not None and rank0 else None
+    sample_log = SampleLog(out_dir) if out_dir is not None and rank0 and config.sample_tokens else None
     try:
         for step in range(start + 1, last + 1):
             started = time.perf_counter()
@@ -166,6 +178,12 @@ def train(config: TrainConfig, out_dir: str | Path | None, *, mesh=None, resume:
             if not math.isfinite(ce) or not math.isfinite(grad_norm):
                 raise TrainingDiverged(f"training diverged at step {step}: loss {ce}, gradient norm {grad_norm}; "
                                    "lower lr or raise warmup_steps")
+            if config.sample_tokens and prompts and (step == config.steps or (config.sample_every and
+                                                                            step % config.sample_every == 0)):
+                with _autocast(config):
+                    result.samples = _samples(model, tokenizer, prompts, config, step)
+                if sample_log is not None:
+                    sample_log.append(result.samples)
             periodic = config.checkpoint_every and step % config.checkpoint_every == 0
             if out_dir is not None and (step == last or periodic):
                 saved = (out_dir, model, optimizer, step, config.to_dict(), config.resume_identity(), data.state_dict())
@@ -178,7 +196,22 @@ def train(config: TrainConfig, out_dir: str | Path | None, *, mesh=None, resume:
             bar.close()
         if metrics_log is not None:
             metrics_log.close()
+        if sample_log is not None:
+            sample_log.close()
     return result
+
+
+def _samples(model: Transformer, tokenizer: Tokenizer, prompts, config: TrainConfig, step: int) -> list[dict]:
+    """A continuation of each prompt, drawn from torch's global generator (collective under a mesh)."""
+    rows = []
+    for prompt in prompts:
+        try:
+            continuation = sample(model, prompt, config.sample_tokens, tokenizer=tokenizer, seq_len=config.seq_len,
+                                  temperature=config.sample_temperature)
+        except ValueError as err:  # the update of this step made the weights non-finite
+            raise TrainingDiverged(f"training diverged at step {step}: {err}; lower lr or raise warmup_steps") from None
+        rows.append({"step": step, "prompt": tokenizer.decode(prompt), "sample": tokenizer.decode(continuation)})
+    return rows
 
 
 @torch.no_grad()

@@ -21,12 +21,15 @@ from pathlib import Path
 
 from shardmoe.train.checkpoint import FILE_NAME as CHECKPOINT_FILE
 from shardmoe.train.metrics import METRICS_FILE
+from shardmoe.train.run_settings import SETTINGS_FILE
+from shardmoe.train.sample import SAMPLES_FILE
 from shardmoe.train.sharded_checkpoint import DIR_NAME as SHARDED_CHECKPOINT_DIR
 
 LOCK_FILE = ".lock"
 CURVE_FILE = "loss_curve.png"
 LOAD_FILE = "expert_load.png"
-RUN_FILES = (METRICS_FILE, METRICS_FILE + ".tmp", CHECKPOINT_FILE, CHECKPOINT_FILE + ".tmp", CURVE_FILE, LOAD_FILE)
+RUN_FILES = tuple(name + suffix for name in (METRICS_FILE, CHECKPOINT_FILE, SETTINGS_FILE, SAMPLES_FILE)
+                  for suffix in ("", ".tmp")) + (CURVE_FILE, LOAD_FILE)
 
 
 class RunDirLock:
@@ -64,6 +67,19 @@ def claim_run_dir(out_dir: str | Path, *, resume: bool, overwrite: bool) -> RunD
         lock.release()
         raise
     return lock
+
+
+def check_claimable(out_dir: str | Path, *, resume: bool, overwrite: bool) -> None:
+    """The refusals of claim_run_dir that need no lock of our own (an --out that is a file, a live
+    run holding DIR, a new run into a directory holding a run), checked read-only before the work
+    that precedes the claim (tokenizing the data), so that they come first. claim_run_dir checks
+    again under the lock."""
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out}: expected a directory, got an existing file")
+    check_unclaimed(out)  # a live run there is named as such, whatever its files look like
+    if out.is_dir():
+        _check_contents(out, resume=resume or overwrite, overwrite=False)
 
 
 def check_unclaimed(out_dir: str | Path) -> None:

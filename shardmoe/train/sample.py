@@ -1,43 +1,108 @@
-"""Sampling text from the trained model, byte by byte (no KV cache: the model is tiny).
+"""Sampling text from a trained model, token by token (no KV cache: the models here are tiny).
 
-Each prompt becomes [BOS] + its bytes; every step runs the model on the last seq_len tokens
-(one document, so is_seq_start flags only the first), takes the last position's logits over the
-real vocabulary (ids >= VOCAB_SIZE are padding and never sampled, nor is BOS), divides them by
-the temperature and draws from a generator seeded per prompt.
+The prompt's ids follow BOS; every step runs the model on the last seq_len tokens (one document,
+so is_seq_start flags only the first), takes the last position's logits over the tokenizer's ids
+(BOS and the padding ids above them are never drawn), keeps the top_k largest (0: all), and draws
+one token from softmax((logits - max) / temperature): from `generator`, or from torch's global
+generator when it is None. Subtracting the max first keeps any positive finite temperature exact:
+a tiny one leaves the largest logit alone at probability 1 instead of inf / inf.
 
-Under a mesh every rank runs the same rows (the forward is collective) and the token drawn on
-global rank 0 is broadcast: ranks along e may see last-bit differences in the expert GEMMs, and
-one different draw would desynchronise the collectives of the next step.
+Training's samples (every sample_every steps and at the last step) continue PROMPTS prompts, the
+first prompt_length(seq_len) tokens of the first held-out documents, and draw from the global
+generator, whose state a checkpoint saves and a resume restores: a resumed run samples what the
+uninterrupted one would. Rank 0 appends them to DIR/samples.jsonl, one row per prompt:
+{"step", "prompt", "sample"} (the continuation alone).
+
+Under a mesh every rank runs the same rows (the forward is collective), draws (so every rank's
+generator moves alike) and keeps global rank 0's token (broadcast): ranks along e may see
+last-bit differences in the expert GEMMs, and one different token would desynchronise the
+collectives of the next step.
 """
 from __future__ import annotations
 
+import json
+import os
+from pathlib import Path
+
+import numpy as np
 import torch
 import torch.distributed as dist
 
 from shardmoe.model.transformer import Transformer
-from shardmoe.train.data import BOS, VOCAB_SIZE, decode, encode
+from shardmoe.train.tokenizer import Tokenizer
 
-DEFAULT_PROMPTS = ("In the beginning", "And the LORD said unto Moses,", "And it came to pass")
+SAMPLES_FILE = "samples.jsonl"
+PROMPTS = 3
+
+
+def prompt_length(seq_len: int) -> int:
+    """Tokens of a held-out document that make a training sample's prompt: half a row, at most 32."""
+    return max(1, min(32, seq_len // 2))
 
 
 @torch.no_grad()
-def sample(model: Transformer, prompt: str, num_bytes: int, *, seq_len: int, temperature: float = 0.8,
-           seed: int = 0, stop_at_newline: bool = True) -> str:
-    """The prompt followed by up to num_bytes sampled bytes (stopping after a newline if asked)."""
-    generator = torch.Generator().manual_seed(seed)
-    ids = torch.cat([torch.tensor([BOS]), encode(prompt)])
+def sample(model: Transformer, prompt, max_tokens: int, *, tokenizer: Tokenizer, seq_len: int,
+           temperature: float = 0.8, top_k: int = 0, generator: torch.Generator | None = None) -> np.ndarray:
+    """Up to max_tokens ids drawn after the prompt's ids (see the module doc); the new ids only."""
+    ids = torch.cat([torch.tensor([tokenizer.bos]), torch.as_tensor(np.asarray(prompt, dtype=np.int64))])
     start = ids.numel()
-    for _ in range(num_bytes):
+    for _ in range(max_tokens):
         window = ids[-seq_len:].view(1, -1)
         is_seq_start = torch.zeros_like(window, dtype=torch.bool)
         is_seq_start[:, 0] = True
-        logits = model.logits(window, is_seq_start)[0, -1, :VOCAB_SIZE].double()
-        logits[BOS] = float("-inf")
-        probs = torch.softmax(logits / temperature, dim=-1)
+        logits = model.logits(window, is_seq_start)[0, -1, :tokenizer.vocab_size].double()
+        if not bool(torch.isfinite(logits).all()):
+            raise ValueError("sample: the model's next-token logits are not finite")
+        logits[tokenizer.bos] = float("-inf")
+        if 0 < top_k < tokenizer.vocab_size - 1:
+            logits[logits < torch.topk(logits, top_k).values[-1]] = float("-inf")
+        probs = torch.softmax((logits - logits.max()) / temperature, dim=-1)
         token = torch.multinomial(probs, 1, generator=generator)
         if dist.is_available() and dist.is_initialized():
             dist.broadcast(token, src=0)
         ids = torch.cat([ids, token])
-        if stop_at_newline and token.item() == ord("\n"):
-            break
-    return prompt + decode(ids[start:])
+    return ids[start:].numpy()
+
+
+def samples_path(out_dir: str | Path) -> Path:
+    return Path(out_dir) / SAMPLES_FILE
+
+
+class SampleLog:
+    """Appends rounds of sample rows to DIR/samples.jsonl (one os.write per round)."""
+
+    def __init__(self, out_dir: str | Path):
+        self._fd = os.open(samples_path(out_dir), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+
+    def append(self, rows: list[dict]) -> None:
+        os.write(self._fd, "".join(json.dumps(r) + "\n" for r in rows).encode("utf-8"))
+
+    def close(self) -> None:
+        os.close(self._fd)
+
+
+def read_samples(out_dir: str | Path, up_to: int) -> list[dict]:
+    """The rows of DIR/samples.jsonl with step <= up_to ([] without the file). A torn last line
+    (a kill mid-write) is dropped; any other unparsable line is a ValueError naming it."""
+    path = samples_path(out_dir)
+    if not path.is_file():
+        return []
+    lines = path.read_text(encoding="utf-8", errors="replace").split("\n")
+    rows = []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError as err:
+            if number < len(lines):  # followed by a newline: not torn
+                raise ValueError(f"{path}: line {number} is not a JSON row ({err})") from None
+    return [r for r in rows if r["step"] <= up_to]
+
+
+def write_samples(out_dir: str | Path, rows: list[dict]) -> None:
+    """Replace DIR/samples.jsonl with `rows` (a temporary file, then a rename)."""
+    path = samples_path(out_dir)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    os.replace(tmp, path)

@@ -128,9 +128,18 @@ def _on_rank0_for_all(group, work, context: str = "") -> None:
 
 
 def latest(out_dir: str | Path) -> Path | None:
-    """The step directory LATEST names, or None when DIR holds no sharded checkpoint."""
+    """The step directory LATEST names, or None when DIR holds no sharded checkpoint. Step
+    directories without LATEST are refused by name: a resume must not fall back silently to the
+    single file, which may be older (LATEST goes missing when a first save dies before writing it,
+    or when it is deleted)."""
     pointer = checkpoint_root(out_dir) / LATEST
     if not pointer.is_file():
+        steps = sorted(p.name for p in checkpoint_root(out_dir).glob("step_*")) if checkpoint_root(out_dir).is_dir() \
+            else []
+        if steps:
+            raise ValueError(f"checkpoint {checkpoint_root(out_dir)}: holds {', '.join(steps)} but no {LATEST} naming "
+                             f"the complete one; write the name of a complete step directory (with {META_FILE}) into "
+                             f"{pointer}, or remove the step directories to resume from what else {out_dir} holds")
         return None
     path = checkpoint_root(out_dir) / pointer.read_text().strip()
     if not path.is_dir():

@@ -16,11 +16,20 @@ def test_cli_quick_writes_json(tmp_path, capsys):
                        "--candidates", "loop", "dense", "shardmoe", "--threads", "1", "--json", str(path)])
     assert code == 0
     out = capsys.readouterr().out
-    assert "[e8 fp32]" in out and "targets (shardmoe)" in out
+    assert "[e8 fp32]" in out and "columns: median ms" in out and "peak/tf: the step's peak" in out
+    assert "targets" not in out and "bf16:" not in out  # the bars only with --strict; no bf16 case here
     data = json.loads(path.read_text())
     (case,) = data["cases"]
     assert case["shape"]["tokens"] == 32 and [r["candidate"] for r in case["rows"]] == ["loop", "dense", "shardmoe"]
     assert data["environment"]["threads"] >= 1
+
+
+def test_cli_strict_prints_the_targets_and_bf16_is_explained(capfd):
+    bench.main(["--quick", "--tokens", "32", "--shapes", "e8", "--dtype", "bf16", "--repeats", "1",
+                "--candidates", "transformers", "shardmoe", "--threads", "1", "--strict"])
+    captured = capfd.readouterr()
+    assert "targets (shardmoe):" in captured.out and "bf16: shardmoe's rel err" in captured.out
+    assert "allocated before the profiling started" not in captured.err  # the profiler's stray warning
 
 
 def test_cli_shape_overrides(capsys):

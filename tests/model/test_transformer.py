@@ -148,3 +148,15 @@ def test_layout_and_config_errors_name_the_option():
     assert TransformerConfig.from_dict(CONFIG.to_dict()) == CONFIG
     with pytest.raises(ValueError, match="state dict: missing"):
         Transformer(CONFIG).load_full_state_dict({})
+
+
+@pytest.mark.parametrize("value", ["false", "no", 0, 1], ids=repr)
+@pytest.mark.parametrize("name", ["router_bias", "correction_bias", "expert_bias", "shared_gate"])
+def test_every_switch_of_the_model_is_a_bool_named_as_the_model_names_it(name, value):
+    """A config file's "expert_bias": "false" built and trained expert biases ("false" is truthy);
+    the refusal names the model's option, not the MoE layer's `bias`."""
+    options = {"shared_ffn_size": 8} if name == "shared_gate" else {}
+    with pytest.raises(ValueError, match=rf"^{name}: expected a bool, got {value!r}$"):
+        TransformerConfig.from_dict({**options, name: value})
+    switches = sorted(f for f, v in TransformerConfig().to_dict().items() if isinstance(v, bool))
+    assert switches == ["correction_bias", "expert_bias", "router_bias", "shared_gate"]

@@ -2,7 +2,9 @@
 bad input, the layer wiring, the fallback when the library cannot be built, and each pass as a torch
 operator (torch.library.opcheck)."""
 import shutil
+import subprocess
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -298,3 +300,23 @@ def test_unbuildable_library_falls_back_with_one_warning(monkeypatch, tmp_path, 
         assert not elementwise.available(x.detach())
     finally:
         elementwise._ops.cache_clear()
+
+
+def test_a_build_on_first_use_says_so_once(monkeypatch, tmp_path, capsys):
+    """The first forward on a machine waited about 20 s for the compiler without a word; the build
+    announces itself in one line on stderr, and a cached build is silent."""
+    monkeypatch.setenv("SHARDMOE_CACHE_DIR", str(tmp_path))
+    compiled = []
+
+    def compiler(command, **options):  # stands in for the compiler: writes the library file
+        compiled.append(command)
+        Path(command[command.index("-o") + 1]).write_bytes(b"not really a library")
+        return subprocess.CompletedProcess(command, 0, "", "")
+
+    monkeypatch.setattr(elementwise.subprocess, "run", compiler)
+    library = elementwise.build_library()
+    assert capsys.readouterr().err == ("shardmoe: building the C++ CPU passes for this torch and CPU, once (about "
+                                       f"20 s; cached in {tmp_path})\n")
+    assert library.parent == tmp_path and library.is_file() and len(compiled) == 1
+    assert elementwise.build_library() == library
+    assert capsys.readouterr().err == "" and len(compiled) == 1

@@ -157,6 +157,25 @@ def test_command_writes_table_json_and_png(tmp_path, capsys):
         command.parse_gpus("8,many")
 
 
+def test_command_names_model_and_hardware_shows_progress_and_writes_only_when_asked(tmp_path, monkeypatch, capsys):
+    """It was silent for ~19 s, its table named neither model nor hardware, and it wrote
+    runs/simulate/ unasked."""
+    monkeypatch.chdir(tmp_path)
+    parser = __import__("argparse").ArgumentParser()
+    command.add_arguments(parser)
+    args = parser.parse_args(["--preset", "mixtral-8x7b", "--gpus", "2,4,8", "--set", "tokens_per_gpu=256",
+                              "--set", "hidden_size=512"])
+    command.check_arguments(args)
+    assert command.run(args) == 0
+    captured = capsys.readouterr()
+    assert captured.out.splitlines()[0] == (
+        "simulating one MoE layer, forward + backward: mixtral-8x7b (H 512, F 14336, E 8, top-2, 256 tokens per "
+        "GPU), uniform routing, on h100 GPUs (989 TFLOP/s peak x 0.7, HBM 3.35 TB/s, NVLink 450 GB/s, fabric 50 GB/s "
+        "per GPU, 8 per node)")
+    assert "simulating: 100%" in captured.err and "3/3" in captured.err  # one step per EP size
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_simulated_point_keeps_the_runtime_task_counts():
     """The cost model only prices tasks: the schedule still emits the closed-form counts
     (simulate_forward/backward check them) and the useful FLOPs match the routing's rows."""

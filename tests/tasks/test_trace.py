@@ -103,6 +103,24 @@ def test_cli_trace_writes_json_png_and_counts(tmp_path, capsys):
     assert "largest relative difference from the fused layer" in capsys.readouterr().out
 
 
+def test_trace_help_describes_every_option_with_its_default():
+    """Its layer options had neither a description nor a default in --help."""
+    import argparse
+
+    from shardmoe.tasks import command
+
+    parser = argparse.ArgumentParser()
+    command.add_arguments(parser)
+    for action in parser._actions:
+        if action.dest in ("help", "out"):
+            continue
+        assert action.help and len(action.help) > 20, action.dest
+        assert "default" in action.help, action.dest
+        if action.default not in (None, False):
+            assert "%(default)s" in action.help, action.dest
+    assert "docs/tasks.md" in parser.epilog
+
+
 def test_a_lost_task_leaves_its_counter_short_and_is_reported(monkeypatch):
     """An emitter that writes one gradPreGEMM too few: the row tile never signals its token device,
     and the run ends naming the counter that stayed below its threshold."""

@@ -1,19 +1,66 @@
-"""Shared fixtures of the training tests: a tiny config and single-threaded torch."""
+"""Shared fixtures of the training tests: a tiny config, single-threaded torch, a generated corpus
+and BPE tokenizers trained offline with the `tokenizers` package."""
+import random
+
 import pytest
 import torch
 
 from shardmoe.model.transformer import TransformerConfig
 from shardmoe.train.config import TrainConfig
+from shardmoe.train.documents import load_corpus
 
 # vocab 260 (the 257 byte ids padded to a multiple of 4) splits over t = 2 and 4
 TINY_MODEL = TransformerConfig(vocab_size=260, d_model=16, n_layers=2, n_q_heads=4, n_kv_heads=2, head_dim=4,
                                ffn_size=8, num_experts=4, top_k=2, aux_loss_coef=0.01, z_loss_coef=0.001)
 
+NOUNS = ("river", "stone", "garden", "lantern", "harbour", "orchard", "window", "meadow", "engine", "letter")
+VERBS = ("carries", "finds", "remembers", "follows", "mends", "opens", "paints", "answers")
+ADJECTIVES = ("quiet", "bright", "old", "narrow", "patient", "distant", "green", "heavy")
+
 
 def tiny_train_config(**changes) -> TrainConfig:
     settings = dict(model=TINY_MODEL, steps=6, batch_size=4, seq_len=16, lr=1e-2, warmup_steps=2,
-                    eval_batches=1, checkpoint_every=0, health_every=3, sample_bytes=8)
+                    eval_batches=1, checkpoint_every=0, health_every=3, sample_tokens=8)
     return TrainConfig(**{**settings, **changes})
+
+
+def generated_documents(count: int, seed: int = 0, sentences: int = 6) -> list[str]:
+    """`count` documents of `sentences` sentences each from a small seeded grammar."""
+    rng = random.Random(seed)
+
+    def sentence():
+        a, b = rng.sample(NOUNS, 2)
+        return f"The {rng.choice(ADJECTIVES)} {a} {rng.choice(VERBS)} the {rng.choice(ADJECTIVES)} {b}."
+
+    return ["\n".join(sentence() for _ in range(sentences)) for _ in range(count)]
+
+
+def train_bpe(path, vocab_size: int) -> str:
+    """A byte-level BPE tokenizer.json of `vocab_size` tokens trained offline on the embedded corpus."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tokenizer.train_from_iterator(load_corpus()[:10], trainer)
+    assert tokenizer.get_vocab_size() == vocab_size
+    tokenizer.save(str(path))
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def bpe_tokenizer(tmp_path_factory):
+    """vocab_size -> the path of a BPE tokenizer.json of that many tokens (trained once a session)."""
+    made = {}
+
+    def make(vocab_size: int = 300) -> str:
+        if vocab_size not in made:
+            made[vocab_size] = train_bpe(tmp_path_factory.mktemp("bpe") / "tokenizer.json", vocab_size)
+        return made[vocab_size]
+
+    return make
 
 
 @pytest.fixture

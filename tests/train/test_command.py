@@ -1,4 +1,5 @@
 """`shardmoe train` end to end; bad input, a bad or busy --out stopping with one line before any training."""
+import functools
 import json
 import os
 import subprocess
@@ -12,8 +13,10 @@ import torch.distributed as dist
 import shardmoe
 from shardmoe.cli import main
 from shardmoe.train import checkpoint as ckpt
+from shardmoe.train import loop
+from shardmoe.train.optim import learning_rate
 
-from .conftest import tiny_train_config
+from .conftest import generated_documents, tiny_train_config
 
 
 def read_rows(out):
@@ -37,22 +40,85 @@ def test_tiny_run_writes_metrics_curve_checkpoint_and_samples(tmp_path, capsys, 
     assert (out / "expert_load.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "expert load, max/mean over the experts of the worst layer: step 1" in printed
     assert (out / "checkpoint.safetensors").is_file()
-    samples = printed.split("samples:\n")[1].splitlines()
-    assert len(samples) == 3 and samples[0].startswith("  In the beginning")
+    header, *samples = printed.split("samples at step 3 ")[1].splitlines()
+    held_out = json.loads((out / "samples.jsonl").read_text().splitlines()[0])
+    assert len(samples) == 3 and samples[0].startswith(f"  {held_out['prompt']} | ")  # a held-out document's start
     assert "tokens/s" in printed and "MFU" in printed
+    assert json.loads((out / "config.json").read_text())["seed"] == 2  # the resolved settings, flags included
 
     assert main(["train", "--config", write_config(tmp_path), "--steps", "3", "--seed", "2", "--out", str(out),
                  "--resume", "--no-progress"]) == 0
     assert "nothing to train" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("tokenizer", ["byte", "bpe"])
+def test_training_on_your_own_text_and_jsonl(tmp_path, capsys, monkeypatch, one_thread, bpe_tokenizer, tokenizer):
+    """The default model for a few steps on a generated corpus of a text file and a JSONL file, with
+    the byte tokenizer and with a BPE tokenizer trained offline (tokenizers): the loss falls, the
+    model's vocabulary follows the tokenizer, `shardmoe sample` prints text, and a run stopped at
+    step 4 continues with `--resume` alone to its own 8 steps (the default is 600) on its own
+    schedule. The config file names the data relative to its own folder."""
+    corpus = tmp_path / "project" / "corpus"
+    corpus.mkdir(parents=True)
+    documents = generated_documents(400)
+    (corpus / "part1.txt").write_text("\n\n".join(documents[:200]) + "\n")
+    (corpus / "part2.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in documents[200:]))
+    settings = tmp_path / "project" / "settings.toml"
+    settings.write_text('data = "corpus"\nsteps = 8\nwarmup_steps = 2\nlr = 0.01\nsample_tokens = 24\n')
+    monkeypatch.chdir(tmp_path)  # not the file's folder
+    spec = "byte" if tokenizer == "byte" else bpe_tokenizer(300)
+    out = tmp_path / "run"
+    with monkeypatch.context() as m:  # stopped after step 4, as a kill would stop it
+        m.setattr(loop, "train", functools.partial(loop.train, stop_after=4))
+        assert main(["train", "--config", str(settings), "--tokenizer", spec, "--out", str(out), "--no-progress"]) == 0
+    stored = json.loads((out / "config.json").read_text())
+    assert (stored["data"], stored["tokenizer"], stored["steps"]) == (str(corpus), spec, 8)
+    assert stored["model"]["vocab_size"] == 320  # 257 or 301 ids, padded to a multiple of 64
+    capsys.readouterr()
+
+    assert main(["train", "--out", str(out), "--resume", "--no-progress"]) == 0
+    printed = capsys.readouterr().out
+    assert f"resuming {out} from {out / 'checkpoint.safetensors'} at step 4 of 8\n" in printed
+    rows = read_rows(out)
+    assert [r["step"] for r in rows] == list(range(1, 9))
+    assert rows[-1]["lr"] == learning_rate(8, 0.01, 2, 8, 0.1)  # the end of its own schedule
+    assert rows[-1]["loss"] < rows[0]["loss"] - 1.0, [r["loss"] for r in rows]
+    assert "samples at step 8" in printed
+
+    def sampled(*options):
+        assert main(["sample", "--out", str(out), "--prompt", "The quiet river", "--max-tokens", "24", *options]) == 0
+        return capsys.readouterr().out.split("\n\n", 1)[1]
+
+    text = sampled("--seed", "1")
+    assert text.startswith("The quiet river") and len(text) > len("The quiet river") + 10
+    assert sampled("--seed", "1") == text  # its own seeded generator
+    assert sampled("--top-k", "1", "--seed", "1") == sampled("--top-k", "1", "--seed", "2")  # greedy
+
+
 @pytest.mark.parametrize("changes, mesh, message", [
     ({}, "t=4", "n_kv_heads: expected a multiple of 4"),
     ({}, "e=3", "num_experts: expected a multiple of 3"),
     ({"model": {"vocab_size": 257}}, "t=2", "vocab_size: expected a multiple of 2"),
-    ({"corpus": "/nonexistent/corpus.txt"}, "", "corpus: no such file"),
-    ({"corpus": "/dev/null"}, "", "corpus: expected a regular text file, got '/dev/null' (a device or other special"),
-    ({"corpus": "/tmp"}, "", "corpus: expected a regular text file, got '/tmp' (a directory)"),
+    ({"data": "/nonexistent/corpus.txt"}, "", "data: no such file or directory '/nonexistent/corpus.txt'"),
+    ({"data": "/dev/null"}, "", "data: expected a file, a directory or a glob pattern, got '/dev/null' (a device or"),
+    ({"data": "TMP/empty"}, "", "data: the directory 'TMP/empty' holds no files"),
+    ({"data": "TMP/blank.txt"}, "", "data: no documents in 'TMP/blank.txt' (every file is empty or whitespace)"),
+    ({"data": "TMP/*.jsonl"}, "", "data: no files match 'TMP/*.jsonl'"),
+    ({"data": "TMP/small.txt"}, "", "data: the training documents are too small for batch_size=4, seq_len=16: the "
+                                    "documents hold 2 tokens, fewer than one batch of 4 rows of 16 tokens; lower "
+                                    "batch_size or seq_len"),
+    ({"tokenizer": "/nonexistent/tokenizer.json"}, "", "tokenizer: no such file or directory '/nonexistent/tokenizer"),
+    ({"tokenizer": "TMP/blank.txt"}, "", "tokenizer: cannot read 'TMP/blank.txt' as a Hugging Face tokenizer.json"),
+    ({"tokenizer": "TMP"}, "", "tokenizer: cannot read the directory 'TMP' with transformers' AutoTokenizer"),
+    ({"tokenizer": "BPE400"}, "", "model.vocab_size: expected at least the tokenizer BPE400's 401 ids"),
+    # numbers the code downstream cannot take: an OverflowError traceback on every rank
+    ({"seed": 2 ** 64}, "", "seed: expected an int in 0..18446744073709551615, got 18446744073709551616"),
+    ({"timeout_minutes": 1e300}, "", "timeout_minutes: expected minutes from 1 ms (1.67e-05) to 1e+08"),
+    ({"timeout_minutes": 1e-6}, "", "timeout_minutes: expected minutes from 1 ms"),
+    ({"steps": 2 ** 63}, "", "steps: expected an int in 1..9223372036854775807, got 9223372036854775808"),
+    ({"lr": 1e300}, "", "lr: expected a finite number in (0.0, 3.4028234663852886e+38], got 1e+300"),
+    ({"model": {"aux_loss_coef": 10 ** 400}}, "", "aux_loss_coef: expected a finite number >= 0, got 1000"),
+    ({"model": {"n_layers": 2 ** 40}}, "", "model: expected a model that fits in this machine's"),
     ({"batch_size": 6}, "d=4", "batch_size: expected a multiple of d*e = 4"),
     ({"batch_size": 8, "grad_accum_steps": 4}, "d=4", "grad_accum_steps: expected a divisor of the 2 rows per rank"),
     ({"grad_accum_steps": 0}, "", "grad_accum_steps: expected an int >= 1, got 0"),
@@ -65,13 +131,25 @@ def test_tiny_run_writes_metrics_curve_checkpoint_and_samples(tmp_path, capsys, 
     ({"val_fraction": 0.999}, "", "val_fraction: expected a fraction that leaves documents to train on"),
     ({"model": {"vocab_size": 10 ** 12}}, "", "model: expected a model that fits in this machine's"),
 ])
-def test_bad_input_stops_with_one_message_before_any_process_group(tmp_path, capsys, changes, mesh, message):
+def test_bad_input_stops_with_one_message_before_any_process_group(tmp_path, capsys, changes, mesh, message,
+                                                                    bpe_tokenizer):
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "blank.txt").write_text("\n  \n\t\n")
+    (tmp_path / "small.txt").write_text("a\n\nb\n")
+    placeholders = {"TMP": str(tmp_path), "BPE400": bpe_tokenizer(400)}
+
+    def filled(value):
+        for name, path in placeholders.items():
+            value = value.replace(name, path) if isinstance(value, str) else value
+        return value
+
     config = tiny_train_config().to_dict()
     for key, value in changes.items():
-        config[key] = {**config[key], **value} if isinstance(value, dict) else value
+        config[key] = {**config[key], **value} if isinstance(value, dict) else filled(value)
     path = tmp_path / "bad.json"
     path.write_text(json.dumps(config))
-    assert main(["train", "--config", str(path), "--mesh", mesh, "--out", str(tmp_path / "run")]) == 2
+    assert main(["train", "--config", str(path), "--mesh", mesh, "--out", str(tmp_path / "run"), "--no-progress"]) == 2
+    message = filled(message)
     err = capsys.readouterr().err
     assert err.startswith("shardmoe train: ") and message in err and err.count("\n") == 1
     assert not dist.is_initialized()
@@ -80,33 +158,37 @@ def test_bad_input_stops_with_one_message_before_any_process_group(tmp_path, cap
 
 def test_resume_refuses_a_checkpoint_of_another_config(tmp_path, capsys, one_thread):
     out = str(tmp_path / "run")
-    assert main(["train", "--config", write_config(tmp_path, sample_bytes=0), "--steps", "1", "--out", out,
+    assert main(["train", "--config", write_config(tmp_path, sample_tokens=0), "--steps", "1", "--out", out,
                  "--no-progress"]) == 0
     capsys.readouterr()
-    other = tiny_train_config().to_dict()
+    other = tiny_train_config(sample_tokens=0).to_dict()
     other["model"]["n_layers"] = 3
     path = tmp_path / "other.json"
     path.write_text(json.dumps(other))
     assert main(["train", "--config", str(path), "--out", out, "--resume"]) == 2
     err = capsys.readouterr().err
-    assert "another config" in err and "model.n_layers: saved 2, now 3" in err and err.count("\n") == 1
+    assert "other settings (model.n_layers: the run has 2, given 3)" in err and err.count("\n") == 1
+    # what the checkpoint was written with counts too (a run directory without config.json)
+    (tmp_path / "run" / "config.json").unlink()
+    assert main(["train", "--config", str(path), "--out", out, "--resume"]) == 2
+    assert "other settings (model.n_layers: the run has 2, given 3)" in capsys.readouterr().err
 
 
 def test_a_new_run_refuses_a_directory_holding_a_run_unless_resumed_or_overwritten(tmp_path, capsys, one_thread):
     out = tmp_path / "run"
-    first = ["train", "--config", write_config(tmp_path, sample_bytes=0), "--steps", "2", "--out", str(out),
+    first = ["train", "--config", write_config(tmp_path, sample_tokens=0), "--steps", "2", "--out", str(out),
              "--no-progress"]
     assert main(first) == 0
     old_rows = (out / "metrics.jsonl").read_text()
     capsys.readouterr()
 
-    second = ["train", "--config", write_config(tmp_path, sample_bytes=0, seed=5), "--steps", "1", "--out", str(out),
+    second = ["train", "--config", write_config(tmp_path, sample_tokens=0, seed=5), "--steps", "1", "--out", str(out),
               "--no-progress"]
     assert main(second) == 2
     assert capsys.readouterr().err == (
         f"shardmoe train: --out {out}: expected an empty directory for a new run, but it holds checkpoint.safetensors, "
-        "expert_load.png, loss_curve.png, metrics.jsonl; pass --resume to continue that run or --overwrite to "
-        "replace it\n")
+        "config.json, expert_load.png, loss_curve.png, metrics.jsonl; pass --resume to continue that run or "
+        "--overwrite to replace it\n")
     assert (out / "metrics.jsonl").read_text() == old_rows  # untouched
 
     assert main(second + ["--resume", "--overwrite"]) == 2
@@ -121,16 +203,16 @@ def test_a_bad_out_path_is_one_line(tmp_path, capsys):
     a_file = tmp_path / "file"
     a_file.write_text("")
     config = write_config(tmp_path)
-    assert main(["train", "--config", config, "--out", str(a_file)]) == 2
+    assert main(["train", "--config", config, "--out", str(a_file)]) == 2  # before tokenizing (no progress bar)
     assert capsys.readouterr().err == f"shardmoe train: --out {a_file}: expected a directory, got an existing file\n"
-    assert main(["train", "--config", config, "--out", str(a_file / "run")]) == 2
+    assert main(["train", "--config", config, "--out", str(a_file / "run"), "--no-progress"]) == 2
     assert capsys.readouterr().err == (f"shardmoe train: --out {a_file / 'run'}: cannot create the run directory "
                                        "(Not a directory)\n")
 
 
 def test_a_second_run_is_refused_while_the_first_runs_and_a_killed_run_resumes(tmp_path, capsys, one_thread):
     out = tmp_path / "run"
-    config = write_config(tmp_path, steps=100_000, checkpoint_every=1, eval_batches=0, sample_bytes=0)
+    config = write_config(tmp_path, steps=100_000, checkpoint_every=1, eval_batches=0, sample_tokens=0)
     argv = ["train", "--config", config, "--out", str(out), "--no-progress"]
     env = {**os.environ, "PYTHONPATH": str(Path(shardmoe.__file__).parents[1])}
     first = subprocess.Popen([sys.executable, "-m", "shardmoe", *argv], env=env,
@@ -165,3 +247,28 @@ def test_a_diverged_run_stops_with_one_line_after_logging_the_step(tmp_path, cap
                                        f"{read_rows(out)[1]['loss']}, gradient norm inf; lower lr or raise "
                                        "warmup_steps\n")
     assert [r["step"] for r in read_rows(out)] == [1, 2]
+
+
+def test_a_checkpoint_with_settings_under_their_former_names_resumes(tmp_path, capsys, one_thread):
+    """A run directory without config.json whose checkpoint stores `corpus` and `sample_bytes` (and
+    no tokenizer) in its settings and identity: --resume reads them as data, sample_tokens, bytes."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    out = tmp_path / "run"
+    loop.train(tiny_train_config(steps=4, sample_tokens=0), out, stop_after=2, progress=False)
+    path = ckpt.checkpoint_path(out)
+    with safe_open(str(path), "pt") as f:
+        tensors, metadata = {k: f.get_tensor(k) for k in f.keys()}, f.metadata()
+    former = {"data": "corpus", "sample_tokens": "sample_bytes"}
+    for key in ("config", "identity"):
+        values = json.loads(metadata[key])
+        for name in ("tokenizer", "token_cache", "sample_every"):  # settings the former version did not have
+            values.pop(name, None)
+        metadata[key] = json.dumps({former.get(k, k): v for k, v in values.items()})
+    save_file(tensors, str(path), metadata=metadata)
+    assert "corpus" in json.loads(ckpt.read_metadata(path)["config"])
+
+    assert main(["train", "--out", str(out), "--resume", "--no-progress"]) == 0
+    assert f"resuming {out} from {path} at step 2 of 4\n" in capsys.readouterr().out
+    assert [r["step"] for r in read_rows(out)] == [1, 2, 3, 4]

@@ -28,8 +28,13 @@ def test_toml_and_json_files_load_with_a_model_table(tmp_path):
     ('steps = 0', "steps"),
     ('threads = 100000', r"threads: expected an int in 0\.\.\d+ \(os\.cpu_count\(\)\), got 100000"),
     ('steps = [', "run.toml"),
-    ('[model]\nvocab_size = 100', "model.vocab_size: expected at least the byte tokenizer's 257 ids, got 100"),
-    ('timeout_minutes = 0', r"timeout_minutes: expected a finite number in \(0.0, inf\), got 0"),
+    ('[model]\nvocab_size = 100', r"model.vocab_size: expected at least the byte tokenizer's 257 ids \(its tokens "
+                                   r"and BOS\), got 100"),
+    ('timeout_minutes = 0', r"timeout_minutes: expected minutes from 1 ms \(1\.67e-05\) to 1e\+08 \(the most the "
+                            r"process group can count\), got 0"),
+    # a truthy string switched the expert biases on
+    ('[model]\nexpert_bias = "false"', "expert_bias: expected a bool, got 'false'"),
+    ('[model]\nrouter_bias = 0', "router_bias: expected a bool, got 0"),
 ])
 def test_bad_files_name_the_setting(tmp_path, text, message):
     path = tmp_path / "run.toml"
@@ -51,3 +56,17 @@ def test_resume_identity_covers_what_fixes_weights_and_data():
     assert base.replace(lr=1.0, steps=5).resume_identity() == base.resume_identity()
     assert base.replace(seq_len=32).resume_identity() != base.resume_identity()
     assert base.replace(model=TransformerConfig(d_model=64)).resume_identity() != base.resume_identity()
+
+
+def test_the_settings_table_of_the_docs_lists_every_setting():
+    """docs/training.md ("Configuration") has a row for every key a config file takes."""
+    import dataclasses
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).parents[2] / "docs" / "training.md").read_text()
+    table = text.split("Every setting (`model.` ones go in the `model` table):")[1].split("\n\n")[1]
+    listed = {name for row in table.splitlines()[2:] for name in re.findall(r"`([a-z_.0-9]+)`", row.split(" | ")[0])}
+    keys = {f.name for f in dataclasses.fields(TrainConfig) if f.name != "model"}
+    keys |= {f"model.{f.name}" for f in dataclasses.fields(TransformerConfig)}
+    assert listed == keys, (sorted(keys - listed), sorted(listed - keys))

@@ -1,105 +1,85 @@
+"""Packed batches read from a token stream: rows, their order, positions, resume, data parallelism."""
+import numpy as np
 import pytest
 import torch
 
-from shardmoe.train import (BOS, VOCAB_SIZE, DataPosition, PackedBatches, decode, encode, load_corpus,
-                            padded_vocab_size, split_documents)
+from shardmoe.train import BOS, DataPosition, PackedBatches, byte_tokenizer, shuffled_index
+from shardmoe.train.data import document_prompts
 
 DOCS = ["In the beginning.", "And it was so.\nA second line.", "Amen", "x" * 40, "Naïve — ✓ UTF-8", "end"]
 
 
-def test_tokenizer_round_trips_utf8_and_drops_bos():
-    text = "Let there be light: ünïcode ✓\n"
-    ids = encode(text)
-    assert ids.dtype == torch.int64 and int(ids.max()) < 256
-    assert decode(ids) == text
-    assert decode(torch.cat([torch.tensor([BOS]), ids, torch.tensor([BOS])])) == text
-    assert decode(torch.tensor([0xE2, 0x9C])) == "\ufffd"  # a cut multibyte char does not raise
-    with pytest.raises(ValueError, match="ids"):
-        decode(torch.tensor([VOCAB_SIZE]))
+def stream_of(documents) -> np.ndarray:
+    """[BOS, bytes...] of every document, concatenated (what the token cache writes)."""
+    tokenizer = byte_tokenizer()
+    return np.concatenate([np.concatenate([[BOS], tokenizer.encode(d)]) for d in documents]).astype(np.uint16)
 
 
-def test_padded_vocab_size():
-    assert VOCAB_SIZE == 257 and padded_vocab_size(1) == 257
-    assert padded_vocab_size(64) == 320 and padded_vocab_size(2) == 258
+def packed(documents=DOCS, **options) -> PackedBatches:
+    return PackedBatches(stream_of(documents), bos=BOS, **options)
 
 
-def test_embedded_corpus():
-    docs = load_corpus()
-    assert len(docs) == 108
-    assert docs[0].startswith("Genesis 1\nIn the beginning God created the heaven and the earth.")
-    assert docs[-1].startswith("Jonah 4\n")
-    assert all(d and "\n\n" not in d and d.isascii() for d in docs)
-    assert 200_000 < sum(len(d) + 2 for d in docs) < 500_000
-
-
-def test_split_is_disjoint_complete_and_seeded():
-    docs = load_corpus()
-    train, val = split_documents(docs, val_fraction=0.05, seed=0)
-    assert len(val) == 5 and len(train) == 103
-    assert sorted(train + val) == sorted(docs) and not set(train) & set(val)
-    assert split_documents(docs, 0.05, seed=0) == (train, val)
-    assert split_documents(docs, 0.05, seed=1)[1] != val
-
-
-def test_a_split_that_leaves_nothing_to_train_on_is_refused():
-    """val_fraction 0.999 passed the config checks and crashed at step 1 (torch.cat of no rows),
-    leaving an empty metrics.jsonl that blocked a rerun."""
-    docs = load_corpus()
-    with pytest.raises(ValueError, match=r"val_fraction: expected a fraction that leaves documents to train on, got "
-                                         r"0.999: it holds out 108 of the corpus's 108 documents"):
-        split_documents(docs, val_fraction=0.999)
-
-
-def stream_of(documents, order):
-    return torch.cat([torch.cat([torch.tensor([BOS]), encode(documents[i])]) for i in order])
+@pytest.mark.parametrize("n", [1, 2, 3, 7, 64, 1000, 1023])
+def test_shuffled_index_is_a_permutation_chosen_by_its_key(n):
+    order = [shuffled_index(i, n, "rows:0:0") for i in range(n)]
+    assert sorted(order) == list(range(n))
+    if n > 6:
+        assert order != list(range(n)) and order != [shuffled_index(i, n, "rows:0:1") for i in range(n)]
+    with pytest.raises(ValueError, match=f"i: expected an index in 0..{n - 1}, got {n}"):
+        shuffled_index(n, n, "k")
 
 
 def test_unshuffled_rows_tile_the_stream_with_stride_l():
-    data = PackedBatches(DOCS, seq_len=8, batch_size=2, shuffle=False)
-    stream = stream_of(DOCS, range(len(DOCS)))
+    data = packed(seq_len=8, batch_size=2, shuffle=False)
+    stream = torch.from_numpy(stream_of(DOCS).astype(np.int64))
     batches = list(data.epoch_batches(0))
     ids = torch.cat([b.ids for b in batches]).reshape(-1)
     targets = torch.cat([b.targets for b in batches]).reshape(-1)
     assert torch.equal(ids, stream[: ids.numel()])
     assert torch.equal(targets, stream[1: ids.numel() + 1])
     n_rows = (stream.numel() - 1) // 8
-    assert data.batches_per_epoch == n_rows // 2 == len(batches)
+    assert data.num_rows == n_rows and data.batches_per_epoch == n_rows // 2 == len(batches)
 
 
 def test_packing_invariants_on_shuffled_epochs():
-    data = PackedBatches(DOCS, seq_len=7, batch_size=3, seed=5)
-    for _ in range(3 * data.batches_per_epoch):
-        batch = next(data)
-        assert batch.ids.shape == batch.targets.shape == batch.is_seq_start.shape == (3, 7)
-        assert torch.equal(batch.ids[:, 1:], batch.targets[:, :-1])
-        assert batch.is_seq_start[:, 0].all()
-        assert torch.equal(batch.is_seq_start[:, 1:], batch.ids[:, 1:] == BOS)
-    # An epoch's rows are its seeded document order, tiled and then shuffled.
+    data = packed(seq_len=7, batch_size=3, seed=5)
+    stream = torch.from_numpy(stream_of(DOCS).astype(np.int64))
+    orders = []
     for epoch in range(3):
-        order = data.document_order(epoch)
-        assert sorted(order) == list(range(len(DOCS)))
-        tiled = stream_of(DOCS, order).unfold(0, 8, 7)
-        assert sorted(map(tuple, data._rows(epoch).tolist())) == sorted(map(tuple, tiled.tolist()))
-    assert len({tuple(data.document_order(e)) for e in range(3)}) > 1
+        order = [data.row_index(epoch, slot) for slot in range(3 * data.batches_per_epoch)]
+        for b in range(data.batches_per_epoch):
+            batch = next(data)
+            assert batch.ids.shape == batch.targets.shape == batch.is_seq_start.shape == (3, 7)
+            assert batch.ids.dtype == torch.int64
+            assert torch.equal(batch.ids[:, 1:], batch.targets[:, :-1])
+            assert batch.is_seq_start[:, 0].all()
+            assert torch.equal(batch.is_seq_start[:, 1:], batch.ids[:, 1:] == BOS)
+            for row, r in zip(torch.cat([batch.ids, batch.targets[:, -1:]], 1), order[3 * b: 3 * b + 3]):
+                assert torch.equal(row, stream[7 * r: 7 * r + 8])  # stream row r, stride L, width L + 1
+        # an epoch serves distinct rows, all of them but the leftover after its last whole batch
+        assert len(set(order)) == len(order) and set(order) <= set(range(data.num_rows))
+        orders.append(order)
+    assert data.position == DataPosition(3, 0)
+    assert len({tuple(o) for o in orders}) == 3  # every epoch another order
 
 
-def test_epochs_reorder_documents_and_seeds_differ():
-    a = PackedBatches(load_corpus(), seq_len=64, batch_size=4, seed=0)
-    b = PackedBatches(load_corpus(), seq_len=64, batch_size=4, seed=1)
+def test_seeds_differ_and_a_stream_is_a_pure_function_of_its_settings():
+    a = packed(seq_len=5, batch_size=2, seed=0)
+    b = packed(seq_len=5, batch_size=2, seed=1)
     first = next(a).ids
     assert not torch.equal(first, next(b).ids)
     assert not torch.equal(a.batch_at(DataPosition(0, 0)).ids, a.batch_at(DataPosition(1, 0)).ids)
-    assert torch.equal(first, PackedBatches(load_corpus(), seq_len=64, batch_size=4, seed=0).batch_at(DataPosition(0, 0)).ids)
+    assert torch.equal(first, packed(seq_len=5, batch_size=2, seed=0).batch_at(DataPosition(0, 0)).ids)
 
 
 def test_resume_reproduces_the_batches_across_an_epoch_boundary():
-    data = PackedBatches(DOCS, seq_len=5, batch_size=2, seed=3)
+    data = packed(seq_len=5, batch_size=2, seed=3)
     for _ in range(data.batches_per_epoch - 2):
         next(data)
     state = data.state_dict()
     expected = [next(data) for _ in range(5)]  # crosses into epoch 1
 
-    resumed = PackedBatches(DOCS, seq_len=5, batch_size=2, seed=3)
+    resumed = packed(seq_len=5, batch_size=2, seed=3)
     resumed.load_state_dict(state)
     for want in expected:
         got = next(resumed)
@@ -107,21 +87,40 @@ def test_resume_reproduces_the_batches_across_an_epoch_boundary():
     assert resumed.position == data.position and resumed.position.epoch == 1
 
 
-def test_resume_rejects_other_settings():
-    state = PackedBatches(DOCS, seq_len=5, batch_size=2, seed=3).state_dict()
+def test_resume_rejects_other_settings_and_other_data():
+    state = packed(seq_len=5, batch_size=2, seed=3, source="abc").state_dict()
     with pytest.raises(ValueError, match="seed"):
-        PackedBatches(DOCS, seq_len=5, batch_size=2, seed=4).load_state_dict(state)
+        packed(seq_len=5, batch_size=2, seed=4, source="abc").load_state_dict(state)
     with pytest.raises(ValueError, match="seq_len"):
-        PackedBatches(DOCS, seq_len=6, batch_size=2, seed=3).load_state_dict(state)
+        packed(seq_len=6, batch_size=2, seed=3, source="abc").load_state_dict(state)
+    with pytest.raises(ValueError, match="data state: source was 'abc' when saved, this stream has 'xyz'"):
+        packed(seq_len=5, batch_size=2, seed=3, source="xyz").load_state_dict(state)
 
 
-def test_data_parallel_ranks_partition_the_global_batch():
-    whole = PackedBatches(DOCS, seq_len=6, batch_size=4, seed=2)
-    ranks = [PackedBatches(DOCS, seq_len=6, batch_size=4, seed=2, dp_rank=r, dp_size=2) for r in range(2)]
+def test_data_parallel_ranks_partition_the_global_batch_reading_only_their_rows():
+    whole = packed(seq_len=6, batch_size=4, seed=2)
+    ranks = [packed(seq_len=6, batch_size=4, seed=2, dp_rank=r, dp_size=2) for r in range(2)]
     for _ in range(3):
         batch = next(whole)
         parts = [next(r) for r in ranks]
         assert torch.equal(torch.cat([p.ids for p in parts]), batch.ids)
         assert torch.equal(torch.cat([p.is_seq_start for p in parts]), batch.is_seq_start)
+    read = []
+    rank = ranks[1]
+    rank.row = lambda r, read_row=rank.row: read.append(r) or read_row(r)
+    next(rank)
+    assert len(read) == 2  # its two rows of the global batch of four, nothing else
     with pytest.raises(ValueError, match="dp_size"):
-        PackedBatches(DOCS, seq_len=6, batch_size=3, dp_size=2)
+        packed(seq_len=6, batch_size=3, dp_size=2)
+
+
+def test_a_stream_shorter_than_a_batch_is_refused():
+    with pytest.raises(ValueError, match="the documents hold 6 tokens, fewer than one batch of 2 rows of 4 tokens"):
+        packed(["hello"], seq_len=4, batch_size=2)
+
+
+def test_document_prompts_are_the_starts_of_the_first_documents():
+    stream = stream_of(DOCS)
+    prompts = document_prompts(stream, BOS, 3, 6)
+    assert [byte_tokenizer().decode(p) for p in prompts] == ["In the", "And it", "Amen"]
+    assert len(document_prompts(stream, BOS, 10, 4)) == len(DOCS)

@@ -54,7 +54,7 @@ def _health_then_hang(tmp: str) -> dict:
 
     rank, out = dist.get_rank(), {}
     # -- gradient health under d=2 ---------------------------------------------------------------
-    config = tiny_train_config(steps=2, health_every=1, eval_batches=0, sample_bytes=0)
+    config = tiny_train_config(steps=2, health_every=1, eval_batches=0, sample_tokens=0)
     mesh = Mesh(dp=2)
     probe = Transformer(config.model, mesh=mesh)
     d_sharded = [n for n, spec in probe.specs.items() if "/d" in spec]
@@ -88,7 +88,7 @@ def _health_then_hang(tmp: str) -> dict:
 
         loop.train = hang
     config_path = Path(tmp) / f"config{rank}.json"
-    config_path.write_text(json.dumps(tiny_train_config(sample_bytes=0).to_dict()))
+    config_path.write_text(json.dumps(tiny_train_config(sample_tokens=0).to_dict()))
     argv = ["train", "--config", str(config_path), "--mesh", "d=2", "--out", str(Path(tmp) / "hang"),
             "--no-progress", "--timeout-minutes", str(TIMEOUT_MINUTES)]
     err = io.StringIO()

@@ -10,6 +10,7 @@ from shardmoe.model.transformer import Transformer
 from shardmoe.train import checkpoint as ckpt
 from shardmoe.train.loop import train
 from shardmoe.train.metrics import METRICS_FILE
+from shardmoe.train.sample import read_samples
 from shardmoe.train.presets import ARCH_PRESETS
 
 from .conftest import TINY_MODEL
@@ -181,3 +182,46 @@ def test_resume_with_correction_bias_in_the_checkpoint_is_bitwise(tmp_path, tiny
     for a, b in zip(whole.model.parameters(), second.model.parameters()):
         assert torch.equal(a, b)
     assert losses[-1] < losses[0]
+
+
+@pytest.mark.parametrize("checkpoint_format", ["safetensors", "dcp"])
+def test_a_resume_restores_the_generator_the_samples_draw_from(tmp_path, tiny_config, one_thread, checkpoint_format):
+    """The samples (every 2 steps here) draw from torch's global generator, which a fresh run seeds
+    with config.seed and a checkpoint saves: a run stopped at step 3 and resumed in a generator
+    state of anything else samples at steps 4 and 6 what the uninterrupted run samples, and leaves
+    the generator where it does, only if the resume restores the saved state (in either format)."""
+    config = tiny_config(sample_every=2, sample_tokens=12, checkpoint_format=checkpoint_format)
+    whole = train(config, tmp_path / "whole", progress=False)
+    after_whole = torch.get_rng_state()
+    train(config, tmp_path / "split", stop_after=3, progress=False)
+    saved = "checkpoint.dcp" if checkpoint_format == "dcp" else "checkpoint.safetensors"
+    assert sorted(p.name for p in (tmp_path / "split").iterdir() if p.name.startswith("checkpoint")) == [saved]
+    torch.manual_seed(12345)  # what a new process, or other work in this one, leaves in the generator
+    resumed = train(config, tmp_path / "split", resume=True, progress=False)
+
+    assert [r["step"] for r in read_samples(tmp_path / "whole", up_to=6)] == [2, 2, 2, 4, 4, 4, 6, 6, 6]
+    assert read_samples(tmp_path / "split", up_to=6) == read_samples(tmp_path / "whole", up_to=6)
+    assert resumed.samples == whole.samples and len({r["sample"] for r in whole.samples}) == 3
+    assert torch.equal(torch.get_rng_state(), after_whole)  # the continued draws
+
+
+def test_weights_made_non_finite_by_a_step_stop_the_samples_with_the_divergence(tmp_path, tiny_config, monkeypatch,
+                                                                              one_thread):
+    """A step whose loss and gradient norm are finite can still leave non-finite weights; the
+    samples after it (drawn from NaN probabilities, a RuntimeError deep in torch.multinomial) end
+    the run as a divergence instead."""
+    from shardmoe.train import loop
+    from shardmoe.train.loop import TrainingDiverged
+
+    real_step = loop.AdamW.step
+
+    def poisoning_step(self, lr):  # the last step's update: its loss and norm were finite
+        real_step(self, lr)
+        if self.step_count == 2:
+            with torch.no_grad():
+                self.params["unembedding.weight"].fill_(float("nan"))
+
+    monkeypatch.setattr(loop.AdamW, "step", poisoning_step)
+    with pytest.raises(TrainingDiverged, match="training diverged at step 2: sample: the model's next-token logits "
+                                               "are not finite; lower lr or raise warmup_steps"):
+        train(tiny_config(steps=2, eval_batches=0), tmp_path, progress=False)

@@ -19,7 +19,7 @@ def steps_in(path):
 
 def test_disk_full_mid_row_leaves_whole_rows_and_the_run_resumes(tmp_path, capsys, monkeypatch, one_thread):
     config = tmp_path / "tiny.json"
-    config.write_text(json.dumps(tiny_train_config(steps=4, checkpoint_every=2, sample_bytes=0).to_dict()))
+    config.write_text(json.dumps(tiny_train_config(steps=4, checkpoint_every=2, sample_tokens=0).to_dict()))
     out = tmp_path / "run"
     real_write = os.write
 

@@ -28,7 +28,7 @@ def resolve(*argv):
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)
-    return resolve_config(parser.parse_args(list(argv)))
+    return resolve_config(parser.parse_args(list(argv)))[0]
 
 
 def test_every_preset_resolves_and_mixtral_is_the_default_config():
@@ -73,7 +73,7 @@ def test_an_unknown_arch_is_one_line_listing_the_presets(tmp_path, capsys):
 
 
 def test_a_resume_with_another_arch_is_refused(tmp_path, capsys, wide_preset, one_thread):
-    config = tiny_train_config(steps=2, eval_batches=0, sample_bytes=0)
+    config = tiny_train_config(steps=2, eval_batches=0, sample_tokens=0)
     path = tmp_path / "tiny.json"
     path.write_text(json.dumps({k: v for k, v in config.to_dict().items() if k != "arch"}))
     out = str(tmp_path / "run")
@@ -84,7 +84,7 @@ def test_a_resume_with_another_arch_is_refused(tmp_path, capsys, wide_preset, on
     # the row changes only training settings: the arch alone differs, and that is enough
     assert main(["train", "--config", str(path), "--arch", "wide", "--out", out, "--resume"]) == 2
     err = capsys.readouterr().err
-    assert "another config: arch: saved 'mixtral', now 'wide'" in err and err.count("\n") == 1
+    assert "other settings (arch: the run has 'mixtral', given 'wide')" in err and err.count("\n") == 1
     assert main(["train", "--config", str(path), "--arch", "mixtral", "--out", out, "--resume", "--no-progress"]) == 0
 
 

@@ -15,6 +15,7 @@
 """
 import json
 import os
+import re
 import shutil
 import socket
 from pathlib import Path
@@ -39,7 +40,7 @@ STEPS, MORE = 6, 8
 def cli_config(tmp: Path, **changes) -> str:
     """The tiny config as a file of its own per rank (ranks writing one file race)."""
     path = tmp / f"config-{os.environ.get('RANK', 'parent')}-{'-'.join(f'{k}{v}' for k, v in changes.items()) or 'default'}.json"
-    path.write_text(json.dumps(tiny_train_config(steps=STEPS, checkpoint_every=3, eval_batches=0, sample_bytes=0,
+    path.write_text(json.dumps(tiny_train_config(steps=STEPS, checkpoint_every=3, eval_batches=0, sample_tokens=0,
                                                  health_every=0, **changes).to_dict()))
     return str(path)
 
@@ -119,7 +120,7 @@ def _world(tmp: str) -> dict:
     torch.set_num_threads(1)
     out = _state_dict_checks(str(tmp))
     mesh = Mesh(dp=2, ep=2)
-    config = tiny_train_config(steps=STEPS, eval_batches=0, sample_bytes=0, health_every=0)
+    config = tiny_train_config(steps=STEPS, eval_batches=0, sample_tokens=0, health_every=0)
     whole = train(config, None, mesh=mesh, progress=False)
     train(config, tmp / "api", mesh=mesh, stop_after=3, progress=False)
     out["files after the interruption"] = sorted(p.name for p in (tmp / "api").iterdir())
@@ -214,7 +215,7 @@ def test_sharded_checkpoints_resume_across_layouts(tmp_path, one_thread, one_pro
     assert main(["train", *one, "--out", str(tmp_path / "one"), "--resume", "--steps", str(MORE + 1)]) == 2
     assert f"corrupt: file {shard.name!r} has sha256" in capsys.readouterr().err
     with pytest.raises(ValueError, match=f"corrupt: file {shard.name!r} has sha256"):  # through the API too
-        train(tiny_train_config(steps=MORE + 1, checkpoint_every=3, eval_batches=0, sample_bytes=0, health_every=0,
+        train(tiny_train_config(steps=MORE + 1, checkpoint_every=3, eval_batches=0, sample_tokens=0, health_every=0,
                                 checkpoint_format="dcp"), tmp_path / "one", resume=True, progress=False)
     # --overwrite clears checkpoint.dcp/ itself: the new run (one process, format auto) writes only the
     # single file, so none of the directory can have been replaced by a sharded save's own cleanup
@@ -250,9 +251,35 @@ def test_a_failed_dcp_write_is_reported_by_its_cause(tmp_path):
 def test_a_failed_write_of_rank_0_is_raised_as_an_os_error(tmp_path, one_thread):
     """Rank 0's own part (here: clearing a step directory that is a file) raises OSError, which the
     command reports in one line; under a mesh every rank raises it (the world above checks that)."""
-    config = tiny_train_config(steps=3, checkpoint_every=0, eval_batches=0, sample_bytes=0, health_every=0,
+    config = tiny_train_config(steps=3, checkpoint_every=0, eval_batches=0, sample_tokens=0, health_every=0,
                                checkpoint_format="dcp")
     (tmp_path / "checkpoint.dcp").mkdir()
     (tmp_path / "checkpoint.dcp" / "step_000003").write_text("not a directory")
     with pytest.raises(OSError, match="sharded checkpoint: .*step_000003"):
         train(config, tmp_path, progress=False)
+
+
+def test_step_directories_without_latest_are_refused_by_name_and_a_resume_says_what_it_resumes(tmp_path, capsys,
+                                                                                               one_thread):
+    """Without LATEST the resume fell back to checkpoint.safetensors without a word, though it is
+    older here (step 1 against the sharded step 3)."""
+    config = tiny_train_config(steps=4, checkpoint_every=1, eval_batches=0, sample_tokens=0, health_every=0)
+    run = tmp_path / "run"
+    train(config.replace(checkpoint_format="dcp"), run, stop_after=3, progress=False)
+    train(config, tmp_path / "older", stop_after=1, progress=False)
+    shutil.copy(tmp_path / "older" / "checkpoint.safetensors", run)
+    step_dir = run / "checkpoint.dcp" / "step_000003"
+    assert ckpt.latest_checkpoint(run) == step_dir
+    (run / "checkpoint.dcp" / "LATEST").unlink()
+
+    message = (f"checkpoint {run / 'checkpoint.dcp'}: holds step_000003 but no LATEST naming the complete one; write "
+               f"the name of a complete step directory (with shardmoe.json) into {run / 'checkpoint.dcp' / 'LATEST'}, "
+               f"or remove the step directories to resume from what else {run} holds")
+    with pytest.raises(ValueError, match=re.escape(message)):
+        ckpt.latest_checkpoint(run)
+    assert main(["train", "--out", str(run), "--resume", "--no-progress"]) == 2
+    assert capsys.readouterr().err == f"shardmoe train: --resume: {message}\n"
+
+    (run / "checkpoint.dcp" / "LATEST").write_text("step_000003")
+    assert main(["train", "--out", str(run), "--resume", "--no-progress"]) == 0
+    assert f"resuming {run} from {step_dir} at step 3 of 4\n" in capsys.readouterr().out
