@@ -10,7 +10,6 @@
 
 and, only when asked for (--candidates), ablations of shardmoe for before/after measurements:
   shardmoe:no-workspace  layer.workspace = None: every row buffer allocated fresh (grouped_mm)
-  shardmoe:tile          tile-padded expert groups by the rule rows.row_tile_for (row_tile=None)
 
 All of them hold the same weights (_init_weights) and see the same inputs.
 """
@@ -21,7 +20,7 @@ from dataclasses import dataclass
 from shardmoe.bench.flops import Shape
 
 CANDIDATES = ("transformers", "loop", "dense", "dense+alloc", "shardmoe")
-VARIANTS = ("shardmoe:no-workspace", "shardmoe:tile")
+VARIANTS = ("shardmoe:no-workspace",)
 
 
 def _init_weights(s: Shape, seed: int, device="cpu"):
@@ -159,13 +158,10 @@ def build_candidates(s: Shape, dtype, device, names, seed: int = 0, fresh_inputs
             "transformers", block, params, (1, s.tokens, s.hidden))
     for name in shardmoes:
         import shardmoe
-        from shardmoe.moe.workspace import Workspace
 
         layer = shardmoe.MoE.from_mixtral(block)
         if name == "shardmoe:no-workspace":
             layer.workspace = None
-        elif name == "shardmoe:tile":
-            layer.workspace = Workspace(row_tile=None)
         params = (layer.gate_weight, layer.gate_up_proj, layer.down_proj)
         cands[name], inputs[name] = module_candidate(name, layer, params, (1, s.tokens, s.hidden),
                                                      gate_transposed=True)

@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from shardmoe.moe.routers import check_mixtral_router
+from shardmoe.moe.routing import check_mixtral_router
 
 from .transformer import Transformer, TransformerConfig
 

@@ -31,8 +31,7 @@ import torch
 from shardmoe.moe.backends import Backend
 from shardmoe.moe.config import MoEConfig
 from shardmoe.moe.routing import Routing
-from shardmoe.moe.workspace import Workspace
-from shardmoe.rows import Groups, accumulation_dtype, row_tile_for
+from shardmoe.rows import Groups, accumulation_dtype
 
 
 class Dispatcher(Protocol):
@@ -80,16 +79,6 @@ class Dispatcher(Protocol):
         [S, H] or "dot" [S] (identity unless its intermediate dim is split)."""
 
 
-def expert_groups(counts: torch.Tensor, num_rows: int, dtype: torch.dtype, workspace: Workspace | None) -> Groups:
-    """The expert groups of counts [E] kept rows, num_rows in all, tile-padded (Groups.row_tile)
-    when the rows live in workspace buffers, which carry the slack: the workspace's row_tile, or
-    when that is None the measured rule row_tile_for."""
-    if workspace is None:
-        return Groups.from_counts(counts, num_rows=num_rows)
-    tile = workspace.row_tile if workspace.row_tile is not None else row_tile_for(dtype, counts)
-    return Groups.from_counts(counts, tile, num_rows)
-
-
 def expert_saved_like(config: MoEConfig, x: torch.Tensor, num_rows, width_split: int = 1) -> tuple:
     """Uninitialised tensors shaped as what the expert forward saves for num_rows rows of x's dtype,
     the intermediate dim split `width_split` ways: "glu" (h [N, 2F],), "mlp" (z1 [N, P], z2 [N, H])."""
@@ -122,13 +111,13 @@ class LocalDispatcher:
 
     def forward(self, backend, config, x, routing, state, params):
         row_token, weight_rows = routing.rows(config.top_k)
-        groups = expert_groups(routing.kept_per_expert, row_token.shape[0], x.dtype, backend.workspace)
+        groups = Groups.from_counts(routing.kept_per_expert, row_token.shape[0])
         return backend.gathered_forward(config.kind, config.expert_activation, config.output_activation, x,
                                         row_token, weight_rows, routing.row_pair, config.top_k, params, groups)
 
     def backward(self, backend, config, grad_out, x, routing, state, saved, params):
         row_token, weight_rows = routing.rows(config.top_k)
-        groups = expert_groups(routing.kept_per_expert, row_token.shape[0], x.dtype, backend.workspace)
+        groups = Groups.from_counts(routing.kept_per_expert, row_token.shape[0])
         grad_xs, grad_dots, grads = backend.gathered_backward(
             config.kind, config.expert_activation, config.output_activation, grad_out, weight_rows, x, row_token,
             saved, params, groups)

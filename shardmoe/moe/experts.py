@@ -59,9 +59,8 @@ def _use_grouped_mm(*operands: torch.Tensor) -> bool:
 
 
 def _side_by_side(groups: Groups, *operands: torch.Tensor, passes: CpuPasses | None) -> bool:
-    """Whether the experts' GEMMs run side by side, one per thread (cpu_gemm.py): not with row
-    tiles, whose padded GEMMs must run in expert order (each overwrites the next one's first rows)."""
-    return groups.row_tile == 0 and groups.num_experts > 1 and cpu_gemm.available(*operands, passes=passes)
+    """Whether the experts' GEMMs run side by side, one per thread (cpu_gemm.py)."""
+    return groups.num_experts > 1 and cpu_gemm.available(*operands, passes=passes)
 
 
 def grouped_linear(rows: torch.Tensor, weight: torch.Tensor, groups: Groups,

@@ -43,10 +43,10 @@ import torch
 from torch.utils import _pytree as pytree
 
 from shardmoe.expert_kinds import expert_kind
-from shardmoe.moe import backends, routers
+from shardmoe.moe import backends
 from shardmoe.moe import shared_experts as shared_ex
 from shardmoe.moe.config import MoEConfig
-from shardmoe.moe.routing import Routing
+from shardmoe.moe.routing import Routing, sequence_selections
 from shardmoe.moe.workspace import Workspace
 from shardmoe.rows import accumulation_dtype
 
@@ -180,7 +180,7 @@ class Made:
         names = _saved_fields(inputs)
         routing = dict(zip(names, tensors), **inputs)
         if config.seq_aux_loss_coef:
-            routing["sequence_selected"], routing["sequence_tokens"] = routers.sequence_selections(
+            routing["sequence_selected"], routing["sequence_tokens"] = sequence_selections(
                 routing["top_idx"], routing["token_sequence"], config.num_experts)
         else:
             device = routing["top_idx"].device

@@ -42,14 +42,13 @@ import math
 import torch
 from torch import nn
 
-from shardmoe.moe import routers
 from shardmoe.moe import shared_experts as shared_ex
 from shardmoe.moe.config import MoEConfig
 from shardmoe.mesh import EXPERT, GRAD_SYNC_ATTRIBUTE, REPLICATED, as_mesh, mark_grad_sync
 from shardmoe.moe import composition, ops, precision
 from shardmoe.moe.dispatch import placement
 from shardmoe.moe.function import MoECall, expert_param_names
-from shardmoe.moe.routing import GateRouter
+from shardmoe.moe.routing import GateRouter, check_mixtral_router, corrected_bias, token_sequence_ids
 from shardmoe.moe.workspace import Workspace
 from shardmoe.moe import hf_convert
 from shardmoe.moe.hf_blocks import MIXTRAL_ACTIVATIONS, mixtral_semantics
@@ -201,11 +200,11 @@ class MoE(nn.Module):
         if sequence_starts is None and x.dim() >= 3 and x.shape[-2]:
             # rows of x are the sequences: no offsets to check (nor data-dependent ints under compile)
             return torch.arange(num_tokens, device=x.device) // x.shape[-2]
-        return routers.token_sequence_ids(num_tokens, sequence_starts, x.device)
+        return token_sequence_ids(num_tokens, sequence_starts, x.device)
 
     def forward(self, x: torch.Tensor, sequence_starts: torch.Tensor | None = None) -> torch.Tensor:
         """x [..., H] -> [..., H]. sequence_starts: offsets into the flattened tokens where the
-        sequences of the sequence-wise loss begin (routers.token_sequence_ids)."""
+        sequences of the sequence-wise loss begin (moe/routing.py token_sequence_ids)."""
         if not isinstance(x, torch.Tensor):
             raise ValueError(f"x: expected a torch.Tensor, got {type(x).__name__}")
         if composition.is_dtensor(x):  # the same tokens as its local blocks; the output laid out as x
@@ -267,7 +266,7 @@ class MoE(nn.Module):
         if self.correction_bias is None:
             return
         with torch.no_grad():
-            self.correction_bias.copy_(routers.corrected_bias(self.correction_bias, load.to(self.correction_bias.device),
+            self.correction_bias.copy_(corrected_bias(self.correction_bias, load.to(self.correction_bias.device),
                                                               self.config.bias_update_rate))
 
     def _apply(self, fn, recurse=True):
@@ -356,7 +355,7 @@ class MoE(nn.Module):
 
         With a sharded mesh the expert tensors are gathered whole: collective over ('e', 't')."""
         c = self.config
-        routers.check_mixtral_router(c, "to_mixtral_state_dict")
+        check_mixtral_router(c, "to_mixtral_state_dict")
         if c.expert != "glu" or c.activation not in MIXTRAL_ACTIVATIONS or not c.renormalize or c.bias:
             raise ValueError("to_mixtral_state_dict: expected expert='glu', renormalize=True, bias=False and "
                              f"activation in {sorted(MIXTRAL_ACTIVATIONS)}, got expert={c.expert!r}, "

@@ -19,12 +19,6 @@ backward, and one layer's scratch buffers are free again before the next layer r
 holds every layer's saved blocks plus one layer's scratch, not one working set per layer.
 stats['workspace_bytes'] then reports the shared pool.
 
-Slack. Every buffer carries `pad_rows` rows past its end (uninitialised, never part of the
-tensor's shape), so that the GEMMs of tile-padded expert groups (experts.Groups.row_tile) may run
-on whole row tiles up to the last expert's; row_tile picks the tile (0, the default: no tiles --
-they did not pay in the layer on the CPU measured, docs/benchmarks.md; None: the rule
-rows.row_tile_for; T: that tile) and pad_rows is the largest tile that can take.
-
 Size. A request that no free block fits allocates a new block and drops the free blocks of that
 device (all smaller than the request): of the request's size the first time, and of at least
 1.25x the largest block it replaces after that, so steps that keep growing a little (a batch of
@@ -45,7 +39,6 @@ import torch
 # that glibc reused were, docs/benchmarks.md).
 MIN_POOLED_BYTES = 4 << 20
 GROWTH = 1.25
-MAX_ROW_TILE = 128  # the largest tile the measured rule picks (rows.row_tile_for)
 
 
 def _use_count(storage: torch.UntypedStorage) -> int:
@@ -56,16 +49,11 @@ def _use_count(storage: torch.UntypedStorage) -> int:
 class Workspace:
     """Blocks of reusable memory, per device, lent out as tensors of any dtype and shape."""
 
-    def __init__(self, min_bytes: int = MIN_POOLED_BYTES, row_tile: int | None = 0):
-        """min_bytes: smaller requests are allocated by torch; row_tile: the tile of tile-padded
-        expert groups (0: off, the default; None: chosen per forward by rows.row_tile_for)."""
+    def __init__(self, min_bytes: int = MIN_POOLED_BYTES):
+        """min_bytes: smaller requests are allocated by torch."""
         if min_bytes < 0:
             raise ValueError(f"min_bytes: expected >= 0, got {min_bytes}")
-        if row_tile is not None and row_tile < 0:
-            raise ValueError(f"row_tile: expected None or >= 0, got {row_tile}")
         self.min_bytes = min_bytes
-        self.row_tile = row_tile
-        self.pad_rows = MAX_ROW_TILE if row_tile is None else row_tile
         self._blocks: list[torch.UntypedStorage] = []
         # one lender at a time: a block is free until the tensor made on it exists, and making that
         # tensor releases the GIL, so two threads could otherwise be lent the same block
@@ -73,7 +61,7 @@ class Workspace:
 
     def __reduce__(self):
         """A copy (copy.deepcopy, pickle) is an empty pool of the same settings: blocks are scratch."""
-        return Workspace, (self.min_bytes, self.row_tile)
+        return Workspace, (self.min_bytes,)
 
     @property
     def resident_bytes(self) -> int:
@@ -82,10 +70,8 @@ class Workspace:
 
     def empty(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """An uninitialised contiguous tensor of `shape` (its contents are whatever the block last
-        held), with pad_rows rows of slack past its end: from a free block when one fits, else from a
-        new one; below min_bytes, from torch (no slack)."""
-        rows = shape[0] + self.pad_rows if len(shape) >= 2 else shape[0] if shape else 1
-        nbytes = rows * math.prod(shape[1:]) * torch.empty((), dtype=dtype).element_size()
+        held): from a free block when one fits, else from a new one; below min_bytes, from torch."""
+        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
         device = torch.device(device)
         if nbytes < self.min_bytes:
             return torch.empty(shape, dtype=dtype, device=device)
@@ -116,7 +102,7 @@ class Workspace:
 
     def empty_copy(self) -> "Workspace":
         """A workspace of the same settings holding no blocks (for copies of a layer)."""
-        return Workspace(self.min_bytes, self.row_tile)
+        return Workspace(self.min_bytes)
 
     def release(self) -> None:
         """Forget every block: free ones are freed now, lent ones with their last tensor."""

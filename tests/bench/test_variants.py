@@ -25,7 +25,7 @@ def test_fresh_routing_is_the_default_and_fine_is_a_shape(capsys):
     assert SHAPES["fine"][3] >= 64 and 4 <= SHAPES["fine"][4] <= 8
     code = bench.main(["--shapes", "fine", "--tokens", "16", "--hidden", "32", "--ffn", "16", "--experts", "8",
                        "--dtype", "fp32", "--repeats", "1", "--warmup", "1", "--threads", "1",
-                       "--candidates", "dense", "shardmoe", "shardmoe:tile"])
+                       "--candidates", "dense", "shardmoe", "shardmoe:no-workspace"])
     assert code == 0
     out = capsys.readouterr().out
     assert "[fine fp32] S=16 H=32 F=16 E=8 k=8" in out and "fresh routing" in out

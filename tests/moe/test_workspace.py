@@ -12,7 +12,7 @@ from shardmoe.moe.workspace import Workspace
 
 
 def test_block_is_reused_only_after_its_tensors_are_gone():
-    ws = Workspace(min_bytes=0, row_tile=0)
+    ws = Workspace(min_bytes=0)
     a = ws.empty((64, 8), torch.float32, "cpu")
     b = ws.empty((64, 8), torch.float32, "cpu")
     assert a.data_ptr() != b.data_ptr()  # a is still alive: never lent twice
@@ -24,7 +24,7 @@ def test_block_is_reused_only_after_its_tensors_are_gone():
 
 
 def test_growth_replaces_smaller_free_blocks_and_release_forgets_them():
-    ws = Workspace(min_bytes=0, row_tile=0)
+    ws = Workspace(min_bytes=0)
     small = ws.empty((10, 10), torch.float32, "cpu")
     del small
     big = ws.empty((100, 10), torch.float32, "cpu")
@@ -45,24 +45,15 @@ def test_small_requests_bypass_the_pool():
     assert ws.resident_bytes == 0
     with pytest.raises(ValueError, match="min_bytes: expected >= 0, got -1"):
         Workspace(min_bytes=-1)
-    with pytest.raises(ValueError, match="row_tile: expected None or >= 0, got -4"):
-        Workspace(row_tile=-4)
 
 
-def test_buffers_carry_slack_rows_for_tile_padded_gemms():
-    ws = Workspace(min_bytes=0, row_tile=16)
-    t = ws.empty((10, 3), torch.float32, "cpu")
-    assert t.shape == (10, 3) and t.untyped_storage().nbytes() >= (10 + 16) * 3 * 4
-
-
-def _layer(seed, row_tile=0, **kw):
+def _layer(seed, **kw):
     torch.manual_seed(seed)
     layer = shardmoe.MoE(8, 6, 4, 2, dtype=torch.float64, **kw)
     with torch.no_grad():
         for p in layer.parameters():
             p.normal_()
-    # pool every row buffer of these tiny shapes; row_tile > 0 pads the expert groups
-    layer.workspace = Workspace(min_bytes=0, row_tile=row_tile)
+    layer.workspace = Workspace(min_bytes=0)  # pool every row buffer of these tiny shapes
     return layer
 
 
@@ -83,13 +74,11 @@ def _assert_close(got, want):
     assert (got - want).abs().max() <= 1e-10 * max(want.abs().max(), 1e-3)
 
 
-@pytest.mark.parametrize("row_tile", [0, 4])
 @pytest.mark.parametrize("kw", [dict(expert="glu", activation="silu", bias=True, aux_loss_coef=0.1),
                                 dict(expert="glu", activation="gelu", capacity_factor=0.75),
                                 dict(expert="mlp", bias=True, activation="gelu", capacity_factor=0.75)])
-def test_gradient_accumulation_two_forwards_then_two_backwards(kw, row_tile):
-    """With row_tile=4 the GEMMs run on whole 4-row tiles over NaN planted past every group."""
-    layer = _layer(0, row_tile, **kw)
+def test_gradient_accumulation_two_forwards_then_two_backwards(kw):
+    layer = _layer(0, **kw)
     gen = torch.Generator().manual_seed(1)
     xs = [torch.randn(13, 8, generator=gen, dtype=torch.float64, requires_grad=True) for _ in range(3)]
     grads = [torch.randn(13, 8, generator=gen, dtype=torch.float64) for _ in range(3)]
@@ -114,7 +103,7 @@ def test_gradient_accumulation_two_forwards_then_two_backwards(kw, row_tile):
 
 
 def test_two_layers_under_activation_checkpointing():
-    first, second = _layer(0, row_tile=4), _layer(1)
+    first, second = _layer(0), _layer(1)
     gen = torch.Generator().manual_seed(2)
     x = torch.randn(11, 8, generator=gen, dtype=torch.float64, requires_grad=True)
     grad_out = torch.randn(11, 8, generator=gen, dtype=torch.float64)
@@ -182,21 +171,14 @@ def test_to_releases_the_workspace():
     assert layer.workspace.resident_bytes == 0
 
 
-def test_negative_row_tile_is_refused():
-    from shardmoe.moe.experts import Groups
-
-    with pytest.raises(ValueError, match="row_tile: expected >= 0, got -1"):
-        Groups.from_counts(torch.tensor([3, 4]), row_tile=-1)
-
-
 def test_a_copy_gets_an_empty_pool_of_the_same_settings():
     import copy
 
-    layer = _layer(0, row_tile=4)
+    layer = _layer(0)
     layer(torch.randn(5, 8, dtype=torch.float64)).sum().backward()
     twin = copy.deepcopy(layer)
     assert twin.workspace is not layer.workspace and twin.workspace.resident_bytes == 0
-    assert (twin.workspace.min_bytes, twin.workspace.row_tile) == (0, 4)
+    assert twin.workspace.min_bytes == 0
     layer.workspace = None
     assert copy.deepcopy(layer).workspace is None
 

@@ -150,7 +150,7 @@ def test_top_indices_is_the_stable_descending_sort_with_ties_and_masks(width, k,
     """float32: one topk over value-then-index keys; float64: topk where no tie can matter, the
     stable sort elsewhere. The same indices in every row, with ties planted inside the top k, at its
     edge and below it, -inf masks, -0.0 against 0.0, negative values and NaN."""
-    from shardmoe.moe.routers import top_indices
+    from shardmoe.moe.routing import top_indices
     gen = torch.Generator().manual_seed(width)
     values = torch.randn(400, width, generator=gen, dtype=dtype)
     coarse = (values[:100] * 2).round() / 2  # many equal values
