@@ -1,4 +1,4 @@
-"""The fused CPU elementwise passes (shardmoe/moe/elementwise.py) against today's torch path, in the
+"""The fused CPU elementwise passes (shardmoe/moe/cpu.py) against today's torch path, in the
 layer: one forward + backward of the same shardmoe.MoE (built from the bench's Mixtral block),
 interleaved with the dense anchor and optionally transformers (shardmoe.bench's candidates and
 timing), fresh routing. Prints median ratios, once per run.

@@ -1,6 +1,6 @@
 """How the fused CPU elementwise passes were chosen (docs/benchmarks.md, "Fused elementwise passes"):
 each pass of the glu expert and the combine, today's torch code against the C++ extension of
-shardmoe/moe/elementwise.py (into fresh outputs, and into reused ones as a workspace would give) and
+shardmoe/moe/cpu.py (into fresh outputs, and into reused ones as a workspace would give) and
 against torch.compile (Inductor's C++ code generation, dynamic row counts) of the same pure function;
 then oneDNN's fused-activation linear (the GEMM epilogue torch exposes on CPU). Interleaved, 9
 samples per candidate, median and min ratios (> 1: faster than today), repeated --runs times.
@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from shardmoe import settings
-from shardmoe.moe import combine, elementwise, experts
+from shardmoe.moe import combine, cpu, experts
 from shardmoe.moe.activations import activate_backward
 
 
@@ -73,7 +73,7 @@ def sample(fn, args):
 
 
 def passes(dtype, rows, ffn, hidden, tokens, top_k, runs):
-    ops = elementwise._ops()
+    ops = cpu._ops()
     g = torch.Generator().manual_seed(0)
     h = torch.randn(rows, 2 * ffn, generator=g).to(dtype)
     da = torch.randn(rows, ffn, generator=g).to(dtype)
@@ -85,16 +85,16 @@ def passes(dtype, rows, ffn, hidden, tokens, top_k, runs):
               "gh": torch.empty_like(h), "s": torch.empty_like(da)}
     cases = {  # name: (today, C++ fresh, C++ reused, pure function, args)
         "glu forward": (torch_path(lambda h: experts.glu_activation(h, "silu")),
-                        lambda h: elementwise.glu_forward(h, "silu", torch.empty(rows, ffn, dtype=dtype)),
+                        lambda h: cpu.glu_forward(h, "silu", torch.empty(rows, ffn, dtype=dtype)),
                         lambda h: ops.glu_forward(h, 3, reused["a"], reused["g"]), pure_glu_fwd, (h,)),
-        "glu backward": (today_glu_bwd, lambda *a: elementwise.glu_backward(*a, "silu"),
+        "glu backward": (today_glu_bwd, lambda *a: cpu.glu_backward(*a, "silu"),
                          lambda *a: ops.glu_backward(*a, 3, reused["gh"]), pure_glu_bwd, (da, h, ag)),
-        "scale [N,F]": (torch_path(combine.scale_rows), elementwise.scale_rows, lambda x, w: ops.scale_rows(x, w, reused["s"]),
+        "scale [N,F]": (torch_path(combine.scale_rows), cpu.scale_rows, lambda x, w: ops.scale_rows(x, w, reused["s"]),
                         pure_scale, (da, w)),
-        "dot3 [N,F]": (torch_path(combine.rowwise_dot), elementwise.rowwise_dot, None, pure_dot,
+        "dot3 [N,F]": (torch_path(combine.rowwise_dot), cpu.rowwise_dot, None, pure_dot,
                        (da, ag, h[:, ffn:])),
         "combine [N,H]": (torch_path(combine.combine_rows),
-                          lambda y, rp, s, k, w: elementwise.combine_rows(y, torch.div(rp, k, rounding_mode="floor"), s, w),
+                          lambda y, rp, s, k, w: cpu.combine_rows(y, torch.div(rp, k, rounding_mode="floor"), s, w),
                           None, lambda y, rp, s, k, w: pure_combine(y, w, rp, s, k), (y, row_pair, tokens, top_k, w)),
     }
     compiled = {}
@@ -142,7 +142,7 @@ def main():
     parser.add_argument("--runs", type=int, default=3)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    if elementwise._ops() is None:
+    if cpu._ops() is None:
         raise SystemExit("the C++ extension did not build (see the warning above)")
     for dtype in (torch.bfloat16, torch.float32):
         for label, shape in [("e8: N=8192 F=1024 H=512", (8192, 1024, 512, 4096, 2)),

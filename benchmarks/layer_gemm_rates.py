@@ -1,8 +1,8 @@
 """How fast the layer's expert GEMMs run inside a training step, and what share of the step they are.
 
 One shape of the layer bench (shardmoe bench), bf16 or fp32, fresh routing every step: the six
-side-by-side expert GEMM calls of a forward + backward (cpu_gemm.experts_mm for the forward and
-input-gradient GEMMs, cpu_gemm.experts_weight_grad for the weight gradients) are timed one by one
+side-by-side expert GEMM calls of a forward + backward (cpu.experts_mm for the forward and
+input-gradient GEMMs, cpu.experts_weight_grad for the weight gradients) are timed one by one
 (each call returns when its GEMMs are done), and their GFLOP/s printed beside the step time. The
 dense anchor of the layer bench runs the same FLOPs as whole-batch GEMMs; the difference between
 the step and the GEMMs is the routing, gathers, elementwise passes and combines.
@@ -24,12 +24,12 @@ import torch
 
 from shardmoe.bench.candidates import build_candidates
 from shardmoe.bench.flops import SHAPES, Shape, total_flops
-from shardmoe.moe import cpu_gemm
+from shardmoe.moe import cpu
 
 
 def timed_gemms(stats: dict):
     """Wrappers of cpu_gemm's two entry points adding (seconds, FLOPs) per call kind to stats."""
-    experts_mm, experts_weight_grad = cpu_gemm.experts_mm, cpu_gemm.experts_weight_grad
+    experts_mm, experts_weight_grad = cpu.experts_mm, cpu.experts_weight_grad
 
     def mm(rows, weight, sizes, out):
         start = time.perf_counter()
@@ -65,7 +65,7 @@ def main(argv=None) -> None:
     names = ["shardmoe", "dense"]
     cands = build_candidates(shape, dtype, "cpu", names, fresh_inputs=args.steps + 3)[0]
     stats = collections.defaultdict(lambda: [0.0, 0])
-    cpu_gemm.experts_mm, cpu_gemm.experts_weight_grad = timed_gemms(stats)
+    cpu.experts_mm, cpu.experts_weight_grad = timed_gemms(stats)
     seconds = {}
     for name in names:
         for _ in range(3):

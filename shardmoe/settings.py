@@ -4,8 +4,8 @@ Each is read once from its environment variable when shardmoe is imported (a val
 off) and may be changed for a block of code with override(), for ablations and benchmarks:
 
   kernels            SHARDMOE_KERNELS            the Triton backend on CUDA (moe/backends.py)
-  experts_mm         SHARDMOE_EXPERTS_MM         the experts' GEMMs side by side on CPU (moe/cpu_gemm.py)
-  fused_elementwise  SHARDMOE_FUSED_ELEMENTWISE  the C++ elementwise passes on CPU (moe/elementwise.py)
+  experts_mm         SHARDMOE_EXPERTS_MM         the experts' GEMMs side by side on CPU (moe/cpu.py)
+  fused_elementwise  SHARDMOE_FUSED_ELEMENTWISE  the C++ elementwise passes on CPU (moe/cpu.py)
   autotune           SHARDMOE_AUTOTUNE           the Triton kernels try every tile config on a new shape;
                                                  off, each takes its first (kernels/tuning.py): for
                                                  checks at many small shapes, where compiling dominates;

@@ -60,7 +60,7 @@ def probe(shape, dtype, layers: int, shared: bool) -> dict[str, float]:
     import torch
 
     import shardmoe
-    from shardmoe.moe.workspace import share
+    from shardmoe.moe.cpu import share
 
     torch.manual_seed(0)
     stack = [shardmoe.MoE(shape.hidden, shape.ffn, shape.experts, shape.top_k, dtype=dtype) for _ in range(layers)]

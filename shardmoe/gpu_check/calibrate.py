@@ -57,7 +57,7 @@ def measure_rates(device: str, dry_run: bool, glu_rows: int, glu_ffn: int) -> di
 
     from shardmoe.moe.experts import glu_activation
     from shardmoe.simulate.calibrate import glu_pass_bytes
-    from shardmoe.moe.workspace import Workspace
+    from shardmoe.moe.cpu import Workspace
 
     cuda = device == "cuda"
     n = (DRY_RUN_COPY_BYTES if dry_run else COPY_BYTES) // 2

@@ -30,7 +30,7 @@ from torch import nn
 from shardmoe.moe.hf_convert import read_block
 from shardmoe.moe.layer import MoE
 from shardmoe.moe.routing import gate_logits
-from shardmoe.moe.workspace import share as share_workspace
+from shardmoe.moe.cpu import share as share_workspace
 
 
 class RouterLogits(nn.Module):

@@ -46,7 +46,7 @@ from shardmoe.moe.dispatch import LOCAL
 from shardmoe.moe.function import MoECall, param_names
 from shardmoe.moe.hf_blocks import experts_activation, family_name, gate_up_halves, unknown_activation
 from shardmoe.moe.routing import GivenRouting
-from shardmoe.moe.workspace import Workspace
+from shardmoe.moe.cpu import Workspace
 
 
 @dataclass(frozen=True)

@@ -51,7 +51,7 @@ from shardmoe import shardops
 from shardmoe.moe import composition
 from shardmoe.moe.config import MoEConfig, check_bool_fields
 from shardmoe.moe.layer import ROUTER_OPTIONS, SHARED_OPTIONS, MoE
-from shardmoe.moe.workspace import share as share_workspace
+from shardmoe.moe.cpu import share as share_workspace
 from shardmoe.notation import MESH_AXES, global_shape, parse_spec
 from shardmoe.parallel import dtensors
 from shardmoe.parallel import expert_tensor as etp
@@ -259,7 +259,7 @@ class Transformer(nn.Module):
         self.blocks = nn.ModuleList(Block(config, mesh, backward, dtype) for _ in range(config.n_layers))
         # One pool of row buffers for every MoE layer: each layer's saved blocks stay lent until its
         # backward, and one layer's scratch buffers serve the next, so the pool holds the layers'
-        # saved blocks plus one layer's scratch rather than n_layers working sets (workspace.py).
+        # saved blocks plus one layer's scratch rather than n_layers working sets (moe/cpu.py Workspace).
         share_workspace(block.moe for block in self.blocks)
         self.final_norm = RMSNorm(config.d_model, config.norm_eps, **kw)
         self.unembedding = Unembedding(config.vocab_size, config.d_model, **kw)

@@ -19,8 +19,8 @@ a setting changes in between; either way the results agree to round-off. Backend
   torch   TorchBackend: the stage functions of moe/experts.py and moe/combine.py (any device torch
           runs on; its expert_backward runs stages 3 and 4 through its own grad_post_gemm_glu,
           grad_pre_gemm_glu, grad_post_gemm_mlp and grad_pre_gemm_mlp), with, on CPU, its row
-          buffers from the layer's workspace and the C++ passes of moe/elementwise.py and
-          moe/cpu_gemm.py that the forward's CpuPasses allows (decided in select(); each stage then
+          buffers from the layer's workspace and the C++ passes of moe/cpu.py and
+          moe/cpu.py that the forward's CpuPasses allows (decided in select(); each stage then
           checks only that its operands fit); on a GPU fresh buffers, so that its GEMMs are
           grouped_mm's
   triton  TritonBackend (moe/triton_backend.py): the Triton kernels of shardmoe/kernels, chosen for
@@ -41,8 +41,8 @@ from shardmoe.moe import combine as comb
 from shardmoe.moe import experts as ex
 from shardmoe.moe.activations import ClampedSwiGLU
 from shardmoe.moe.config import MoEConfig
-from shardmoe.moe.elementwise import CpuPasses
-from shardmoe.moe.workspace import Workspace, empty_rows
+from shardmoe.moe.cpu import CpuPasses
+from shardmoe.moe.cpu import Workspace, empty_rows
 from shardmoe.rows import Groups
 
 Activation = str | ClampedSwiGLU
@@ -165,7 +165,7 @@ def select(config: MoEConfig, x: torch.Tensor, workspace: Workspace | None = Non
     shardmoe.settings; experts at most kernels.KERNEL_MAX_FFN wide, `expert_width` being the width
     this rank computes); torch otherwise, using the C++ passes that CpuPasses.decide(x) allows and
     drawing its row buffers from `workspace` on CPU only: the pool exists for the CPU allocator's
-    page faults (moe/workspace.py), and on a GPU a GEMM into a given buffer would leave grouped_mm
+    page faults (moe/cpu.py), and on a GPU a GEMM into a given buffer would leave grouped_mm
     (which allocates its output) for a loop over experts. The kernels allocate their own."""
     if kernels.fused_path(config, x, expert_width):
         from shardmoe.moe.triton_backend import TRITON  # imports triton: only when it runs

@@ -10,17 +10,17 @@ Triton backend has its own). Of the six backward stages (docs/architecture.md), 
   1 grad_combine:        ge_r = w_r g_t(r)                       [N, H]
   2 grad_gate_combine:   dw_r = g_t(r) . y_r   (dot over H)      [N]
   5 grad_input_combine:  dx_t = sum over kept pairs of dx_r      [S, H]
-`passes` (elementwise.CpuPasses), where a function takes it, is the forward's decision of which
+`passes` (cpu.CpuPasses), where a function takes it, is the forward's decision of which
 C++ passes may run on CPU; None decides at the call.
 """
 from __future__ import annotations
 
 import torch
 
-from shardmoe.moe import elementwise
-from shardmoe.moe.elementwise import CpuPasses
+from shardmoe.moe import cpu
+from shardmoe.moe.cpu import CpuPasses
 from shardmoe.rows import accumulation_dtype
-from shardmoe.moe.workspace import Workspace, empty_rows
+from shardmoe.moe.cpu import Workspace, empty_rows
 
 
 # Row chunks whose float32 temporaries stay in cache (about 1 MiB each). Forming a bf16
@@ -42,8 +42,8 @@ def scale_rows(rows: torch.Tensor, weight_rows: torch.Tensor, *, out: torch.Tens
                passes: CpuPasses | None = None) -> torch.Tensor:
     """rows_r * w_r, formed in the acc dtype and rounded once to rows' dtype (into `out` when given,
     e.g. a workspace buffer). [N, D], [N] -> [N, D]."""
-    if elementwise.available(rows, extra=(weight_rows,), passes=passes):
-        return elementwise.scale_rows(rows, weight_rows, out=out)
+    if cpu.elementwise_available(rows, extra=(weight_rows,), passes=passes):
+        return cpu.scale_rows(rows, weight_rows, out=out)
     acc = accumulation_dtype(rows.dtype)
     weight = weight_rows.to(acc)[:, None]
     if rows.dtype == acc:
@@ -58,8 +58,8 @@ def rowwise_dot(rows: torch.Tensor, *factors: torch.Tensor, passes: CpuPasses | 
     """sum_d rows[r, d] * prod_i factors_i[r, d], every product and the sum in the acc dtype.
     [N, D], ... -> [N]. On CPU chunked for every dtype (row_chunks): the product never exists at full
     size; on a GPU one chunk, a transient [N, D] acc-dtype product."""
-    if len(factors) in (1, 2) and elementwise.available(rows, *factors, passes=passes):
-        return elementwise.rowwise_dot(rows, *factors)
+    if len(factors) in (1, 2) and cpu.elementwise_available(rows, *factors, passes=passes):
+        return cpu.rowwise_dot(rows, *factors)
     acc = accumulation_dtype(rows.dtype)
     out = rows.new_empty(rows.shape[0], dtype=acc)
     for c in row_chunks(rows):
@@ -76,8 +76,8 @@ def combine_rows(rows: torch.Tensor, row_pair: torch.Tensor, num_tokens: int, to
     out_t = sum of the rows whose pair belongs to t. Accumulates and returns [S, D] in the acc dtype.
 
     index_add_ on CPU adds a token's rows in row order, so the sum is deterministic."""
-    if elementwise.available(rows, extra=(row_pair, weight_rows), passes=passes):  # the same sums, gathered per token
-        return elementwise.combine_pairs(rows, token_rows(row_pair, num_tokens, top_k), weight_rows)
+    if cpu.elementwise_available(rows, extra=(row_pair, weight_rows), passes=passes):  # the same sums, gathered per token
+        return cpu.combine_pairs(rows, token_rows(row_pair, num_tokens, top_k), weight_rows)
     row_token = torch.div(row_pair, top_k, rounding_mode="floor")
     acc = accumulation_dtype(rows.dtype)
     out = rows.new_zeros((num_tokens, rows.shape[-1]), dtype=acc)

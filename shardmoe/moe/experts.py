@@ -15,8 +15,8 @@ per forward; the Triton kernels of shardmoe/kernels provide the same names). GEM
 torch.nn.functional.grouped_mm for fp32/bf16 operands whose strides are 16-byte aligned (its
 kernels require it), and a per-expert loop otherwise (float64, odd tiny shapes, and whenever the
 output comes from a workspace: grouped_mm cannot write into a given buffer).
-`workspace` (shardmoe/moe/workspace.py), where a function takes one, supplies the large row
-buffers it returns; None allocates them fresh. `passes` (elementwise.CpuPasses) is the forward's
+`workspace` (shardmoe/moe/cpu.py), where a function takes one, supplies the large row
+buffers it returns; None allocates them fresh. `passes` (cpu.CpuPasses) is the forward's
 decision of which C++ passes may run on CPU; None decides at the call (callers outside a
 forward). Elementwise math stays in the input dtype: the activation kernels compute in float32
 internally and round once, and a bf16 -> fp32 -> bf16 round trip would cost more than the GEMMs on
@@ -28,11 +28,11 @@ import torch
 import torch.nn.functional as F
 
 from shardmoe.expert_kinds import GLU, MLP, ExpertKind
-from shardmoe.moe import cpu_gemm, elementwise
-from shardmoe.moe.elementwise import CpuPasses
+from shardmoe.moe import cpu
+from shardmoe.moe.cpu import CpuPasses
 from shardmoe.moe.activations import ClampedSwiGLU, activate, activate_backward
 from shardmoe.moe.combine import grad_combine, row_chunks
-from shardmoe.moe.workspace import Workspace, empty_rows
+from shardmoe.moe.cpu import Workspace, empty_rows
 from shardmoe.rows import Groups, accumulation_dtype
 
 
@@ -59,8 +59,8 @@ def _use_grouped_mm(*operands: torch.Tensor) -> bool:
 
 
 def _side_by_side(groups: Groups, *operands: torch.Tensor, passes: CpuPasses | None) -> bool:
-    """Whether the experts' GEMMs run side by side, one per thread (cpu_gemm.py)."""
-    return groups.num_experts > 1 and cpu_gemm.available(*operands, passes=passes)
+    """Whether the experts' GEMMs run side by side, one per thread (moe/cpu.py)."""
+    return groups.num_experts > 1 and cpu.gemm_available(*operands, passes=passes)
 
 
 def grouped_linear(rows: torch.Tensor, weight: torch.Tensor, groups: Groups,
@@ -76,7 +76,7 @@ def grouped_linear(rows: torch.Tensor, weight: torch.Tensor, groups: Groups,
         return F.grouped_mm(rows, weight_t, offs=groups.offsets)
     out = empty_rows(workspace, (rows.shape[0], weight.shape[1]), rows)
     if bias is None and _side_by_side(groups, rows, weight_t, out, passes=passes):
-        return cpu_gemm.experts_mm(rows, weight_t, groups.sizes, out)
+        return cpu.experts_mm(rows, weight_t, groups.sizes, out)
     for e, part, dest in groups.expert_rows(rows, out):
         if bias is None:
             torch.mm(part, weight_t[e], out=dest)
@@ -92,7 +92,7 @@ def grouped_linear_t(rows: torch.Tensor, weight: torch.Tensor, groups: Groups, *
         return F.grouped_mm(rows, weight, offs=groups.offsets)
     out = empty_rows(workspace, (rows.shape[0], weight.shape[2]), rows)
     if _side_by_side(groups, rows, weight, out, passes=passes):
-        return cpu_gemm.experts_mm(rows, weight, groups.sizes, out)
+        return cpu.experts_mm(rows, weight, groups.sizes, out)
     for e, part, dest in groups.expert_rows(rows, out):
         torch.mm(part, weight[e], out=dest)
     return out
@@ -104,7 +104,7 @@ def grouped_weight_grad(grad_rows: torch.Tensor, in_rows: torch.Tensor, groups: 
 
     The sum over an expert's rows happens inside one GEMM (fp32 accumulation for bf16)."""
     if _side_by_side(groups, grad_rows, in_rows, passes=passes):
-        return cpu_gemm.experts_weight_grad(grad_rows, in_rows, groups.sizes)
+        return cpu.experts_weight_grad(grad_rows, in_rows, groups.sizes)
     grad_t = grad_rows.t()
     if _use_grouped_mm(grad_t, in_rows) and grad_rows.shape[0] > 0:
         return F.grouped_mm(grad_t, in_rows, offs=groups.offsets)
@@ -117,8 +117,8 @@ def grouped_weight_grad(grad_rows: torch.Tensor, in_rows: torch.Tensor, groups: 
 
 def grouped_bias_grad(grad_rows: torch.Tensor, groups: Groups, *, passes: CpuPasses | None = None) -> torch.Tensor:
     """db_e = sum over rows r of e of grad_r: [N, O] -> [E, O], summed in the acc dtype."""
-    if elementwise.available(grad_rows, passes=passes):  # the same row-order sum, one pass
-        return elementwise.combine_rows(grad_rows, groups.row_expert(), groups.num_experts).to(grad_rows.dtype)
+    if cpu.elementwise_available(grad_rows, passes=passes):  # the same row-order sum, one pass
+        return cpu.combine_rows(grad_rows, groups.row_expert(), groups.num_experts).to(grad_rows.dtype)
     acc = accumulation_dtype(grad_rows.dtype)
     out = grad_rows.new_zeros((groups.num_experts, grad_rows.shape[1]), dtype=acc)
     out.index_add_(0, groups.row_expert(grad_rows.device), grad_rows.to(acc))
@@ -140,8 +140,8 @@ def _glu(h: torch.Tensor, activation: str | ClampedSwiGLU, act_gate: torch.Tenso
     product reads it; act(hg) is also written to act_gate when one is given."""
     ffn = h.shape[-1] // 2
     a = empty_rows(workspace, (h.shape[0], ffn), h)
-    if elementwise.available(h, *([] if act_gate is None else [act_gate]), activation=activation, passes=passes):
-        return elementwise.glu_forward(h, activation, act_gate, out=a)
+    if cpu.elementwise_available(h, *([] if act_gate is None else [act_gate]), activation=activation, passes=passes):
+        return cpu.glu_forward(h, activation, act_gate, out=a)
     for c in row_chunks(h):
         if isinstance(activation, ClampedSwiGLU):
             act = activation.forward(h[c, :ffn], h[c, ffn:], out=a[c])[1]
@@ -234,8 +234,8 @@ def glu_grad(grad_a: torch.Tensor, h: torch.Tensor, act_gate: torch.Tensor, acti
     [N, F] (a ClampedSwiGLU by its own derivative): one C++ pass on CPU where it applies, else torch."""
     ffn = act_gate.shape[-1]
     grad_h = empty_rows(workspace, h.shape, h)
-    if elementwise.available(grad_a, h, act_gate, activation=activation, passes=passes):
-        return elementwise.glu_backward(grad_a, h, act_gate, activation, out=grad_h)
+    if cpu.elementwise_available(grad_a, h, act_gate, activation=activation, passes=passes):
+        return cpu.glu_backward(grad_a, h, act_gate, activation, out=grad_h)
     # one pass per row chunk on CPU: the [N, F] intermediate dA * hu never leaves the cache
     for c in row_chunks(h):
         gate, up = h[c, :ffn], h[c, ffn:]
@@ -303,7 +303,7 @@ def _glu_backward(activation, output_activation, grad_rows, weight_rows, xs, sav
                   workspace, one_pass, passes):
     (h,) = saved
     has_bias = params.get("gate_up_proj_bias") is not None
-    if one_pass and isinstance(activation, str) and elementwise.available(
+    if one_pass and isinstance(activation, str) and cpu.elementwise_available(
             grad_rows, h, activation=activation, extra=(weight_rows,), passes=passes):
         grad_xs, grad_dots, grads = _glu_backward_one_pass(activation, grad_rows, weight_rows, xs, h, params,
                                                            groups, has_bias, workspace, passes)
@@ -357,7 +357,7 @@ def _glu_backward_one_pass(activation: str, grad_rows: torch.Tensor, weight_rows
                            workspace: Workspace | None, passes: CpuPasses | None):
     """Stages 2-4 for "glu" as the torch backend runs them where the CPU kernels take the rows: the
     GEMMs of grad_post_gemm_glu and grad_pre_gemm_glu, and all their elementwise work, with stage
-    2's dots and the recomputed a, in one pass after the first GEMM (elementwise.glu_grad; FlashMoE
+    2's dots and the recomputed a, in one pass after the first GEMM (cpu.glu_grad; FlashMoE
     puts the same work in that GEMM's epilogue):
       g_down = g Wdown_e [N, F];   (a, dh, dw) = glu_grad(h, g_down, w)
       dWdown_e = sum (w g)^T a;    dWgu_e = sum dh^T x;    dx = dh Wgu_e
@@ -366,7 +366,7 @@ def _glu_backward_one_pass(activation: str, grad_rows: torch.Tensor, weight_rows
     separate a buffers. Returns what _glu_backward_by_stage returns."""
     g_down = grouped_linear_t(grad_rows, params["down_proj"], groups, workspace=workspace, passes=passes)
     # a overwrites g_down, which nothing reads after the pass: one [N, F] buffer fewer
-    a, grad_h, grad_dots = elementwise.glu_grad(h, g_down, weight_rows, activation, a_out=g_down,
+    a, grad_h, grad_dots = cpu.glu_grad(h, g_down, weight_rows, activation, a_out=g_down,
                                                 grad_h_out=empty_rows(workspace, h.shape, h))
     del g_down  # the same tensor as a: freed with it below
     grad_expert = grad_combine(grad_rows, weight_rows, workspace=workspace, passes=passes)

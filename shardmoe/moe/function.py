@@ -47,7 +47,7 @@ from shardmoe.moe import backends
 from shardmoe.moe import shared_experts as shared_ex
 from shardmoe.moe.config import MoEConfig
 from shardmoe.moe.routing import Routing, sequence_selections
-from shardmoe.moe.workspace import Workspace
+from shardmoe.moe.cpu import Workspace
 from shardmoe.rows import accumulation_dtype
 
 

@@ -11,7 +11,7 @@
   layer.stats                    tokens_per_expert, selected_per_expert, dropped_tokens, capacity,
                                  workspace_bytes (resident bytes of the workspace)
   layer.workspace                the pool of large row buffers reused across steps
-                                 (shardmoe/moe/workspace.py); None allocates them fresh every step;
+                                 (shardmoe/moe/cpu.py); None allocates them fresh every step;
                                  workspace.release() frees it, and .to() does
   y = layer(x, sequence_starts)  where sequences begin, for the sequence-wise loss (default:
                                  each [T] row of x [..., T, H] when x has 3+ dims, else one)
@@ -49,7 +49,7 @@ from shardmoe.moe import composition, ops, precision
 from shardmoe.moe.dispatch import placement
 from shardmoe.moe.function import MoECall, expert_param_names
 from shardmoe.moe.routing import GateRouter, check_mixtral_router, corrected_bias, token_sequence_ids
-from shardmoe.moe.workspace import Workspace
+from shardmoe.moe.cpu import Workspace
 from shardmoe.moe import hf_convert
 from shardmoe.moe.hf_blocks import MIXTRAL_ACTIVATIONS, mixtral_semantics
 

@@ -33,7 +33,7 @@ from shardmoe.expert_kinds import GLU
 from shardmoe.moe import experts as ex
 from shardmoe.moe.combine import grad_gate_combine, scale_rows
 from shardmoe.moe.config import MoEConfig
-from shardmoe.moe.elementwise import CpuPasses
+from shardmoe.moe.cpu import CpuPasses
 from shardmoe.rows import accumulation_dtype
 
 GATE_NAME = "shared_gate_weight"

@@ -50,7 +50,7 @@ from shardmoe.expert_kinds import GLU, MLP, ExpertKind
 from shardmoe.kernels import combine as kernel_combine
 from shardmoe.kernels import experts as kernel_experts
 from shardmoe.moe.activations import activate
-from shardmoe.moe.elementwise import CpuPasses
+from shardmoe.moe.cpu import CpuPasses
 from shardmoe.rows import Groups
 
 # its tensors are on the GPU: none of the C++ CPU passes, for the shared experts' stages, which

@@ -32,7 +32,7 @@ import time
 import torch
 
 from shardmoe.moe.experts import glu_activation
-from shardmoe.moe.workspace import Workspace
+from shardmoe.moe.cpu import Workspace
 
 from .baseline import bulk_synchronous, step_seconds
 from .presets import Hardware, ModelShape

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from shardmoe.bench.peak_bytes import peak_with_pools, step_peak_bytes
-from shardmoe.moe.workspace import Workspace
+from shardmoe.moe.cpu import Workspace
 
 MIB = 1 << 20
 

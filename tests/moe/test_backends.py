@@ -7,8 +7,8 @@ import shardmoe
 from shardmoe import kernels, settings
 from shardmoe.moe import backends, function
 from shardmoe.moe.config import MoEConfig
-from shardmoe.moe.elementwise import CpuPasses
-from shardmoe.moe.workspace import Workspace
+from shardmoe.moe.cpu import CpuPasses
+from shardmoe.moe.cpu import Workspace
 
 
 PROTOCOL = {name for name in vars(backends.Backend) if not name.startswith("_")} | {"name", "workspace", "passes"}

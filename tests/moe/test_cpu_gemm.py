@@ -1,6 +1,6 @@
 """cpu_gemm: the experts' GEMMs side by side, one per thread, against float64 products; skewed
 routing (an expert with a thread's share of the rows or more), empty experts, transposed weights;
-the GEMMs as torch operators (torch.library.opcheck) and, with elementwise.glu_grad, under
+the GEMMs as torch operators (torch.library.opcheck) and, with cpu.glu_grad, under
 torch.compile(fullgraph=True)."""
 import os
 import re
@@ -12,14 +12,14 @@ import pytest
 import torch
 
 import shardmoe
-from shardmoe.moe import cpu_gemm, elementwise
-from shardmoe.moe.elementwise import CpuPasses
+from shardmoe.moe import cpu
+from shardmoe.moe.cpu import CpuPasses
 from shardmoe.settings import SETTINGS
 
 
 @pytest.fixture
 def two_threads():
-    if elementwise._ops() is None:
+    if cpu._ops() is None:
         pytest.skip("the C++ library does not build here")
     previous = torch.get_num_threads()
     torch.set_num_threads(2)
@@ -41,9 +41,9 @@ def test_experts_mm_and_weight_grad_are_the_per_expert_products(two_threads, dty
     rows = torch.randn(n, k, generator=gen).to(dtype)
     weight = torch.randn(len(sizes), o, k, generator=gen).to(dtype).transpose(1, 2)  # [E, K, O], strided
     grad = torch.randn(n, o, generator=gen).to(dtype)
-    assert cpu_gemm.available(rows, weight)
-    out = cpu_gemm.experts_mm(rows, weight, sizes, torch.full((n, o), float("nan"), dtype=dtype))
-    weight_grad = cpu_gemm.experts_weight_grad(grad, rows, sizes)
+    assert cpu.gemm_available(rows, weight)
+    out = cpu.experts_mm(rows, weight, sizes, torch.full((n, o), float("nan"), dtype=dtype))
+    weight_grad = cpu.experts_weight_grad(grad, rows, sizes)
     start = 0
     for e, size in enumerate(sizes):
         part = slice(start, start + size)
@@ -55,7 +55,7 @@ def test_experts_mm_and_weight_grad_are_the_per_expert_products(two_threads, dty
         start += size
     assert not out.isnan().any()
     # the same call again gives the same bits, whichever thread took which expert
-    assert torch.equal(out, cpu_gemm.experts_mm(rows, weight, sizes, torch.empty_like(out)))
+    assert torch.equal(out, cpu.experts_mm(rows, weight, sizes, torch.empty_like(out)))
 
 
 # Experts of exactly one block, of blocks plus a rest, under a block, empty, one large enough to
@@ -80,7 +80,7 @@ def test_row_blocks_and_zero_padded_weight_grads_are_the_per_expert_products(two
     rows = _with_row_gap(torch.randn(n, k, generator=gen).to(torch.bfloat16))
     weight = torch.randn(len(BLOCK_SIZES), k, o, generator=gen).to(torch.bfloat16)
     grad = torch.randn(n, o, generator=gen).to(torch.bfloat16)
-    out = cpu_gemm.experts_mm(rows, weight, BLOCK_SIZES, torch.full((n, o), float("nan"), dtype=torch.bfloat16))
+    out = cpu.experts_mm(rows, weight, BLOCK_SIZES, torch.full((n, o), float("nan"), dtype=torch.bfloat16))
     starts = [sum(BLOCK_SIZES[:e]) for e in range(len(BLOCK_SIZES))]
     for e, (start, size) in enumerate(zip(starts, BLOCK_SIZES)):
         if size:
@@ -93,7 +93,7 @@ def test_row_blocks_and_zero_padded_weight_grads_are_the_per_expert_products(two
             if poison:
                 wide[starts[owner] + 1, 3] = float("inf")
             g_used, x_used = (g, wide) if g.shape[1] <= x.shape[1] else (wide, x)
-            weight_grad = cpu_gemm.experts_weight_grad(g_used, x_used, BLOCK_SIZES)
+            weight_grad = cpu.experts_weight_grad(g_used, x_used, BLOCK_SIZES)
             for e, (start, size) in enumerate(zip(starts, BLOCK_SIZES)):
                 if poison and e == owner:
                     assert not weight_grad[e].isfinite().all()
@@ -105,15 +105,15 @@ def test_row_blocks_and_zero_padded_weight_grads_are_the_per_expert_products(two
 
 _SHAPES_RUN = """
 import torch
-from shardmoe.moe import cpu_gemm, elementwise
-assert elementwise._ops() is not None
+from shardmoe.moe import cpu
+assert cpu._ops() is not None
 torch.set_num_threads(2)
 sizes = {sizes}
 n = sum(sizes)
 rows, grad = torch.randn(n, 64).bfloat16(), torch.randn(n, 24).bfloat16()
-cpu_gemm.experts_mm(rows, torch.randn(len(sizes), 64, 48).bfloat16(), sizes, torch.empty(n, 48).bfloat16())
-cpu_gemm.experts_weight_grad(grad, rows, sizes)
-cpu_gemm.experts_weight_grad(rows, grad, sizes)
+cpu.experts_mm(rows, torch.randn(len(sizes), 64, 48).bfloat16(), sizes, torch.empty(n, 48).bfloat16())
+cpu.experts_weight_grad(grad, rows, sizes)
+cpu.experts_weight_grad(rows, grad, sizes)
 """
 
 
@@ -167,16 +167,16 @@ def test_the_ops_refuse_bad_sizes_and_operands_before_any_work(two_threads):
 
 def test_what_it_does_not_take_stays_on_the_loop(two_threads, monkeypatch):
     x = torch.randn(4, 3)
-    assert cpu_gemm.available(x)
-    assert not cpu_gemm.available(x.double())
-    assert not cpu_gemm.available(x, x.to(torch.bfloat16))
+    assert cpu.gemm_available(x)
+    assert not cpu.gemm_available(x.double())
+    assert not cpu.gemm_available(x, x.to(torch.bfloat16))
     with torch.enable_grad():
-        assert not cpu_gemm.available(x.requires_grad_())
+        assert not cpu.gemm_available(x.requires_grad_())
     torch.set_num_threads(1)
-    assert not cpu_gemm.available(x.detach())
+    assert not cpu.gemm_available(x.detach())
     torch.set_num_threads(2)
     monkeypatch.setattr(SETTINGS, "experts_mm", False)
-    assert not cpu_gemm.available(x.detach())
+    assert not cpu.gemm_available(x.detach())
 
 
 def test_a_forwards_decision_is_taken_as_given(two_threads, monkeypatch):
@@ -184,11 +184,11 @@ def test_a_forwards_decision_is_taken_as_given(two_threads, monkeypatch):
     thread count are read once, by CpuPasses.decide."""
     x = torch.randn(4, 3)
     assert CpuPasses.decide(x) == CpuPasses(elementwise=True, experts_mm=True)
-    assert not cpu_gemm.available(x, passes=CpuPasses(elementwise=True))
+    assert not cpu.gemm_available(x, passes=CpuPasses(elementwise=True))
     monkeypatch.setattr(SETTINGS, "experts_mm", False)
     torch.set_num_threads(1)
-    assert cpu_gemm.available(x, passes=CpuPasses(experts_mm=True))
-    assert not cpu_gemm.available(x.double(), passes=CpuPasses(experts_mm=True))
+    assert cpu.gemm_available(x, passes=CpuPasses(experts_mm=True))
+    assert not cpu.gemm_available(x.double(), passes=CpuPasses(experts_mm=True))
     assert CpuPasses.decide(x) == CpuPasses(elementwise=True)
 
 
@@ -233,7 +233,7 @@ def test_glu_expert_backward_compiles_to_the_eager_bits(two_threads):
     torch.compile(fullgraph=True) Dynamo traces the wrappers into one graph (no break: they call
     torch.ops directly and the ops have Meta kernels), the written buffers are functionalized, and
     the compiled function runs the same kernels on the same operands: eager's bits."""
-    from shardmoe.moe import elementwise
+    from shardmoe.moe import cpu
 
     gen = torch.Generator().manual_seed(0)
     sizes, hidden, ffn = (5, 0, 9, 3), 12, 10
@@ -243,9 +243,9 @@ def test_glu_expert_backward_compiles_to_the_eager_bits(two_threads):
     down_t = torch.randn(len(sizes), ffn, hidden, generator=gen).transpose(1, 2)  # [E, H, F], strided
 
     def backward(g, down_t, h, w, x):
-        g_down = cpu_gemm.experts_mm(g, down_t, sizes, g.new_empty(n, ffn))
-        a, grad_h, dots = elementwise.glu_grad(h, g_down, w, "silu", a_out=g_down)
-        return a, grad_h, dots, cpu_gemm.experts_weight_grad(grad_h, x, sizes)
+        g_down = cpu.experts_mm(g, down_t, sizes, g.new_empty(n, ffn))
+        a, grad_h, dots = cpu.glu_grad(h, g_down, w, "silu", a_out=g_down)
+        return a, grad_h, dots, cpu.experts_weight_grad(grad_h, x, sizes)
 
     eager = backward(g, down_t, h, w, x)
     compiled = torch.compile(backward, fullgraph=True)(g, down_t, h, w, x)

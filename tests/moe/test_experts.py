@@ -50,14 +50,14 @@ def test_zero_rows():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("bias", [False, True])
 def test_glu_backward_in_one_pass_equals_the_stage_functions(dtype, bias):
-    """The torch backend's one-pass glu backward (elementwise.glu_grad) against the stage functions
+    """The torch backend's one-pass glu backward (cpu.glu_grad) against the stage functions
     run in turn, with an empty expert, biases, workspace buffers holding garbage from an earlier
     step: dx rows and every parameter gradient bit for bit, the gate dots too in bf16, and in
     float32 to the round-off of each row's sum (the compiler may fuse another multiply-add)."""
-    from shardmoe.moe import backends, elementwise
-    from shardmoe.moe.workspace import Workspace
+    from shardmoe.moe import backends, cpu
+    from shardmoe.moe.cpu import Workspace
 
-    if not elementwise.available(torch.zeros(1, dtype=dtype)):
+    if not cpu.elementwise_available(torch.zeros(1, dtype=dtype)):
         pytest.skip("the fused CPU kernels are not built here (no compiler): one path only")
     gen = torch.Generator().manual_seed(4)
     sizes, H, F = [40, 0, 70, 18], 32, 24
@@ -71,7 +71,7 @@ def test_glu_backward_in_one_pass_equals_the_stage_functions(dtype, bias):
     workspace = Workspace(min_bytes=0)
     garbage = [workspace.empty((n, 2 * F), dtype, h.device).fill_(float("nan")) for _ in range(3)]
     del garbage  # three blocks holding NaN, free for the one-pass path to be lent
-    passes = elementwise.CpuPasses.decide(h)
+    passes = cpu.CpuPasses.decide(h)
     one = ex._glu_backward_one_pass("silu", g, w, xs, h, params, groups, bias, workspace, passes)
     staged = ex._glu_backward_by_stage(backends.TorchBackend(None, passes), "silu", g, w, xs, h, params, groups, bias,
                                        None, passes)

@@ -1,4 +1,4 @@
-"""The fused CPU elementwise passes (shardmoe/moe/elementwise.py): today's bits, float64 closed forms,
+"""The fused CPU elementwise passes (shardmoe/moe/cpu.py): today's bits, float64 closed forms,
 bad input, the layer wiring, the fallback when the library cannot be built, and each pass as a torch
 operator (torch.library.opcheck)."""
 import shutil
@@ -12,20 +12,20 @@ import torch.nn.functional as F
 
 import shardmoe
 from shardmoe import settings
-from shardmoe.moe import combine, elementwise, experts
+from shardmoe.moe import combine, cpu, experts
 from shardmoe.settings import SETTINGS
 
 DTYPES = [torch.float32, torch.bfloat16]
-ACTIVATIONS = list(elementwise.ACTIVATION_CODES)
+ACTIVATIONS = list(cpu.ACTIVATION_CODES)
 
 
 @pytest.fixture(scope="module")
 def fused():
     """The built library; skipped only where there is no C++ compiler at all (a failing build here
     fails the test instead)."""
-    if shutil.which(elementwise._compile_command(elementwise.SOURCES, "x.so")[0]) is None:
+    if shutil.which(cpu._compile_command(cpu.SOURCES, "x.so")[0]) is None:
         pytest.skip("no C++ compiler: the torch path is covered by the rest of the suite")
-    torch.ops.load_library(str(elementwise.build_library()))
+    torch.ops.load_library(str(cpu.build_library()))
     return torch.ops.shardmoe_elementwise
 
 
@@ -57,12 +57,12 @@ def test_glu_passes_give_todays_bits(fused, monkeypatch, dtype, activation):
     multiply-adds than aten's build did (same formula, same float64 error: 1.16e-6 both in a probe),
     is held to 4 float32 eps of the largest value."""
     h, grad_a, _ = operands(dtype, width=64)
-    assert elementwise.available(h, activation=activation)
+    assert cpu.elementwise_available(h, activation=activation)
     a, act_gate = experts.glu_activation(h, activation)
     a_ref, act_ref = torch_path(monkeypatch, experts.glu_activation, h, activation)
     torch.testing.assert_close(act_gate, act_ref, rtol=0, atol=0)
     torch.testing.assert_close(a, a_ref, rtol=0, atol=0)
-    grad_h = elementwise.glu_backward(grad_a, h, act_gate, activation)
+    grad_h = cpu.glu_backward(grad_a, h, act_gate, activation)
     width = act_gate.shape[1]
     with monkeypatch.context() as m:
         m.setattr(SETTINGS, "fused_elementwise", False)
@@ -115,11 +115,11 @@ def test_glu_grad_is_the_separate_passes_in_one(fused, dtype, activation):
     for bit, the dots too in bf16; in float32 the compiler may fuse another multiply-add into the
     dot, so it is held to float32 round-off of the same products."""
     h, g_down, weight = operands(dtype, width=45)
-    a, grad_h, dots = elementwise.glu_grad(h, g_down, weight, activation)
+    a, grad_h, dots = cpu.glu_grad(h, g_down, weight, activation)
     act_gate = torch.empty_like(g_down, memory_format=torch.contiguous_format)
-    a_ref = elementwise.glu_forward(h, activation, act_gate)
-    grad_h_ref = elementwise.glu_backward(elementwise.scale_rows(g_down, weight), h, act_gate, activation)
-    dots_ref = elementwise.rowwise_dot(g_down, act_gate, h[:, 45:])
+    a_ref = cpu.glu_forward(h, activation, act_gate)
+    grad_h_ref = cpu.glu_backward(cpu.scale_rows(g_down, weight), h, act_gate, activation)
+    dots_ref = cpu.rowwise_dot(g_down, act_gate, h[:, 45:])
     torch.testing.assert_close(a, a_ref, rtol=0, atol=0)
     torch.testing.assert_close(grad_h, grad_h_ref, rtol=0, atol=0)
     assert dots.dtype == torch.float32
@@ -128,12 +128,12 @@ def test_glu_grad_is_the_separate_passes_in_one(fused, dtype, activation):
     torch.testing.assert_close(dots, dots_ref, rtol=0, atol=atol)
     # into given buffers, the same values
     a_out, grad_h_out = torch.full_like(a, float("nan")), torch.full_like(grad_h, float("nan"))
-    elementwise.glu_grad(h, g_down, weight, activation, a_out=a_out, grad_h_out=grad_h_out)
+    cpu.glu_grad(h, g_down, weight, activation, a_out=a_out, grad_h_out=grad_h_out)
     torch.testing.assert_close(a_out, a, rtol=0, atol=0)
     torch.testing.assert_close(grad_h_out, grad_h, rtol=0, atol=0)
     # a written over g_down itself (the layer's use): the same a, dh and dots
     g_down_copy = g_down.clone()
-    a_in_place, grad_h_in_place, dots_in_place = elementwise.glu_grad(h, g_down_copy, weight, activation,
+    a_in_place, grad_h_in_place, dots_in_place = cpu.glu_grad(h, g_down_copy, weight, activation,
                                                                       a_out=g_down_copy)
     assert a_in_place.data_ptr() == g_down_copy.data_ptr()
     for got, want in [(a_in_place, a), (grad_h_in_place, grad_h), (dots_in_place, dots)]:
@@ -152,8 +152,8 @@ def test_glu_against_float64_closed_forms(fused):
         a64 = act64 * h64[:, width:]
         (grad_h64,) = torch.autograd.grad(a64, h64, grad_a.double())
         act_gate = torch.empty_like(grad_a)
-        a = elementwise.glu_forward(h, activation, act_gate)
-        grad_h = elementwise.glu_backward(grad_a, h, act_gate, activation)
+        a = cpu.glu_forward(h, activation, act_gate)
+        grad_h = cpu.glu_backward(grad_a, h, act_gate, activation)
         for got, want in [(act_gate, act64), (a, a64), (grad_h, grad_h64)]:
             # float32 exp/erf/tanh err by a few eps relative to the operands' scale, which
             # cancellation (1 + erf(z) for z << 0) can make large relative to a tiny result
@@ -170,9 +170,9 @@ def test_results_do_not_depend_on_thread_count(fused):
     try:
         for threads in (1, 2):
             torch.set_num_threads(threads)
-            results.append((elementwise.combine_rows(other, token, 50, weight), elementwise.rowwise_dot(other, rows[:, :200]),
-                            elementwise.combine_pairs(other, pairs, weight),
-                            *elementwise.glu_grad(rows[:, :400], other, weight, "silu")))
+            results.append((cpu.combine_rows(other, token, 50, weight), cpu.rowwise_dot(other, rows[:, :200]),
+                            cpu.combine_pairs(other, pairs, weight),
+                            *cpu.glu_grad(rows[:, :400], other, weight, "silu")))
     finally:
         torch.set_num_threads(previous)
     for one, two in zip(*results):
@@ -182,41 +182,41 @@ def test_results_do_not_depend_on_thread_count(fused):
 def test_bad_input_named_before_any_work(fused):
     h = torch.randn(4, 6)
     with pytest.raises(ValueError, match=r"act_gate: expected shape \(4, 3\), got \(4, 2\)"):
-        elementwise.glu_forward(h, "silu", torch.empty(4, 2))
+        cpu.glu_forward(h, "silu", torch.empty(4, 2))
     with pytest.raises(ValueError, match=r"h: expected an even width \[hg \| hu\], got 5"):
-        elementwise.glu_forward(torch.randn(4, 5), "silu")
+        cpu.glu_forward(torch.randn(4, 5), "silu")
     with pytest.raises(ValueError, match=r"grad_a: expected shape \(4, 3\), got \(3, 3\)"):
-        elementwise.glu_backward(torch.randn(3, 3), h, torch.randn(4, 3), "silu")
+        cpu.glu_backward(torch.randn(3, 3), h, torch.randn(4, 3), "silu")
     with pytest.raises(ValueError, match=r"weight_rows: expected shape \(4,\), got \(5,\)"):
-        elementwise.scale_rows(h, torch.rand(5))
+        cpu.scale_rows(h, torch.rand(5))
     with pytest.raises(ValueError, match=r"g_down: expected shape \(4, 3\), got \(4, 6\)"):
-        elementwise.glu_grad(h, h, torch.rand(4), "silu")
+        cpu.glu_grad(h, h, torch.rand(4), "silu")
     with pytest.raises(ValueError, match=r"weight_rows: expected shape \(4,\), got \(3,\)"):
-        elementwise.glu_grad(h, h[:, :3], torch.rand(3), "silu")
+        cpu.glu_grad(h, h[:, :3], torch.rand(3), "silu")
     with pytest.raises(ValueError, match=r"grad_h_out: expected shape \(4, 6\), got \(4, 3\)"):
-        elementwise.glu_grad(h, h[:, :3], torch.rand(4), "silu", grad_h_out=torch.empty(4, 3))
+        cpu.glu_grad(h, h[:, :3], torch.rand(4), "silu", grad_h_out=torch.empty(4, 3))
     with pytest.raises(ValueError, match=r"second_factor: expected shape \(4, 6\), got \(4, 5\)"):
-        elementwise.rowwise_dot(h, h, torch.randn(4, 5))
+        cpu.rowwise_dot(h, h, torch.randn(4, 5))
     out_of_range = torch.tensor([0, 1, 3, 2])
     with pytest.raises(IndexError, match=r"row_token: expected indices in \[0, 3\), got 3 at row 2"):
-        elementwise.combine_rows(h, out_of_range, 3)
+        cpu.combine_rows(h, out_of_range, 3)
     with pytest.raises(IndexError, match=r"token_rows: expected row indices in \[-1, 4\), got 4 for token 1"):
-        elementwise.combine_pairs(h, torch.tensor([[0, 1], [-1, 4]]))
+        cpu.combine_pairs(h, torch.tensor([[0, 1], [-1, 4]]))
     with pytest.raises(ValueError, match=r"token_rows: expected \[S, k\], got shape \(4,\)"):
-        elementwise.combine_pairs(h, torch.tensor([0, 1, 2, 3]))
+        cpu.combine_pairs(h, torch.tensor([0, 1, 2, 3]))
     # what the kernels do not take goes to the torch path, not to them
-    assert not elementwise.available(h.double())
-    assert not elementwise.available(h, activation="clamped_swiglu")
-    assert not elementwise.available(h.t())
+    assert not cpu.elementwise_available(h.double())
+    assert not cpu.elementwise_available(h, activation="clamped_swiglu")
+    assert not cpu.elementwise_available(h.t())
     with torch.enable_grad():
-        assert not elementwise.available(h.requires_grad_())
+        assert not cpu.elementwise_available(h.requires_grad_())
     # given the forward's decision, only the operands are checked (the settings were read by it)
     h = h.detach()
-    assert not elementwise.available(h, passes=elementwise.CpuPasses(experts_mm=True))
+    assert not cpu.elementwise_available(h, passes=cpu.CpuPasses(experts_mm=True))
     with settings.override(fused_elementwise=False):
-        assert not elementwise.available(h)
-        assert elementwise.available(h, passes=elementwise.CpuPasses(elementwise=True))
-        assert not elementwise.available(h.t(), passes=elementwise.CpuPasses(elementwise=True))
+        assert not cpu.elementwise_available(h)
+        assert cpu.elementwise_available(h, passes=cpu.CpuPasses(elementwise=True))
+        assert not cpu.elementwise_available(h.t(), passes=cpu.CpuPasses(elementwise=True))
 
 
 def test_layer_runs_the_fused_passes_with_todays_results(fused, monkeypatch):
@@ -237,10 +237,10 @@ def test_layer_runs_the_fused_passes_with_todays_results(fused, monkeypatch):
 
     called = set()
     for name in ("glu_forward", "glu_backward", "glu_grad", "scale_rows", "rowwise_dot", "combine_pairs"):
-        def spy(*args, _name=name, _fn=getattr(elementwise, name), **kwargs):
+        def spy(*args, _name=name, _fn=getattr(cpu, name), **kwargs):
             called.add(_name)
             return _fn(*args, **kwargs)
-        monkeypatch.setattr(elementwise, name, spy)
+        monkeypatch.setattr(cpu, name, spy)
     fused_out, fused_dx, fused_grads = step()
     assert called == {"glu_forward", "glu_grad", "scale_rows", "combine_pairs"}
     ref_out, ref_dx, ref_grads = torch_path(monkeypatch, step)
@@ -256,7 +256,7 @@ def opcheck_arguments(name):
     fresh; the optional operands given to some ops and left out of combine_pairs."""
     h, rows, weight = operands(torch.float32, rows=6, width=5)
     n, f = rows.shape
-    silu = elementwise.ACTIVATION_CODES["silu"]
+    silu = cpu.ACTIVATION_CODES["silu"]
     return {
         "glu_forward": lambda: (h, silu, torch.empty(n, f), torch.empty(n, f)),
         "glu_backward": lambda: (rows, h, torch.randn(n, f), silu, torch.empty(n, 2 * f)),
@@ -284,7 +284,7 @@ def test_unbuildable_library_falls_back_with_one_warning(monkeypatch, tmp_path, 
     """No compiler (or one that fails): one RuntimeWarning line, then the torch path, results intact."""
     monkeypatch.setenv("CXX", compiler)
     monkeypatch.setenv("SHARDMOE_CACHE_DIR", str(tmp_path))
-    elementwise._ops.cache_clear()
+    cpu._ops.cache_clear()
     try:
         torch.manual_seed(0)
         layer = shardmoe.MoE(16, 8, 4, 2)
@@ -297,9 +297,9 @@ def test_unbuildable_library_falls_back_with_one_warning(monkeypatch, tmp_path, 
         assert len(lines) == 1 and "\n" not in lines[0], lines
         assert lines[0].startswith("shardmoe: fused CPU elementwise passes unavailable, using the torch path")
         assert x.grad is not None and bool(torch.isfinite(x.grad).all())
-        assert not elementwise.available(x.detach())
+        assert not cpu.elementwise_available(x.detach())
     finally:
-        elementwise._ops.cache_clear()
+        cpu._ops.cache_clear()
 
 
 def test_a_build_on_first_use_says_so_once(monkeypatch, tmp_path, capsys):
@@ -313,10 +313,10 @@ def test_a_build_on_first_use_says_so_once(monkeypatch, tmp_path, capsys):
         Path(command[command.index("-o") + 1]).write_bytes(b"not really a library")
         return subprocess.CompletedProcess(command, 0, "", "")
 
-    monkeypatch.setattr(elementwise.subprocess, "run", compiler)
-    library = elementwise.build_library()
+    monkeypatch.setattr(cpu.subprocess, "run", compiler)
+    library = cpu.build_library()
     assert capsys.readouterr().err == ("shardmoe: building the C++ CPU passes for this torch and CPU, once (about "
                                        f"20 s; cached in {tmp_path})\n")
     assert library.parent == tmp_path and library.is_file() and len(compiled) == 1
-    assert elementwise.build_library() == library
+    assert cpu.build_library() == library
     assert capsys.readouterr().err == "" and len(compiled) == 1

@@ -8,7 +8,7 @@ from torch.utils.checkpoint import checkpoint
 
 import shardmoe
 from shardmoe.moe.reference import reference_forward_backward
-from shardmoe.moe.workspace import Workspace
+from shardmoe.moe.cpu import Workspace
 
 
 def test_block_is_reused_only_after_its_tensors_are_gone():
@@ -189,7 +189,7 @@ def test_two_threads_are_never_lent_one_block():
     and then both would get the one free block."""
     import threading
 
-    from shardmoe.moe.workspace import Workspace
+    from shardmoe.moe.cpu import Workspace
 
     barrier = threading.Barrier(2, timeout=0.5)
 
@@ -218,11 +218,11 @@ def test_layers_sharing_a_pool_in_four_threads_match_the_sequential_result():
     import threading
 
     import shardmoe
-    from shardmoe.moe import workspace
+    from shardmoe.moe import cpu
 
     torch.manual_seed(0)
     layers = [shardmoe.MoE(64, 128, 4, 2) for _ in range(2)]
-    workspace.share(layers)
+    cpu.share(layers)
     for layer in layers:
         layer.workspace.min_bytes = 0  # pool every buffer, so the pool is busy
     inputs = [torch.randn(96, 64, generator=torch.Generator().manual_seed(i)) for i in range(8)]

@@ -1,7 +1,18 @@
-"""Fused elementwise passes of the fused layer on CPU: one vectorised pass per stage, in C++.
+"""The CPU's own machinery for the MoE layer's stages, in three parts:
 
-The stage functions in moe/experts.py and moe/combine.py call these for float32 and bfloat16
-CPU tensors when `available(...)` says so (the forward's CpuPasses allows them and the operands
+  C++ passes        fused elementwise passes, one vectorised pass per stage (csrc/elementwise.cpp)
+  side-by-side GEMMs  the per-expert GEMMs, one expert per intra-op thread (csrc/experts_mm.cpp)
+  Workspace         the pool of the large row buffers a step uses, kept across steps
+
+The stage functions (moe/experts.py, moe/combine.py) call the first two where the forward's
+CpuPasses allows them and the operands fit, and take their row buffers from the third; everything
+else runs torch's code. On other devices none of this runs (moe/backends.py select()).
+
+## C++ passes
+Fused elementwise passes of the fused layer on CPU: one vectorised pass per stage, in C++.
+
+The stage functions call these for float32 and bfloat16
+CPU tensors when `elementwise_available(...)` says so (the forward's CpuPasses allows them and the operands
 fit), and keep today's torch code for everything else (float64, other devices, activations not
 listed in ACTIVATION_CODES, tensors under autograd):
 
@@ -19,13 +30,13 @@ intermediate (act(hg) before the GLU product, dA * hu before act'), the kernels 
 single rounding measured more accurate on average (relative error 1.6e-3 against 2.3e-3 for the
 GLU product), but it moved individual results enough to push one bf16 check case past its bar
 (output error 0.011 -> 0.024 against 2e-2), and the bars were set on today's rounding. So the
-results are today's bits in bf16 and float32 (tests/moe/test_elementwise.py), except the row dots,
+results are today's bits in bf16 and float32 (tests/moe/test_cpu_elementwise.py), except the row dots,
 which add their float32 products in a different order (round-off only), and the activation
 closed forms, which follow aten's kernels but may differ in the last bit.
 docs/benchmarks.md ("Fused elementwise passes") has the measurements that chose C++ with ATen's
 vectorised types over torch.compile (Inductor) and oneDNN post-ops.
 
-Building: csrc/elementwise.cpp, with csrc/experts_mm.cpp (cpu_gemm.py's per-expert GEMMs) in the same
+Building: csrc/elementwise.cpp, with csrc/experts_mm.cpp (the side-by-side GEMMs) in the same
 library, is compiled once per machine, on first use, with the C++ compiler
 ($CXX, else c++) against the installed torch, for the CPU capability torch runs at (AVX512, AVX2
 or the portable default), into $SHARDMOE_CACHE_DIR (default ~/.cache/shardmoe); the file name
@@ -38,20 +49,79 @@ SHARDMOE_FUSED_ELEMENTWISE=0 (shardmoe.settings) keeps the torch path for these 
 the two); the library is still built when the side-by-side GEMMs (SHARDMOE_EXPERTS_MM) use it.
 
 The passes are torch operators (torch.ops.shardmoe_elementwise, and torch.ops.shardmoe_gemm for
-cpu_gemm.py): each schema marks the buffers the op writes (Tensor(a!) out) and the op returns
+the side-by-side GEMMs): each schema marks the buffers the op writes (Tensor(a!) out) and the op returns
 nothing, the wrappers below return those buffers, and a Meta kernel in the library (nothing to
 compute: the outputs are the caller's buffers) lets FakeTensorMode and torch.compile(fullgraph=True)
 trace them without running them (torch.library.opcheck passes for each: tests/moe/).
+
+## Side-by-side GEMMs
+The per-expert GEMMs on CPU side by side: one expert per intra-op thread (csrc/experts_mm.cpp).
+
+  experts_mm           out[rows of e] = rows[rows of e] @ W_e    rows [N, K], W [E, K, O] -> [N, O]
+  experts_weight_grad  dW_e = grad[rows of e]^T @ in[rows of e]  [N, O], [N, K] -> [E, O, K]
+
+Run one after another, each small GEMM splits its rows over every thread and pays their start and
+join; side by side, each on one thread, the experts' GEMMs ran 1.04-1.32x faster on 2 threads
+(docs/benchmarks.md). Experts holding a thread's share of the rows or more still run one at a time
+on all threads, so a skewed routing does not leave the work to one thread. Each GEMM is ATen's
+single-thread one; each output is written by one GEMM.
+
+In bf16 every GEMM here runs over a whole number of 32-row blocks or fewer than 32 rows: oneDNN,
+which runs torch's bf16 GEMMs on CPU, builds a kernel per shape and keeps only the last 1,024
+(~0.65 MiB each), and exact row counts that change every step kept it rebuilding them.
+experts_mm splits an expert's rows into the blocks and the rest; experts_weight_grad, whose
+reduction runs over the rows (a split would round dW_e twice), pads them to a block instead: the
+narrower operand copied with zero rows after its own, the wider read in place over the next
+experts' rows where those exist and are finite, copied zero-padded too where not
+(docs/benchmarks.md, "Issue 23: bounded bf16 GEMM shapes").
+
+The library is the C++ passes' (one build, one fallback): where it cannot be built, and for what
+it does not take (one thread, float64, other devices, tensors under autograd), experts.py keeps its
+per-expert loop. SHARDMOE_EXPERTS_MM=0 (shardmoe.settings) keeps the loop too (to compare the two). The GEMMs are torch
+operators (torch.ops.shardmoe_gemm: out annotated as written, a Meta kernel) that the wrappers call
+directly, so torch.compile(fullgraph=True) traces them, as for the passes.
+
+## Workspace
+Workspace: a per-layer pool of the large row buffers of the fused layer's forward and backward.
+
+Fresh CPU allocations of 32 MiB and more page-fault on every first touch (glibc maps them anew:
+docs/benchmarks.md), and a GEMM writing into such a buffer ran at a third of its speed. The row
+buffers of one step ([N, 2F] h and its gradient, [N, F] a, act(hg), g Wdown, dA; [N, H] expert
+outputs) are therefore taken from blocks this pool keeps across steps.
+
+Ownership. A block is lent by empty() and free again only when nothing but the pool refers to
+its storage (the storage's use count is 1): a tensor saved for backward keeps its block until
+autograd frees it after that backward (or with the graph), whatever runs in between -- several
+forwards before their backwards (gradient accumulation, several layers, activation
+checkpointing) each get their own block. So the pool holds as many blocks of a size as were ever
+alive at once; nothing is ever handed out twice, also to threads: one lock serialises lending
+(layers sharing a pool may run in several threads; each empty() call is atomic).
+
+Sharing. One pool may serve several layers (share(layers); shardmoe.Transformer and hf.convert
+give all their MoE layers one). Each layer's saved tensors keep their blocks lent until its
+backward, and one layer's scratch buffers are free again before the next layer runs, so the pool
+holds every layer's saved blocks plus one layer's scratch, not one working set per layer.
+stats['workspace_bytes'] then reports the shared pool.
+
+Size. A request that no free block fits allocates a new block and drops the free blocks of that
+device (all smaller than the request): of the request's size the first time, and of at least
+1.25x the largest block it replaces after that, so steps that keep growing a little (a batch of
+more tokens, fewer drops) do not allocate every time. A block is never larger than needed by
+more than that factor, which matters: a saved tensor's block counts whole in the saved bytes. release() forgets every block (blocks still lent stay alive with
+their tensors and are freed with them); MoE.to() / _apply call it, since blocks never move.
+resident_bytes counts every block the pool holds, lent or free.
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
 import hashlib
+import math
 import os
 import subprocess
 import sys
 import tempfile
+import threading
 import warnings
 from pathlib import Path
 
@@ -62,7 +132,7 @@ from shardmoe.settings import SETTINGS
 FUSED_DTYPES = (torch.float32, torch.bfloat16)
 # the activations the kernels evaluate, with the codes csrc/elementwise.cpp's Activation enum uses
 ACTIVATION_CODES = {"relu": 0, "gelu": 1, "gelu_tanh": 2, "silu": 3, "identity": 4}
-# one library: these passes and the per-expert GEMMs of cpu_gemm.py (csrc/experts_mm.cpp)
+# one library: these passes and the side-by-side GEMMs below (csrc/experts_mm.cpp)
 SOURCES = tuple(Path(__file__).with_name("csrc") / name for name in ("elementwise.cpp", "experts_mm.cpp"))
 _LIBRARY = "shardmoe_elementwise"
 
@@ -124,7 +194,7 @@ def build_library() -> Path:
 @functools.cache
 def _ops():
     """torch.ops.shardmoe_elementwise after building/loading the library once per process, or None
-    (with one warning) when that fails. The wrappers below run only where available() said yes, so
+    (with one warning) when that fails. The wrappers below run only where elementwise_available() or gemm_available() said yes, so
     the library is loaded: they call torch.ops.shardmoe_elementwise directly, which Dynamo traces
     (it would trace through this cache into build_library's compiler probe and break the graph)."""
     try:
@@ -143,13 +213,13 @@ class CpuPasses:
     forward and again for its backward:
 
       elementwise  the fused elementwise passes of this module
-      experts_mm   the experts' GEMMs side by side, one per intra-op thread (moe/cpu_gemm.py)
+      experts_mm   the experts' GEMMs side by side, one per intra-op thread (the side-by-side GEMMs below)
 
     decide(x) reads what is the same for every stage of a forward: the settings
     (shardmoe.settings), the device and dtype of the layer's input x, the intra-op thread count,
     and whether the library built (the first decision that gets that far builds it). What a stage
     still checks per call is what its own operands are (dtype, device, strides, autograd tracking)
-    and, for the elementwise passes, its activation: available() and cpu_gemm.available()."""
+    and, for the elementwise passes, its activation: elementwise_available() and gemm_available()."""
 
     elementwise: bool = False
     experts_mm: bool = False
@@ -176,8 +246,8 @@ def operands_fit(tensors: tuple, extra: tuple = ()) -> bool:
                for t in (*tensors, *(t for t in extra if t is not None)))
 
 
-def available(*tensors: torch.Tensor, activation: str = "identity", extra: tuple = (),
-              passes: CpuPasses | None = None) -> bool:
+def elementwise_available(*tensors: torch.Tensor, activation: str = "identity", extra: tuple = (),
+                          passes: CpuPasses | None = None) -> bool:
     """Whether the fused kernels take these operands: `passes` (the forward's decision; None
     decides here, for callers outside a layer's forward) allows them, the operands fit
     (operands_fit) with a unit last-dim stride for `tensors`, and `activation` is one the kernels
@@ -303,3 +373,122 @@ def combine_pairs(rows: torch.Tensor, token_rows: torch.Tensor, weight_rows: tor
     out = torch.empty((token_rows.shape[0], rows.shape[1]), dtype=torch.float32)
     torch.ops.shardmoe_elementwise.combine_pairs(rows, token_rows.to(torch.int64), weight, out)
     return out
+
+
+# -- side-by-side GEMMs ----------------------------------------------------------------------
+
+
+def gemm_available(*tensors: torch.Tensor, passes: CpuPasses | None = None) -> bool:
+    """Whether the side-by-side GEMMs take these operands: `passes` (the forward's decision:
+    SETTINGS.experts_mm on, more than one intra-op thread, the library built; None decides here)
+    allows them, and the operands fit (operands_fit; any strides)."""
+    passes = CpuPasses.decide(tensors[0]) if passes is None else passes
+    return passes.experts_mm and operands_fit(tensors)
+
+
+def experts_mm(rows: torch.Tensor, weight: torch.Tensor, sizes: tuple[int, ...], out: torch.Tensor) -> torch.Tensor:
+    """out[start_e : start_e + sizes[e]] = rows[same] @ weight[e] for every expert e (rows [N, K],
+    weight [E, K, O] in any strides, out [N, O]); returns out."""
+    torch.ops.shardmoe_gemm.experts_mm(rows, weight, list(sizes), out)
+    return out
+
+
+def experts_weight_grad(grad_rows: torch.Tensor, in_rows: torch.Tensor, sizes: tuple[int, ...]) -> torch.Tensor:
+    """[E, O, K]: grad_rows[rows of e]^T @ in_rows[rows of e], zeros for an expert without rows."""
+    out = grad_rows.new_empty((len(sizes), grad_rows.shape[1], in_rows.shape[1]))
+    torch.ops.shardmoe_gemm.experts_weight_grad(grad_rows, in_rows, list(sizes), out)
+    return out
+
+
+# -- workspace -------------------------------------------------------------------------------
+
+# Below this a request is served by the allocator: glibc recycles small blocks itself, and a pool
+# block per small tensor would only add resident bytes (4 MiB: the size the per-expert outputs
+# that glibc reused were, docs/benchmarks.md).
+MIN_POOLED_BYTES = 4 << 20
+GROWTH = 1.25
+
+
+def _use_count(storage: torch.UntypedStorage) -> int:
+    """References to the storage's data (the pool's own included), as torch counts them."""
+    return torch._C._storage_Use_Count(storage._cdata)
+
+
+class Workspace:
+    """Blocks of reusable memory, per device, lent out as tensors of any dtype and shape."""
+
+    def __init__(self, min_bytes: int = MIN_POOLED_BYTES):
+        """min_bytes: smaller requests are allocated by torch."""
+        if min_bytes < 0:
+            raise ValueError(f"min_bytes: expected >= 0, got {min_bytes}")
+        self.min_bytes = min_bytes
+        self._blocks: list[torch.UntypedStorage] = []
+        # one lender at a time: a block is free until the tensor made on it exists, and making that
+        # tensor releases the GIL, so two threads could otherwise be lent the same block
+        self._lock = threading.Lock()
+
+    def __reduce__(self):
+        """A copy (copy.deepcopy, pickle) is an empty pool of the same settings: blocks are scratch."""
+        return Workspace, (self.min_bytes,)
+
+    @property
+    def resident_bytes(self) -> int:
+        """Bytes of every block the pool holds (lent or free)."""
+        return sum(b.nbytes() for b in self._blocks)
+
+    def empty(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """An uninitialised contiguous tensor of `shape` (its contents are whatever the block last
+        held): from a free block when one fits, else from a new one; below min_bytes, from torch."""
+        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        device = torch.device(device)
+        if nbytes < self.min_bytes:
+            return torch.empty(shape, dtype=dtype, device=device)
+        with self._lock:
+            return self._lend(nbytes, shape, dtype, device)
+
+    def _lend(self, nbytes: int, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """empty()'s pooled case; the caller holds the lock."""
+        block = self._choose_block(nbytes, device)
+        return torch.empty(0, dtype=dtype, device=device).set_(block, 0, shape)
+
+    def _choose_block(self, nbytes: int, device: torch.device) -> torch.UntypedStorage:
+        """The smallest free block of at least nbytes on device, or a new one (see "Size" above)."""
+        free = [b for b in self._blocks if b.device == device and _use_count(b) == 1]
+        fitting = [b for b in free if b.nbytes() >= nbytes]
+        if fitting:
+            block = min(fitting, key=lambda b: b.nbytes())
+        else:
+            self._blocks = [b for b in self._blocks if not any(b is f for f in free)]
+            size = max([nbytes] + [int(b.nbytes() * GROWTH) for b in free])
+            block = torch.empty(size, dtype=torch.uint8, device=device).untyped_storage()
+            self._blocks.append(block)
+        return block
+
+    def owns(self, data_ptr: int) -> bool:
+        """Whether data_ptr lies in one of the pool's blocks (a saved tensor the pool lent)."""
+        return any(b.data_ptr() <= data_ptr < b.data_ptr() + b.nbytes() for b in self._blocks)
+
+    def empty_copy(self) -> "Workspace":
+        """A workspace of the same settings holding no blocks (for copies of a layer)."""
+        return Workspace(self.min_bytes)
+
+    def release(self) -> None:
+        """Forget every block: free ones are freed now, lent ones with their last tensor."""
+        with self._lock:
+            self._blocks = []
+
+
+def share(layers) -> Workspace:
+    """One new pool for every layer in `layers` (MoE modules): see "Sharing" above."""
+    pool = Workspace()
+    for layer in layers:
+        layer.workspace = pool
+    return pool
+
+
+def empty_rows(workspace: Workspace | None, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+    """An uninitialised tensor of `shape` with like's dtype and device: from `workspace` when one is
+    given, else a fresh allocation (the stage functions' default)."""
+    if workspace is None:
+        return like.new_empty(shape)
+    return workspace.empty(tuple(shape), like.dtype, like.device)
