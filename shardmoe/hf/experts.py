@@ -43,7 +43,7 @@ from shardmoe.moe.activations import ClampedSwiGLU
 from shardmoe.moe.config import MoEConfig
 from shardmoe.moe import ops, precision
 from shardmoe.moe.dispatch import LOCAL
-from shardmoe.moe.function import MoECall, param_names
+from shardmoe.moe.function import MoECall
 from shardmoe.moe.hf_blocks import experts_activation, family_name, gate_up_halves, unknown_activation
 from shardmoe.moe.routing import GivenRouting
 from shardmoe.moe.cpu import Workspace
@@ -159,7 +159,7 @@ class SeamOwner:
 
 def operator_param_names(layout: ExpertsLayout) -> tuple[str, ...]:
     """The expert params the MoE operators take for this layout, in their order."""
-    return param_names(layout.expert, layout.names[1] is not None)
+    return expert_kind(layout.expert).param_names(layout.names[1] is not None)
 
 
 def _model_workspace(experts) -> Workspace:

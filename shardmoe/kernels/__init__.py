@@ -32,7 +32,7 @@ KERNEL_ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "silu", "identity")
 # (2880) and Qwen3 (768, 1536) on the kernels and sends Mixtral-sized experts to cuBLAS.
 KERNEL_MAX_FFN = 4096
 
-_forced = False  # set only by force_kernel_path(), a test and measurement switch
+FORCED = False  # set only by force_kernel_path(), a test and measurement switch
 
 
 @functools.cache
@@ -70,12 +70,12 @@ def force_kernel_path():
     wiring runs the Triton kernels under TRITON_INTERPRET=1 (tests/kernels/ sets it).
     `available()` is unaffected: normal CPU use never reaches the interpreter.
     """
-    global _forced
-    previous, _forced = _forced, True
+    global FORCED
+    previous, FORCED = FORCED, True
     try:
         yield
     finally:
-        _forced = previous
+        FORCED = previous
 
 
 def fused_path(config, x: torch.Tensor, expert_width: int | None = None) -> bool:
@@ -91,6 +91,6 @@ def fused_path(config, x: torch.Tensor, expert_width: int | None = None) -> bool
     condition on the layer is measured speed: wider experts go to the torch path, whose cuBLAS
     GEMMs were faster there (force_kernel_path() overrides it).
     """
-    if _forced:
+    if FORCED:
         return available(x, cuda_only=False)
     return available(x) and (config.ffn_size if expert_width is None else expert_width) <= KERNEL_MAX_FFN

@@ -193,13 +193,12 @@ def meta_groups(num_experts: int, num_rows: int):
 def trace_layer_step(config, tokens: int) -> None:
     """One forward and backward of the Triton backend for a layer of `config` over `tokens` tokens,
     dropless, on meta tensors in the layer's dtype (bf16): the calls the local dispatcher makes."""
-    from shardmoe.moe.function import expert_param_names
     from shardmoe.moe.triton_backend import TRITON
 
     meta = dict(device="meta", dtype=torch.bfloat16)
     num_rows, hidden = tokens * config.top_k, config.hidden_size
     shapes = config.kind.whole_shapes(hidden, config.ffn_size, config.num_experts)
-    params = {name: torch.empty(shapes[name], **meta) for name in expert_param_names(config)}
+    params = {name: torch.empty(shapes[name], **meta) for name in config.expert_param_names}
     params.update({name: None for name in config.kind.bias_names if not config.bias})
     groups = meta_groups(config.num_experts, num_rows)
     x = torch.empty(tokens, hidden, **meta)

@@ -166,9 +166,12 @@ def select(config: MoEConfig, x: torch.Tensor, workspace: Workspace | None = Non
     this rank computes); torch otherwise, using the C++ passes that CpuPasses.decide(x) allows and
     drawing its row buffers from `workspace` on CPU only: the pool exists for the CPU allocator's
     page faults (moe/cpu.py), and on a GPU a GEMM into a given buffer would leave grouped_mm
-    (which allocates its output) for a loop over experts. The kernels allocate their own."""
-    if kernels.fused_path(config, x, expert_width):
+    (which allocates its output) for a loop over experts. The kernels allocate their own. On CPU
+    the kernels are not consulted unless that test switch is on (their interpreter is a test
+    vehicle)."""
+    on_cpu = x.device.type == "cpu"
+    if (not on_cpu or kernels.FORCED) and kernels.fused_path(config, x, expert_width):
         from shardmoe.moe.triton_backend import TRITON  # imports triton: only when it runs
 
         return TRITON
-    return TorchBackend(workspace if x.device.type == "cpu" else None, CpuPasses.decide(x))
+    return TorchBackend(workspace if on_cpu else None, CpuPasses.decide(x))

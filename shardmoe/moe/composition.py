@@ -23,7 +23,6 @@ import torch.distributed as dist
 
 from shardmoe.mesh import DEVICE_MESH_NAMES, GRAD_SYNC_ATTRIBUTE
 from shardmoe.moe import shared_experts as shared_ex
-from shardmoe.moe.function import expert_param_names
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
@@ -38,7 +37,7 @@ def compute_views(layer) -> list[torch.Tensor | None]:
     the experts' own, and the replicated parameters' Partial() over 'ep' (each rank's tokens'
     share), or Replicate() when the backward sums them over 'e' itself (fully_sharded_over_d)."""
     summed = fully_sharded_over_d(layer)
-    names = ("gate_weight", "gate_bias", *expert_param_names(layer.config), *shared_ex.shared_param_names(layer.config))
+    names = ("gate_weight", "gate_bias", *layer.config.expert_param_names, *layer.config.shared_param_names)
     return [None if getattr(layer, n) is None else layer.placement.compute_view(n, getattr(layer, n), summed)
             for n in names]
 
@@ -107,7 +106,7 @@ def check_own_shards(layer) -> None:
     layer's DTensor parameters at fully_shard.) Replicated parameters (the gate; the shared expert
     unless t splits it) are not checked."""
     axes = [a for a in ("e", "t") if layer.mesh.size(a) > 1]
-    sharded = (*expert_param_names(layer.config), *(shared_ex.shared_param_names(layer.config) if "t" in axes else ()))
+    sharded = (*layer.config.expert_param_names, *(layer.config.shared_param_names if "t" in axes else ()))
     for name in sharded:
         param = getattr(layer, name)
         if param is not None and not hasattr(param, GRAD_SYNC_ATTRIBUTE):
@@ -189,7 +188,7 @@ def _gathered_over_fsdp(param, layer) -> list:
 def _sharded_names(layer) -> tuple[str, ...]:
     """The parameters the placement shards and the state-dict hooks present whole: the routed
     experts', then the shared expert's."""
-    return (*expert_param_names(layer.config), *shared_ex.shared_param_names(layer.config))
+    return (*layer.config.expert_param_names, *layer.config.shared_param_names)
 
 
 def mean_over_e(group, size: int, replicated: list[torch.Tensor], experts: list[torch.Tensor]) -> None:

@@ -172,6 +172,20 @@ class MoEConfig:
         return expert_kind(self.expert)
 
     @property
+    def expert_param_names(self) -> tuple[str, ...]:
+        """The routed experts' parameters, in the order the MoE operators take them: the kind's,
+        its biases only with bias (glu), always (mlp: b1, b2, None without bias)."""
+        return self.kind.param_names(self.bias)
+
+    @property
+    def shared_param_names(self) -> tuple[str, ...]:
+        """The shared expert's parameters, in the order the MoE operators take them after the
+        routed experts' (none when shared_ffn_size is 0; its gate's with shared_gate)."""
+        if not self.shared_ffn_size:
+            return ()
+        return ("shared_gate_up_proj", "shared_down_proj") + (("shared_gate_weight",) if self.shared_gate else ())
+
+    @property
     def expert_activation(self) -> str | ClampedSwiGLU:
         """The `activation` the expert stage functions (moe/experts.py) take: the name, or for
         "clamped_swiglu" a ClampedSwiGLU holding the two constants."""

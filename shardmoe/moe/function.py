@@ -42,24 +42,12 @@ from typing import Callable
 import torch
 from torch.utils import _pytree as pytree
 
-from shardmoe.expert_kinds import expert_kind
 from shardmoe.moe import backends
 from shardmoe.moe import shared_experts as shared_ex
 from shardmoe.moe.config import MoEConfig
 from shardmoe.moe.routing import Routing, sequence_selections
 from shardmoe.moe.cpu import Workspace
 from shardmoe.rows import accumulation_dtype
-
-
-def expert_param_names(config: MoEConfig) -> tuple[str, ...]:
-    """Names of the expert parameters, in the order the MoE operators take them."""
-    return config.kind.param_names(config.bias)
-
-
-def param_names(expert: str, bias: bool) -> tuple[str, ...]:
-    """The expert parameters of the kind named `expert`, in the MoE operators' order: the glu biases
-    only with bias; the "mlp" b1, b2 always (None without bias)."""
-    return expert_kind(expert).param_names(bias)
 
 
 class _SecondDerivative(torch.autograd.Function):
@@ -204,8 +192,8 @@ def split_inputs(call: MoECall, tensors) -> tuple[tuple, dict, dict]:
     the shared expert's in shared_param_names order."""
     config, n_router = call.config, call.router.num_tensors
     expert_weights, shared_weights = split_weights(config, tensors[n_router:])
-    return (tuple(tensors[:n_router]), dict(zip(expert_param_names(config), expert_weights)),
-            shared_ex.named_shared_params(config, shared_weights))
+    return (tuple(tensors[:n_router]), dict(zip(config.expert_param_names, expert_weights)),
+            dict(zip(config.shared_param_names, shared_weights)))
 
 
 def local_width(config, params: dict) -> int:
@@ -320,5 +308,5 @@ def _with_balance_scope(call: MoECall, routing: Routing, num_tokens: int | None,
 
 def split_weights(config: MoEConfig, weights) -> tuple[tuple, tuple]:
     """(routed expert weights, shared expert weights) of the weights after the router tensors."""
-    n_expert = len(expert_param_names(config))
+    n_expert = len(config.expert_param_names)
     return tuple(weights[:n_expert]), tuple(weights[n_expert:])

@@ -47,7 +47,7 @@ from shardmoe.moe.config import MoEConfig
 from shardmoe.mesh import EXPERT, GRAD_SYNC_ATTRIBUTE, REPLICATED, as_mesh, mark_grad_sync
 from shardmoe.moe import composition, ops, precision
 from shardmoe.moe.dispatch import placement
-from shardmoe.moe.function import MoECall, expert_param_names
+from shardmoe.moe.function import MoECall
 from shardmoe.moe.routing import GateRouter, check_mixtral_router, corrected_bias, token_sequence_ids
 from shardmoe.moe.cpu import Workspace
 from shardmoe.moe import hf_convert
@@ -60,6 +60,12 @@ ROUTER_OPTIONS = ("score_func", "router_bias", "correction_bias", "bias_update_r
 ACTIVATION_OPTIONS = ("swiglu_limit", "swiglu_alpha")
 # MoEConfig's shared-expert fields, also keyword options
 SHARED_OPTIONS = ("shared_ffn_size", "shared_gate")
+
+# DTensor, or nothing isinstance matches where torch has no distributed package
+try:
+    from torch.distributed.tensor import DTensor as _DTensor
+except ImportError:
+    _DTensor = ()
 
 # the dtypes the layer computes in (float16 runs, but fp16 matmul ran at ~1 GFLOP/s on the CPUs measured)
 DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -146,7 +152,7 @@ class MoE(nn.Module):
         with torch.no_grad():
             if self.gate_bias is not None:
                 nn.init.zeros_(self.gate_bias)  # as GPT-OSS: routing starts from the weights alone
-            for name in ("gate_weight", *expert_param_names(self.config), *shared_ex.shared_param_names(self.config)):
+            for name in ("gate_weight", *self.config.expert_param_names, *self.config.shared_param_names):
                 if getattr(self, name) is None:
                     continue
                 p = composition.local(getattr(self, name))
@@ -163,7 +169,7 @@ class MoE(nn.Module):
 
     def expert_parameters(self) -> list[torch.Tensor | None]:
         """The routed experts' parameters, then the shared expert's, in the order the MoE operators take them."""
-        names = (*expert_param_names(self.config), *shared_ex.shared_param_names(self.config))
+        names = (*self.config.expert_param_names, *self.config.shared_param_names)
         return [getattr(self, n) for n in names]
 
     @property
@@ -207,17 +213,14 @@ class MoE(nn.Module):
         sequences of the sequence-wise loss begin (moe/routing.py token_sequence_ids)."""
         if not isinstance(x, torch.Tensor):
             raise ValueError(f"x: expected a torch.Tensor, got {type(x).__name__}")
-        if composition.is_dtensor(x):  # the same tokens as its local blocks; the output laid out as x
+        if isinstance(x, _DTensor):  # the same tokens as its local blocks; the output laid out as x
             out = self.forward(composition.local_tokens(self, x), sequence_starts)
             return type(x).from_local(out, x.device_mesh, x.placements, run_check=False, shape=x.shape,
                                       stride=x.stride())
-        composition.check_parameters(self)
+        gate_weight, gate_bias, *experts = self._compute_views()
         autocast = precision.autocast_dtype(x, self.gate_weight.dtype)
         self._check_input(x, autocast)
-        if self.placement.sharded and not composition.fully_sharded_over_d(self):
-            composition.check_own_shards(self)
         token_sequence = self.token_sequence(x, sequence_starts)
-        gate_weight, gate_bias, *experts = composition.compute_views(self)
         # the router's tensors keep their dtype (it computes in float32); x and the experts take autocast's
         x, *experts = precision.cast((x, *experts), autocast)
         # out has x's shape and is no view: an in-place op on it cannot cut its graph (FSDP2's hooks)
@@ -225,6 +228,19 @@ class MoE(nn.Module):
                                   token_sequence, *experts)
         self.aux_loss = loss if self.aux_loss_scale is None else loss.detach()
         return out
+
+    def _compute_views(self) -> list[torch.Tensor | None]:
+        """gate_weight, gate_bias, then the routed and shared experts' parameters as the forward
+        computes on them: on one process the layer's own plain tensors; on a mesh, or where other code
+        put DTensors in their place, after composition's checks of their layout, its local views
+        (moe/composition.py compute_views)."""
+        params = [self.gate_weight, self.gate_bias, *self.expert_parameters()]
+        if self.mesh is None and not any(isinstance(p, _DTensor) for p in params):
+            return params
+        composition.check_parameters(self)
+        if self.placement.sharded and not composition.fully_sharded_over_d(self):
+            composition.check_own_shards(self)
+        return composition.compute_views(self)
 
     @property
     def dispatcher(self):
@@ -237,7 +253,7 @@ class MoE(nn.Module):
         forward's statistics land in self.stats (inside the operator, so they are current under
         torch.compile too)."""
         scale, reduce = self.aux_loss_scale, None
-        if composition.fully_sharded_over_d(self):  # FSDP's mean convention
+        if self.mesh is not None and composition.fully_sharded_over_d(self):  # FSDP's mean convention
             scale = None if scale is None else scale * self.mesh.size(("d", "e"))
             if self.mesh.size("e") > 1:
                 reduce = functools.partial(composition.mean_over_e, self.mesh.group("e"), self.mesh.size("e"))

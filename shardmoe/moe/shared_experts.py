@@ -39,24 +39,11 @@ from shardmoe.rows import accumulation_dtype
 GATE_NAME = "shared_gate_weight"
 
 
-def shared_param_names(config: MoEConfig) -> tuple[str, ...]:
-    """Names of the shared expert's parameters, in the order the autograd Functions take them
-    (empty when shared_ffn_size is 0)."""
-    if not config.shared_ffn_size:
-        return ()
-    return ("shared_gate_up_proj", "shared_down_proj") + ((GATE_NAME,) if config.shared_gate else ())
-
-
-def named_shared_params(config: MoEConfig, weights) -> dict[str, torch.Tensor]:
-    """{name: tensor} of the shared parameters, given in shared_param_names order."""
-    return dict(zip(shared_param_names(config), weights))
-
-
 def shared_param_shapes(config: MoEConfig) -> dict[str, tuple[int, ...]]:
     """Whole (unsharded) shape of each shared parameter."""
     H, Fs = config.hidden_size, config.shared_ffn_size
     shapes = {"shared_gate_up_proj": (2 * Fs, H), "shared_down_proj": (H, Fs), GATE_NAME: (H,)}
-    return {n: shapes[n] for n in shared_param_names(config)}
+    return {n: shapes[n] for n in config.shared_param_names}
 
 
 def _one_group(num_tokens: int, device) -> ex.Groups:
@@ -135,4 +122,4 @@ def backward(grad_out: torch.Tensor, x: torch.Tensor, saved: tuple, params: dict
     if gate is not None:
         grad_x_gate, grads[GATE_NAME] = shared_gate_backward(x, s, reduce_dot(grad_dot), gate)
         grad_x = grad_x + grad_x_gate
-    return grad_x, {n: grads[n].to(params[n].dtype) for n in shared_param_names(config)}
+    return grad_x, {n: grads[n].to(params[n].dtype) for n in config.shared_param_names}

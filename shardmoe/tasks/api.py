@@ -17,7 +17,6 @@ from dataclasses import dataclass
 import torch
 
 from shardmoe.moe import shared_experts as shared_ex
-from shardmoe.moe.function import expert_param_names
 from shardmoe.moe.reference import parameter_shapes
 from shardmoe.moe.routing import Routing, balance_loss, route
 from shardmoe.tasks.emitters import Emitters
@@ -63,7 +62,7 @@ def _params(layer, shared: bool = False) -> dict[str, torch.Tensor | None]:
     c = layer.config
     whole = parameter_shapes(c)
     params = {}
-    names = shared_ex.shared_param_names(c) if shared else ("gate_weight", "gate_bias", *expert_param_names(c))
+    names = c.shared_param_names if shared else ("gate_weight", "gate_bias", *c.expert_param_names)
     for name in names:
         p = getattr(layer, name)
         if p is not None and tuple(p.shape) != whole[name]:

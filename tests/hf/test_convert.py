@@ -15,9 +15,7 @@ import pytest
 import torch
 
 from shardmoe import MoE
-from shardmoe.moe.function import expert_param_names
 from shardmoe.moe.reference import reference_moe
-from shardmoe.moe.shared_experts import shared_param_names
 
 # case -> (family, config sizes): DeepSeek-V3 with its shared experts, and with none
 CONVERTIBLE = {"mixtral": ("mixtral", {}), "qwen2_moe": ("qwen2_moe", {}), "qwen3_moe": ("qwen3_moe", {}),
@@ -116,7 +114,7 @@ def test_converted_model_matches_float64_reference(case, hf, monkeypatch):
 
     def reference_forward(self, x):
         names = ("gate_weight", *(("gate_bias",) if self.config.router_bias else ()),
-                 *expert_param_names(self.config), *shared_param_names(self.config))
+                 *self.config.expert_param_names, *self.config.shared_param_names)
         params = {n: getattr(self, n) for n in names}
         return reference_moe(x, params, self.config, self.correction_bias)[0]
 

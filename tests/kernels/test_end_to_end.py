@@ -21,7 +21,7 @@ from shardmoe.moe.config import MoEConfig  # noqa: E402
 from shardmoe.moe.experts import Groups  # noqa: E402
 from shardmoe.moe.dispatch import LOCAL  # noqa: E402
 from shardmoe.moe import ops  # noqa: E402
-from shardmoe.moe.function import MoECall, expert_param_names  # noqa: E402
+from shardmoe.moe.function import MoECall  # noqa: E402
 from shardmoe.moe.routing import GateRouter, balance_loss, grad_gate_gemm, route  # noqa: E402
 from shardmoe.moe.triton_backend import expert_backward  # noqa: E402
 from shardmoe import settings  # noqa: E402
@@ -44,7 +44,7 @@ def kernel_moe(x, gate_weight, params, config: MoEConfig, grad_out, grad_loss):
     grad_xs, grad_weight_rows, expert_grads = expert_backward(config.kind, activation,
                                                               config.output_activation, grad_out, weight_rows, x,
                                                               saved, params, groups, row_index=row_token)
-    grads = {n: expert_grads[n] for n in expert_param_names(config)}  # the glu's bias keys only with bias
+    grads = {n: expert_grads[n] for n in config.expert_param_names}  # the glu's bias keys only with bias
     grad_x = kcomb.grad_input_combine(grad_xs, routing.row_pair, num_tokens, k)
     grad_weight = grad_weight_rows.new_zeros(num_tokens * k)
     grad_weight[routing.row_pair] = grad_weight_rows
@@ -57,7 +57,7 @@ def kernel_moe(x, gate_weight, params, config: MoEConfig, grad_out, grad_loss):
 def fused_operator(x, gate_weight, params, config: MoEConfig, grad_out, grad_loss):
     """(out, loss, grads, routing) of the MoE operator in the inputs' dtype, gradients by its explicit
     backward (the torch path for float64, and for CPU tensors of any dtype)."""
-    names = expert_param_names(config)
+    names = config.expert_param_names
     leaves = {"x": x, "gate_weight": gate_weight, **{n: params[n] for n in names}}
     leaves = {n: None if t is None else t.detach().clone().requires_grad_(True) for n, t in leaves.items()}
     call = MoECall(config, GateRouter(config), LOCAL)

@@ -13,7 +13,6 @@ from shardmoe import kernels
 from shardmoe.mesh import Mesh
 from shardmoe.moe import backends
 from shardmoe.moe import experts as ex
-from shardmoe.moe.function import expert_param_names
 from shardmoe.moe.reference import reference_forward_backward
 
 pytestmark = pytest.mark.skipif(not kernels.triton_importable(),
@@ -219,7 +218,7 @@ def test_expert_parallel_backward_stage_equals_torch_stage(options):
     xs, grad_rows = torch.randn(rows, H, generator=gen), torch.randn(rows, H, generator=gen)
     weight_rows = torch.rand(rows, generator=gen) + 0.1
     params = {n: None if p is None else p.detach()
-              for n, p in zip(expert_param_names(layer.config), layer.expert_parameters())}
+              for n, p in zip(layer.config.expert_param_names, layer.expert_parameters())}
     mesh = Mesh()
     torch_backend = backends.TorchBackend()
     _, saved = _experts_forward(torch_backend, layer.config, mesh, xs, params, groups)
