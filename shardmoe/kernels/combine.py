@@ -126,12 +126,6 @@ def grad_input_combine(dx_rows: torch.Tensor, row_pair: torch.Tensor, num_tokens
     return _token_combine(dx_rows, None, row_pair, num_tokens, top_k)
 
 
-def grad_combine(grad_rows: torch.Tensor, weight_rows: torch.Tensor) -> torch.Tensor:
-    """Replaces combine.grad_combine: ge_r = w_r g_r. [N, D] -> [N, D]."""
-    return _grad_combine_gate(grad_rows, None, weight_rows, row_index=None, output_activation="identity",
-                              store_ge=True, dot=False)[0]
-
-
 def grad_gate_combine(grad_rows: torch.Tensor, out_rows: torch.Tensor) -> torch.Tensor:
     """Replaces combine.grad_gate_combine: dw_r = sum_d grad_rows[r, d] out_rows[r, d]. [N], acc dtype."""
     return _grad_combine_gate(grad_rows, out_rows, None, row_index=None, output_activation="identity",
@@ -147,7 +141,7 @@ def grad_combine_gate(grad_rows: torch.Tensor, out_rows: torch.Tensor, weight_ro
     the kernel) or y itself with output_activation="identity" (then dz2 = w g). With row_index
     [N], grad_rows is the token-order gradient [S, H] and row r reads grad_rows[row_index[r]],
     so the gathered copy grad_out[row_token] is never made. Equals
-    (grad_combine(g, w) * act_out'(z2), grad_gate_combine(g, act_out(z2))) with g = grad_rows[row_index].
+    (w g act_out'(z2), grad_gate_combine(g, act_out(z2))) with g = grad_rows[row_index].
     """
     return _grad_combine_gate(grad_rows, out_rows, weight_rows, row_index=row_index,
                               output_activation=output_activation, store_ge=True, dot=True)

@@ -48,8 +48,3 @@ class DenseConfig:
             raise ValueError(f"head_dim: expected an even int (RoPE rotates pairs), got {self.head_dim}")
         for name in ("rope_theta", "norm_eps"):
             check_positive_number(name, getattr(self, name))
-
-    @property
-    def q_per_kv(self) -> int:
-        """Q: query heads per key/value head."""
-        return self.n_q_heads // self.n_kv_heads

@@ -9,7 +9,7 @@ dispatchers call nothing else. Two families of entry points:
                                                               in token order with row_token [N]; a
                                                               backend may fuse the gather and the
                                                               combine into its GEMMs)
-  combine side         combine, grad_combine (stage 1), grad_gate_combine (stage 2),
+  combine side         combine, grad_gate_combine (stage 2),
                        grad_input_combine (stage 5)
 
 select() makes the one decision per forward, and again for its backward from the same config, input
@@ -79,8 +79,6 @@ class Backend(Protocol):
 
     def combine(self, expert_out: torch.Tensor, weight_rows: torch.Tensor, row_pair: torch.Tensor,
                 num_tokens: int, top_k: int) -> torch.Tensor: ...
-
-    def grad_combine(self, grad_rows: torch.Tensor, weight_rows: torch.Tensor) -> torch.Tensor: ...
 
     def grad_gate_combine(self, grad_rows: torch.Tensor, out_rows: torch.Tensor,
                           out_scale: torch.Tensor | None = None) -> torch.Tensor: ...

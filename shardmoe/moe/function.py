@@ -132,9 +132,6 @@ class MoECall:
     balance_scope: BalanceScope | None = None
     reduce_grads: Callable[[list[torch.Tensor], list[torch.Tensor]], None] | None = None
 
-    def moe_call(self, x: torch.Tensor, tensors) -> "MoECall":
-        """As an owner of ops.fused_moe: itself, whatever the inputs."""
-        return self
 
 
 @dataclass

@@ -20,8 +20,7 @@ registered autograd through ctx.save_for_backward: saved-tensor hooks and activa
 checkpointing see all of it, and a compiled graph holds it like any other activation.
 
 Everything else a forward needs (config, router, dispatcher, workspace, stats) is the owner's: an
-object with moe_call(x, inputs) -> MoECall (shardmoe.MoE; the transformers seam's; a MoECall
-itself), registered once for an int handle that the graph carries as a constant. Owners are held
+object with moe_call(x, inputs) -> MoECall (shardmoe.MoE; the transformers seam's), registered once for an int handle that the graph carries as a constant. Owners are held
 weakly: a handle dies with its layer.
 
 The fake implementations give every output's shape and dtype without computing: N, the kept pairs,

@@ -32,7 +32,7 @@ The router families' pieces (G = E / n_group experts per group):
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import torch
 
@@ -203,10 +203,6 @@ class Routing:
         """(token [N], combine weight w [N]) of each dispatched row."""
         return self.row_pair // top_k, self.weight.reshape(-1)[self.row_pair]
 
-    def tensors(self) -> tuple[torch.Tensor, ...]:
-        """The fields in declaration order, for ctx.save_for_backward; Routing(*tensors) rebuilds it."""
-        return tuple(getattr(self, f.name) for f in fields(self))
-
 
 def route(x: torch.Tensor, gate_weight: torch.Tensor, config: MoEConfig, gate_bias: torch.Tensor | None = None,
           correction_bias: torch.Tensor | None = None, token_sequence: torch.Tensor | None = None) -> Routing:
@@ -305,27 +301,6 @@ def balance_loss(routing: Routing, config: MoEConfig, num_tokens: int | None = N
         f_times_p = config.num_experts / config.top_k * routing.sequence_selected.to(probs.dtype) * per_sequence
         loss = loss + config.seq_aux_loss_coef * (f_times_p / length.square()).sum() / num_sequences
     return loss
-
-
-def grad_gate_from_rows(
-    x: torch.Tensor,
-    gate_weight: torch.Tensor,
-    routing: Routing,
-    grad_weight_rows: torch.Tensor,
-    grad_loss: torch.Tensor | None,
-    config: MoEConfig,
-    num_tokens: int | None = None,
-    num_sequences: int | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Stage 6 from the kept rows, as the fused and the expert-parallel backward both hold it:
-    grad_weight_rows [N] are dw of the pairs routing.row_pair lists (in that order); they are
-    scattered into dL/dw [S, k] (zero for dropped pairs) for grad_gate_gemm, whose arguments and
-    result (dx [S, H], dWg [H, E], db [E] or None) the others are."""
-    S, k = x.shape[0], routing.top_idx.shape[1]
-    grad_weight = x.new_zeros(S * k, dtype=accumulation_dtype(x.dtype))
-    grad_weight[routing.row_pair] = grad_weight_rows
-    return grad_gate_gemm(x, gate_weight, routing, grad_weight.view(S, k), grad_loss, config, num_tokens,
-                          num_sequences)
 
 
 def grad_gate_gemm(

@@ -114,9 +114,6 @@ class TritonBackend:
     def combine(self, expert_out, weight_rows, row_pair, num_tokens, top_k):
         return kernel_combine.combine(expert_out, weight_rows, row_pair, num_tokens, top_k)
 
-    def grad_combine(self, grad_rows, weight_rows):
-        return kernel_combine.grad_combine(grad_rows, weight_rows)
-
     def grad_gate_combine(self, grad_rows, out_rows, out_scale=None):
         return kernel_combine.grad_gate_combine(grad_rows, out_rows if out_scale is None else out_rows * out_scale)
 

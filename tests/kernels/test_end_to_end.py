@@ -54,14 +54,24 @@ def kernel_moe(x, gate_weight, params, config: MoEConfig, grad_out, grad_loss):
     return out, loss, grads, routing
 
 
+class _Owner:
+    """An owner of the MoE operators (moe/ops.py) that runs every forward with one MoECall."""
+
+    def __init__(self, call: MoECall):
+        self.call = call
+
+    def moe_call(self, x, inputs) -> MoECall:
+        return self.call
+
+
 def fused_operator(x, gate_weight, params, config: MoEConfig, grad_out, grad_loss):
     """(out, loss, grads, routing) of the MoE operator in the inputs' dtype, gradients by its explicit
     backward (the torch path for float64, and for CPU tensors of any dtype)."""
     names = config.expert_param_names
     leaves = {"x": x, "gate_weight": gate_weight, **{n: params[n] for n in names}}
     leaves = {n: None if t is None else t.detach().clone().requires_grad_(True) for n, t in leaves.items()}
-    call = MoECall(config, GateRouter(config), LOCAL)
-    out, loss = ops.fused_moe(ops.register(call), leaves["x"], leaves["gate_weight"], None, None, None,
+    owner = _Owner(MoECall(config, GateRouter(config), LOCAL))
+    out, loss = ops.fused_moe(ops.register(owner), leaves["x"], leaves["gate_weight"], None, None, None,
                               *(leaves[n] for n in names))
     torch.autograd.backward([out, loss], [grad_out, grad_loss])
     grads = {n: None if t is None else t.grad for n, t in leaves.items()}

@@ -46,7 +46,6 @@ def test_explicit_and_autograd_models_give_the_same_gradients(packed_starts, rel
 
 def test_config_validation():
     config = DenseConfig(vocab_size=320, d_model=64, n_q_heads=8, n_kv_heads=2, head_dim=16)
-    assert config.q_per_kv == 4
     for bad in (dict(n_q_heads=6, n_kv_heads=4), dict(head_dim=7), dict(d_model=0), dict(norm_eps=-1.0)):
         kwargs = dict(vocab_size=320, d_model=64, n_q_heads=8, n_kv_heads=2, head_dim=16) | bad
         try:

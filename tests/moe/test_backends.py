@@ -76,8 +76,8 @@ def test_kernels_take_every_layer_kind():
     assert backends.select(MoEConfig(8, 6, 4, 2), x).name == "torch"
 
 
-# the torch backend's own stage 3 / 4 functions, which its expert_backward calls on itself
-TORCH_STAGES = {"grad_post_gemm_glu", "grad_pre_gemm_glu", "grad_post_gemm_mlp", "grad_pre_gemm_mlp"}
+# the torch backend's own stage 1, 3 and 4 functions, which its expert_backward calls on itself
+TORCH_STAGES = {"grad_post_gemm_glu", "grad_pre_gemm_glu", "grad_post_gemm_mlp", "grad_pre_gemm_mlp", "grad_combine"}
 
 
 class _Recording(backends.TorchBackend):
