@@ -43,7 +43,7 @@ from shardmoe.moe.activations import ClampedSwiGLU
 from shardmoe.moe.config import MoEConfig
 from shardmoe.moe import ops, precision
 from shardmoe.moe.dispatch import LOCAL
-from shardmoe.moe.function import MoECall
+from shardmoe.moe.function import MoEContext
 from shardmoe.moe.hf_blocks import experts_activation, family_name, gate_up_halves, unknown_activation
 from shardmoe.moe.routing import GivenRouting
 from shardmoe.moe.cpu import Workspace
@@ -149,12 +149,12 @@ class SeamOwner:
         handle, at its first forward (the original's handle dies with the original)."""
         return _no_owner, ()
 
-    def moe_call(self, x: torch.Tensor, inputs: tuple) -> MoECall:
+    def moe_context(self, x: torch.Tensor, inputs: tuple) -> MoEContext:
         top_k_index, top_k_weights, *weights = inputs
         stage = dict(zip(operator_param_names(self.layout), weights))
         num_experts, ffn = stage[self.layout.stage_names[2]].shape[0], stage[self.layout.stage_names[2]].shape[-1]
         config = layer_config(self.layout, x.shape[-1], ffn, num_experts, top_k_index.shape[1])
-        return MoECall(config, GivenRouting(num_experts), LOCAL, self.workspace)
+        return MoEContext(config, GivenRouting(num_experts), LOCAL, self.workspace)
 
 
 def operator_param_names(layout: ExpertsLayout) -> tuple[str, ...]:

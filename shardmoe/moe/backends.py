@@ -14,12 +14,12 @@ dispatchers call nothing else. Two families of entry points:
 
 select() makes the one decision per forward, and again for its backward from the same config, input
 and weights (the operators carry no Python objects from one to the other), so the two agree unless
-a setting changes in between; either way the results agree to round-off. Backends today:
+a setting changes in between; either way the results agree to round-off. The backends:
 
   torch   TorchBackend: the stage functions of moe/experts.py and moe/combine.py (any device torch
-          runs on; its expert_backward runs stages 3 and 4 through its own grad_post_gemm_glu,
-          grad_pre_gemm_glu, grad_post_gemm_mlp and grad_pre_gemm_mlp), with, on CPU, its row
-          buffers from the layer's workspace and the C++ passes of moe/cpu.py and
+          runs on; its expert_backward runs stages 1, 3 and 4 through its own grad_combine,
+          grad_post_gemm_glu, grad_pre_gemm_glu, grad_post_gemm_mlp and grad_pre_gemm_mlp), with, on CPU, its row
+          buffers from the layer's workspace and the C++ passes and side-by-side GEMMs of
           moe/cpu.py that the forward's CpuPasses allows (decided in select(); each stage then
           checks only that its operands fit); on a GPU fresh buffers, so that its GEMMs are
           grouped_mm's

@@ -4,7 +4,7 @@ moe/ops.py registers it as the torch operators shardmoe::moe_forward / moe_backw
 autograd (ops.FusedMoE): the one autograd node of an MoE layer. This module holds what they run.
 Every way in runs through it: the MoE module on one process, the same module with expert
 parallelism, and transformers' experts seam (shardmoe.hf). What differs between them
-is handed in (MoECall): where the routing comes from (the router: moe/routing.py GateRouter or
+is handed in (MoEContext): where the routing comes from (the router: moe/routing.py GateRouter or
 GivenRouting) and how the rows reach the experts and come back (the dispatcher: moe/dispatch.py's
 LocalDispatcher, or expert parallelism's, shardmoe/parallel/expert_parallel.py).
 
@@ -23,7 +23,7 @@ Backward, in the six stages of the FlashMoE task design (docs/architecture.md):
 The shared expert's own stages 3, 2, 4 and its gate's gradient run after 5 and add into dx.
 
 Saved for backward (all through ctx.save_for_backward, so saved-tensor hooks see them): x [S, H],
-the inputs (router tensors and weights; the tensors among them are not copies), and Made: the routing
+the inputs (router tensors and weights; the tensors among them are not copies), and SavedForBackward: the routing
 (routing.Routing: probs [S, E], logsumexp [S], top_idx [S, k] int64, top_prob [S, k], weight
 [S, k] acc dtype, counts [E] x2, row_pair [N] int64, and the router options' extras; the
 sequence-wise loss's per-sequence counts are recounted in backward), the shared
@@ -108,7 +108,7 @@ class BalanceScope:
 
 
 @dataclass
-class MoECall:
+class MoEContext:
     """The non-tensor arguments of one MoE forward (and its backward).
 
     config: the layer's MoEConfig; router: GateRouter or GivenRouting (moe/routing.py); dispatcher:
@@ -116,7 +116,7 @@ class MoECall:
     stats: called with each forward's routing statistics, a new dict (None: not kept);
     loss_scale: dL/d(loss) that backward adds to the loss's own incoming gradient, so the balance
     losses reach the router through the output's graph, at the first backward through a forward
-    only (Made.balance_pending; None or 0: only the incoming one);
+    only (SavedForBackward.balance_pending; None or 0: only the incoming one);
     balance_scope: the whole batch the balance losses average over, when it is more than this
     forward's tokens (None: this forward's, global over the mesh);
     reduce_grads: applied in place to the parameter gradients before backward returns them, as
@@ -135,7 +135,7 @@ class MoECall:
 
 
 @dataclass
-class Made:
+class SavedForBackward:
     """The tensors a forward makes that its backward reads (beside the inputs, which are saved as
     they are): the routing, the shared expert's (h_shared, s), what the dispatcher kept, and
     balance_pending [] (acc dtype), 1 until a backward has applied the call's loss_scale, then 0:
@@ -159,7 +159,7 @@ class Made:
         return (self.balance_pending, *kept, *self.shared, *self.dispatched)
 
     @classmethod
-    def restore(cls, config: MoEConfig, tensors, inputs: dict) -> "Made":
+    def restore(cls, config: MoEConfig, tensors, inputs: dict) -> "SavedForBackward":
         """The record flat(inputs) came from, with the fields in `inputs` taken from there."""
         balance_pending, *tensors = tensors
         names = _saved_fields(inputs)
@@ -183,7 +183,7 @@ def _saved_fields(inputs: dict) -> list[str]:
     return [f.name for f in fields(Routing) if f.name not in _RECOUNTED and f.name not in inputs]
 
 
-def split_inputs(call: MoECall, tensors) -> tuple[tuple, dict, dict]:
+def split_inputs(call: MoEContext, tensors) -> tuple[tuple, dict, dict]:
     """(router tensors, {expert param name: tensor}, {shared param name: tensor}) of the tensors
     after x: router.num_tensors router tensors, the expert params in expert_param_names order, then
     the shared expert's in shared_param_names order."""
@@ -199,8 +199,8 @@ def local_width(config, params: dict) -> int:
     return params[config.kind.down].shape[-1]
 
 
-def moe_forward(call: MoECall, x: torch.Tensor, tensors) -> tuple[torch.Tensor, torch.Tensor, Made]:
-    """x [S, H], the router tensors and weights -> (out [S, H] in x's dtype, loss [] acc dtype, Made).
+def moe_forward(call: MoEContext, x: torch.Tensor, tensors) -> tuple[torch.Tensor, torch.Tensor, SavedForBackward]:
+    """x [S, H], the router tensors and weights -> (out [S, H] in x's dtype, loss [] acc dtype, SavedForBackward).
     The stages run on the backend backends.select() picks; the backward picks the same."""
     config, router, dispatcher = call.config, call.router, call.dispatcher
     router_tensors, params, shared = split_inputs(call, tensors)
@@ -228,10 +228,10 @@ def moe_forward(call: MoECall, x: torch.Tensor, tensors) -> tuple[torch.Tensor, 
                 stats["balance_scope"] = own
                 call.stats(stats)
     pending = x.new_ones((), dtype=accumulation_dtype(x.dtype))
-    return out, loss, Made(loss_routing, tuple(shared_saved), tuple(dispatched), pending)
+    return out, loss, SavedForBackward(loss_routing, tuple(shared_saved), tuple(dispatched), pending)
 
 
-def moe_fake_forward(call: MoECall, x: torch.Tensor, tensors, dynamic) -> tuple[torch.Tensor, torch.Tensor, Made]:
+def moe_fake_forward(call: MoEContext, x: torch.Tensor, tensors, dynamic) -> tuple[torch.Tensor, torch.Tensor, SavedForBackward]:
     """moe_forward's outputs as uninitialised tensors of their shapes and dtypes, computing nothing
     (torch.compile traces with these). N, the kept pairs, is S k without capacity drops and a
     data-dependent size (`dynamic()`) with them."""
@@ -245,10 +245,10 @@ def moe_fake_forward(call: MoECall, x: torch.Tensor, tensors, dynamic) -> tuple[
     if shared:
         shared_saved = (x.new_empty(S, shared["shared_down_proj"].shape[1] * 2), x.new_empty(S, dtype=acc))
     return (x.new_empty(x.shape), x.new_empty((), dtype=acc),
-            Made(routing, shared_saved, tuple(dispatched), x.new_empty((), dtype=acc)))
+            SavedForBackward(routing, shared_saved, tuple(dispatched), x.new_empty((), dtype=acc)))
 
 
-def moe_backward(call: MoECall, x: torch.Tensor, tensors, made: Made, grad_out: torch.Tensor,
+def moe_backward(call: MoEContext, x: torch.Tensor, tensors, made: SavedForBackward, grad_out: torch.Tensor,
                  grad_loss: torch.Tensor) -> tuple:
     """The six stages: (dx, then a gradient or None for each of `tensors`, in their order)."""
     config, router, dispatcher = call.config, call.router, call.dispatcher
@@ -293,7 +293,7 @@ def moe_backward(call: MoECall, x: torch.Tensor, tensors, made: Made, grad_out: 
     return (grad_x.to(x.dtype), *router_grads, *expert_grads, *shared_grads)
 
 
-def _with_balance_scope(call: MoECall, routing: Routing, num_tokens: int | None, num_sequences: int | None) -> tuple:
+def _with_balance_scope(call: MoEContext, routing: Routing, num_tokens: int | None, num_sequences: int | None) -> tuple:
     """dispatcher.loss_scope's (routing, S, Q), with the call's balance scope in their place when it
     has one: its selection counts, tokens and sequences."""
     scope = call.balance_scope

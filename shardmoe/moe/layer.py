@@ -47,7 +47,7 @@ from shardmoe.moe.config import MoEConfig
 from shardmoe.mesh import EXPERT, GRAD_SYNC_ATTRIBUTE, REPLICATED, as_mesh, mark_grad_sync
 from shardmoe.moe import composition, ops, precision
 from shardmoe.moe.dispatch import placement
-from shardmoe.moe.function import MoECall
+from shardmoe.moe.function import MoEContext
 from shardmoe.moe.routing import GateRouter, check_mixtral_router, corrected_bias, token_sequence_ids
 from shardmoe.moe.cpu import Workspace
 from shardmoe.moe import hf_convert
@@ -247,7 +247,7 @@ class MoE(nn.Module):
         """How tokens reach the experts: all local, or exchanged along 'e' (moe/dispatch.py)."""
         return self.placement.dispatcher
 
-    def moe_call(self, x: torch.Tensor, inputs: tuple) -> MoECall:
+    def moe_context(self, x: torch.Tensor, inputs: tuple) -> MoEContext:
         """What the MoE operators (moe/ops.py) run this layer's forward and backward with: its config,
         its gate as the router, its dispatcher and workspace, aux_loss_scale and balance_scope; the
         forward's statistics land in self.stats (inside the operator, so they are current under
@@ -257,7 +257,7 @@ class MoE(nn.Module):
             scale = None if scale is None else scale * self.mesh.size(("d", "e"))
             if self.mesh.size("e") > 1:
                 reduce = functools.partial(composition.mean_over_e, self.mesh.group("e"), self.mesh.size("e"))
-        return MoECall(self.config, GateRouter(self.config), self.dispatcher, self.workspace, self._keep_stats,
+        return MoEContext(self.config, GateRouter(self.config), self.dispatcher, self.workspace, self._keep_stats,
                        scale, self.balance_scope, reduce)
 
     def _keep_stats(self, stats: dict) -> None:

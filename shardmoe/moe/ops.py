@@ -14,13 +14,13 @@ layer gate_weight, gate_bias, correction_bias, token_sequence, then the expert a
 params; for transformers' seam top_k_index, top_k_weights, then the expert params), some of them
 None; the operators take the present ones and a mask of the absent (a list of optional tensors
 cannot carry gradients through torch.library's autograd).
-made are the tensors the forward makes for its backward (function.Made: routing, shared expert,
+made are the tensors the forward makes for its backward (function.SavedForBackward: routing, shared expert,
 what the dispatcher kept). Every tensor the backward reads is an input or an output, saved by the
 registered autograd through ctx.save_for_backward: saved-tensor hooks and activation
 checkpointing see all of it, and a compiled graph holds it like any other activation.
 
 Everything else a forward needs (config, router, dispatcher, workspace, stats) is the owner's: an
-object with moe_call(x, inputs) -> MoECall (shardmoe.MoE; the transformers seam's), registered once for an int handle that the graph carries as a constant. Owners are held
+object with moe_context(x, inputs) -> MoEContext (shardmoe.MoE; the transformers seam's), registered once for an int handle that the graph carries as a constant. Owners are held
 weakly: a handle dies with its layer.
 
 The fake implementations give every output's shape and dtype without computing: N, the kept pairs,
@@ -35,7 +35,7 @@ import weakref
 
 import torch
 
-from shardmoe.moe.function import Made, MoECall, moe_backward, moe_fake_forward, moe_forward, not_twice_differentiable
+from shardmoe.moe.function import SavedForBackward, MoEContext, moe_backward, moe_fake_forward, moe_forward, not_twice_differentiable
 from shardmoe.rows import accumulation_dtype
 
 _OWNERS: dict[int, weakref.ref] = {}
@@ -43,7 +43,7 @@ _HANDLES = itertools.count(1)
 
 
 def register(owner) -> int:
-    """A new handle for `owner` (anything with moe_call(x, inputs) -> MoECall), held weakly."""
+    """A new handle for `owner` (anything with moe_context(x, inputs) -> MoEContext), held weakly."""
     handle = next(_HANDLES)
     _OWNERS[handle] = weakref.ref(owner, lambda _, handle=handle: _OWNERS.pop(handle, None))
     return handle
@@ -55,13 +55,13 @@ def _inputs(present, absent) -> tuple:
     return tuple(None if a else next(it) for a in absent)
 
 
-def _call(handle: int, x: torch.Tensor, inputs) -> MoECall:
+def _call(handle: int, x: torch.Tensor, inputs) -> MoEContext:
     ref = _OWNERS.get(handle)
     owner = None if ref is None else ref()
     if owner is None:
         raise RuntimeError(f"shardmoe::moe_forward: handle {handle} names no live MoE layer (it was freed, or the "
                            "handle was not made by shardmoe.moe.ops.register in this process)")
-    return owner.moe_call(x, tuple(inputs))
+    return owner.moe_context(x, tuple(inputs))
 
 
 def fused_moe(handle: int, x: torch.Tensor, *inputs) -> tuple[torch.Tensor, torch.Tensor]:
@@ -124,12 +124,12 @@ def _moe_forward_fake(handle, x, present, absent):
     return out.new_empty(x.shape), loss, list(made.flat(_routing_inputs(call, inputs)))
 
 
-def _routing_inputs(call: MoECall, inputs) -> dict:
+def _routing_inputs(call: MoEContext, inputs) -> dict:
     """The routing fields that are inputs: saved as inputs, not again among the made outputs."""
     return call.router.routing_inputs(tuple(inputs[:call.router.num_tensors]))
 
 
-def _gradient_mask(call: MoECall, inputs) -> list[bool]:
+def _gradient_mask(call: MoEContext, inputs) -> list[bool]:
     """Which inputs get a gradient (the backward returns dx, then one tensor for each of these)."""
     n = call.router.num_tensors
     return [*call.router.gradient_mask(tuple(inputs[:n])), *(t is not None for t in inputs[n:])]
@@ -142,7 +142,7 @@ def _moe_backward(handle: int, grad_out: torch.Tensor, grad_loss: torch.Tensor, 
     tokens = x.reshape(-1, x.shape[-1])
     call = _call(handle, tokens, inputs)
     with torch.autocast(x.device.type, enabled=False):
-        grad_x, *grads = moe_backward(call, tokens, inputs, Made.restore(call.config, made, _routing_inputs(call, inputs)),
+        grad_x, *grads = moe_backward(call, tokens, inputs, SavedForBackward.restore(call.config, made, _routing_inputs(call, inputs)),
                                       grad_out.reshape(tokens.shape), grad_loss)
     mask = _gradient_mask(call, inputs)
     return [grad_x.reshape(x.shape).contiguous(), *(g.contiguous() for g, wanted in zip(grads, mask) if wanted)]

@@ -428,7 +428,7 @@ class GateRouter:
     def fake_routing(self, x: torch.Tensor, tensors: tuple, num_rows) -> Routing:
         """A Routing of uninitialised tensors of route()'s shapes and dtypes, for N = num_rows kept
         pairs (torch.compile's fake tensors). The per-sequence counts are left empty: they are
-        recounted in backward, not saved (function.Made)."""
+        recounted in backward, not saved (function.SavedForBackward)."""
         c, acc = self.config, accumulation_dtype(x.dtype)
         S, E, k = x.shape[0], c.num_experts, c.top_k
         ints = dict(dtype=torch.int64, device=x.device)

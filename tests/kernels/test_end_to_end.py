@@ -21,7 +21,7 @@ from shardmoe.moe.config import MoEConfig  # noqa: E402
 from shardmoe.moe.experts import Groups  # noqa: E402
 from shardmoe.moe.dispatch import LOCAL  # noqa: E402
 from shardmoe.moe import ops  # noqa: E402
-from shardmoe.moe.function import MoECall  # noqa: E402
+from shardmoe.moe.function import MoEContext  # noqa: E402
 from shardmoe.moe.routing import GateRouter, balance_loss, grad_gate_gemm, route  # noqa: E402
 from shardmoe.moe.triton_backend import expert_backward  # noqa: E402
 from shardmoe import settings  # noqa: E402
@@ -55,12 +55,12 @@ def kernel_moe(x, gate_weight, params, config: MoEConfig, grad_out, grad_loss):
 
 
 class _Owner:
-    """An owner of the MoE operators (moe/ops.py) that runs every forward with one MoECall."""
+    """An owner of the MoE operators (moe/ops.py) that runs every forward with one MoEContext."""
 
-    def __init__(self, call: MoECall):
+    def __init__(self, call: MoEContext):
         self.call = call
 
-    def moe_call(self, x, inputs) -> MoECall:
+    def moe_context(self, x, inputs) -> MoEContext:
         return self.call
 
 
@@ -70,7 +70,7 @@ def fused_operator(x, gate_weight, params, config: MoEConfig, grad_out, grad_los
     names = config.expert_param_names
     leaves = {"x": x, "gate_weight": gate_weight, **{n: params[n] for n in names}}
     leaves = {n: None if t is None else t.detach().clone().requires_grad_(True) for n, t in leaves.items()}
-    owner = _Owner(MoECall(config, GateRouter(config), LOCAL))
+    owner = _Owner(MoEContext(config, GateRouter(config), LOCAL))
     out, loss = ops.fused_moe(ops.register(owner), leaves["x"], leaves["gate_weight"], None, None, None,
                               *(leaves[n] for n in names))
     torch.autograd.backward([out, loss], [grad_out, grad_loss])

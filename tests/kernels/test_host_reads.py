@@ -18,7 +18,7 @@ from triton.runtime.autotuner import Autotuner  # noqa: E402
 from shardmoe import kernels  # noqa: E402
 from shardmoe.moe.config import MoEConfig  # noqa: E402
 from shardmoe.moe.dispatch import LOCAL  # noqa: E402
-from shardmoe.moe.function import MoECall, moe_backward, moe_forward  # noqa: E402
+from shardmoe.moe.function import MoEContext, moe_backward, moe_forward  # noqa: E402
 from shardmoe.moe.routing import GateRouter  # noqa: E402
 
 S, H, F, E, K = 48, 32, 16, 8, 2
@@ -37,7 +37,7 @@ def step(config: MoEConfig, launched: list):
     params = [torch.empty(shapes[n], **META) if n in shapes and (config.bias or n not in config.kind.bias_names)
               else None for n in config.expert_param_names]
     stats = []
-    call = MoECall(config, GateRouter(config), LOCAL, stats=stats.append, loss_scale=1.0)
+    call = MoEContext(config, GateRouter(config), LOCAL, stats=stats.append, loss_scale=1.0)
     x = torch.empty(S, H, **META)
     tensors = (torch.empty(H, E, **META), None, None, None, *params)
     with kernels.force_kernel_path():
