@@ -92,9 +92,9 @@ class Groups:
 def row_tile_for(dtype: torch.dtype, counts: torch.Tensor) -> int:
     """The row tile of tile-padded expert groups for rows of `dtype`, counts [E] rows per expert,
     when a workspace asks for the rule (Workspace(row_tile=None); the default is no tile: in the
-    whole layer tiles did not pay on the CPU measured, docs/benchmarks.md).
+    whole layer tiles did not pay on the CPU measured, docs/history/cpu-layer-choices.md).
 
-    Probed (`python -m shardmoe.bench.tile_probe`, docs/benchmarks.md): only bf16/fp16 GEMMs pay
+    Probed (`python -m shardmoe.bench.tile_probe`, docs/history/cpu-layer-choices.md): only bf16/fp16 GEMMs pay
     for a new row count (oneDNN builds a kernel per shape; fp32 goes to MKL, which does not), and
     padding costs about T/2 extra rows per expert, so the tile is a power of two near 1/32 of the
     mean rows per expert, between 8 and 64: 32 at ~1000 rows per expert, 8 at ~128; 0 below 64
