@@ -1,12 +1,12 @@
-"""Why `convert` trailed the seam on a whole model: the weights' copy, measured apart from the code.
+"""What sharing one model between candidates is worth on a whole model, apart from the code.
 
-Until 2026-11-25 `shardmoe bench --hf FAMILY --model` ran the seam, grouped_mm and eager on one
-model (its experts implementation switched before each step) and `convert` on a deep copy: only
-`convert` had weights of its own. This script keeps the seam and grouped_mm on one model (eager,
+Candidates that switch one model's experts implementation between steps share its weights, while
+`convert` runs a model of its own. This script keeps the seam and grouped_mm on one model (eager,
 the slowest, is left out), `convert` on the converted model, and adds the seam on a deep copy of
-its own ("seam-copy"): seam / seam-copy is what sharing the model was worth, and
-convert / seam-copy is the difference of the code alone. (The bench now gives every candidate a
-copy of its own.) The candidates take turns in a random order each round (seeded), a step each;
+its own ("seam-copy"): seam / seam-copy is what sharing the model is worth, and
+convert / seam-copy is the difference of the code alone; that difference is why
+`shardmoe bench --hf FAMILY --model` gives every candidate a copy of its own (docs/benchmarks.md,
+"Whole models"). The candidates take turns in a random order each round (seeded), a step each;
 the first round is not counted. Printed: median ms per step and median(grouped_mm) /
 median(candidate) (above 1, the candidate is faster).
 

@@ -1,9 +1,10 @@
-"""How the fused CPU elementwise passes were chosen (docs/benchmarks.md, "Fused elementwise passes"):
-each pass of the glu expert and the combine, today's torch code against the C++ extension of
-shardmoe/moe/cpu.py (into fresh outputs, and into reused ones as a workspace would give) and
-against torch.compile (Inductor's C++ code generation, dynamic row counts) of the same pure function;
-then oneDNN's fused-activation linear (the GEMM epilogue torch exposes on CPU). Interleaved, 9
-samples per candidate, median and min ratios (> 1: faster than today), repeated --runs times.
+"""Which tool the fused CPU elementwise passes use (docs/benchmarks.md, "What the figures settle on
+the CPU"): each pass of the glu expert and the combine, the stage functions' torch code (printed as
+"today") against the C++ extension of shardmoe/moe/cpu.py (into fresh outputs, and into
+reused ones as a workspace gives) and against torch.compile (Inductor's C++ code generation,
+dynamic row counts) of the same pure function; then oneDNN's fused-activation linear (the GEMM
+epilogue torch exposes on CPU). Interleaved, 9 samples per candidate, median and min ratios (> 1:
+faster than the torch code), repeated --runs times.
 
   python benchmarks/elementwise_tools.py [--threads 2] [--runs 3]
 """

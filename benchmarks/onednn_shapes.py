@@ -7,7 +7,7 @@ buffer (torch.mm(out=)), GFLOP/s of a sequence of calls:
 
   fixed          the same M every call (always cached)
   fresh, cold    M drawn from [180, 330] for each call (151 values: many calls meet a new one)
-  fresh, warm    the same draws again: every shape now cached
+  fresh, warm    the same draws again: every shape cached
   many families  four (K, N) families at once, M from a range wide enough that their shapes
                  outnumber the cache (4 x 501 > 1024): the cache keeps evicting
 

@@ -92,9 +92,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def check_arguments(args: argparse.Namespace) -> None:
-    """Input errors that used to surface late or not at all: a size of 0 silently became the
-    default, a negative one failed deep in torch, and --json into a missing directory failed only
-    after the whole benchmark had run."""
+    """Input errors that surface late or not at all unless checked first: a size of 0 silently
+    becomes the default, a negative one fails deep in torch, and --json into a missing directory
+    fails only after the whole benchmark has run."""
     from shardmoe.arguments import check_at_least
 
     for name in ("tokens", "hidden", "ffn", "experts", "top_k"):

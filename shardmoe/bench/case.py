@@ -19,8 +19,8 @@ from shardmoe.bench.saved_bytes import SavedBytes, measure_saved_bytes
 from shardmoe.bench.timing import time_interleaved
 
 DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
-# the bars of the CPU-speed issue (issue 9), by dtype: (speed-up vs transformers >=, fraction of
-# dense >=, saved bytes vs transformers <=); bf16's dense ceiling is the harder one on this CPU
+# the CPU layer's bars (docs/benchmarks.md, "Targets"), by dtype: (speed-up vs transformers >=,
+# fraction of dense >=, saved bytes vs transformers <=); bf16's dense ceiling is the harder one on this CPU
 TARGETS = {"fp32": (1.25, 0.85, 0.5), "bf16": (1.5, 0.5, 0.5)}
 
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 SHAPES = {
     "e8": (4096, 512, 1024, 8, 2),    # Mixtral-like: few wide experts
     "e64": (4096, 512, 128, 64, 2),   # many narrow experts, top-2
-    "fine": (4096, 512, 128, 64, 8),  # fine-grained as today's MoE models: F = H/4, top-8 of 64
+    "fine": (4096, 512, 128, 64, 8),  # fine-grained as Qwen3-MoE and DeepSeek-V3: F = H/4, top-8 of 64
 }
 
 

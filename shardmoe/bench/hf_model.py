@@ -5,9 +5,9 @@ step (forward with labels, loss.backward()) timed with its sparse blocks run fou
   convert                       router and experts in shardmoe.MoE (shardmoe.hf.convert)
 
 Each candidate runs a model of its own with the same weights: three deep copies, and the model
-itself converted. A model shared by candidates (as the first three once shared one) measured 2-8%
-faster for the seam than a copy of its own in the same run (benchmarks/convert_gap.py,
-docs/benchmarks.md; the cause is not established), which had counted against `convert` alone.
+itself converted. A model shared by candidates measures 2-8% faster for the seam than a copy of its
+own in the same run (benchmarks/convert_gap.py, docs/benchmarks.md; the cause is not established),
+which would count against `convert` alone.
 The bench holds four models' weights and gradients.
 
 The model is the family's ForCausalLM (AutoModelForCausalLM.from_config on small_config: nothing is

@@ -205,8 +205,8 @@ def test_to_hf_state_dict_refuses_what_no_block_holds():
 
 
 def test_to_hf_state_dict_refuses_routers_no_family_computes():
-    """A state dict carries no options: these exported silently and loaded into blocks that route
-    otherwise (issue 25, item 2)."""
+    """A state dict carries no options: exported, these would load into blocks that route otherwise,
+    with no error."""
     cases = [
         (dict(n_group=2, topk_group=1), "n_group=2"),
         (dict(routed_scaling_factor=2.5), "routed_scaling_factor=2.5"),
@@ -229,9 +229,9 @@ def test_to_hf_state_dict_refuses_routers_no_family_computes():
 
 @pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "deepseek_v3", "gpt_oss"])
 def test_a_converted_model_saves_what_plain_transformers_loads(family, hf, tmp_path):
-    """save_pretrained of a converted model wrote '...moe.gate_up_proj' and the like, which
-    from_pretrained marked missing and initialised at random (issue 25, item 5): it now writes the
-    family's own entries, and a converted model loads either kind of state dict."""
+    """save_pretrained of a converted model writes the family's own entries (under the layer's names,
+    '...moe.gate_up_proj' and the like, from_pretrained would mark them missing and initialise them at
+    random), and a converted model loads either kind of state dict."""
     from transformers import AutoModelForCausalLM
 
     model = hf.convert(hf.small_model(family))

@@ -170,7 +170,8 @@ def _agreement_world() -> dict:
     out["t gates"] = _t_peers_gates_drift()
     out["gate per rank"] = _gate_seeded_per_rank()
     out["correction bias drift"] = {how: _correction_bias_drifts(how) for how in ("nudged", "local load")}
-    # with t=2 it was blamed on gate_weight (issue 25, item 7): the t-peers' routing check ran first
+    # with t=2 the t-peers' routing check sees the drift too and blames gate_weight: the correction
+    # bias's own check in the counts exchange must name it first
     out["correction bias drift"]["nudged, tp=2"] = _correction_bias_drifts("nudged", tp=2)
     out["router biases"] = {name: _router_biases_differ(name) for name in ("gate_bias", "correction_bias",
                                                                            "shared_down_proj", "shared_gate_weight")}

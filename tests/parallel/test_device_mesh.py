@@ -160,7 +160,8 @@ def _checkpoints(tmp: str) -> dict:
 def _fully_shard_refusals(job) -> dict:
     """fully_shard over an expert-parallel layer's shards where it cannot be right: on the layer over
     every rank, and on a module holding the layer over every rank. The forward's message, or None if
-    it ran (it used to train silently on mixed experts). Over 'dp' it composes: tests/parallel/test_fsdp.py."""
+    it ran (then it would train on mixed experts with no error). Over 'dp' it composes:
+    tests/parallel/test_fsdp.py."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -304,8 +305,8 @@ def test_expert_parallel_layer_under_autocast_computes_the_single_process_layer(
 
 def test_fully_shard_over_the_experts_is_refused_not_trained(world):
     """The experts are DTensors on the 'ep' mesh: fully_shard over every rank, of the layer or of a
-    module holding it, is refused by torch itself, before anything runs (plain shards had trained
-    silently on mixed experts)."""
+    module holding it, is refused by torch itself, before anything runs (plain shards would train on
+    mixed experts with no error)."""
     for out in world:
         refusals = out["fully_shard"]
         assert len(refusals) == 5

@@ -43,7 +43,7 @@ CASES = {
     "glu-k2-bias-clamped-remote": (dict(expert="glu", bias=True, activation="clamped_swiglu", swiglu_limit=1.5,
                                        router_bias=True, capacity_factor=0.8, aux_loss_coef=0.1), 2, 4, 10,
                                   dict(peers=2, ranks_per_node=1, block_m=3, block_n=4)),
-    # issue 10 item 4: sigmoid, group-limited, correction bias, a gated shared expert (beside the schedule)
+    # sigmoid, group-limited, correction bias, a gated shared expert (beside the schedule)
     "glu-k2-sigmoid-groups-shared": (dict(expert="glu", activation="silu", score_func="sigmoid", correction_bias=True,
                                           n_group=4, topk_group=2, routed_scaling_factor=2.5, aux_loss_coef=0.2,
                                           shared_ffn_size=10, shared_gate=True), 2, 8, 12,

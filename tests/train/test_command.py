@@ -127,7 +127,7 @@ def test_training_on_your_own_text_and_jsonl(tmp_path, capsys, monkeypatch, one_
     ({}, "x=2", "--mesh: expected"),
     ({}, "d=2,d=1", "--mesh: expected each axis at most once, got axis 'd' twice"),
     ({"model": {"vocab_size": 100}}, "", "model.vocab_size: expected at least the byte tokenizer's 257 ids"),
-    # issue 25, item 6: these crashed after the run had begun (step 1; an out-of-memory traceback)
+    # unchecked, these crash after the run has begun (step 1; an out-of-memory traceback)
     ({"val_fraction": 0.999}, "", "val_fraction: expected a fraction that leaves documents to train on"),
     ({"model": {"vocab_size": 10 ** 12}}, "", "model: expected a model that fits in this machine's"),
 ])

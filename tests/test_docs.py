@@ -1,0 +1,143 @@
+"""The docs describe the repository as it is: every repository path a doc names exists, every
+`python -m shardmoe...` module it runs exists, every section it cites by name ("docs/X.md,
+"Title"") is a heading or a bold lead of that doc, every link inside docs/ resolves, and no doc,
+comment or test cites the tracker ("issue 9") or narrates history ("today's", "used to").
+
+docs/history/ is a dated record and is not held to the present."""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+TRACKED_DIRS = ("shardmoe", "tests", "docs", "benchmarks", "examples")
+# the MoE core and its tests: their comments (tracker numbers, narration, section names they cite) are
+# rewritten with the core's restructuring, so these two checks leave them out
+MOE_CORE = ("shardmoe/moe/", "tests/moe/")
+
+
+def _repository_files() -> list[str]:
+    paths = [p.name for p in ROOT.iterdir() if p.is_file()]
+    for top in TRACKED_DIRS:
+        for path in (ROOT / top).rglob("*"):
+            if path.is_file() and "__pycache__" not in path.parts:
+                paths.append(path.relative_to(ROOT).as_posix())
+    return paths
+
+
+FILES = _repository_files()
+NAMES = set(FILES) | {"/".join(f.split("/")[:i]) for f in FILES for i in range(1, f.count("/") + 1)}
+
+
+def _docs() -> list[str]:
+    """The present-tense docs: docs/ outside docs/history/, and the READMEs."""
+    return sorted(f for f in FILES if f.endswith(".md") and not f.startswith("docs/history/")
+                  and (f.startswith("docs/") or f in ("README.md", "benchmarks/README.md")))
+
+
+def _exists(path: str) -> bool:
+    """path names a repository file or folder, from the root or from any folder (`moe/experts.py`,
+    `csrc/experts_mm.cpp` and `test_layer.py` are written relative to the folder a doc is about)."""
+    path = path.rstrip("/")
+    return any(name == path or name.endswith("/" + path) for name in NAMES)
+
+
+SOURCE_SUFFIXES = (".py", ".sh", ".cpp", ".md")
+
+
+def _looks_like_a_repository_path(token: str) -> bool:
+    """A source file (`x.py`, `moe/x.py`) or a path under a repository folder (`docs/gpu/...`);
+    placeholders (`DIR/...`), absolute paths, run outputs (`metrics.jsonl`) and slashed prose
+    (`dL/dx`, `peak/tf`) are not."""
+    if not re.fullmatch(r"[\w./-]+", token) or token.startswith(("/", "~", "-")) or ".." in token:
+        return False
+    if any(part.isupper() for part in re.split(r"[/.]", token) if part):
+        return False
+    return token.endswith(SOURCE_SUFFIXES) or token.split("/")[0] in TRACKED_DIRS and "/" in token
+
+
+def test_every_repository_path_a_doc_names_exists():
+    missing = []
+    for doc in _docs():
+        for token in re.findall(r"`([^`\n]+)`", (ROOT / doc).read_text()):
+            for word in token.split():
+                word = word.split("::")[0].rstrip(",;:)")
+                if _looks_like_a_repository_path(word) and not _exists(word):
+                    missing.append(f"{doc}: {word}")
+    assert not missing, "paths named in docs that the repository does not hold:\n" + "\n".join(missing)
+
+
+def test_every_module_a_doc_runs_exists():
+    missing = []
+    for doc in _docs():
+        for module in re.findall(r"-m (shardmoe(?:\.\w+)*)", (ROOT / doc).read_text()):
+            as_path = module.replace(".", "/")
+            if as_path + ".py" not in NAMES and as_path + "/__init__.py" not in NAMES:
+                missing.append(f"{doc}: python -m {module}")
+    assert not missing, "modules run in docs that do not exist:\n" + "\n".join(missing)
+
+
+def _titles(doc: str) -> list[str]:
+    """The headings and bold paragraph leads of a doc, without markdown."""
+    text = (ROOT / doc).read_text()
+    titles = [line.lstrip("#").strip() for line in text.splitlines() if line.startswith("#")]
+    titles += re.findall(r"^(?:- )?\*\*([^*]+)\*\*", text, re.M)
+    return [t.replace("`", "") for t in titles]
+
+
+def test_every_section_cited_by_name_exists():
+    """`docs/X.md, "Title"` (in docs, comments and tests) names a heading or bold lead of X.md."""
+    missing = []
+    cited_in = [f for f in FILES if f.endswith((".md", ".py", ".sh")) and not f.startswith("docs/history/")
+                and not f.startswith(MOE_CORE)]
+    for source in cited_in:
+        text = re.sub(r"\s*\n\s*(?:#\s*)?", " ", (ROOT / source).read_text(errors="replace"))
+        for doc, title in re.findall(r"(?:docs/)?([a-z][\w-]*\.md)[,:]? \(?\"([^\"]+)\"", text):
+            if not (ROOT / "docs" / doc).is_file():
+                continue
+            title = title.replace("`", "")
+            if not any(t.startswith(title) for t in _titles("docs/" + doc)):
+                missing.append(f'{source}: docs/{doc}, "{title}"')
+    assert not missing, "sections cited that their doc does not have:\n" + "\n".join(missing)
+
+
+def _anchor(title: str) -> str:
+    """GitHub's anchor for a heading: lower case, punctuation dropped, spaces to hyphens."""
+    return re.sub(r"[^\w\- ]", "", title.replace("`", "").strip().lower()).replace(" ", "-")
+
+
+def test_every_link_between_docs_resolves():
+    broken = []
+    for doc in _docs():
+        text = (ROOT / doc).read_text()
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if "://" in target:
+                continue
+            file, _, anchor = target.partition("#")
+            linked = (ROOT / doc).parent / file if file else ROOT / doc
+            if not linked.exists():
+                broken.append(f"{doc}: {target}")
+            elif anchor and linked.suffix == ".md":
+                anchors = {_anchor(line.lstrip("#")) for line in linked.read_text().splitlines()
+                           if line.startswith("#")}
+                if anchor not in anchors:
+                    broken.append(f"{doc}: {target}")
+    assert not broken, "links that lead nowhere:\n" + "\n".join(broken)
+
+
+TRACKER = re.compile(r"\bissues? #?\d+|\bitems? \d+(?:-\d+)? of (?:the )?issue", re.I)
+NARRATION = re.compile(r"\btoday's\b|(?<!\bis )(?<!\bare )(?<!\bbe )(?<!\bbeen )(?<!\bwas )(?<!\bwere )\bused to\b",
+                       re.I)
+
+
+def test_no_tracker_numbers_or_history_narration():
+    """The tracker is not in the repository and history lives in git: a reason is given in the
+    present tense ("without this check, X happens")."""
+    checked = [f for f in FILES if f.endswith((".md", ".py", ".sh", ".cpp", ".toml"))
+               and not f.startswith(("docs/history/", *MOE_CORE)) and f != "tests/test_docs.py"]
+    found = []
+    for path in checked:
+        for number, line in enumerate((ROOT / path).read_text(errors="replace").splitlines(), 1):
+            if TRACKER.search(line) or NARRATION.search(line):
+                found.append(f"{path}:{number}: {line.strip()}")
+    assert not found, "tracker numbers or history narration:\n" + "\n".join(found)
