@@ -13,7 +13,7 @@ Fused elementwise passes of the fused layer on CPU: one vectorised pass per stag
 
 The stage functions call these for float32 and bfloat16
 CPU tensors when `elementwise_available(...)` says so (the forward's CpuPasses allows them and the operands
-fit), and keep today's torch code for everything else (float64, other devices, activations not
+fit), and keep their torch code for everything else (float64, other devices, activations not
 listed in ACTIVATION_CODES, tensors under autograd):
 
   glu_forward    a = act(hg) * hu, and act(hg) when asked           h [N, 2F] -> [N, F]
@@ -25,16 +25,16 @@ listed in ACTIVATION_CODES, tensors under autograd):
   combine_pairs  the same sum as a gather over each token's rows    [N, D], [S, k] -> [S, D] float32
 
 Each reads every input element once, forms the math in float32 registers (bf16 is widened on load,
-as aten's own bf16 kernels do) and rounds into the output. Where today's torch path rounds a bf16
+as aten's own bf16 kernels do) and rounds into the output. Where the torch path rounds a bf16
 intermediate (act(hg) before the GLU product, dA * hu before act'), the kernels round it too: a
 single rounding measured more accurate on average (relative error 1.6e-3 against 2.3e-3 for the
 GLU product), but it moved individual results enough to push one bf16 check case past its bar
-(output error 0.011 -> 0.024 against 2e-2), and the bars were set on today's rounding. So the
-results are today's bits in bf16 and float32 (tests/moe/test_cpu_elementwise.py), except the row dots,
+(output error 0.011 -> 0.024 against 2e-2), and the bars hold the torch path's rounding. So the
+results are the torch path's bits in bf16 and float32 (tests/moe/test_cpu_elementwise.py), except the row dots,
 which add their float32 products in a different order (round-off only), and the activation
 closed forms, which follow aten's kernels but may differ in the last bit.
-docs/benchmarks.md ("Fused elementwise passes") has the measurements that chose C++ with ATen's
-vectorised types over torch.compile (Inductor) and oneDNN post-ops.
+docs/benchmarks.md ("What the figures settle on the CPU") has the measurements that chose C++ with
+ATen's vectorised types over torch.compile (Inductor) and oneDNN post-ops.
 
 Building: csrc/elementwise.cpp, with csrc/experts_mm.cpp (the side-by-side GEMMs) in the same
 library, is compiled once per machine, on first use, with the C++ compiler
@@ -62,7 +62,7 @@ The per-expert GEMMs on CPU side by side: one expert per intra-op thread (csrc/e
 
 Run one after another, each small GEMM splits its rows over every thread and pays their start and
 join; side by side, each on one thread, the experts' GEMMs ran 1.04-1.32x faster on 2 threads
-(docs/benchmarks.md). Experts holding a thread's share of the rows or more still run one at a time
+(docs/history/cpu-layer-choices.md). Experts holding a thread's share of the rows or more still run one at a time
 on all threads, so a skewed routing does not leave the work to one thread. Each GEMM is ATen's
 single-thread one; each output is written by one GEMM.
 
@@ -73,7 +73,7 @@ experts_mm splits an expert's rows into the blocks and the rest; experts_weight_
 reduction runs over the rows (a split would round dW_e twice), pads them to a block instead: the
 narrower operand copied with zero rows after its own, the wider read in place over the next
 experts' rows where those exist and are finite, copied zero-padded too where not
-(docs/benchmarks.md, "Issue 23: bounded bf16 GEMM shapes").
+(docs/benchmarks.md, "What the figures settle on the CPU").
 
 The library is the C++ passes' (one build, one fallback): where it cannot be built, and for what
 it does not take (one thread, float64, other devices, tensors under autograd), experts.py keeps its
@@ -85,7 +85,7 @@ directly, so torch.compile(fullgraph=True) traces them, as for the passes.
 Workspace: a per-layer pool of the large row buffers of the fused layer's forward and backward.
 
 Fresh CPU allocations of 32 MiB and more page-fault on every first touch (glibc maps them anew:
-docs/benchmarks.md), and a GEMM writing into such a buffer ran at a third of its speed. The row
+docs/history/cpu-layer-choices.md), and a GEMM writing into such a buffer ran at a third of its speed. The row
 buffers of one step ([N, 2F] h and its gradient, [N, F] a, act(hg), g Wdown, dA; [N, H] expert
 outputs) are therefore taken from blocks this pool keeps across steps.
 
@@ -404,7 +404,7 @@ def experts_weight_grad(grad_rows: torch.Tensor, in_rows: torch.Tensor, sizes: t
 
 # Below this a request is served by the allocator: glibc recycles small blocks itself, and a pool
 # block per small tensor would only add resident bytes (4 MiB: the size the per-expert outputs
-# that glibc reused were, docs/benchmarks.md).
+# that glibc reused were, docs/history/cpu-layer-choices.md).
 MIN_POOLED_BYTES = 4 << 20
 GROWTH = 1.25
 

@@ -56,8 +56,9 @@ def top_indices(values: torch.Tensor, k: int) -> torch.Tensor:
     a host read of the device every step. The key is the value's bits made monotonic (negative
     floats' magnitude bits flipped; -0 taken as +0 and every NaN as one NaN first) times 2^16, plus
     65535 - index. float64 (the CPU checks) has no room for the index in 64 bits: torch.topk of k + 1
-    first (4x faster than a full sort at E = 64 and k = 8), and the rows with equal neighbours among
-    those (a tie inside the top k or at its edge) or a NaN take the stable descending sort."""
+    first (faster than a full sort: measured 2.2x at E = 64 and k = 8, 4.1x at E = 256, at d1719a6),
+    and the rows with equal neighbours among those (a tie inside the top k or at its edge) or a NaN
+    take the stable descending sort."""
     width = values.shape[-1]
     if k >= width:
         return torch.sort(values, dim=-1, descending=True, stable=True).indices[..., :k]

@@ -129,8 +129,8 @@ def _chunked_backward(layer, forward, x, grad_out, how):
 @pytest.mark.parametrize("scheme", ["eager", "compile"])
 def test_two_backwards_through_one_forward_count_the_balance_losses_once(how, scheme):
     """L = sum(y g) + aux, with sum(y g) taken in two pieces: the pieces' gradients sum to L's, the
-    balance losses counted once (each backward through y used to add their gradient again: the
-    gate's gradient was off by aux's)."""
+    balance losses counted once (were each backward through y to add their gradient, the gate's
+    gradient would be off by aux's)."""
     layer = _layer(1.0)
     gen = torch.Generator().manual_seed(2)
     x = torch.randn(2, 9, H, generator=gen, dtype=torch.float64, requires_grad=True)

@@ -184,7 +184,7 @@ def test_kernels_fused_path_takes_the_clamp():
 
 def test_mixtral_exports_refuse_glu_biases_and_the_clamp():
     """Mixtral's experts have neither biases nor a clamp: exporting a layer or model that has them
-    raises (a biased glu layer used to export its weights and silently drop both biases)."""
+    raises (an export of a biased glu layer's weights alone would silently drop both biases)."""
     from shardmoe.model.mixtral import mixtral_config, to_mixtral_state_dict
     from shardmoe.model.transformer import TransformerConfig
 

@@ -1,4 +1,4 @@
-"""The fused CPU elementwise passes (shardmoe/moe/cpu.py): today's bits, float64 closed forms,
+"""The fused CPU elementwise passes (shardmoe/moe/cpu.py): the torch path's bits, float64 closed forms,
 bad input, the layer wiring, the fallback when the library cannot be built, and each pass as a torch
 operator (torch.library.opcheck)."""
 import shutil
@@ -30,7 +30,7 @@ def fused():
 
 
 def torch_path(monkeypatch, fn, *args):
-    """fn(*args) with the fused passes switched off (today's torch code)."""
+    """fn(*args) with the fused passes switched off (the torch code)."""
     with monkeypatch.context() as m:
         m.setattr(SETTINGS, "fused_elementwise", False)
         return fn(*args)
@@ -79,7 +79,7 @@ def test_glu_passes_give_todays_bits(fused, monkeypatch, dtype, activation):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_combine_side_passes(fused, monkeypatch, dtype):
-    """scale_rows, combine_rows (with and without weights), grouped_bias_grad: today's bits;
+    """scale_rows, combine_rows (with and without weights), grouped_bias_grad: the torch path's bits;
     rowwise_dot: float32 round-off of a float64 dot of the same (rounded) operands."""
     rows, other, weight = operands(dtype)
     rows = rows[:, :other.shape[1]]

@@ -87,8 +87,8 @@ NOT_TWICE = r"FusedMoE\.backward: the fused MoE backward is not twice differenti
 
 @pytest.mark.parametrize("expert", ["glu", "mlp"])
 def test_double_backward_raises_instead_of_a_wrong_second_derivative(expert):
-    """A gradient penalty through the layer used to give wrong second derivatives ("mlp") or an
-    out= error ("glu"). The first-order gradients under create_graph=True are unchanged; a second
+    """A gradient penalty through the layer has no correct second derivative (the backward is not
+    built from autograd ops), so it raises. The first-order gradients under create_graph=True are unchanged; a second
     backward through them, whether taken from x's gradient or a weight's, raises a clear error."""
     layer = _layer(expert=expert, bias=expert == "mlp")
     weight = layer.gate_up_proj if expert == "glu" else layer.w1

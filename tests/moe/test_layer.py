@@ -117,8 +117,8 @@ def test_mixtral_state_dict_round_trip_and_overrides():
 
 @pytest.mark.parametrize("expert", ["glu", "mlp"])
 def test_copies_after_a_forward_start_fresh_and_leave_aux_loss_trainable(expert):
-    """deepcopy (EMA), AveragedModel, pickling and state_dict used to fail after any forward,
-    because the non-leaf aux_loss was kept on the module."""
+    """deepcopy (EMA), AveragedModel, pickling and state_dict work after a forward: the non-leaf
+    aux_loss kept on the module would make them fail, so a copy starts without it."""
     import copy
     import io
 
@@ -147,7 +147,8 @@ def test_copies_after_a_forward_start_fresh_and_leave_aux_loss_trainable(expert)
 
 @pytest.mark.parametrize("factor", [1e308, 2.0])
 def test_capacity_factor_keeping_every_pair_caps_capacity_at_the_token_count(factor):
-    """A factor >= E / k keeps every pair; 1e308 used to pass validation and overflow at forward."""
+    """A factor >= E / k keeps every pair, so 1e308 is accepted and the capacity is S (the formula
+    S / E * cf * k would overflow to inf)."""
     layer = shardmoe.MoE(8, 6, 4, 2, capacity_factor=factor, dtype=torch.float64)
     dropless = shardmoe.MoE(8, 6, 4, 2, dtype=torch.float64)
     dropless.load_state_dict(layer.state_dict())

@@ -66,10 +66,10 @@ inline void store(const Pair& v, BFloat16* p, int64_t n) {
   auto packed = at::vec::convert_from_float<BFloat16>(v.lo, v.hi);  // round to nearest even, once
   n >= kStep ? packed.store(p) : packed.store(p, n);
 }
-// the value rounded to T and widened back: where today's torch path rounds a bf16 intermediate
+// the value rounded to T and widened back: where the torch path rounds a bf16 intermediate
 // (act(hg) before the GLU product, dA * hu before act'), the fused pass rounds it too, so both
 // paths give the same bits (a single rounding is more accurate on average, but moves individual
-// results, and the check matrix's bf16 bars were set on today's)
+// results, and the check matrix's bf16 bars hold the torch path's)
 inline Pair round_to(const Pair& v, const float*) { return v; }
 inline Pair round_to(const Pair& v, const BFloat16*) {
   auto [lo, hi] = at::vec::convert_to_float<BFloat16>(at::vec::convert_from_float<BFloat16>(v.lo, v.hi));

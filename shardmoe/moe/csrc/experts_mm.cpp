@@ -4,7 +4,7 @@
 // A layer with many experts runs many small GEMMs (fine: 64 experts x 6 GEMMs of ~512 rows). Run
 // one after another, each splits its rows over all threads, and every GEMM pays the threads'
 // start and join; run side by side, one thread per expert, they don't: measured 1.04-1.32x
-// (docs/benchmarks.md). Experts too large for one thread's share (rows >= total / threads) still
+// (docs/history/cpu-layer-choices.md). Experts too large for one thread's share (rows >= total / threads) still
 // run one at a time on every thread, first, so a skewed routing is never left to one thread.
 // The rest are taken largest first from a shared counter by whichever thread is free.
 //
