@@ -11,7 +11,7 @@ a few minutes per shape.
 import argparse
 
 from shardmoe.gpu_check.static import WORKLOADS
-from shardmoe.kernels import compiled
+from shardmoe.gpu_check import compiled
 
 
 def main() -> None:

@@ -251,7 +251,7 @@ def test_static_every_gemm_kernel_has_tensor_core_mma_and_no_spills(static_run):
 
 
 def compiled_gemms():
-    from shardmoe.kernels.compiled import GEMM_KERNELS
+    from shardmoe.gpu_check.compiled import GEMM_KERNELS
 
     return GEMM_KERNELS
 

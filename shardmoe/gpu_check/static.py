@@ -1,6 +1,6 @@
 """Stage static: every kernel a layer step launches, compiled for an H100 on this machine (no GPU
 needed), with its registers, spills, shared memory and HGMMA / TMA instruction counts
-(shardmoe/kernels/compiled.py).
+(shardmoe/gpu_check/compiled.py).
 
 For each workload (WORKLOADS: the bench's two glu shapes, and an mlp and a GPT-OSS-like biased glu
 for the other kernel variants) one forward and backward of the Triton backend is traced on meta
@@ -64,7 +64,7 @@ WORKLOADS = (
 
 def compile_workloads() -> dict:
     """{"kernels": rows, ...} of every kernel WORKLOADS launch, or {"skipped": why}."""
-    from shardmoe.kernels import compiled
+    from shardmoe.gpu_check import compiled
 
     tools, why = compiled.toolchain()
     if tools is None:
@@ -82,7 +82,7 @@ def compile_workloads() -> dict:
 
 def problems(result: dict) -> list[str]:
     """Every GEMM kernel compiled, each row with HGMMA and without spills."""
-    from shardmoe.kernels.compiled import GEMM_KERNELS
+    from shardmoe.gpu_check.compiled import GEMM_KERNELS
 
     rows = result["kernels"]
     found = []

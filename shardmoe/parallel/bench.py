@@ -29,8 +29,8 @@ import time
 import torch
 import torch.distributed as dist
 
-import shardmoe
 from shardmoe.mesh import Mesh, parse_mesh
+from shardmoe.moe.layer import MoE
 from shardmoe.parallel.exchange import shared_exchange
 from shardmoe.parallel.expert_parallel import PHASES
 
@@ -110,7 +110,7 @@ def _bench(args, mesh_sizes: dict, dtype_name: str) -> dict:
     layers = {}
     for path, mesh in layer_meshes.items():
         torch.manual_seed(0)  # the same whole weights on every rank and for every path
-        layers[path] = shardmoe.MoE(H, F, E, k, mesh=mesh, dtype=dtype, device=device)
+        layers[path] = MoE(H, F, E, k, mesh=mesh, dtype=dtype, device=device)
     # Tokens differ per token-parallel rank and are alike along 't'.
     gen = torch.Generator().manual_seed(1000 + next(iter(meshes.values())).coord(("d", "e")))
     x = torch.randn(S, H, generator=gen).to(dtype=dtype, device=device)
