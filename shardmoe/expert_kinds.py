@@ -13,7 +13,7 @@ Both have the same four parameters under their own names: an up projection [E, U
 [E, U] (U = 2F for "glu", P for "mlp"), a down projection [E, H, F or P] and its bias [E, H].
 MoEConfig.expert names the kind and config.kind is its object (GLU or MLP), which the stage
 functions take. A kind holds its names, whole and shard shapes, accepted activations and what its
-forward saves. The kernels (kernels/experts.py) need only these, and import nothing of moe/, so
+forward saves. The kernels (kernels/stages.py) need only these, and import nothing of moe/, so
 this module is a leaf; it therefore holds no stage function itself: where the computation differs,
 each backend has one function per kind beside its other stage functions (moe/experts.py,
 moe/triton_backend.py, the tile bodies of tasks/kernels.py), looked up by these two objects.

@@ -1,7 +1,7 @@
 """Triton kernels for the fused MoE layer's CUDA path.
 
 shardmoe/moe/backends.py picks the implementation once per forward: its Triton backend
-(shardmoe/moe/triton_backend.py, over shardmoe.kernels.experts and .combine) when
+(shardmoe/moe/triton_backend.py, over shardmoe.kernels.stages and .combine) when
 fused_path(config, x) says so (see docs/kernels.md for the map). This module itself
 never imports triton unless a kernel runs, so CPU-only installs without triton import it
 freely.

@@ -121,7 +121,7 @@ def check_own_shards(layer) -> None:
 
 def state_entries(layer, state_dict: dict, prefix: str, local_metadata) -> None:
     """state_dict post-hook: each routed or shared expert parameter's entry is the whole logical
-    tensor, the same on every mesh (moe/dispatch.py Placement.state_entry): gate_up_proj as its
+    tensor, the same on every mesh (moe/placement.py Placement.state_entry): gate_up_proj as its
     [E, 2, F, H] view ([E, 2, F] for its bias, [2, Fs, H] for the shared expert's), and with a mesh
     that splits it a DTensor over the mesh's DeviceMesh (Shard(0) over 'ep' for the experts,
     Shard on the F dim over 'tp', Replicate over 'dp') sharing this rank's shard, so that

@@ -167,7 +167,7 @@ def _activation(block) -> str:
     return by_hf_name[act]
 
 
-# -- layouts shared by MoE.from_hf (moe/hf_convert.py) and the experts seam (shardmoe/hf/experts.py)
+# -- layouts shared by MoE.from_hf (moe/hf_convert.py) and the experts seam (shardmoe/hf/seam.py)
 
 
 def _act_fn_names() -> dict:

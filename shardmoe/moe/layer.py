@@ -46,7 +46,7 @@ from shardmoe.moe import shared_experts as shared_ex
 from shardmoe.moe.config import MoEConfig
 from shardmoe.mesh import EXPERT, GRAD_SYNC_ATTRIBUTE, REPLICATED, as_mesh, mark_grad_sync
 from shardmoe.moe import composition, ops, precision
-from shardmoe.moe.dispatch import placement
+from shardmoe.moe.placement import placement
 from shardmoe.moe.function import MoEContext
 from shardmoe.moe.routing import GateRouter, check_mixtral_router, corrected_bias, token_sequence_ids
 from shardmoe.moe.cpu import Workspace

@@ -1,7 +1,7 @@
 """The Triton backend: the Backend protocol (moe/backends.py) over the kernels of shardmoe/kernels.
 
 backends.select picks it when kernels.fused_path(config, x). Its gathered entry points are the
-fused ones the local dispatcher calls: kernels.experts.expert_forward_combine for the forward and
+fused ones the local dispatcher calls: kernels.stages.expert_forward_combine for the forward and
 this module's expert_backward with row_index for the backward; expert parallelism's expert side
 calls expert_forward / expert_backward on dispatched rows. Routing, the
 balance losses and stage 6 stay in torch (moe/routing.py) on every path.
@@ -16,14 +16,14 @@ backward reads the same context whichever path the forward took.
 
 Backward, same contract as moe.experts.expert_backward (dx rows [N, H], gate dots dw [N] in the
 acc dtype, {parameter: gradient}):
-  "glu"  SonicMoE's data flow (kernels.experts.glu_backward): the GEMM dA' = g Wdown_e forms, in
+  "glu"  SonicMoE's data flow (kernels.stages.glu_backward): the GEMM dA' = g Wdown_e forms, in
          its epilogue, the gate dots dw = (g Wdown_e) . a (+ g . bdown_e), dh = dSwiGLU(w dA', h)
          and a' = w a; then plain grouped GEMMs: dWdown = sum g^T a', dWgu = sum dh^T x (both
          varlen-K: each expert's rows are the reduction), dx = dh Wgu; dbdown = sum w g and
          dbgu = sum dh come from the tiles of the weight-gradient GEMMs
   "mlp"  stages 1 + 2 in one pass over g (dz2 = w g act_out'(z2) and dw = g . act_out(z2)), then
          dz1 = (dz2 W2_e) act'(z1) with the derivative in that GEMM's epilogue, and plain grouped
-         GEMMs for dW2, dW1 (varlen-K) and dx (kernels.experts.mlp_backward)
+         GEMMs for dW2, dW1 (varlen-K) and dx (kernels.stages.mlp_backward)
   then stage 5, dx_t = sum over the token's kept rows of dx_r, a gather-and-sum like the forward's.
 With row_index [N] (the fused layer), the gradient and input arguments are the token-order [S, H]
 tensors and the kernels read row r from row row_index[r]: grad_out[row_token] and x[row_token] are
@@ -48,7 +48,7 @@ import torch
 
 from shardmoe.expert_kinds import GLU, MLP, ExpertKind
 from shardmoe.kernels import combine as kernel_combine
-from shardmoe.kernels import experts as kernel_experts
+from shardmoe.kernels import stages as kernel_stages
 from shardmoe.moe.activations import activate
 from shardmoe.moe.cpu import CpuPasses
 from shardmoe.rows import Groups
@@ -72,12 +72,12 @@ def expert_backward(kind: ExpertKind, activation, output_activation: str, grad_r
 
 def _glu_backward(activation, output_activation, grad_rows, weight_rows, xs, saved, params, groups, row_index):
     (h,) = saved
-    return kernel_experts.glu_backward(grad_rows, weight_rows, xs, h, params, groups, activation, row_index=row_index)
+    return kernel_stages.glu_backward(grad_rows, weight_rows, xs, h, params, groups, activation, row_index=row_index)
 
 
 def _mlp_backward(activation, output_activation, grad_rows, weight_rows, xs, saved, params, groups, row_index):
     z1, z2 = saved
-    return kernel_experts.mlp_backward(grad_rows, weight_rows, xs, z1, z2, activate(activation, z1), params, groups,
+    return kernel_stages.mlp_backward(grad_rows, weight_rows, xs, z1, z2, activate(activation, z1), params, groups,
                                        activation, output_activation, row_index=row_index)
 
 
@@ -94,7 +94,7 @@ class TritonBackend:
     passes = NO_CPU_PASSES
 
     def expert_forward(self, kind, activation, output_activation, xs, params, groups):
-        return kernel_experts.expert_forward(kind, activation, output_activation, xs, params, groups)
+        return kernel_stages.expert_forward(kind, activation, output_activation, xs, params, groups)
 
     def expert_backward(self, kind, activation, output_activation, grad_rows, weight_rows, xs, saved, params,
                         groups):
@@ -103,7 +103,7 @@ class TritonBackend:
 
     def gathered_forward(self, kind, activation, output_activation, x, row_token, weight_rows, row_pair, top_k,
                          params, groups):
-        return kernel_experts.expert_forward_combine(kind, activation, output_activation, x, row_token,
+        return kernel_stages.expert_forward_combine(kind, activation, output_activation, x, row_token,
                                                      weight_rows, row_pair, params, groups, top_k)
 
     def gathered_backward(self, kind, activation, output_activation, grad_out, weight_rows, x, row_token, saved,

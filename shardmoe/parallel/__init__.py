@@ -10,7 +10,7 @@ within a node, collectives across nodes), symmetric_heap (the shared memory), ex
 consistency (ranks that must agree: settings, t-peers' tokens, replicated parameters), bench (the
 distributed benchmark). docs/parallel.md has the decisions.
 """
-from shardmoe.moe.dispatch import register_mesh_placement
+from shardmoe.moe.placement import register_mesh_placement
 from shardmoe.parallel.consistency import RankMismatchError
 from shardmoe.parallel.expert_parallel import ExpertParallel, MeshPlacement
 from shardmoe.parallel.sync import clip_grad_norm_, mark_grad_sync, sync_grads

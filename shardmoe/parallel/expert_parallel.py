@@ -45,7 +45,8 @@ import torch
 from shardmoe import shardops
 from shardmoe.moe.activations import activate
 from shardmoe.moe.config import MoEConfig
-from shardmoe.moe.dispatch import LOCAL, whole_entry
+from shardmoe.moe.dispatch import LOCAL
+from shardmoe.moe.placement import whole_entry
 from shardmoe.moe.routing import Routing
 from shardmoe.notation import MESH_AXES
 from shardmoe.parallel import consistency
@@ -180,7 +181,7 @@ class ExpertParallel:
 
 
 class MeshPlacement:
-    """A layer's placement on a mesh (moe/dispatch.py's Placement): experts split over 'e' in
+    """A layer's placement on a mesh (moe/placement.py's Placement): experts split over 'e' in
     contiguous blocks and their intermediate dim over 't' (expert_tensor), the expert-parallel
     dispatcher when the mesh has more than one rank. Refuses a layout the mesh cannot split, before
     any communication."""

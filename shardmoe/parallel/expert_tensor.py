@@ -42,7 +42,7 @@ import torch
 
 from shardmoe import shardops
 from shardmoe.expert_kinds import GLU, MLP
-from shardmoe.moe.dispatch import PACKED, packed, unpacked
+from shardmoe.moe.placement import PACKED, packed, unpacked
 from shardmoe.notation import parse_spec
 from shardmoe.parallel import dtensors
 
@@ -109,7 +109,7 @@ def gather_expert_param(name: str, local: torch.Tensor, mesh) -> torch.Tensor:
 
 def state_entry(name: str, local: torch.Tensor, mesh) -> torch.Tensor:
     """The state-dict entry of expert parameter `name` from this rank's shard `local`: its packed
-    view (moe/dispatch.py: gate_up_proj as [E, 2, F, H]) as the whole tensor of its packed shard
+    view (moe/placement.py: gate_up_proj as [E, 2, F, H]) as the whole tensor of its packed shard
     spec, a DTensor when the mesh splits it (shardmoe/parallel/dtensors.py), else the plain view
     (a distributed checkpoint takes a plain tensor for a replicated one). Shares local's storage."""
     return dtensors.whole(SHARD_SPECS[name][1], packed(name, local), mesh)

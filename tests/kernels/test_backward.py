@@ -10,7 +10,7 @@ if not triton_importable():
     pytest.skip("triton cannot be imported; install triton==3.9.0 to run the kernel tests", allow_module_level=True)
 
 from shardmoe.expert_kinds import GLU, MLP  # noqa: E402
-from shardmoe.kernels import experts as kex  # noqa: E402
+from shardmoe.kernels import stages as kex  # noqa: E402
 from shardmoe.kernels.down_grad import down_grad  # noqa: E402
 from shardmoe.moe import backends  # noqa: E402
 from shardmoe.moe import combine as comb  # noqa: E402

@@ -16,7 +16,7 @@ if not triton_importable():
     pytest.skip("triton cannot be imported; install triton==3.9.0 to run the kernel tests", allow_module_level=True)
 
 from shardmoe.kernels import combine as kcomb  # noqa: E402
-from shardmoe.kernels import experts as kex  # noqa: E402
+from shardmoe.kernels import stages as kex  # noqa: E402
 from shardmoe.moe.config import MoEConfig  # noqa: E402
 from shardmoe.moe.experts import Groups  # noqa: E402
 from shardmoe.moe.dispatch import LOCAL  # noqa: E402

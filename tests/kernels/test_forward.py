@@ -8,7 +8,7 @@ if not triton_importable():
     pytest.skip("triton cannot be imported; install triton==3.9.0 to run the kernel tests", allow_module_level=True)
 
 from shardmoe.expert_kinds import GLU, expert_kind  # noqa: E402
-from shardmoe.kernels import experts as kex  # noqa: E402
+from shardmoe.kernels import stages as kex  # noqa: E402
 from shardmoe.moe import combine as comb  # noqa: E402
 from shardmoe.moe import experts as ex  # noqa: E402
 from shardmoe.moe.activations import ClampedSwiGLU  # noqa: E402

@@ -1,4 +1,4 @@
-"""transformers' experts seam (experts_implementation="shardmoe", shardmoe/hf/experts.py) on the
+"""transformers' experts seam (experts_implementation="shardmoe", shardmoe/hf/seam.py) on the
 kernel path: the seam runs the layer's own MoE operators, whose backends.select picks the Triton
 backend for float32 tensors (here on CPU, forced, in Triton's interpreter).
 
