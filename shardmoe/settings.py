@@ -1,11 +1,18 @@
 """The switches that choose between shardmoe's implementations, in one object.
 
 Each is read once from its environment variable when shardmoe is imported (a value of 0 turns it
-off) and may be changed for a block of code with override(), for ablations and benchmarks:
+off) and may be changed for a block of code with override(). Each stays for the measurement named
+beside it, which needs the other side to compare against:
 
-  kernels            SHARDMOE_KERNELS            the Triton backend on CUDA (moe/backends.py)
-  experts_mm         SHARDMOE_EXPERTS_MM         the experts' GEMMs side by side on CPU (moe/cpu.py)
-  fused_elementwise  SHARDMOE_FUSED_ELEMENTWISE  the C++ elementwise passes on CPU (moe/cpu.py)
+  kernels            SHARDMOE_KERNELS            the Triton backend on CUDA (moe/backends.py); the GPU
+                                                 check's bench and sweep time it against the torch path
+                                                 (docs/gpu.md)
+  experts_mm         SHARDMOE_EXPERTS_MM         the experts' GEMMs side by side on CPU (moe/cpu.py); the
+                                                 layer bench's =0 / =1 pair measured it (docs/benchmarks.md,
+                                                 "What the figures settle on the CPU")
+  fused_elementwise  SHARDMOE_FUSED_ELEMENTWISE  the C++ elementwise passes on CPU (moe/cpu.py); off, the
+                                                 torch code the passes are held to bit for bit
+                                                 (tests/moe/test_cpu_elementwise.py)
   autotune           SHARDMOE_AUTOTUNE           the Triton kernels try every tile config on a new shape;
                                                  off, each takes its first (kernels/tuning.py): for
                                                  checks at many small shapes, where compiling dominates;
