@@ -63,11 +63,19 @@ def load_columns(tokens_per_expert: list[torch.Tensor]) -> dict:
 
 
 def read_metrics(out_dir: str | Path, up_to: int) -> list[dict]:
-    """The rows of DIR/metrics.jsonl with step <= up_to ([] when there is no file).
+    """The rows of DIR/metrics.jsonl with step <= up_to (read_rows)."""
+    return read_rows(metrics_path(out_dir), up_to)
 
-    An unterminated, unparsable final line (a torn row) is dropped with a warning; any other
-    unparsable line raises ValueError naming the file and line."""
-    path = metrics_path(out_dir)
+
+def write_metrics(out_dir: str | Path, rows: list[dict]) -> None:
+    """Replace DIR/metrics.jsonl with `rows` (write_rows)."""
+    write_rows(metrics_path(out_dir), rows)
+
+
+def read_rows(path: Path, up_to: int) -> list[dict]:
+    """The rows of a run's JSONL file (one JSON object per line, each with a "step") with step <=
+    up_to ([] when there is no file). An unterminated, unparsable final line (a torn row) is
+    dropped with a warning; any other unparsable line raises ValueError naming the file and line."""
     if not path.is_file():
         return []
     text = path.read_text(encoding="utf-8", errors="replace")
@@ -87,9 +95,8 @@ def read_metrics(out_dir: str | Path, up_to: int) -> list[dict]:
     return [r for r in rows if r["step"] <= up_to]
 
 
-def write_metrics(out_dir: str | Path, rows: list[dict]) -> None:
-    """Replace DIR/metrics.jsonl with `rows` atomically (write a temporary file, then rename)."""
-    path = metrics_path(out_dir)
+def write_rows(path: Path, rows: list[dict]) -> None:
+    """Replace a run's JSONL file with `rows` atomically (a temporary file, then a rename)."""
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
     os.replace(tmp, path)

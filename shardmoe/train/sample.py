@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from shardmoe.model.transformer import Transformer
+from shardmoe.train.metrics import read_rows, write_rows
 from shardmoe.train.tokenizer import Tokenizer
 
 SAMPLES_FILE = "samples.jsonl"
@@ -82,27 +83,11 @@ class SampleLog:
 
 
 def read_samples(out_dir: str | Path, up_to: int) -> list[dict]:
-    """The rows of DIR/samples.jsonl with step <= up_to ([] without the file). A torn last line
-    (a kill mid-write) is dropped; any other unparsable line is a ValueError naming it."""
-    path = samples_path(out_dir)
-    if not path.is_file():
-        return []
-    lines = path.read_text(encoding="utf-8", errors="replace").split("\n")
-    rows = []
-    for number, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError as err:
-            if number < len(lines):  # followed by a newline: not torn
-                raise ValueError(f"{path}: line {number} is not a JSON row ({err})") from None
-    return [r for r in rows if r["step"] <= up_to]
+    """The rows of DIR/samples.jsonl with step <= up_to (metrics.read_rows: [] without the file, a
+    torn last line dropped with a warning, any other unparsable line a ValueError naming it)."""
+    return read_rows(samples_path(out_dir), up_to)
 
 
 def write_samples(out_dir: str | Path, rows: list[dict]) -> None:
-    """Replace DIR/samples.jsonl with `rows` (a temporary file, then a rename)."""
-    path = samples_path(out_dir)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
-    os.replace(tmp, path)
+    """Replace DIR/samples.jsonl with `rows` (metrics.write_rows)."""
+    write_rows(samples_path(out_dir), rows)
