@@ -31,8 +31,8 @@ pass activations and gradients between stages). So a layer built on the Mesh, it
 and its handshakes, involve one stage's ranks only; ``world_size`` is the whole job's.
 
 The process groups are the DeviceMesh's own: one dim's group for one live axis, the DeviceMesh's
-flattened sub-mesh for several (the world group when they span every rank of the job). They are
-built once, in the constructor, because creating a group is a collective that every rank of the
+flattened sub-mesh for several (the world group when they span every rank of the job), each with
+the default group's timeout (group_options). They are built once, in the constructor, because creating a group is a collective that every rank of the
 job must enter in the same order. The one exception, ordered_device_mesh (a DeviceMesh of the same
 ranks in another dim order, for DTensors of specs like 'M/t/d'), is built on first request: its
 callers ask while every rank builds the same model (shardmoe/parallel/dtensors.py prepare).
@@ -111,11 +111,10 @@ class Mesh:
 
             device_type = "cuda" if "nccl" in str(dist.get_backend()) else "cpu"
             names = tuple(DEVICE_MESH_NAMES[a] for a in MESH_AXES)
-            if pp == 1:
-                device_mesh = init_device_mesh(device_type, (dp, ep, tp), mesh_dim_names=names)
-            else:
-                root = init_device_mesh(device_type, (pp, dp, ep, tp), mesh_dim_names=(PIPELINE_NAME,) + names)
-                device_mesh = root[names]
+            shape, dims = ((dp, ep, tp), names) if pp == 1 else ((pp, dp, ep, tp), (PIPELINE_NAME,) + names)
+            built = init_device_mesh(device_type, shape, mesh_dim_names=dims,
+                                     backend_override=dict.fromkeys(range(len(dims)), group_options(device_type)))
+            device_mesh, root = (built, None) if pp == 1 else (built[names], built)
         self._setup({"d": dp, "e": ep, "t": tp}, list(range(stage * stage_size, (stage + 1) * stage_size)), rank,
                     world_size, ranks_per_node, device_mesh)
         self._root = root
@@ -194,7 +193,8 @@ class Mesh:
         # does not depend on it, and shardops maps group ranks to blocks by coord()
         names = self.device_mesh.mesh_dim_names
         dims = tuple(n for n in names if n in {DEVICE_MESH_NAMES[a] for a in live})
-        return self.device_mesh[dims]._flatten().get_group()
+        options = group_options(self.device_mesh.device_type)
+        return self.device_mesh[dims]._flatten(backend_override=options).get_group()
 
     # -- sizes and coordinates ---------------------------------------------------------------
 
@@ -258,17 +258,15 @@ class Mesh:
             from torch.distributed.device_mesh import DeviceMesh
 
             names = tuple(DEVICE_MESH_NAMES[a] for a in order)
-            if self._root is None:
-                own = self.device_mesh.mesh_dim_names
-                permutation = [own.index(n) for n in names]
-                self._ordered[order] = DeviceMesh(self.device_mesh.device_type,
-                                                  self.device_mesh.mesh.permute(permutation), mesh_dim_names=names)
-            else:  # the whole job's mesh with its stage dims permuted (every stage builds it), then this stage
-                own = self._root.mesh_dim_names
-                permutation = [0] + [own.index(n) for n in names]
-                whole = DeviceMesh(self._root.device_type, self._root.mesh.permute(permutation),
-                                   mesh_dim_names=(PIPELINE_NAME,) + names)
-                self._ordered[order] = whole[names]
+            base = self.device_mesh if self._root is None else self._root
+            own = base.mesh_dim_names
+            # the whole job's mesh with its stage dims permuted when pipelined (every stage builds it),
+            # then this rank's stage of it
+            permutation = ([] if self._root is None else [0]) + [own.index(n) for n in names]
+            dims = names if self._root is None else (PIPELINE_NAME,) + names
+            built = DeviceMesh(base.device_type, base.mesh.permute(permutation), mesh_dim_names=dims,
+                               backend_override=(group_options(base.device_type),) * len(dims))
+            self._ordered[order] = built if self._root is None else built[names]
         return self._ordered[order]
 
     def group(self, axes: Axes) -> dist.ProcessGroup | None:
@@ -331,6 +329,18 @@ def as_mesh(mesh) -> Mesh | None:
             return Mesh.from_device_mesh(mesh)
     raise ValueError(f"mesh: expected None, a shardmoe.Mesh or a torch.distributed.device_mesh.DeviceMesh, "
                      f"got {type(mesh).__name__}")
+
+
+def group_options(device_type: str) -> tuple[str, object]:
+    """(backend, options) for the process groups a Mesh creates: the default group's backend and
+    timeout. A DeviceMesh's groups otherwise wait torch's default (30 minutes for gloo) whatever
+    timeout the job gave init_process_group, and a peer that failed would hold its partners that long."""
+    import torch
+
+    backend = dist.distributed_c10d._get_default_group()._get_backend(torch.device(device_type))
+    options = type(backend.options)()
+    options._timeout = backend.options._timeout
+    return ("nccl" if device_type == "cuda" else "gloo"), options
 
 
 def _ranks_per_node(ranks_per_node: int | None, world_size: int) -> int:
