@@ -13,9 +13,11 @@ Each runs one full backward per micro-batch and stage (torch.autograd.backward f
 outputs), so the MoE layer's explicit backward, its balance-loss gradient (applied once per
 forward) and its collectives run once per micro-batch, as without a pipeline. torch's zero-bubble
 schedules (ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble, ScheduleDualPipeV) split each
-backward into an input pass and a later weight pass through the same graph, which the MoE layer's
-fused backward (input and weight gradients in one operator, with its collectives) does not
-divide: they are not offered.
+backward into an input pass and a later weight pass through the same graph; on the Transformer's
+stages the input pass fails in torch (stage_backward_input: "Can't detach views in-place"), and the
+MoE layer's backward computes its input and weight gradients in one operator, with its
+collectives, so a split would run it twice. They are refused by name (ZERO_BUBBLE;
+tests/parallel/test_pipeline.py runs ScheduleInterleavedZeroBubble to show the failure).
 
 Every stage is built with its input and output shapes (PipelineStage's static metadata), so no
 stage runs a shape-inference forward: a MoE layer's forward is collective over its stage's mesh
@@ -41,6 +43,8 @@ from shardmoe.parallel.exchange import ExchangeError
 from shardmoe.parallel.symmetric_heap import PeerExitedError, PeerTimeoutError
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
+# torch's schedules that split each backward into an input and a weight pass (module docstring)
+ZERO_BUBBLE = ("interleaved-zero-bubble", "zbv-zero-bubble", "dualpipev")
 
 
 class PipelineError(RuntimeError):
@@ -49,6 +53,10 @@ class PipelineError(RuntimeError):
 
 def check_schedule_settings(name: str, stages_per_rank: int) -> None:
     """ValueError naming the setting for an unknown schedule or a stage count it does not run."""
+    if name in ZERO_BUBBLE:
+        raise ValueError(f"pipeline_schedule: {name!r} splits each backward into an input and a weight pass, which "
+                         "the MoE layer's one-operator backward does not divide (torch fails on these stages: \"Can't "
+                         f"detach views in-place\"); expected one of {', '.join(SCHEDULES)}")
     if name not in SCHEDULES:
         raise ValueError(f"pipeline_schedule: expected one of {', '.join(SCHEDULES)}, got {name!r}")
     if isinstance(stages_per_rank, bool) or not isinstance(stages_per_rank, int) or stages_per_rank < 1:

@@ -1,10 +1,14 @@
 """The pipeline schedules' checks and error translation, on one process (the schedules themselves
-run in the spawned worlds of tests/train/test_pipeline.py)."""
+run in the spawned worlds of tests/train/test_pipeline.py); and, on 2 ranks, why the zero-bubble
+schedules are refused: torch's ScheduleInterleavedZeroBubble fails on the Transformer's stages."""
 import pytest
+import torch
 import torch.distributed as dist
 
 from shardmoe.parallel.exchange import ExchangeError
 from shardmoe.parallel.pipeline import PipelineError, check_agreement, check_schedule, run_step
+from shardmoe.testing import run_distributed
+from shardmoe.testing.distributed import RankFailed
 
 
 @pytest.mark.parametrize("name, pipeline, per_rank, microbatches, message", [
@@ -14,6 +18,8 @@ from shardmoe.parallel.pipeline import PipelineError, check_agreement, check_sch
     ("1f1b", 4, 1, 3, r"grad_accum_steps: expected at least p = 4 micro-batches for 1f1b"),
     ("interleaved-1f1b", 2, 2, 5, r"grad_accum_steps: expected a multiple of max\(1, grad_accum_steps // p\) = 2"),
     ("gpipe", 2, True, 2, r"stages_per_rank: expected an int >= 1, got True"),
+    ("interleaved-zero-bubble", 2, 2, 2, r"pipeline_schedule: 'interleaved-zero-bubble' splits each backward into an "
+                                         r"input and a weight pass"),
 ])
 def test_schedules_torch_cannot_run_are_refused_by_setting(name, pipeline, per_rank, microbatches, message):
     with pytest.raises(ValueError, match=message):
@@ -58,3 +64,34 @@ def test_settings_that_differ_are_named_with_their_ranks(monkeypatch):
         check_agreement(rows[0])
     rows[2:] = rows[:2]
     check_agreement(rows[0])
+
+
+def _zero_bubble_step():
+    from torch.distributed.pipelining import ScheduleInterleavedZeroBubble
+
+    from shardmoe.mesh import Mesh
+    from shardmoe.model.stages import rank_part
+    from shardmoe.model.transformer import Transformer, TransformerConfig
+    from shardmoe.train.data import Batch
+    from shardmoe.train.pipeline import Pipeline
+
+    torch.set_num_threads(1)
+    config = TransformerConfig(vocab_size=260, d_model=16, n_layers=4, n_q_heads=4, n_kv_heads=2, head_dim=4,
+                               ffn_size=8, num_experts=4, top_k=2)
+    mesh = Mesh(pp=2)
+    model = Transformer(config, mesh=mesh, part=rank_part(4, mesh.stage, 2, 2))
+    pipeline = Pipeline(model, mesh, schedule="interleaved-1f1b", stages_per_rank=2, microbatches=2, rows=4, seq_len=8,
+                        balance_over="microbatch")
+    pipeline.schedule = ScheduleInterleavedZeroBubble(pipeline._stages(2, 8, grad=True), 2, loss_fn=pipeline._loss,
+                                                      scale_grads=False)
+    ids = torch.randint(0, 257, (4, 8), generator=torch.Generator().manual_seed(0))
+    starts = torch.zeros(4, 8, dtype=torch.bool)
+    starts[:, 0] = True
+    pipeline.step(Batch(ids, ids, starts), "microbatch")
+
+
+def test_torchs_zero_bubble_schedule_fails_on_the_transformers_stages():
+    with pytest.raises(RankFailed) as caught:
+        run_distributed(_zero_bubble_step, 2, timeout=120, collective_timeout=5, report_grace=10)
+    failed = {caught.value.rank: caught.value.details, **caught.value.others}
+    assert any("Can't detach views in-place" in text for text in failed.values()), failed
