@@ -97,11 +97,11 @@ class Pipeline:
         return self.model.loss(nx, targets, self._num_tokens)
 
     def _run(self, step, ids: Tensor, is_seq_start: Tensor, **kwargs):
-        """One pass of a schedule over this rank's rows; the stages' records of it, per micro-batch."""
+        """One pass of a schedule (its step) over this rank's rows, the stages' records cleared first;
+        what the step returns (the last stage's merged output there)."""
         for module in self.modules:
             module.records.clear()
-        output = schedules.run_step(step, ids, is_seq_start=is_seq_start, stage=self.stage_indices[0], **kwargs)
-        return output
+        return schedules.run_step(step, ids, is_seq_start=is_seq_start, stage=self.stage_indices[0], **kwargs)
 
     def _records(self, microbatches: int) -> list[list[tuple[int, dict, Tensor]]]:
         """[micro-batch][this rank's layers] (layer, MoE stats, aux loss) of the last pass."""
@@ -118,7 +118,7 @@ class Pipeline:
         holds this rank's part's gradients (before sync_grads). Returns the whole step's StepLosses,
         equal on every rank. Collective over the world."""
         count = self.microbatches
-        micro_batches(batch, count)  # this rank's rows divide into the micro-batches, or a ValueError
+        micro_batches(batch, count)  # a ValueError unless this rank's rows divide into them (torch's split would not)
         layers = self.model.moe_layers()
         self._num_tokens = batch.targets.numel() * self.mesh.size(("d", "e"))
         share = balance_over == "global" and count > 1
