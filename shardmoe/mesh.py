@@ -32,7 +32,7 @@ and its handshakes, involve one stage's ranks only; ``world_size`` is the whole 
 
 The process groups are the DeviceMesh's own: one dim's group for one live axis, the DeviceMesh's
 flattened sub-mesh for several (the world group when they span every rank of the job), each with
-the default group's timeout (group_options). They are built once, in the constructor, because creating a group is a collective that every rank of the
+the default group's timeout on CPU (group_options). They are built once, in the constructor, because creating a group is a collective that every rank of the
 job must enter in the same order. The one exception, ordered_device_mesh (a DeviceMesh of the same
 ranks in another dim order, for DTensors of specs like 'M/t/d'), is built on first request: its
 callers ask while every rank builds the same model (shardmoe/parallel/dtensors.py prepare).
@@ -112,8 +112,10 @@ class Mesh:
             device_type = "cuda" if "nccl" in str(dist.get_backend()) else "cpu"
             names = tuple(DEVICE_MESH_NAMES[a] for a in MESH_AXES)
             shape, dims = ((dp, ep, tp), names) if pp == 1 else ((pp, dp, ep, tp), (PIPELINE_NAME,) + names)
+            options = group_options(device_type)
             built = init_device_mesh(device_type, shape, mesh_dim_names=dims,
-                                     backend_override=dict.fromkeys(range(len(dims)), group_options(device_type)))
+                                     backend_override=None if options is None else dict.fromkeys(range(len(dims)),
+                                                                                                   options))
             device_mesh, root = (built, None) if pp == 1 else (built[names], built)
         self._setup({"d": dp, "e": ep, "t": tp}, list(range(stage * stage_size, (stage + 1) * stage_size)), rank,
                     world_size, ranks_per_node, device_mesh)
@@ -264,8 +266,9 @@ class Mesh:
             # then this rank's stage of it
             permutation = ([] if self._root is None else [0]) + [own.index(n) for n in names]
             dims = names if self._root is None else (PIPELINE_NAME,) + names
+            options = group_options(base.device_type)
             built = DeviceMesh(base.device_type, base.mesh.permute(permutation), mesh_dim_names=dims,
-                               backend_override=(group_options(base.device_type),) * len(dims))
+                               backend_override=None if options is None else (options,) * len(dims))
             self._ordered[order] = built if self._root is None else built[names]
         return self._ordered[order]
 
@@ -331,16 +334,19 @@ def as_mesh(mesh) -> Mesh | None:
                      f"got {type(mesh).__name__}")
 
 
-def group_options(device_type: str) -> tuple[str, object]:
-    """(backend, options) for the process groups a Mesh creates: the default group's backend and
-    timeout. A DeviceMesh's groups otherwise wait torch's default (30 minutes for gloo) whatever
-    timeout the job gave init_process_group, and a peer that failed would hold its partners that long."""
+def group_options(device_type: str) -> tuple[str, object] | None:
+    """("gloo", options) for the process groups a Mesh creates on CPU: the default group's timeout.
+    A DeviceMesh's groups otherwise wait torch's default (30 minutes for gloo) whatever timeout the
+    job gave init_process_group, and a peer that failed would hold its partners that long. None on
+    CUDA: NCCL groups keep torch's defaults (no multi-GPU machine here to test an override on)."""
+    if device_type != "cpu":
+        return None
     import torch
 
     backend = dist.distributed_c10d._get_default_group()._get_backend(torch.device(device_type))
     options = type(backend.options)()
     options._timeout = backend.options._timeout
-    return ("nccl" if device_type == "cuda" else "gloo"), options
+    return "gloo", options
 
 
 def _ranks_per_node(ranks_per_node: int | None, world_size: int) -> int:
