@@ -1,7 +1,8 @@
-"""Mesh: the ranks of a job laid out on the named axes d (data/FSDP), e (expert), t (tensor).
+"""Mesh: the ranks of a job laid out on the named axes p (pipeline), d (data/FSDP), e (expert), t (tensor).
 
-A Mesh is a torch ``DeviceMesh`` read through three named axes. Its ranks are numbered in the
-canonical row-major (d, e, t) order, t fastest: the mesh index of the rank at (d, e, t) is
+A Mesh is a torch ``DeviceMesh`` read through three named axes, d, e and t, the axes a tensor is
+sharded over. Its ranks are numbered in the canonical row-major (d, e, t) order, t fastest: the
+mesh index of the rank at (d, e, t) is
 
     index = (d * ep + e) * tp + t
 
@@ -15,9 +16,23 @@ order. Every method speaks global ranks (``rank_at``, ``ranks_along``, ``coords(
 ``coord(MESH_AXES, rank)`` is a rank's mesh index, the row it owns in a table gathered over the
 whole mesh.
 
+The pipeline axis p is outermost (as torchtitan lays it out): ``Mesh(dp, ep, tp, pp=P)`` spans a
+world of P * dp * ep * tp ranks, one DeviceMesh ('pp', 'dp', 'ep', 'tp'), and the global rank of
+the rank at (p, d, e, t) is
+
+    rank = ((p * dp + d) * ep + e) * tp + t
+
+Pipeline stage p holds other layers than stage p + 1, so no tensor is sharded over p: the Mesh a
+rank builds is its own stage's (d, e, t) sub-mesh (``device_mesh`` is the 'pp' slice of this
+rank, ``size()`` counts dp * ep * tp, every group and table is of this stage's ranks), and the
+pipeline is described beside it: ``pipeline_size`` (P), ``stage`` (this rank's p), and
+``pipeline_group`` / ``pipeline_ranks`` (the ranks with this rank's (d, e, t) at every p, which
+pass activations and gradients between stages). So a layer built on the Mesh, its collectives
+and its handshakes, involve one stage's ranks only; ``world_size`` is the whole job's.
+
 The process groups are the DeviceMesh's own: one dim's group for one live axis, the DeviceMesh's
-flattened sub-mesh for several (the world group when they span every rank of the job). They are
-built once, in the constructor, because creating a group is a collective that every rank of the
+flattened sub-mesh for several (the world group when they span every rank of the job), each with
+the default group's timeout on CPU (group_options). They are built once, in the constructor, because creating a group is a collective that every rank of the
 job must enter in the same order. The one exception, ordered_device_mesh (a DeviceMesh of the same
 ranks in another dim order, for DTensors of specs like 'M/t/d'), is built on first request: its
 callers ask while every rank builds the same model (shardmoe/parallel/dtensors.py prepare).
@@ -42,6 +57,9 @@ Axes = str | Iterable[str]
 
 # the DeviceMesh dim name of each mesh axis: the names torch users give data, expert and tensor parallelism
 DEVICE_MESH_NAMES = {"d": "dp", "e": "ep", "t": "tp"}
+# the pipeline axis: its DeviceMesh dim name, and the axes a --mesh option of a pipelined job names
+PIPELINE_NAME = "pp"
+PIPELINE_MESH_AXES = ("p",) + MESH_AXES
 
 # Mesh.from_device_mesh's Meshes by default process group, then (DeviceMesh, ranks_per_node), so
 # that layers built on one DeviceMesh (or on equal slices of it, which compare equal) share their
@@ -51,7 +69,8 @@ _FROM_DEVICE_MESH: "weakref.WeakKeyDictionary[dist.ProcessGroup, dict]" = weakre
 
 
 class Mesh:
-    """Named axes over the world: ``Mesh(dp=2, ep=1, tp=2)`` inside a 4-rank process group.
+    """Named axes over the world: ``Mesh(dp=2, ep=1, tp=2)`` inside a 4-rank process group;
+    ``Mesh(ep=2, pp=2)`` inside a 4-rank one is this rank's pipeline stage's ep=2 mesh.
 
     ranks_per_node: ranks sharing a node (for P2P versus remote paths); None reads LOCAL_WORLD_SIZE
     (set by torchrun) and falls back to the world size (one node).
@@ -59,38 +78,51 @@ class Mesh:
     Attributes: axis_sizes {'d': dp, 'e': ep, 't': tp}; rank (this rank's global rank); world_size
     (ranks of the whole job, which the mesh may be part of: size() counts the mesh's own);
     ranks_per_node; device_mesh (the torch DeviceMesh, None without a process group); parameter_mesh
-    (its 'ep' and 'tp' dims: what a sharded layer's DTensor parameters live on, or None).
+    (its 'ep' and 'tp' dims: what a sharded layer's DTensor parameters live on, or None);
+    pipeline_size, stage, pipeline_ranks, pipeline_group (the p axis: 1, 0, [rank], None without one).
     """
 
-    def __init__(self, dp: int = 1, ep: int = 1, tp: int = 1, ranks_per_node: int | None = None):
-        for name, value in (("dp", dp), ("ep", ep), ("tp", tp)):
+    def __init__(self, dp: int = 1, ep: int = 1, tp: int = 1, ranks_per_node: int | None = None, *, pp: int = 1):
+        for name, value in (("dp", dp), ("ep", ep), ("tp", tp), ("pp", pp)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"Mesh: {name} must be a positive int, got {value!r}")
         # Everything up to init_device_mesh is local: a bad layout fails on every rank alike,
         # before any rank waits in a collective for the others.
+        layout = f"dp={dp}, ep={ep}, tp={tp}" + (f", pp={pp}" if pp > 1 else "")
+        product = "dp*ep*tp" if pp == 1 else "pp*dp*ep*tp"
+        ranks = pp * dp * ep * tp
         if dist.is_available() and dist.is_initialized():
             world_size, rank = dist.get_world_size(), dist.get_rank()
-        elif dp * ep * tp == 1:
+        elif ranks == 1:
             world_size, rank = 1, 0
         else:
             raise ValueError(
-                f"Mesh(dp={dp}, ep={ep}, tp={tp}) needs {dp * ep * tp} ranks: initialise torch.distributed "
+                f"Mesh({layout}) needs {ranks} ranks: initialise torch.distributed "
                 "first (torchrun, or shardmoe.testing.run_distributed)"
             )
-        if dp * ep * tp != world_size:
-            raise ValueError(
-                f"Mesh(dp={dp}, ep={ep}, tp={tp}): dp*ep*tp = {dp * ep * tp} but the world size is {world_size}"
-            )
+        if ranks != world_size:
+            raise ValueError(f"Mesh({layout}): {product} = {ranks} but the world size is {world_size}")
         ranks_per_node = _ranks_per_node(ranks_per_node, world_size)
-        device_mesh = None
+        stage_size = dp * ep * tp
+        stage = rank // stage_size
+        device_mesh = root = None
         if dist.is_available() and dist.is_initialized():
             from torch.distributed.device_mesh import init_device_mesh
 
             device_type = "cuda" if "nccl" in str(dist.get_backend()) else "cpu"
             names = tuple(DEVICE_MESH_NAMES[a] for a in MESH_AXES)
-            device_mesh = init_device_mesh(device_type, (dp, ep, tp), mesh_dim_names=names)
-        self._setup({"d": dp, "e": ep, "t": tp}, list(range(world_size)), rank, world_size, ranks_per_node,
-                    device_mesh)
+            shape, dims = ((dp, ep, tp), names) if pp == 1 else ((pp, dp, ep, tp), (PIPELINE_NAME,) + names)
+            options = group_options(device_type)
+            built = init_device_mesh(device_type, shape, mesh_dim_names=dims,
+                                     backend_override=None if options is None else dict.fromkeys(range(len(dims)),
+                                                                                                   options))
+            device_mesh, root = (built, None) if pp == 1 else (built[names], built)
+        self._setup({"d": dp, "e": ep, "t": tp}, list(range(stage * stage_size, (stage + 1) * stage_size)), rank,
+                    world_size, ranks_per_node, device_mesh)
+        self._root = root
+        self.pipeline_size, self.stage = pp, stage
+        self.pipeline_ranks = [p * stage_size + rank % stage_size for p in range(pp)]
+        self.pipeline_group = root.get_group(PIPELINE_NAME) if root is not None else None
 
     @classmethod
     def from_device_mesh(cls, device_mesh, ranks_per_node: int | None = None) -> "Mesh":
@@ -119,6 +151,7 @@ class Mesh:
             table = device_mesh.mesh.permute(present).reshape(-1).tolist()
             mesh = cls.__new__(cls)
             mesh._setup(sizes, table, rank, world_size, ranks_per_node, device_mesh)
+            mesh._root, mesh.pipeline_size, mesh.stage, mesh.pipeline_ranks, mesh.pipeline_group = None, 1, 0, [rank], None
             meshes[key] = mesh
         return meshes[key]
 
@@ -162,7 +195,8 @@ class Mesh:
         # does not depend on it, and shardops maps group ranks to blocks by coord()
         names = self.device_mesh.mesh_dim_names
         dims = tuple(n for n in names if n in {DEVICE_MESH_NAMES[a] for a in live})
-        return self.device_mesh[dims]._flatten().get_group()
+        options = group_options(self.device_mesh.device_type)
+        return self.device_mesh[dims]._flatten(backend_override=options).get_group()
 
     # -- sizes and coordinates ---------------------------------------------------------------
 
@@ -225,10 +259,17 @@ class Mesh:
         if order not in self._ordered:
             from torch.distributed.device_mesh import DeviceMesh
 
-            names = self.device_mesh.mesh_dim_names
-            permutation = [names.index(DEVICE_MESH_NAMES[a]) for a in order]
-            self._ordered[order] = DeviceMesh(self.device_mesh.device_type, self.device_mesh.mesh.permute(permutation),
-                                              mesh_dim_names=tuple(DEVICE_MESH_NAMES[a] for a in order))
+            names = tuple(DEVICE_MESH_NAMES[a] for a in order)
+            base = self.device_mesh if self._root is None else self._root
+            own = base.mesh_dim_names
+            # the whole job's mesh with its stage dims permuted when pipelined (every stage builds it),
+            # then this rank's stage of it
+            permutation = ([] if self._root is None else [0]) + [own.index(n) for n in names]
+            dims = names if self._root is None else (PIPELINE_NAME,) + names
+            options = group_options(base.device_type)
+            built = DeviceMesh(base.device_type, base.mesh.permute(permutation), mesh_dim_names=dims,
+                               backend_override=None if options is None else (options,) * len(dims))
+            self._ordered[order] = built if self._root is None else built[names]
         return self._ordered[order]
 
     def group(self, axes: Axes) -> dist.ProcessGroup | None:
@@ -274,7 +315,8 @@ class Mesh:
 
     def __repr__(self) -> str:
         dp, ep, tp = (self.axis_sizes[a] for a in MESH_AXES)
-        layout = f"dp={dp}, ep={ep}, tp={tp}, ranks_per_node={self.ranks_per_node}"
+        pipeline = f", pp={self.pipeline_size} (stage {self.stage})" if self.pipeline_size > 1 else ""
+        layout = f"dp={dp}, ep={ep}, tp={tp}{pipeline}, ranks_per_node={self.ranks_per_node}"
         return f"Mesh({layout}; rank {self.rank} at {self._coords})"
 
 
@@ -292,6 +334,21 @@ def as_mesh(mesh) -> Mesh | None:
                      f"got {type(mesh).__name__}")
 
 
+def group_options(device_type: str) -> tuple[str, object] | None:
+    """("gloo", options) for the process groups a Mesh creates on CPU: the default group's timeout.
+    A DeviceMesh's groups otherwise wait torch's default (30 minutes for gloo) whatever timeout the
+    job gave init_process_group, and a peer that failed would hold its partners that long. None on
+    CUDA: NCCL groups keep torch's defaults (no multi-GPU machine here to test an override on)."""
+    if device_type != "cpu":
+        return None
+    import torch
+
+    backend = dist.distributed_c10d._get_default_group()._get_backend(torch.device(device_type))
+    options = type(backend.options)()
+    options._timeout = backend.options._timeout
+    return "gloo", options
+
+
 def _ranks_per_node(ranks_per_node: int | None, world_size: int) -> int:
     source = "ranks_per_node"
     if ranks_per_node is None and os.environ.get("LOCAL_WORLD_SIZE"):
@@ -307,16 +364,17 @@ def _ranks_per_node(ranks_per_node: int | None, world_size: int) -> int:
     return ranks_per_node
 
 
-def parse_mesh(text: str) -> dict[str, int]:
-    """A --mesh option, 'd=2,e=2' (commas or spaces between items), -> {'d': 2, 'e': 2, 't': 1}.
+def parse_mesh(text: str, axes: tuple[str, ...] = MESH_AXES) -> dict[str, int]:
+    """A --mesh option, 'd=2,e=2' (commas or spaces between items), -> {'d': 2, 'e': 2, 't': 1}: a size
+    for each of `axes` (PIPELINE_MESH_AXES for a command that pipelines: 'p=2,e=2' -> {'p': 2, ...}).
 
     An axis named twice is an error (which size was meant is unknowable)."""
-    sizes = dict.fromkeys(MESH_AXES, 1)
+    sizes = dict.fromkeys(axes, 1)
     given: dict[str, str] = {}
     for item in text.replace(",", " ").split():
         axis, _, value = item.partition("=")
         if axis not in sizes or not value.isdigit() or int(value) < 1:
-            raise ValueError(f"--mesh: expected comma-separated AXIS=SIZE with AXIS in {', '.join(MESH_AXES)} "
+            raise ValueError(f"--mesh: expected comma-separated AXIS=SIZE with AXIS in {', '.join(axes)} "
                              f"and SIZE >= 1, got {item!r}")
         if axis in given:
             raise ValueError(f"--mesh: expected each axis at most once, got axis {axis!r} twice "

@@ -1,10 +1,11 @@
-"""Mesh: layout, coordinates, groups and topology, on one process and in one spawned 4-rank world."""
+"""Mesh: layout, coordinates, groups and topology, on one process and in one spawned 4-rank world;
+the pipeline axis p (each rank's Mesh is its stage's (d, e, t) mesh) in the same world."""
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from shardmoe.mesh import Mesh, parse_mesh
+from shardmoe.mesh import PIPELINE_MESH_AXES, Mesh, parse_mesh
 from shardmoe.testing import run_distributed
 
 LAYOUTS = [(4, 1, 1), (1, 4, 1), (1, 1, 4), (2, 2, 1), (2, 1, 2), (1, 2, 2)]
@@ -27,6 +28,8 @@ def test_single_process_mesh_needs_no_process_group():
         (dict(dp=2, tp=2), r"Mesh\(dp=2, ep=1, tp=2\) needs 4 ranks: initialise torch.distributed first"),
         (dict(ep=0), r"Mesh: ep must be a positive int, got 0"),
         (dict(tp=2.0), r"Mesh: tp must be a positive int, got 2.0"),
+        (dict(ep=2, pp=2), r"Mesh\(dp=1, ep=2, tp=1, pp=2\) needs 4 ranks: initialise torch.distributed first"),
+        (dict(pp=0), r"Mesh: pp must be a positive int, got 0"),
     ],
 )
 def test_single_process_mesh_errors(kwargs, message):
@@ -82,16 +85,46 @@ def _check_world(layouts):
     out["nodes"] = [Mesh(dp=4).node_of(r) for r in range(4)]
     out["same_node"] = (Mesh(dp=4).same_node(0, 1), Mesh(dp=4).same_node(1, 2))
     out["override"] = Mesh(ep=4, ranks_per_node=1).node_of(3)
+    out["pipeline"] = _check_pipeline()
     # A wrong layout raises on every rank before any communication; the world still works after.
     try:
         Mesh(dp=3)
     except ValueError as error:
         out["bad_world"] = str(error)
     try:
+        Mesh(ep=2, pp=3)
+    except ValueError as error:
+        out["bad_pipeline"] = str(error)
+    try:
         Mesh(tp=4, ranks_per_node=3)
     except ValueError as error:
         out["bad_node"] = str(error)
     dist.barrier()
+    return out
+
+
+def _check_pipeline() -> dict:
+    """Per pipelined layout: this rank's stage, its stage mesh's coordinates and ranks, the ranks
+    along p, and what an all-reduce over the stage's (d, e, t) group and over the pipeline group sums;
+    and the timeout of every group the Mesh made (the default group's, 20 s here)."""
+    out = {}
+    for layout in ((2, 1, 1, 2), (1, 2, 1, 2), (1, 1, 2, 2), (1, 1, 1, 4)):
+        dp, ep, tp, pp = layout
+        mesh = Mesh(dp, ep, tp, pp=pp)
+        sums = []
+        for group in (mesh.group(("d", "e", "t")), mesh.pipeline_group):
+            total = torch.tensor([float(dist.get_rank())])
+            if group is not None:
+                dist.all_reduce(total, group=group)
+            sums.append(total.item())
+        groups = [mesh.group(a) for a in ("d", "e", "t", ("d", "e", "t"))] + [mesh.pipeline_group]
+        timeouts = {str(g._get_backend(torch.device("cpu")).options._timeout) for g in groups if g is not None}
+        if mesh.parameter_mesh is not None:
+            timeouts.add(str(mesh.parameter_mesh.get_group()._get_backend(torch.device("cpu")).options._timeout))
+        out[layout] = {"stage": mesh.stage, "coords": mesh.coords(), "size": mesh.size(),
+                       "stage_ranks": mesh.ranks_along(("d", "e", "t")), "pipeline_ranks": mesh.pipeline_ranks,
+                       "sums": sums, "world_size": mesh.world_size, "timeouts": timeouts,
+                       "names": mesh.device_mesh.mesh_dim_names}
     return out
 
 
@@ -178,7 +211,25 @@ def test_bad_layout_raises_before_communicating(world):
         assert out["bad_node"] == "ranks_per_node = 3 must be positive and divide the world size 4"
 
 
+def test_the_pipeline_axis_is_outermost_and_a_ranks_mesh_is_its_stages(world):
+    for rank, out in enumerate(world):
+        for (dp, ep, tp, pp), got in out["pipeline"].items():
+            stage_size = dp * ep * tp
+            stage, index = rank // stage_size, rank % stage_size
+            stage_ranks = list(range(stage * stage_size, (stage + 1) * stage_size))
+            pipeline_ranks = [p * stage_size + index for p in range(pp)]
+            assert got["stage"] == stage and got["coords"] == _expected_coords(index, dp, ep, tp)
+            assert got["size"] == stage_size and got["world_size"] == 4
+            assert got["stage_ranks"] == stage_ranks and got["pipeline_ranks"] == pipeline_ranks
+            assert got["sums"] == [sum(stage_ranks), sum(pipeline_ranks)]
+            assert got["timeouts"] == {"0:00:20"} and got["names"] == ("dp", "ep", "tp")
+        assert out["bad_pipeline"] == "Mesh(dp=1, ep=2, tp=1, pp=3): pp*dp*ep*tp = 6 but the world size is 4"
+
+
 def test_parse_mesh_option():
+    assert parse_mesh("p=2,e=2", PIPELINE_MESH_AXES) == {"p": 2, "d": 1, "e": 2, "t": 1}
+    with pytest.raises(ValueError, match=r"AXIS in d, e, t and SIZE >= 1, got 'p=2'"):
+        parse_mesh("p=2")
     assert parse_mesh("d=2,e=2") == {"d": 2, "e": 2, "t": 1}
     assert parse_mesh("e=4") == {"d": 1, "e": 4, "t": 1}
     assert parse_mesh("d=2 t=2") == {"d": 2, "e": 1, "t": 2}

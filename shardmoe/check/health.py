@@ -113,6 +113,7 @@ def gradient_health(
     explode_threshold: float = 100.0,
     vanish_threshold: float = 1e-7,
     replicas: Callable[[str], int] | None = None,
+    group=None,
 ) -> HealthReport:
     """Health report of the gradients held in .grad of each (name, parameter).
 
@@ -120,6 +121,8 @@ def gradient_health(
     replicas: name -> ranks holding the same shard (Transformer.replicas); given, and with a
     default process group of more than one rank, the statistics are of the full gradients,
     reduced over all ranks (module doc). Collective then: every rank calls it with the same names.
+    group: the process group the statistics are reduced over (default: the default group; a
+    pipeline stage's mesh, whose ranks hold the same parameters).
     """
     if not 0 <= vanish_threshold < explode_threshold:
         raise ValueError(
@@ -137,11 +140,11 @@ def gradient_health(
         # A single inf or nan makes the norm non-finite, which _classify reports as exploding.
         stats[i, 0] = torch.linalg.vector_norm(grad).square()
         stats[i, 1] = grad.abs().max() if grad.numel() else 0.0
-    if replicas is not None and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+    if replicas is not None and dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
         stats[:, 0] /= torch.tensor([float(replicas(name)) for name, _ in params], dtype=torch.float64)
         sums, maxima = stats[:, [0, 2]].contiguous(), stats[:, 1].contiguous()
-        dist.all_reduce(sums)
-        dist.all_reduce(maxima, op=dist.ReduceOp.MAX)
+        dist.all_reduce(sums, group=group)
+        dist.all_reduce(maxima, op=dist.ReduceOp.MAX, group=group)
         stats[:, [0, 2]], stats[:, 1] = sums, maxima
     entries = []
     for (name, param), (square, max_abs, missing) in zip(params, stats.tolist()):

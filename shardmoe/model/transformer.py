@@ -36,6 +36,13 @@ only; and the MoE needs the whole output gradient, so `keep_block` all-gathers t
 
 Initialisation draws every FULL weight from `seed` (identically on every rank, in float64, then
 cast) and keeps this rank's shard, so a model's values do not depend on the mesh layout.
+
+A pipeline rank holds a Part of the model (its blocks by their global index, the embedding on the
+first stage's rank, the final norm and unembedding on the last's: shardmoe/model/stages.py cuts
+the layers): its parameters keep the whole model's names ("blocks.5.moe.gate_weight" on whichever
+rank holds block 5), so checkpoints and optimizer states are keyed by layer, not by stage, and load
+into any pipeline layout. The stage modules run the pieces (embed, context, run_block, head,
+loss); forward() runs the whole model and needs a model holding every part.
 """
 from __future__ import annotations
 
@@ -222,6 +229,53 @@ class Losses(NamedTuple):
     aux: Tensor
 
 
+@dataclass(frozen=True)
+class Part:
+    """The pieces of the model one rank holds: blocks `layers` (global indices, ascending), the
+    embedding when `embedding`, the final norm and the unembedding when `head`."""
+
+    layers: tuple[int, ...]
+    embedding: bool = True
+    head: bool = True
+
+    @classmethod
+    def whole(cls, n_layers: int) -> "Part":
+        return cls(tuple(range(n_layers)))
+
+    def holds(self, name: str) -> bool:
+        """Whether a parameter or state name of the whole model ("blocks.3.moe.down_proj") is in this part."""
+        if name.startswith("blocks."):
+            return int(name.split(".")[1]) in self.layers
+        return self.embedding if name.startswith("embedding.") else self.head
+
+
+class BlockInputs(NamedTuple):
+    """What every block of one forward reads besides the residual stream, from is_seq_start."""
+
+    segment_ids: Tensor
+    rope: RopeTable
+    sequence_starts: Tensor | None
+
+
+class Blocks(nn.Module):
+    """The blocks a model holds, named by their global index (so "blocks.5..." on any pipeline
+    layout); iterates over the blocks in order, [i] is block i."""
+
+    def __init__(self, blocks: dict[int, nn.Module]):
+        super().__init__()
+        for i, block in blocks.items():
+            self.add_module(str(i), block)
+
+    def __iter__(self):
+        return iter(self._modules.values())
+
+    def __len__(self) -> int:
+        return len(self._modules)
+
+    def __getitem__(self, index: int) -> nn.Module:
+        return self._modules[str(index)]
+
+
 class Block(nn.Module):
     """x[B L M/t] -> x + Attention(RMSNorm(x)) -> x + MoE(RMSNorm(x)) sliced to M/t."""
 
@@ -248,21 +302,25 @@ class Transformer(nn.Module):
     """
 
     def __init__(self, config: TransformerConfig, *, mesh=None, backward: str = "explicit",
-                 dtype: torch.dtype = torch.float32, seed: int = 0):
+                 dtype: torch.dtype = torch.float32, seed: int = 0, part: Part | None = None):
         super().__init__()
         sizes = [1 if mesh is None else mesh.size(a) for a in MESH_AXES]
         check_layout(config, *sizes)
-        self.config, self.mesh, self.dtype = config, mesh, dtype
+        part = Part.whole(config.n_layers) if part is None else part
+        if any(not 0 <= i < config.n_layers for i in part.layers) or list(part.layers) != sorted(set(part.layers)):
+            raise ValueError(f"part: expected ascending distinct block indices in 0..{config.n_layers - 1}, "
+                             f"got {part.layers}")
+        self.config, self.mesh, self.dtype, self.part = config, mesh, dtype, part
         backward = check_backward_mode(backward)
         kw = dict(mesh=mesh, backward=backward, dtype=dtype)
-        self.embedding = Embedding(config.vocab_size, config.d_model, **kw)
-        self.blocks = nn.ModuleList(Block(config, mesh, backward, dtype) for _ in range(config.n_layers))
+        self.embedding = Embedding(config.vocab_size, config.d_model, **kw) if part.embedding else None
+        self.blocks = Blocks({i: Block(config, mesh, backward, dtype) for i in part.layers})
         # One pool of row buffers for every MoE layer: each layer's saved blocks stay lent until its
         # backward, and one layer's scratch buffers serve the next, so the pool holds the layers'
         # saved blocks plus one layer's scratch rather than n_layers working sets (moe/cpu.py Workspace).
         share_workspace(block.moe for block in self.blocks)
-        self.final_norm = RMSNorm(config.d_model, config.norm_eps, **kw)
-        self.unembedding = Unembedding(config.vocab_size, config.d_model, **kw)
+        self.final_norm = RMSNorm(config.d_model, config.norm_eps, **kw) if part.head else None
+        self.unembedding = Unembedding(config.vocab_size, config.d_model, **kw) if part.head else None
         self.specs = self._local_specs()
         for name, param in self.named_parameters():
             if self._kind(name) == "dense":
@@ -270,7 +328,8 @@ class Transformer(nn.Module):
         dtensors.prepare(self.specs.values(), mesh)  # a collective: the DeviceMeshes state_dict() needs
         self.register_state_dict_post_hook(_whole_dense_entries)
         self.register_load_state_dict_pre_hook(_local_dense_entries)
-        self.load_full_state_dict(init_full_weights(config, seed, dtype))
+        weights = init_full_weights(config, seed, dtype)  # all of them: a part's values are the whole model's
+        self.load_full_state_dict({name: w for name, w in weights.items() if part.holds(name)})
 
     # -- layout ------------------------------------------------------------------------------
 
@@ -279,7 +338,7 @@ class Transformer(nn.Module):
         for module_name, module in self.named_modules():
             for param_name, spec in getattr(module, "SPECS", {}).items():
                 specs[f"{module_name}.{param_name}"] = spec
-        for i in range(self.config.n_layers):
+        for i in self.part.layers:
             specs[f"blocks.{i}.moe.gate_weight"] = GATE_SPEC
             specs[f"blocks.{i}.moe.gate_bias"] = GATE_BIAS_SPEC
             for short in EXPERT_PARAMS + SHARED_PARAMS + ("shared_gate_weight",):
@@ -334,31 +393,37 @@ class Transformer(nn.Module):
     def _correction_biases(self) -> dict[str, Tensor]:
         return {name: b for name, b in self.named_buffers() if name.endswith(".correction_bias")}
 
+    def full_shapes(self) -> dict[str, tuple[int, ...]]:
+        """full_shapes of the state this model holds (its part's)."""
+        return {name: shape for name, shape in full_shapes(self.config).items() if self.part.holds(name)}
+
     @torch.no_grad()
     def full_state_dict(self) -> dict[str, Tensor]:
-        """Unsharded parameters and correction biases by name (equal on every rank). Collective:
-        every rank calls it."""
+        """Unsharded parameters and correction biases by name (equal on every rank of the mesh; of
+        this model's part). Collective: every rank of the mesh calls it."""
         state = {name: self.gather_full(name, p.detach()).clone() for name, p in self.named_parameters()}
         state.update({name: b.clone() for name, b in self._correction_biases().items()})
         return state
 
     @torch.no_grad()
     def update_correction_biases(self, loads: list[Tensor] | None = None) -> None:
-        """Each block's MoE.update_correction_bias from the step's global loads [E] per block (default:
-        its last forward's, the selections summed over the mesh, equal on every rank; with
-        micro-batches, their sum); call it after the optimizer step."""
-        for i, block in enumerate(self.blocks):
+        """Each block's MoE.update_correction_bias from the step's global loads [E] of every block of
+        the whole model, by global index (default: each block's last forward's, the selections
+        summed over the mesh, equal on every rank; with micro-batches, their sum); call it after the
+        optimizer step."""
+        for i, block in zip(self.part.layers, self.blocks):
             if block.moe.correction_bias is not None:
                 block.moe.update_correction_bias(block.moe.stats["selected_per_expert"] if loads is None else loads[i])
 
     def moe_layers(self) -> list:
-        """The blocks' MoE layers, in order."""
+        """The MoE layers of the blocks this model holds, in order."""
         return [block.moe for block in self.blocks]
 
     @torch.no_grad()
     def load_full_state_dict(self, state: dict[str, Tensor]) -> None:
-        """Load unsharded parameters, keeping this rank's shards; names and shapes must match."""
-        shapes = full_shapes(self.config)
+        """Load unsharded parameters, keeping this rank's shards; names (this model's part's) and
+        shapes must match."""
+        shapes = self.full_shapes()
         if set(state) != set(shapes):
             missing, extra = sorted(set(shapes) - set(state)), sorted(set(state) - set(shapes))
             raise ValueError(f"state dict: missing {missing or 'nothing'}, unexpected {extra or 'nothing'}")
@@ -375,14 +440,40 @@ class Transformer(nn.Module):
 
     # -- forward -----------------------------------------------------------------------------
 
-    def _trunk(self, ids: Tensor, is_seq_start: Tensor) -> Tensor:
-        """x[B L M/t] after the blocks."""
+    def context(self, is_seq_start: Tensor) -> BlockInputs:
+        """What every block reads from the rows' document starts: segment ids, RoPE table and the
+        sequence-wise loss's sequences (a pure function of is_seq_start: each stage computes it)."""
         layout = packed_layout(is_seq_start)
         rope = rope_table(layout.positions, self.config.head_dim, self.config.rope_theta, self.dtype)
-        x = self.embedding(ids)
         starts = sequence_starts(layout.segment_ids) if self.config.seq_aux_loss_coef else None
-        for block in self.blocks:
-            x = block(x, layout.segment_ids, rope, starts)
+        return BlockInputs(layout.segment_ids, rope, starts)
+
+    def embed(self, ids: Tensor) -> Tensor:
+        """x[B L M/t] of the token ids (the first stage's)."""
+        return self.embedding(ids)
+
+    def run_block(self, index: int, x: Tensor, inputs: BlockInputs) -> Tensor:
+        """x[B L M/t] after block `index` (global)."""
+        return self.blocks[index](x, *inputs)
+
+    def head(self, x: Tensor) -> Tensor:
+        """The final norm of x[B L M/t]: nx[B L M], replicated over t (the last stage's output)."""
+        return self.final_norm(x)
+
+    def loss(self, nx: Tensor, targets: Tensor, num_tokens: int) -> Tensor:
+        """This rank's cross-entropy of the final-normed rows (summed over d, partial over e),
+        divided by num_tokens."""
+        return self.unembedding(nx, targets, num_tokens)
+
+    def _trunk(self, ids: Tensor, is_seq_start: Tensor) -> Tensor:
+        """x[B L M/t] after the blocks."""
+        if self.part != Part.whole(self.config.n_layers):
+            raise ValueError(f"forward: expected a model holding every part, got {self.part}: a pipeline stage's "
+                             "model runs through its stages (shardmoe/model/stages.py)")
+        inputs = self.context(is_seq_start)
+        x = self.embed(ids)
+        for i in self.part.layers:
+            x = self.run_block(i, x, inputs)
         return x
 
     def forward(self, ids: Tensor, is_seq_start: Tensor, targets: Tensor, num_tokens: int | None = None) -> Losses:
@@ -393,15 +484,19 @@ class Transformer(nn.Module):
         outputs (MoE.aux_loss_scale)."""
         x = self._trunk(ids, is_seq_start)
         token_shards = 1 if self.mesh is None else self.mesh.size(("d", "e"))
-        ce = self.unembedding(self.final_norm(x), targets, targets.numel() * token_shards if num_tokens is None
-                              else num_tokens)
+        ce = self.loss(self.head(x), targets, targets.numel() * token_shards if num_tokens is None else num_tokens)
         aux = sum(block.moe.aux_loss for block in self.blocks)
         return Losses(ce + aux, ce, aux)
 
     @torch.no_grad()
     def logits(self, ids: Tensor, is_seq_start: Tensor) -> Tensor:
         """logits[B L V] (gathered over t) in the compute dtype, for evaluation and sampling."""
-        local = self.unembedding.logits(self.final_norm(self._trunk(ids, is_seq_start)))
+        return self.head_logits(self.head(self._trunk(ids, is_seq_start)))
+
+    @torch.no_grad()
+    def head_logits(self, nx: Tensor) -> Tensor:
+        """logits[B L V] (gathered over t) of the final-normed rows."""
+        local = self.unembedding.logits(nx)
         return local if self.mesh is None else shardops.all_gather("B L V/t -> B L V", local, self.mesh)
 
     def moe_stats(self) -> list[dict]:

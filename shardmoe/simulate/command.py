@@ -6,9 +6,13 @@ and a table; with --out DIR it also writes DIR/simulate.json and DIR/simulate.pn
     shardmoe simulate --preset deepseek-v3 --gpus 8,64,512,1024
     shardmoe simulate --preset mixtral-8x7b --routing zipf:1.2 --set fabric_bandwidth=25e9
     shardmoe simulate --config cluster.toml --routing replay:runs/default/metrics.jsonl --out runs/simulate
+    shardmoe simulate --preset deepseek-v3 --gpus 1024 --pipeline   # + every (p, e, d) layout and schedule
 
 GPU counts whose expert-parallel group is the same (min(gpus, E)) are simulated once (their
-data-parallel copies are identical within the layer: sweep.py).
+data-parallel copies are identical within the layer: sweep.py). With --pipeline, each GPU count's
+layouts of p pipeline stages x e expert-parallel x d data-parallel ranks are priced under each
+pipeline schedule with the model's layers (shardmoe/simulate/pipeline.py), the layer simulated at
+every e a layout uses, and the fastest layout that fits a GPU's memory is named.
 """
 from __future__ import annotations
 
@@ -32,6 +36,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=None, metavar="DIR",
                         help="write simulate.json (every number) and simulate.png there (default: print only)")
+    parser.add_argument("--pipeline", action="store_true",
+                        help="also price every (p, e, d) layout of each GPU count under the pipeline schedules "
+                             "(gpipe, 1f1b, interleaved-1f1b) and name the fastest that fits (pipeline.py)")
+    parser.add_argument("--stages-per-rank", type=int, default=2, metavar="V",
+                        help="the interleaved-1f1b schedule's stages per rank (default 2)")
     parser.add_argument("--calibrate", action="store_true",
                         help="measure this machine's GEMM, copy and exchange rates and compare the model's "
                              "predicted 1- and 2-rank expert-parallel step with the measured one (calibrate.py)")
@@ -71,6 +80,65 @@ def describe(preset: str, shape, hardware_name: str, hardware, routing: str) -> 
             f"on {hardware_name} GPUs ({hardware.peak_flops / 1e12:g} TFLOP/s peak x {hardware.gemm_efficiency:g}, "
             f"HBM {hardware.hbm_bandwidth / 1e12:g} TB/s, NVLink {hardware.nvlink_bandwidth / 1e9:g} GB/s, fabric "
             f"{hardware.fabric_bandwidth / 1e9:g} GB/s per GPU, {hardware.gpus_per_node} per node)")
+
+
+def simulate_layers(eps: list[int], shape, hardware, routing: str, seed: int, progress: bool = False) -> dict:
+    """e -> the one-layer simulation at e GPUs (one expert-parallel group), for each distinct e."""
+    from tqdm import tqdm
+
+    from .sweep import simulate_point
+    out = {}
+    with tqdm(total=len(set(eps)), desc="simulating layers", unit="EP size", disable=not progress) as bar:
+        for ep in sorted(set(eps)):
+            bar.set_postfix(ep=ep)
+            out[ep] = simulate_point(ep, shape, hardware, routing, seed)
+            bar.update(1)
+    return out
+
+
+def pipeline_report(counts: list[int], shape, hardware, routing: str, seed: int, stages_per_rank: int,
+                    progress: bool = False) -> dict[int, list[dict]]:
+    """GPU count -> every layout and schedule priced (pipeline.sweep_layouts), fastest first."""
+    from .pipeline import layouts, sweep_layouts
+
+    eps = [layout.e for gpus in counts for layout in layouts(gpus, shape)]
+    layer = simulate_layers(eps, shape, hardware, routing, seed, progress)
+    return {gpus: sweep_layouts(gpus, shape, hardware, layer, stages_per_rank) for gpus in counts}
+
+
+def format_pipeline(gpus: int, rows: list[dict], memory_bytes: float, shown: int = 12) -> str:
+    """The fastest `shown` layouts that fit, one line per (p, e, d) with each schedule's step and
+    bubble, and a line naming the fastest."""
+    from .pipeline import fastest
+
+    best: dict[tuple, dict[str, dict]] = {}
+    for r in rows:
+        if r["fits"]:
+            best.setdefault((r["p"], r["e"], r["d"]), {})[r["schedule"]] = r
+    names = ("gpipe", "1f1b", "interleaved-1f1b")
+    head = f"{'p':>3} {'e':>4} {'d':>4} {'m':>5} {'GB':>4}" + "".join(f" {n:>16} {'bubble':>6}" for n in names) + \
+        f" {'bulk s':>8}"
+    lines = [f"pipeline layouts of {gpus} GPUs that fit (p stages x e expert-parallel x d data-parallel, m "
+             "micro-batches per step, GB per GPU under its leanest schedule): step seconds per schedule with the "
+             "tile schedule's layer, the bulk-synchronous layer's under the best schedule", head]
+    for (p, e, d), by_schedule in list(best.items())[:shown]:
+        line = f"{p:>3} {e:>4} {d:>4} {next(iter(by_schedule.values()))['microbatches']:>5} " \
+               f"{min(r['memory_bytes'] for r in by_schedule.values()) / 1e9:>4.0f}"
+        for name in names:
+            r = by_schedule.get(name)
+            line += f" {'-':>16} {'-':>6}" if r is None else f" {r['step_seconds']:>16.3f} {100 * r['bubble']:>5.1f}%"
+        lines.append(line + f" {min(r['bulk_step_seconds'] for r in by_schedule.values()):>8.3f}")
+    top = fastest(rows)
+    if top is None:
+        least = min((r["memory_bytes"] for r in rows), default=0.0)
+        lines.append(f"no layout of {gpus} GPUs fits a GPU's {memory_bytes / 1e9:.0f} GB (the smallest needs "
+                     f"{least / 1e9:.0f} GB)")
+    else:
+        lines.append(f"fastest at {gpus} GPUs: p={top['p']}, e={top['e']}, d={top['d']} with {top['schedule']} "
+                     f"({top['microbatches']} micro-batches): {top['step_seconds']:.3f} s per step, bubble "
+                     f"{100 * top['bubble']:.1f}%, {top['tokens_per_s'] / 1e6:.2f} M tokens/s, "
+                     f"{top['memory_bytes'] / 1e9:.0f} GB per GPU")
+    return "\n".join(lines)
 
 
 def format_table(rows: list[dict]) -> str:
@@ -145,6 +213,17 @@ def check_arguments(args) -> None:
     for gpus in counts:
         layout(gpus, shape, hardware)
     popularity(args.routing, shape.num_experts)
+    if args.pipeline:
+        from shardmoe.arguments import check_at_least
+
+        from .pipeline import layouts
+        check_at_least("--stages-per-rank", args.stages_per_rank, 2)
+        for gpus in counts:
+            if not layouts(gpus, shape):
+                raise ValueError(f"--gpus {gpus}: no pipeline layout (p * e * d = {gpus}, e dividing E = "
+                                 f"{shape.num_experts}, p at most layers = {shape.layers}) splits batch_tokens = "
+                                 f"{shape.batch_tokens} into whole micro-batches of tokens_per_gpu = "
+                                 f"{shape.tokens_per_gpu} tokens")
     if args.out is not None:
         check_out_dir("--out", args.out)
 
@@ -157,12 +236,20 @@ def run(args) -> int:
     print(describe(args.preset, shape, args.hardware, hardware, args.routing), flush=True)
     rows = sweep(counts, shape, hardware, args.routing, args.seed, progress=True)
     print(format_table(rows))
+    layouts = None
+    if args.pipeline:
+        layouts = pipeline_report(counts, shape, hardware, args.routing, args.seed, args.stages_per_rank,
+                                  progress=True)
+        for gpus in counts:
+            print(format_pipeline(gpus, layouts[gpus], hardware.memory_bytes))
     if args.out is None:
         return 0
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     report = {"preset": args.preset, "routing": args.routing, "hardware": dataclasses.asdict(hardware),
               "model": dataclasses.asdict(shape), "points": rows}
+    if layouts is not None:
+        report["pipeline"] = {str(gpus): layouts[gpus] for gpus in counts}
     (out / "simulate.json").write_text(json.dumps(report, indent=1))
     plot(rows, f"{args.preset}, {args.routing} routing, {args.hardware}", out / "simulate.png")
     print(f"wrote {out / 'simulate.json'} and {out / 'simulate.png'}")

@@ -12,10 +12,15 @@ Hardware constants (sources in docs/scale.md, "Constants and their sources"):
   gpus_per_node     8
   kernel_launch     one kernel boundary of the bulk-synchronous path (assumed)  5e-6 s
   host_sync         its device->host read of the all-to-all sizes, per pass (assumed)  30e-6 s
+  memory_bytes      HBM of one H100 SXM                                       80e9 B
 Model shapes (per MoE layer; tokens_per_gpu is the simulated micro-batch, an assumption):
-  mixtral-8x7b   H 4096, F 14336, E 8,   k 2 (Mixtral-8x7B config)
-  deepseek-v3    H 7168, F 2048,  E 256, k 8 (DeepSeek-V3 config: moe_intermediate_size)
-  qwen3-moe      H 2048, F 768,   E 128, k 8 (Qwen3-30B-A3B config)
+  mixtral-8x7b   H 4096, F 14336, E 8,   k 2, 32 MoE layers (Mixtral-8x7B config)
+  deepseek-v3    H 7168, F 2048,  E 256, k 8, 58 MoE layers (DeepSeek-V3 config: moe_intermediate_size,
+                 61 layers of which the first 3 are dense)
+  qwen3-moe      H 2048, F 768,   E 128, k 8, 48 MoE layers (Qwen3-30B-A3B config)
+  batch_tokens, the global batch of a step that a pipelined layout splits into micro-batches
+  (shardmoe/simulate/pipeline.py): 15360 sequences of 4096 tokens, DeepSeek-V3's (its report),
+  assumed for the others too.
 """
 from __future__ import annotations
 
@@ -41,6 +46,7 @@ class Hardware:
     bytes_per_element: int = 2  # bf16 activations
     kernel_launch: float = 5e-6  # one kernel launch/boundary of the bulk-synchronous path (assumed)
     host_sync: float = 30e-6  # the device->host copy of the all-to-all split sizes, per pass (assumed)
+    memory_bytes: float = 80e9  # HBM per GPU: a pipelined layout must fit its experts' state and activations
 
 
 @dataclass(frozen=True)
@@ -50,13 +56,15 @@ class ModelShape:
     num_experts: int
     top_k: int
     tokens_per_gpu: int = 4096
+    layers: int = 1  # MoE layers of the model, which a pipeline splits into stages
+    batch_tokens: int = 15360 * 4096  # tokens of one step's global batch (DeepSeek-V3's)
 
 
 HARDWARE = {"h100": Hardware()}
 MODELS = {
-    "mixtral-8x7b": ModelShape(4096, 14336, 8, 2),
-    "deepseek-v3": ModelShape(7168, 2048, 256, 8),
-    "qwen3-moe": ModelShape(2048, 768, 128, 8),
+    "mixtral-8x7b": ModelShape(4096, 14336, 8, 2, layers=32),
+    "deepseek-v3": ModelShape(7168, 2048, 256, 8, layers=58),
+    "qwen3-moe": ModelShape(2048, 768, 128, 8, layers=48),
 }
 
 

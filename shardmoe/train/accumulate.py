@@ -65,7 +65,7 @@ def accumulate_step(model: Transformer, batch: Batch, count: int, balance_over: 
             for part in parts:
                 model(part.ids, part.is_seq_start, part.targets, num_tokens)
                 counted.append([layer.stats["balance_scope"] for layer in layers])
-        scopes = [functools.reduce(_add, per_layer) for per_layer in zip(*counted)]
+        scopes = [functools.reduce(add_scopes, per_layer) for per_layer in zip(*counted)]
     ce = aux = 0.0
     stats = []  # [part][layer] each micro-batch's routing statistics
     try:
@@ -87,5 +87,6 @@ def accumulate_step(model: Transformer, batch: Batch, count: int, balance_over: 
                       sum(int(s.get("dropped_tokens", 0)) for part in stats for s in part))
 
 
-def _add(a: BalanceScope, b: BalanceScope) -> BalanceScope:
+def add_scopes(a: BalanceScope, b: BalanceScope) -> BalanceScope:
+    """The balance scope of two micro-batches together."""
     return BalanceScope(a.selected + b.selected, a.num_tokens + b.num_tokens, a.num_sequences + b.num_sequences)

@@ -18,7 +18,10 @@
                 data        the batch stream's state_dict as JSON
 
 Weights and moments are gathered whole, so a checkpoint does not depend on the mesh: a run saved
-on d=2 x e=2 resumes on one process and vice versa. Rank 0 writes DIR/checkpoint.safetensors.tmp
+on d=2 x e=2 resumes on one process and vice versa. On a pipelined mesh each stage gathers its
+own blocks' tensors and rank 0 collects the others' from its pipeline peers (the names are the
+whole model's, so the file is the same whichever pipeline layout wrote it); a load keeps the
+tensors of the part a rank holds. Rank 0 writes DIR/checkpoint.safetensors.tmp
 and then os.replace()s it over the old file: a crash mid-write leaves the previous checkpoint
 intact. Gathering is collective: every rank calls save_checkpoint.
 
@@ -39,10 +42,12 @@ import os
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from safetensors import safe_open
 from safetensors.torch import save_file
 
 from shardmoe.model.transformer import Transformer, full_shapes
+from shardmoe.notation import MESH_AXES
 from shardmoe.train.presets import DEFAULT_ARCH
 from shardmoe.train.tokenizer import BYTE
 
@@ -82,6 +87,7 @@ def save_checkpoint(out_dir: str | Path, model: Transformer, optimizer: AdamW, s
         for key in MOMENTS:
             for name, local in optimizer.state_dict()[key].items():
                 tensors[f"optim.{key}.{name}"] = model.gather_full(name, local).clone()
+    tensors = _from_every_stage(tensors, model.mesh, write)
     if not write:
         return
     tensors["rng.torch"] = torch.get_rng_state()
@@ -95,6 +101,17 @@ def save_checkpoint(out_dir: str | Path, model: Transformer, optimizer: AdamW, s
     tmp = path.with_name(path.name + ".tmp")
     save_file(tensors, str(tmp), metadata=metadata)
     os.replace(tmp, path)
+
+
+def _from_every_stage(tensors: dict[str, torch.Tensor], mesh, write: bool) -> dict[str, torch.Tensor]:
+    """On a pipelined mesh, the writing rank's tensors joined with its pipeline peers' (each stage's
+    first rank holds its stage's whole tensors: a gather over rank 0's pipeline group); else, and on
+    every other rank, `tensors`."""
+    if mesh is None or mesh.pipeline_size == 1 or mesh.coord(MESH_AXES) != 0:
+        return tensors
+    parts = [None] * mesh.pipeline_size if write else None
+    dist.gather_object(tensors, parts, dst=mesh.pipeline_ranks[0], group=mesh.pipeline_group)
+    return {name: t for part in parts for name, t in part.items()} if write else tensors
 
 
 def persistent_buffers(model: Transformer) -> dict[str, torch.Tensor]:
@@ -177,11 +194,13 @@ def load_checkpoint(path: str | Path, model: Transformer, optimizer: AdamW, mesh
         return sharded_checkpoint.load(path, model, optimizer, mesh)
     tensors, metadata = read_verified(path)
     buffers = persistent_buffers(model)
-    saved = {k[len("buffer."):]: v for k, v in tensors.items() if k.startswith("buffer.")}
+    saved = {k[len("buffer."):]: v for k, v in tensors.items() if k.startswith("buffer.") and
+             model.part.holds(k[len("buffer."):])}
     in_file, in_model = ({n: list(t.shape) for n, t in d.items()} for d in (saved, buffers))
     if in_file != in_model:  # checked before anything is loaded
         raise ValueError(f"checkpoint {path}: buffers {in_file} in the file, the model has {in_model}")
-    model.load_full_state_dict({k[len("model."):]: v for k, v in tensors.items() if k.startswith("model.")})
+    model.load_full_state_dict({k[len("model."):]: v for k, v in tensors.items()
+                                if k.startswith("model.") and model.part.holds(k[len("model."):])})
     with torch.no_grad():
         for name, buffer in buffers.items():
             buffer.copy_(saved[name])

@@ -8,6 +8,7 @@
     shardmoe train --resume                          # continue runs/default with its settings
     shardmoe train --overwrite                       # start runs/default afresh, deleting the old run
     torchrun --nproc-per-node 4 -m shardmoe train --mesh d=2,e=2
+    torchrun --nproc-per-node 4 -m shardmoe train --mesh p=2,e=2 --pipeline-schedule gpipe
 
 Every configuration error (a mesh that cannot split the model, missing data or config file, an
 unreadable tokenizer, a checkpoint written by another config or corrupt, a world size that is not
@@ -30,16 +31,18 @@ import sys
 import time
 from pathlib import Path
 
-from shardmoe.mesh import parse_mesh
+from shardmoe.mesh import PIPELINE_MESH_AXES, parse_mesh
 from shardmoe.model.residuals import BACKWARD_MODES
 from shardmoe.model.transformer import check_layout
+from shardmoe.parallel.pipeline import SCHEDULES
 from shardmoe.train.config import TrainConfig, read_config_file
 from shardmoe.train.presets import ARCH_PRESETS, DEFAULT_ARCH, check_arch
 
 DEFAULT_OUT = "runs/default"
-MESH_AXIS_NAMES = {"d": "dp", "e": "ep", "t": "tp"}
+MESH_AXIS_NAMES = {"p": "pp", "d": "dp", "e": "ep", "t": "tp"}
 # the settings a flag of the same name (dashes for underscores) sets over the config file
-FLAG_SETTINGS = ("arch", "steps", "seed", "backward", "timeout_minutes", "data", "tokenizer")
+FLAG_SETTINGS = ("arch", "steps", "seed", "backward", "timeout_minutes", "data", "tokenizer", "pipeline_schedule",
+                 "stages_per_rank")
 SETTINGS_TABLE = 'docs/training.md, "Configuration"'
 
 
@@ -69,7 +72,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--overwrite", action="store_true",
                         help="start a new run in DIR even though it holds one (its files are deleted)")
     parser.add_argument("--mesh", default="", metavar="d=2,e=2",
-                        help="mesh axis sizes (d data/FSDP, e expert, t tensor); launch with torchrun")
+                        help="mesh axis sizes (p pipeline, d data/FSDP, e expert, t tensor); launch with torchrun")
+    parser.add_argument("--pipeline-schedule", choices=SCHEDULES,
+                        help="how a mesh with p > 1 runs its stages over the grad_accum_steps micro-batches "
+                             "(default 1f1b)")
+    parser.add_argument("--stages-per-rank", type=int, metavar="V",
+                        help="pipeline stages per rank (interleaved-1f1b: at least 2; the others: 1)")
     parser.add_argument("--backward", choices=BACKWARD_MODES, help="dense-layer backward (default explicit)")
     parser.add_argument("--timeout-minutes", type=float, metavar="M",
                         help="how long a rank waits for a hung or dead peer before failing "
@@ -139,6 +147,9 @@ def validate_setup(config: TrainConfig, sizes: dict[str, int], world_size: int, 
     from shardmoe.train.loop import build_streams
     from shardmoe.train.rundir import check_claimable
 
+    from shardmoe.model.stages import stage_layers
+    from shardmoe.parallel.pipeline import check_schedule
+
     check_layout(config.model, sizes["d"], sizes["e"], sizes["t"])
     token_shards = sizes["d"] * sizes["e"]
     if config.batch_size % token_shards:
@@ -147,12 +158,16 @@ def validate_setup(config: TrainConfig, sizes: dict[str, int], world_size: int, 
     if (config.batch_size // token_shards) % config.grad_accum_steps:
         raise ValueError(f"grad_accum_steps: expected a divisor of the {config.batch_size // token_shards} rows per "
                          f"rank (batch_size / (d*e)), got {config.grad_accum_steps}")
+    if sizes["p"] > 1:
+        check_schedule(config.pipeline_schedule, sizes["p"], config.stages_per_rank, config.grad_accum_steps)
+        stage_layers(config.model.n_layers, sizes["p"] * config.stages_per_rank)
     check_memory(config)
-    ranks = sizes["d"] * sizes["e"] * sizes["t"]
+    ranks = math.prod(sizes.values())
     if ranks != world_size:
         launch = f"torchrun --nproc-per-node {ranks} -m shardmoe train ..." if ranks > 1 else "one process"
-        raise ValueError(f"--mesh d={sizes['d']},e={sizes['e']},t={sizes['t']} needs {ranks} rank(s), but the "
-                         f"world size is {world_size}: launch with {launch}")
+        layout = ",".join(f"{a}={n}" for a, n in sizes.items() if a != "p" or n > 1)
+        raise ValueError(f"--mesh {layout} needs {ranks} rank(s), but the world size is {world_size}: "
+                         f"launch with {launch}")
     # before the checkpoint is read: a run writing out_dir may be replacing it right now
     check_claimable(out_dir, resume=resume, overwrite=overwrite)
     resume_from = None
@@ -167,7 +182,7 @@ def run(args: argparse.Namespace) -> int:
     rank = int(os.environ.get("RANK", "0"))
     try:
         config, notes = resolve_config(args)
-        sizes = parse_mesh(args.mesh)
+        sizes = parse_mesh(args.mesh, PIPELINE_MESH_AXES)
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
         resume_from = validate_setup(config, sizes, world_size, args.out, args.resume, args.overwrite,
                                      progress=rank == 0 and not args.no_progress)
@@ -178,6 +193,7 @@ def run(args: argparse.Namespace) -> int:
     import torch.distributed as dist
     from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an OSError
 
+    from shardmoe.parallel.consistency import RankMismatchError
     from shardmoe.train.loop import TrainingDiverged
 
     if config.threads:
@@ -197,6 +213,9 @@ def run(args: argparse.Namespace) -> int:
         finally:
             if mesh is not None:
                 dist.destroy_process_group()
+    except RankMismatchError as err:  # ranks given other settings than their peers (a stage's, say)
+        print(f"shardmoe train: rank {rank}: {err}", file=sys.stderr)
+        return 2
     except RuntimeError as err:
         if isinstance(err, TrainingDiverged):
             print(f"shardmoe train: rank {rank}: {err}", file=sys.stderr)
@@ -220,9 +239,15 @@ def _init_mesh(sizes: dict[str, int], world_size: int, timeout_minutes: float):
     import torch.distributed as dist
 
     from shardmoe.mesh import Mesh
+    from shardmoe.parallel.pipeline import check_agreement
 
     dist.init_process_group("gloo", timeout=datetime.timedelta(minutes=timeout_minutes))
-    return Mesh(**{MESH_AXIS_NAMES[a]: n for a, n in sizes.items()})
+    try:
+        check_agreement({"--mesh": sizes}, "mesh layouts")  # before any rank builds its groups from them
+        return Mesh(**{MESH_AXIS_NAMES[a]: n for a, n in sizes.items()})
+    except BaseException:
+        dist.destroy_process_group()
+        raise
 
 
 def _claim_out(args: argparse.Namespace, rank: int, distributed: bool):
@@ -261,10 +286,15 @@ def _announce(config: TrainConfig, out: str, notes: list[str], resume_from: tupl
 def _lost_peer(err: RuntimeError) -> bool:
     """Whether a collective failed because a peer hung or died: torch raises DistError from the store
     and the process group, but gloo's transport timeouts and closed connections arrive as plain
-    RuntimeErrors whose text starts with the gloo source file that raised them."""
+    RuntimeErrors whose text starts with the gloo source file that raised them; shardmoe's row
+    exchange and pipeline say so by their error types."""
     import torch.distributed as dist
 
-    return isinstance(err, dist.DistError) or "gloo/transport" in str(err)
+    from shardmoe.parallel.exchange import ExchangeError
+    from shardmoe.parallel.pipeline import PipelineError
+    from shardmoe.parallel.symmetric_heap import PeerExitedError
+
+    return isinstance(err, (dist.DistError, ExchangeError, PeerExitedError, PipelineError)) or "gloo/transport" in str(err)
 
 
 def checkpoint_failure(err) -> str:

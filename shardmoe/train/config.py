@@ -29,6 +29,7 @@ from shardmoe.arguments import SEED_MAX
 from shardmoe.model.residuals import check_backward_mode
 from shardmoe.model.transformer import TransformerConfig
 from shardmoe.moe.config import FLOAT32_MAX, check_bool_fields, is_finite_number
+from shardmoe.parallel.pipeline import check_schedule_settings
 from shardmoe.train.accumulate import BALANCE_OVER
 from shardmoe.train.presets import DEFAULT_ARCH, check_arch, with_preset
 from shardmoe.train.tokenizer import (BYTE, VOCAB_MULTIPLE, byte_tokenizer, check_vocab, load_tokenizer,
@@ -39,6 +40,9 @@ CHECKPOINT_FORMATS = ("auto", "safetensors", "dcp")
 # Settings a resumed run must share with the checkpoint: they fix the weights' shapes and the data
 # stream. Optimizer settings and `steps` may change on resume (docs/training.md).
 RESUME_IDENTITY = ("arch", "model", "dtype", "seq_len", "batch_size", "seed", "data", "tokenizer", "val_fraction")
+# Settings of the layout, not of the run: how a pipelined mesh schedules its stages. Like --mesh, a
+# resume may change them (the update is the same whichever schedule runs it).
+LAYOUT_SETTINGS = ("pipeline_schedule", "stages_per_rank")
 # Settings that are paths: a config file's relative ones are read from the file's folder.
 PATH_SETTINGS = ("data", "tokenizer", "token_cache")
 # Settings under the names checkpoints of earlier versions stored them with.
@@ -72,6 +76,9 @@ class TrainConfig:
     grad_accum_steps N: each step's batch runs as N micro-batches of batch_size / N rows, the same
     update as the whole batch; balance_over: the balance losses per "microbatch" (averaged) or
     over the "global" batch (train/accumulate.py).
+    pipeline_schedule, stages_per_rank: how a mesh with p > 1 runs its stages (ignored without one):
+    "gpipe", "1f1b" (one stage per rank) or "interleaved-1f1b" (stages_per_rank >= 2), torch's
+    schedules over the grad_accum_steps micro-batches (shardmoe/parallel/pipeline.py).
     threads: torch intra-op threads per rank (0: torch's default). One, because on a shared CPU
     OpenMP threads spin-wait on each other: a step measured up to 10x slower with two threads here.
     timeout_minutes: how long a rank waits for its peers (process-group start-up and every
@@ -101,6 +108,8 @@ class TrainConfig:
     dtype: str = "float32"
     grad_accum_steps: int = 1
     balance_over: str = "microbatch"
+    pipeline_schedule: str = "1f1b"
+    stages_per_rank: int = 1
     backward: str = "explicit"
     data: str | None = None
     tokenizer: str = BYTE
@@ -159,6 +168,7 @@ class TrainConfig:
             raise ValueError(f"grad_accum_steps: expected a divisor of batch_size={self.batch_size}, "
                              f"got {self.grad_accum_steps}")
         check_backward_mode(self.backward)
+        check_schedule_settings(self.pipeline_schedule, self.stages_per_rank)
         for name in ("data", "token_cache"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):

@@ -6,7 +6,10 @@ One optimizer step n (1-based) on every rank of the mesh:
     backward   from this rank's total; the dense layers reduce-scatter their gradients over d
                (with grad_accum_steps N, forward and backward run over N micro-batches that add
                up to the same update: train/accumulate.py)
-    sync       model.sync_grads(): dense over e, MoE gate over (d, e), experts over d
+               (on a mesh with p > 1 the step's micro-batches run through the pipeline's stages
+               instead, each rank holding its stages' blocks: train/pipeline.py)
+    sync       model.sync_grads(): dense over e, MoE gate over (d, e), experts over d (within a
+               pipeline stage's mesh)
     clip       the global gradient norm (all shards, each counted once) to max_grad_norm
     update     AdamW with the warm-up + cosine learning rate of step n, then each MoE correction
                bias from the step's global expert loads (when the model has them)
@@ -36,9 +39,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from shardmoe.check.health import gradient_health
+from shardmoe.model.stages import rank_part
 from shardmoe.model.transformer import Transformer
+from shardmoe.notation import MESH_AXES
 from shardmoe.train.accumulate import accumulate_step
 from shardmoe.train import sharded_checkpoint
 from shardmoe.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
@@ -47,6 +53,7 @@ from shardmoe.train.data import PackedBatches, document_prompts
 from shardmoe.train.flops import measure_peak_flops, train_flops_per_token
 from shardmoe.train.metrics import MetricsLog, load_columns, read_metrics, write_metrics
 from shardmoe.train.optim import AdamW, clip_grads, global_grad_norm, learning_rate
+from shardmoe.train.pipeline import Pipeline
 from shardmoe.train.sample import (PROMPTS, SampleLog, prompt_length, read_samples, sample, samples_path,
                                    write_samples)
 from shardmoe.train.token_cache import open_tokens
@@ -111,7 +118,14 @@ def train(config: TrainConfig, out_dir: str | Path | None, *, mesh=None, resume:
     data, val = build_streams(config, token_rank, token_shards)
     tokenizer = load_tokenizer(config.tokenizer)
     prompts = document_prompts(val.tokens, val.bos, PROMPTS, prompt_length(config.seq_len))
-    model = Transformer(config.model, mesh=mesh, backward=config.backward, dtype=config.param_dtype, seed=config.seed)
+    pipelined = mesh is not None and mesh.pipeline_size > 1
+    part = rank_part(config.model.n_layers, mesh.stage, mesh.pipeline_size, config.stages_per_rank) if pipelined \
+        else None
+    model = Transformer(config.model, mesh=mesh, backward=config.backward, dtype=config.param_dtype, seed=config.seed,
+                        part=part)
+    pipeline = Pipeline(model, mesh, schedule=config.pipeline_schedule, stages_per_rank=config.stages_per_rank,
+                        microbatches=config.grad_accum_steps, rows=config.batch_size // token_shards,
+                        seq_len=config.seq_len, balance_over=config.balance_over) if pipelined else None
     optimizer = AdamW(model.named_parameters(), betas=(config.beta1, config.beta2), eps=config.adam_eps,
                       weight_decay=config.weight_decay)
 
@@ -145,11 +159,14 @@ def train(config: TrainConfig, out_dir: str | Path | None, *, mesh=None, resume:
             started = time.perf_counter()
             optimizer.zero_grad()
             with _autocast(config):
-                step_losses = accumulate_step(model, next(data), config.grad_accum_steps, config.balance_over,
-                                              token_shards)
+                if pipeline is not None:
+                    step_losses = pipeline.step(next(data), config.balance_over)
+                else:
+                    step_losses = accumulate_step(model, next(data), config.grad_accum_steps, config.balance_over,
+                                                  token_shards)
             model.sync_grads()
             grad_norm = global_grad_norm([(p.grad, model.replicas(n)) for n, p in params])
-            flagged = _flagged(model, params, config, step, last)
+            flagged = _flagged(model, params, config, step, last, mesh)
             clip_grads([p.grad for _, p in params], grad_norm, config.max_grad_norm)
             lr = learning_rate(step, config.lr, config.warmup_steps, config.steps, config.min_lr_ratio)
             optimizer.step(lr)
@@ -168,7 +185,7 @@ def train(config: TrainConfig, out_dir: str | Path | None, *, mesh=None, resume:
                     bar.write(f"step {step}: gradient health flags {', '.join(flagged)}")
             if config.eval_batches and (step == last or (config.eval_every and step % config.eval_every == 0)):
                 with _autocast(config):
-                    row["val_loss"] = evaluate(model, val, config.eval_batches)
+                    row["val_loss"] = evaluate(pipeline or model, val, config.eval_batches)
             result.metrics.append(row)
             if metrics_log is not None:
                 metrics_log.append(row)
@@ -181,7 +198,7 @@ def train(config: TrainConfig, out_dir: str | Path | None, *, mesh=None, resume:
             if config.sample_tokens and prompts and (step == config.steps or (config.sample_every and
                                                                             step % config.sample_every == 0)):
                 with _autocast(config):
-                    result.samples = _samples(model, tokenizer, prompts, config, step)
+                    result.samples = _samples(pipeline or model, tokenizer, prompts, config, step)
                 if sample_log is not None:
                     sample_log.append(result.samples)
             periodic = config.checkpoint_every and step % config.checkpoint_every == 0
@@ -201,8 +218,9 @@ def train(config: TrainConfig, out_dir: str | Path | None, *, mesh=None, resume:
     return result
 
 
-def _samples(model: Transformer, tokenizer: Tokenizer, prompts, config: TrainConfig, step: int) -> list[dict]:
-    """A continuation of each prompt, drawn from torch's global generator (collective under a mesh)."""
+def _samples(model: Transformer | Pipeline, tokenizer: Tokenizer, prompts, config: TrainConfig, step: int) -> list[dict]:
+    """A continuation of each prompt, drawn from torch's global generator (collective under a mesh;
+    `model` a Pipeline on a pipelined one, whose logits are the last stage's on every rank)."""
     rows = []
     for prompt in prompts:
         try:
@@ -215,21 +233,33 @@ def _samples(model: Transformer, tokenizer: Tokenizer, prompts, config: TrainCon
 
 
 @torch.no_grad()
-def evaluate(model: Transformer, val: PackedBatches, num_batches: int) -> float:
-    """Mean cross-entropy over the first num_batches held-out batches (collective)."""
+def evaluate(model: Transformer | Pipeline, val: PackedBatches, num_batches: int) -> float:
+    """Mean cross-entropy over the first num_batches held-out batches (collective; through the
+    stages when `model` is a Pipeline)."""
     count = min(num_batches, val.batches_per_epoch)
     total = 0.0
     for batch in itertools.islice(val.epoch_batches(0), count):
-        total += model.global_losses(model(batch.ids, batch.is_seq_start, batch.targets))[0]
+        if isinstance(model, Pipeline):
+            total += model.eval_loss(batch)
+        else:
+            total += model.global_losses(model(batch.ids, batch.is_seq_start, batch.targets))[0]
     return total / count
 
 
-def _flagged(model: Transformer, params, config: TrainConfig, step: int, last: int) -> list[str]:
+def _flagged(model: Transformer, params, config: TrainConfig, step: int, last: int, mesh) -> list[str]:
     """'name: status' of parameters the gradient health report flags, judged on the full gradients
-    (reduced over the shards, so a flag raised on any rank is in every rank's list). Collective."""
+    (reduced over the shards, so a flag raised on any rank is in every rank's list; on a pipelined
+    mesh each stage judges its own parameters and the pipeline ranks' lists are joined). Collective."""
     if not config.health_every or (step % config.health_every and step != last):
         return []
-    return [f"{e.name}: {e.status}" for e in gradient_health(params, replicas=model.replicas).flagged]
+    if mesh is None or mesh.pipeline_size == 1:
+        return [f"{e.name}: {e.status}" for e in gradient_health(params, replicas=model.replicas).flagged]
+    stage_mesh = mesh.size() > 1
+    report = gradient_health(params, replicas=model.replicas if stage_mesh else None,
+                             group=mesh.group(MESH_AXES) if stage_mesh else None)
+    gathered: list = [None] * mesh.pipeline_size
+    dist.all_gather_object(gathered, [f"{e.name}: {e.status}" for e in report.flagged], group=mesh.pipeline_group)
+    return [flag for flags in gathered for flag in flags]
 
 
 def _autocast(config: TrainConfig) -> torch.autocast:

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from shardmoe.train import sharded_checkpoint
 from shardmoe.train.checkpoint import latest_checkpoint, read_metadata, setting_differences
-from shardmoe.train.config import TrainConfig, with_current_names
+from shardmoe.train.config import LAYOUT_SETTINGS, TrainConfig, with_current_names
 
 SETTINGS_FILE = "config.json"
 
@@ -56,11 +56,15 @@ def stored_settings(out_dir: str | Path, option: str = "--resume") -> TrainConfi
 
 
 def resume_settings(stored: TrainConfig, given: dict, out_dir: str | Path) -> tuple[TrainConfig, list[str]]:
-    """The settings a resume of DIR runs with: `stored`, with `steps` from `given` (the settings
-    given again, by name; "model" a table) and a line that says so when it moves the end.
-    ValueError naming every other setting of `given` that differs from `stored`."""
+    """The settings a resume of DIR runs with: `stored`, with `steps` and the layout settings
+    (LAYOUT_SETTINGS) from `given` (the settings given again, by name; "model" a table) and a line
+    that says so when it moves the end. ValueError naming every other setting of `given` that
+    differs from `stored`."""
     have = stored.to_dict()
-    wanted = json.loads(json.dumps({key: value for key, value in given.items() if key != "steps"}))
+    layout = {key: given[key] for key in LAYOUT_SETTINGS if key in given}
+    stored = stored.replace(**layout) if layout else stored
+    wanted = json.loads(json.dumps({key: value for key, value in given.items()
+                                    if key != "steps" and key not in LAYOUT_SETTINGS}))
     differences = setting_differences({key: have[key] for key in wanted}, wanted)
     if differences:
         raise ValueError(f"--resume: the run in {out_dir} was set up with other settings ("

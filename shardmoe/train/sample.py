@@ -13,8 +13,9 @@ generator, whose state a checkpoint saves and a resume restores: a resumed run s
 uninterrupted one would. Rank 0 appends them to DIR/samples.jsonl, one row per prompt:
 {"step", "prompt", "sample"} (the continuation alone).
 
-Under a mesh every rank runs the same rows (the forward is collective), draws (so every rank's
-generator moves alike) and keeps global rank 0's token (broadcast): ranks along e may see
+Under a mesh every rank runs the same rows (the forward is collective; on a pipelined mesh `model`
+is the training's Pipeline, whose logits are the last stage's, broadcast to every rank), draws (so
+every rank's generator moves alike) and keeps global rank 0's token (broadcast): ranks along e may see
 last-bit differences in the expert GEMMs, and one different token would desynchronise the
 collectives of the next step.
 """

@@ -12,7 +12,9 @@
 
 Nothing is gathered: a rank saves the blocks it holds and, on load, DCP reads the blocks that make
 up its own shards, whatever layout wrote them, so a checkpoint of d=2 x e=2 resumes on one process
-(into plain whole tensors) and one of one process on any mesh. Loading is in place into the
+(into plain whole tensors) and one of one process on any mesh. On a pipelined mesh every rank of
+the job takes part, each with its stage's entries, keyed by layer ("model.blocks.5..."): a
+checkpoint written at p=2 loads at p=1 and the reverse. Loading is in place into the
 model's parameters and the optimizer's moments (whole_entry shares their storage).
 
 Atomicity: rank 0 writes shardmoe.json once DCP has written every rank's files (dcp.save returns on
@@ -61,7 +63,11 @@ def _state(model: Transformer, optimizer: AdamW) -> dict:
 
 
 def _process_group(mesh):
-    return None if mesh is None else mesh.group(MESH_AXES)
+    """Every rank of the job: the mesh's, or the world's on a pipelined mesh (each stage saves and
+    loads its own blocks under the whole model's names)."""
+    if mesh is None:
+        return None
+    return dist.group.WORLD if mesh.pipeline_size > 1 else mesh.group(MESH_AXES)
 
 
 def save(out_dir: str | Path, model: Transformer, optimizer: AdamW, step: int, config: dict, identity: dict,

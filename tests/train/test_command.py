@@ -124,6 +124,16 @@ def test_training_on_your_own_text_and_jsonl(tmp_path, capsys, monkeypatch, one_
     ({"grad_accum_steps": 0}, "", "grad_accum_steps: expected an int >= 1, got 0"),
     ({"dtype": "float16"}, "", "dtype: expected one of float32, float64, bfloat16, got 'float16'"),
     ({}, "d=2,e=2", "needs 4 rank(s), but the world size is 1"),
+    ({"grad_accum_steps": 2}, "p=2,e=2", "--mesh p=2,d=1,e=2,t=1 needs 4 rank(s), but the world size is 1"),
+    ({}, "p=2", "grad_accum_steps: expected at least p = 2 micro-batches for 1f1b (its warm-up fills every stage)"),
+    ({"grad_accum_steps": 2, "pipeline_schedule": "interleaved-1f1b", "stages_per_rank": 2}, "p=2",
+     "model.n_layers: expected at least one block per pipeline stage, 4 stages (p x stages_per_rank), got 2 blocks"),
+    ({"grad_accum_steps": 5, "batch_size": 10, "pipeline_schedule": "interleaved-1f1b", "stages_per_rank": 2,
+      "model": {"n_layers": 4}}, "p=2", "grad_accum_steps: expected a multiple of max(1, grad_accum_steps // p) = "
+                                        "2 for interleaved-1f1b on p = 2, got 5"),
+    ({"pipeline_schedule": "zbv"}, "", "pipeline_schedule: expected one of gpipe, 1f1b, interleaved-1f1b, got 'zbv'"),
+    ({"pipeline_schedule": "interleaved-1f1b"}, "", "stages_per_rank: expected at least 2 for interleaved-1f1b"),
+    ({"stages_per_rank": 2}, "", "stages_per_rank: expected 1 for 1f1b (one stage per rank"),
     ({}, "x=2", "--mesh: expected"),
     ({}, "d=2,d=1", "--mesh: expected each axis at most once, got axis 'd' twice"),
     ({"model": {"vocab_size": 100}}, "", "model.vocab_size: expected at least the byte tokenizer's 257 ids"),
@@ -272,3 +282,21 @@ def test_a_checkpoint_with_settings_under_their_former_names_resumes(tmp_path, c
     assert main(["train", "--out", str(out), "--resume", "--no-progress"]) == 0
     assert f"resuming {out} from {path} at step 2 of 4\n" in capsys.readouterr().out
     assert [r["step"] for r in read_rows(out)] == [1, 2, 3, 4]
+
+
+def test_a_resume_may_change_the_pipeline_schedule_as_it_may_change_the_mesh(tmp_path, capsys, one_thread):
+    """pipeline_schedule and stages_per_rank are the layout's, like --mesh: a run set up with one
+    schedule resumes with another (config.json records it); another setting is still refused."""
+    out = tmp_path / "run"
+    config = write_config(tmp_path, grad_accum_steps=2, eval_batches=0, sample_tokens=0)
+    assert main(["train", "--config", config, "--steps", "2", "--out", str(out), "--no-progress"]) == 0
+    assert json.loads((out / "config.json").read_text())["pipeline_schedule"] == "1f1b"
+    assert main(["train", "--out", str(out), "--resume", "--steps", "3", "--pipeline-schedule", "interleaved-1f1b",
+                 "--stages-per-rank", "2", "--no-progress"]) == 0
+    stored = json.loads((out / "config.json").read_text())
+    assert (stored["pipeline_schedule"], stored["stages_per_rank"]) == ("interleaved-1f1b", 2)
+    assert [r["step"] for r in read_rows(out)] == [1, 2, 3]
+    capsys.readouterr()
+    assert main(["train", "--out", str(out), "--resume", "--seed", "5", "--pipeline-schedule", "gpipe",
+                 "--stages-per-rank", "1", "--no-progress"]) == 2
+    assert "other settings (seed: the run has 0, given 5)" in capsys.readouterr().err
