@@ -17,17 +17,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from shardmoe import settings
 from shardmoe.moe import combine, cpu, experts
 from shardmoe.moe.activations import activate_backward
-
-
-def torch_path(fn):
-    """fn with the fused passes switched off around each call: the stage functions' torch code."""
-    def call(*args):
-        with settings.override(fused_elementwise=False):
-            return fn(*args)
-    return call
 
 
 def today_glu_bwd(da, h, ag):
@@ -85,16 +76,16 @@ def passes(dtype, rows, ffn, hidden, tokens, top_k, runs):
     reused = {"a": torch.empty(rows, ffn, dtype=dtype), "g": torch.empty(rows, ffn, dtype=dtype),
               "gh": torch.empty_like(h), "s": torch.empty_like(da)}
     cases = {  # name: (today, C++ fresh, C++ reused, pure function, args)
-        "glu forward": (torch_path(lambda h: experts.glu_activation(h, "silu")),
+        "glu forward": (lambda h: experts.glu_activation(experts.TORCH_OPS, h, "silu"),
                         lambda h: cpu.glu_forward(h, "silu", torch.empty(rows, ffn, dtype=dtype)),
                         lambda h: ops.glu_forward(h, 3, reused["a"], reused["g"]), pure_glu_fwd, (h,)),
         "glu backward": (today_glu_bwd, lambda *a: cpu.glu_backward(*a, "silu"),
                          lambda *a: ops.glu_backward(*a, 3, reused["gh"]), pure_glu_bwd, (da, h, ag)),
-        "scale [N,F]": (torch_path(combine.scale_rows), cpu.scale_rows, lambda x, w: ops.scale_rows(x, w, reused["s"]),
+        "scale [N,F]": (combine.scale_rows, cpu.scale_rows, lambda x, w: ops.scale_rows(x, w, reused["s"]),
                         pure_scale, (da, w)),
-        "dot3 [N,F]": (torch_path(combine.rowwise_dot), cpu.rowwise_dot, None, pure_dot,
+        "dot3 [N,F]": (combine.rowwise_dot, cpu.rowwise_dot, None, pure_dot,
                        (da, ag, h[:, ffn:])),
-        "combine [N,H]": (torch_path(combine.combine_rows),
+        "combine [N,H]": (combine.combine_rows,
                           lambda y, rp, s, k, w: cpu.combine_rows(y, torch.div(rp, k, rounding_mode="floor"), s, w),
                           None, lambda y, rp, s, k, w: pure_combine(y, w, rp, s, k), (y, row_pair, tokens, top_k, w)),
     }

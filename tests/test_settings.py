@@ -40,7 +40,7 @@ def test_switching_the_cpu_passes_off_changes_the_path_not_the_result():
     layer = shardmoe.MoE(16, 8, 4, 2)
     x = torch.randn(32, 16)
     with settings.override(fused_elementwise=False):
-        assert not cpu.elementwise_available(x)
+        assert not cpu.CpuOps.decide(x).elementwise
         off = layer(x)
     on = layer(x)
     torch.testing.assert_close(on, off, rtol=1e-6, atol=1e-6)

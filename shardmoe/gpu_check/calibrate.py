@@ -55,17 +55,17 @@ def measure_rates(device: str, dry_run: bool, glu_rows: int, glu_ffn: int) -> di
     """Copy and SiLU GLU bytes/s, launch and host-read seconds on `device`."""
     import torch
 
-    from shardmoe.moe.experts import glu_activation
+    from shardmoe.moe.cpu import CpuOps, Workspace
+    from shardmoe.moe.experts import TORCH_OPS, glu_activation
     from shardmoe.simulate.calibrate import glu_pass_bytes
-    from shardmoe.moe.cpu import Workspace
 
     cuda = device == "cuda"
     n = (DRY_RUN_COPY_BYTES if dry_run else COPY_BYTES) // 2
     a, b = torch.empty(n, device=device, dtype=torch.bfloat16), torch.empty(n, device=device, dtype=torch.bfloat16)
     copy_ms = _median_ms(lambda: b.copy_(a), cuda)
     h = torch.randn(glu_rows, 2 * glu_ffn, device=device).to(torch.bfloat16)
-    workspace = Workspace()
-    glu_ms = _median_ms(lambda: glu_activation(h, "silu", workspace=workspace), cuda)
+    ops = TORCH_OPS if cuda else CpuOps.decide(h, Workspace())  # what the torch backend runs there
+    glu_ms = _median_ms(lambda: glu_activation(ops, h, "silu"), cuda)
     tiny = torch.zeros(1, device=device)
 
     def launches():

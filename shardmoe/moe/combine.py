@@ -10,17 +10,15 @@ Triton backend has its own). Of the six backward stages (docs/architecture.md), 
   1 grad_combine:        ge_r = w_r g_t(r)                       [N, H]
   2 grad_gate_combine:   dw_r = g_t(r) . y_r   (dot over H)      [N]
   5 grad_input_combine:  dx_t = sum over kept pairs of dx_r      [S, H]
-`passes` (cpu.CpuPasses), where a function takes it, is the forward's decision of which
-C++ passes may run on CPU; None decides at the call.
+The stages take `ops`, the row primitives they run on (moe/experts.py TorchOps, or on CPU
+moe/cpu.py CpuOps with its C++ passes); scale_rows, rowwise_dot and combine_rows below are torch's
+own versions of three of those primitives.
 """
 from __future__ import annotations
 
 import torch
 
-from shardmoe.moe import cpu
-from shardmoe.moe.cpu import CpuPasses
 from shardmoe.rows import accumulation_dtype
-from shardmoe.moe.cpu import Workspace, empty_rows
 
 
 # Row chunks whose float32 temporaries stay in cache (about 1 MiB each). Forming a bf16
@@ -38,12 +36,9 @@ def row_chunks(rows: torch.Tensor) -> list[slice]:
     return [slice(i, i + step) for i in range(0, rows.shape[0], step)]
 
 
-def scale_rows(rows: torch.Tensor, weight_rows: torch.Tensor, *, out: torch.Tensor | None = None,
-               passes: CpuPasses | None = None) -> torch.Tensor:
+def scale_rows(rows: torch.Tensor, weight_rows: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
     """rows_r * w_r, formed in the acc dtype and rounded once to rows' dtype (into `out` when given,
     e.g. a workspace buffer). [N, D], [N] -> [N, D]."""
-    if cpu.elementwise_available(rows, extra=(weight_rows,), passes=passes):
-        return cpu.scale_rows(rows, weight_rows, out=out)
     acc = accumulation_dtype(rows.dtype)
     weight = weight_rows.to(acc)[:, None]
     if rows.dtype == acc:
@@ -54,12 +49,10 @@ def scale_rows(rows: torch.Tensor, weight_rows: torch.Tensor, *, out: torch.Tens
     return out
 
 
-def rowwise_dot(rows: torch.Tensor, *factors: torch.Tensor, passes: CpuPasses | None = None) -> torch.Tensor:
+def rowwise_dot(rows: torch.Tensor, *factors: torch.Tensor) -> torch.Tensor:
     """sum_d rows[r, d] * prod_i factors_i[r, d], every product and the sum in the acc dtype.
     [N, D], ... -> [N]. On CPU chunked for every dtype (row_chunks): the product never exists at full
     size; on a GPU one chunk, a transient [N, D] acc-dtype product."""
-    if len(factors) in (1, 2) and cpu.elementwise_available(rows, *factors, passes=passes):
-        return cpu.rowwise_dot(rows, *factors)
     acc = accumulation_dtype(rows.dtype)
     out = rows.new_empty(rows.shape[0], dtype=acc)
     for c in row_chunks(rows):
@@ -71,13 +64,11 @@ def rowwise_dot(rows: torch.Tensor, *factors: torch.Tensor, passes: CpuPasses | 
 
 
 def combine_rows(rows: torch.Tensor, row_pair: torch.Tensor, num_tokens: int, top_k: int,
-                 weight_rows: torch.Tensor | None = None, *, passes: CpuPasses | None = None) -> torch.Tensor:
+                 weight_rows: torch.Tensor | None = None) -> torch.Tensor:
     """Sum rows [N, D] (each scaled by w_r when weight_rows is given) back to tokens:
     out_t = sum of the rows whose pair belongs to t. Accumulates and returns [S, D] in the acc dtype.
 
     index_add_ on CPU adds a token's rows in row order, so the sum is deterministic."""
-    if cpu.elementwise_available(rows, extra=(row_pair, weight_rows), passes=passes):  # the same sums, gathered per token
-        return cpu.combine_pairs(rows, token_rows(row_pair, num_tokens, top_k), weight_rows)
     row_token = torch.div(row_pair, top_k, rounding_mode="floor")
     acc = accumulation_dtype(rows.dtype)
     out = rows.new_zeros((num_tokens, rows.shape[-1]), dtype=acc)
@@ -95,24 +86,22 @@ def token_rows(row_pair: torch.Tensor, num_tokens: int, top_k: int) -> torch.Ten
     return pair_row.view(num_tokens, top_k).sort(dim=1).values
 
 
-def combine(expert_out: torch.Tensor, weight_rows: torch.Tensor, row_pair: torch.Tensor,
-            num_tokens: int, top_k: int, *, passes: CpuPasses | None = None) -> torch.Tensor:
+def combine(ops, expert_out: torch.Tensor, weight_rows: torch.Tensor, row_pair: torch.Tensor,
+            num_tokens: int, top_k: int) -> torch.Tensor:
     """Forward combine: out_t = sum_j w_tj y_j(x_t) over kept pairs, w * y formed in the acc dtype.
     Returns [S, H] in the acc dtype."""
-    return combine_rows(expert_out, row_pair, num_tokens, top_k, weight_rows, passes=passes)
+    return ops.combine_rows(expert_out, row_pair, num_tokens, top_k, weight_rows)
 
 
-def grad_combine(grad_rows: torch.Tensor, weight_rows: torch.Tensor, *,
-                 workspace: Workspace | None = None, passes: CpuPasses | None = None) -> torch.Tensor:
+def grad_combine(ops, grad_rows: torch.Tensor, weight_rows: torch.Tensor) -> torch.Tensor:
     """Stage 1: ge_r = w_r g_r, the gradient each kept pair's expert receives. [N, D] -> [N, D],
-    formed in the acc dtype and rounded once to grad_rows' dtype (into a `workspace` buffer when
-    one is given: a fresh [N, H] page-faults, and scaling into one took 5x as long)."""
-    out = None if workspace is None else empty_rows(workspace, tuple(grad_rows.shape), grad_rows)
-    return scale_rows(grad_rows, weight_rows, out=out, passes=passes)
+    formed in the acc dtype and rounded once to grad_rows' dtype, into a buffer of ops.empty (on CPU
+    a workspace buffer: a fresh [N, H] page-faults, and scaling into one took 5x as long)."""
+    return ops.scale_rows(grad_rows, weight_rows, out=ops.empty(tuple(grad_rows.shape), grad_rows))
 
 
-def grad_gate_combine(grad_rows: torch.Tensor, out_rows: torch.Tensor,
-                      out_scale: torch.Tensor | None = None, *, passes: CpuPasses | None = None) -> torch.Tensor:
+def grad_gate_combine(ops, grad_rows: torch.Tensor, out_rows: torch.Tensor,
+                      out_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Stage 2: dw_r = sum_d grad_rows[r, d] * out_rows[r, d] (* out_scale[r, d]) -> [N], products
     and sum in the acc dtype: rounding them to bf16 costs more accuracy than the routing
     gradient's cancellations (renormalisation, softmax) can afford.
@@ -121,11 +110,11 @@ def grad_gate_combine(grad_rows: torch.Tensor, out_rows: torch.Tensor,
     expert passes (g Wdown, act(hg), hu), since g . (a Wdown^T) = (g Wdown) . a with a = act(hg) hu,
     so y is never saved and a is never rounded on the way.
     """
-    return rowwise_dot(grad_rows, *((out_rows,) if out_scale is None else (out_rows, out_scale)), passes=passes)
+    return ops.rowwise_dot(grad_rows, *((out_rows,) if out_scale is None else (out_rows, out_scale)))
 
 
-def grad_input_combine(dx_rows: torch.Tensor, row_pair: torch.Tensor, num_tokens: int, top_k: int, *,
-                       passes: CpuPasses | None = None) -> torch.Tensor:
+def grad_input_combine(ops, dx_rows: torch.Tensor, row_pair: torch.Tensor, num_tokens: int,
+                       top_k: int) -> torch.Tensor:
     """Stage 5: dx_t = sum over kept pairs of t of dx_r. No probability scaling: grad_combine
     already applied w. [N, H] -> [S, H] in the acc dtype."""
-    return combine_rows(dx_rows, row_pair, num_tokens, top_k, passes=passes)
+    return ops.combine_rows(dx_rows, row_pair, num_tokens, top_k)

@@ -4,17 +4,17 @@
   side-by-side GEMMs  the per-expert GEMMs, one expert per intra-op thread (csrc/experts_mm.cpp)
   Workspace         the pool of the large row buffers a step uses, kept across steps
 
-The stage functions (moe/experts.py, moe/combine.py) call the first two where the forward's
-CpuPasses allows them and the operands fit, and take their row buffers from the third; everything
-else runs torch's code. On other devices none of this runs (moe/backends.py select()).
+CpuOps puts them together as the row primitives the stage math (moe/experts.py, moe/combine.py)
+runs on: it is experts.TorchOps with the first two where the forward allows them and the operands
+fit, and the row buffers from the third; everything else runs TorchOps' torch code. On other
+devices none of this runs (moe/backends.py select()).
 
 ## C++ passes
 Fused elementwise passes of the fused layer on CPU: one vectorised pass per stage, in C++.
 
-The stage functions call these for float32 and bfloat16
-CPU tensors when `elementwise_available(...)` says so (the forward's CpuPasses allows them and the operands
-fit), and keep their torch code for everything else (float64, other devices, activations not
-listed in ACTIVATION_CODES, tensors under autograd):
+CpuOps calls these for float32 and bfloat16 CPU tensors where `elementwise_fits(...)` says so
+(the forward allows them and the operands fit), and TorchOps' torch code for everything else
+(float64, other devices, activations not listed in ACTIVATION_CODES, tensors under autograd):
 
   glu_forward    a = act(hg) * hu, and act(hg) when asked           h [N, 2F] -> [N, F]
   glu_backward   dh = [dA * hu * act'(hg) | dA * act(hg)]           dA, act(hg) [N, F], h -> [N, 2F]
@@ -76,10 +76,12 @@ experts' rows where those exist and are finite, copied zero-padded too where not
 (docs/benchmarks.md, "What the figures settle on the CPU").
 
 The library is the C++ passes' (one build, one fallback): where it cannot be built, and for what
-it does not take (one thread, float64, other devices, tensors under autograd), experts.py keeps its
-per-expert loop. SHARDMOE_EXPERTS_MM=0 (shardmoe.settings) keeps the loop too (to compare the two). The GEMMs are torch
-operators (torch.ops.shardmoe_gemm: out annotated as written, a Meta kernel) that the wrappers call
-directly, so torch.compile(fullgraph=True) traces them, as for the passes.
+it does not take (one thread, one expert, float64, other devices, tensors under autograd), CpuOps
+runs a per-expert loop of torch.mm into its row buffer (grouped_mm, which allocates its output,
+runs the same products on CPU, bit for bit). SHARDMOE_EXPERTS_MM=0 (shardmoe.settings) keeps the
+loop too (to compare the two). The GEMMs are torch operators (torch.ops.shardmoe_gemm: out
+annotated as written, a Meta kernel) that the wrappers call directly, so
+torch.compile(fullgraph=True) traces them, as for the passes.
 
 ## Workspace
 Workspace: a per-layer pool of the large row buffers of the fused layer's forward and backward.
@@ -113,7 +115,6 @@ resident_bytes counts every block the pool holds, lent or free.
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 import hashlib
 import math
@@ -127,6 +128,9 @@ from pathlib import Path
 
 import torch
 
+from shardmoe.moe.combine import token_rows
+from shardmoe.moe.experts import TorchOps, per_expert_mm
+from shardmoe.rows import Groups
 from shardmoe.settings import SETTINGS
 
 FUSED_DTYPES = (torch.float32, torch.bfloat16)
@@ -194,7 +198,7 @@ def build_library() -> Path:
 @functools.cache
 def _ops():
     """torch.ops.shardmoe_elementwise after building/loading the library once per process, or None
-    (with one warning) when that fails. The wrappers below run only where elementwise_available() or gemm_available() said yes, so
+    (with one warning) when that fails. The wrappers below run only where CpuOps said yes, so
     the library is loaded: they call torch.ops.shardmoe_elementwise directly, which Dynamo traces
     (it would trace through this cache into build_library's compiler probe and break the graph)."""
     try:
@@ -207,31 +211,111 @@ def _ops():
         return None
 
 
-@dataclasses.dataclass(frozen=True)
-class CpuPasses:
-    """Which C++ passes one forward of the layer may use, decided once (backends.select) for the
-    forward and again for its backward:
+class CpuOps(TorchOps):
+    """The row primitives of moe/experts.py's TorchOps with the CPU's own machinery, for one forward
+    of a layer (and again for its backward; backends.select decides both):
 
-      elementwise  the fused elementwise passes of this module
-      experts_mm   the experts' GEMMs side by side, one per intra-op thread (the side-by-side GEMMs below)
+      elementwise   the fused elementwise passes of this module
+      experts_mm    the experts' GEMMs side by side, one per intra-op thread (the side-by-side GEMMs below)
+      workspace     the pool the large row buffers come from (None: fresh allocations)
 
     decide(x) reads what is the same for every stage of a forward: the settings
     (shardmoe.settings), the device and dtype of the layer's input x, the intra-op thread count,
-    and whether the library built (the first decision that gets that far builds it). What a stage
-    still checks per call is what its own operands are (dtype, device, strides, autograd tracking)
-    and, for the elementwise passes, its activation: elementwise_available() and gemm_available()."""
+    and whether the library built (the first decision that gets that far builds it). What each
+    primitive still checks per call is what its own operands are (dtype, device, strides, autograd
+    tracking) and, for the elementwise passes, its activation (elementwise_fits, gemm_fits); where
+    they do not fit, it runs TorchOps' torch code."""
 
-    elementwise: bool = False
-    experts_mm: bool = False
+    def __init__(self, elementwise: bool = False, experts_mm: bool = False, workspace: Workspace | None = None):
+        self.elementwise, self.experts_mm, self.workspace = elementwise, experts_mm, workspace
+
+    def __repr__(self) -> str:
+        return f"CpuOps(elementwise={self.elementwise}, experts_mm={self.experts_mm})"
 
     @classmethod
-    def decide(cls, x: torch.Tensor) -> "CpuPasses":
+    def decide(cls, x: torch.Tensor, workspace: Workspace | None = None) -> "CpuOps":
         if x.device.type != "cpu" or x.dtype not in FUSED_DTYPES:
-            return cls()
+            return cls(workspace=workspace)
         fused, side_by_side = SETTINGS.fused_elementwise, SETTINGS.experts_mm and torch.get_num_threads() >= 2
         if not (fused or side_by_side) or _ops() is None:
-            return cls()
-        return cls(fused, side_by_side)
+            return cls(workspace=workspace)
+        return cls(fused, side_by_side, workspace)
+
+    def elementwise_fits(self, *tensors: torch.Tensor, activation: str = "identity", extra: tuple = ()) -> bool:
+        """Whether the fused passes take these operands: this forward allows them, the operands fit
+        (operands_fit) with a unit last-dim stride for `tensors`, and `activation` is one the kernels
+        evaluate."""
+        return (self.elementwise and activation in ACTIVATION_CODES and all(t.stride(-1) == 1 for t in tensors)
+                and operands_fit(tensors, extra))
+
+    def gemm_fits(self, groups: Groups, *tensors: torch.Tensor) -> bool:
+        """Whether the experts' GEMMs run side by side: this forward allows them, there is more than
+        one expert, and the operands fit (operands_fit; any strides)."""
+        return self.experts_mm and groups.num_experts > 1 and operands_fit(tensors)
+
+    # -- the primitives: the CPU's own where the operands fit, TorchOps' otherwise ----------
+
+    def empty(self, shape, like):
+        if self.workspace is None:
+            return like.new_empty(shape)
+        return self.workspace.empty(tuple(shape), like.dtype, like.device)
+
+    def linear(self, rows, weight, groups, bias=None):
+        weight_t = weight.transpose(-2, -1)
+        out = self.empty((rows.shape[0], weight.shape[1]), rows)
+        if bias is None and self.gemm_fits(groups, rows, weight_t, out):
+            return experts_mm(rows, weight_t, groups.sizes, out)
+        # a given buffer rules out grouped_mm, which allocates: on CPU it runs this loop's products
+        return per_expert_mm(rows, weight_t, groups, out, bias)
+
+    def linear_t(self, rows, weight, groups):
+        out = self.empty((rows.shape[0], weight.shape[2]), rows)
+        if self.gemm_fits(groups, rows, weight, out):
+            return experts_mm(rows, weight, groups.sizes, out)
+        return per_expert_mm(rows, weight, groups, out)
+
+    def weight_grad(self, grad_rows, in_rows, groups):
+        if self.gemm_fits(groups, grad_rows, in_rows):
+            return experts_weight_grad(grad_rows, in_rows, groups.sizes)
+        return super().weight_grad(grad_rows, in_rows, groups)
+
+    def bias_grad(self, grad_rows, groups):
+        if self.elementwise_fits(grad_rows):  # the same row-order sum, one pass
+            return combine_rows(grad_rows, groups.row_expert(), groups.num_experts).to(grad_rows.dtype)
+        return super().bias_grad(grad_rows, groups)
+
+    def glu(self, h, activation, act_gate=None):
+        if self.elementwise_fits(h, *([] if act_gate is None else [act_gate]), activation=activation):
+            return glu_forward(h, activation, act_gate, out=self.empty((h.shape[0], h.shape[-1] // 2), h))
+        return super().glu(h, activation, act_gate)
+
+    def glu_backward(self, grad_a, h, act_gate, activation):
+        if self.elementwise_fits(grad_a, h, act_gate, activation=activation):
+            return glu_backward(grad_a, h, act_gate, activation, out=self.empty(h.shape, h))
+        return super().glu_backward(grad_a, h, act_gate, activation)
+
+    def fuses_glu_grad(self, grad_rows, h, weight_rows, activation):
+        return isinstance(activation, str) and self.elementwise_fits(grad_rows, h, activation=activation,
+                                                                     extra=(weight_rows,))
+
+    def glu_grad(self, h, g_down, weight_rows, activation, *, a_out=None, grad_h_out=None):
+        """The glu backward's elementwise work in one pass (glu_grad below), where fuses_glu_grad."""
+        return glu_grad(h, g_down, weight_rows, activation, a_out=a_out, grad_h_out=grad_h_out)
+
+    def scale_rows(self, rows, weight_rows, *, out=None):
+        if self.elementwise_fits(rows, extra=(weight_rows,)):
+            return scale_rows(rows, weight_rows, out=out)
+        return super().scale_rows(rows, weight_rows, out=out)
+
+    def rowwise_dot(self, rows, *factors):
+        if len(factors) in (1, 2) and self.elementwise_fits(rows, *factors):
+            return rowwise_dot(rows, *factors)
+        return super().rowwise_dot(rows, *factors)
+
+    def combine_rows(self, rows, row_pair, num_tokens, top_k, weight_rows=None):
+        if self.elementwise_fits(rows, extra=(row_pair, weight_rows)):  # the same sums, gathered per token
+            return combine_pairs(rows, token_rows(row_pair, num_tokens, top_k), weight_rows)
+        return super().combine_rows(rows, row_pair, num_tokens, top_k, weight_rows)
 
 
 def operands_fit(tensors: tuple, extra: tuple = ()) -> bool:
@@ -244,17 +328,6 @@ def operands_fit(tensors: tuple, extra: tuple = ()) -> bool:
     grad = torch.is_grad_enabled()
     return all(t.device.type == "cpu" and not (grad and t.requires_grad)
                for t in (*tensors, *(t for t in extra if t is not None)))
-
-
-def elementwise_available(*tensors: torch.Tensor, activation: str = "identity", extra: tuple = (),
-                          passes: CpuPasses | None = None) -> bool:
-    """Whether the fused kernels take these operands: `passes` (the forward's decision; None
-    decides here, for callers outside a layer's forward) allows them, the operands fit
-    (operands_fit) with a unit last-dim stride for `tensors`, and `activation` is one the kernels
-    evaluate."""
-    passes = CpuPasses.decide(tensors[0]) if passes is None else passes
-    return (passes.elementwise and activation in ACTIVATION_CODES and all(t.stride(-1) == 1 for t in tensors)
-            and operands_fit(tensors, extra))
 
 
 def _check_shape(name: str, tensor: torch.Tensor, shape: tuple[int, ...]) -> None:
@@ -378,14 +451,6 @@ def combine_pairs(rows: torch.Tensor, token_rows: torch.Tensor, weight_rows: tor
 # -- side-by-side GEMMs ----------------------------------------------------------------------
 
 
-def gemm_available(*tensors: torch.Tensor, passes: CpuPasses | None = None) -> bool:
-    """Whether the side-by-side GEMMs take these operands: `passes` (the forward's decision:
-    SETTINGS.experts_mm on, more than one intra-op thread, the library built; None decides here)
-    allows them, and the operands fit (operands_fit; any strides)."""
-    passes = CpuPasses.decide(tensors[0]) if passes is None else passes
-    return passes.experts_mm and operands_fit(tensors)
-
-
 def experts_mm(rows: torch.Tensor, weight: torch.Tensor, sizes: tuple[int, ...], out: torch.Tensor) -> torch.Tensor:
     """out[start_e : start_e + sizes[e]] = rows[same] @ weight[e] for every expert e (rows [N, K],
     weight [E, K, O] in any strides, out [N, O]); returns out."""
@@ -484,11 +549,3 @@ def share(layers) -> Workspace:
     for layer in layers:
         layer.workspace = pool
     return pool
-
-
-def empty_rows(workspace: Workspace | None, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
-    """An uninitialised tensor of `shape` with like's dtype and device: from `workspace` when one is
-    given, else a fresh allocation (the stage functions' default)."""
-    if workspace is None:
-        return like.new_empty(shape)
-    return workspace.empty(tuple(shape), like.dtype, like.device)

@@ -1,4 +1,4 @@
-"""Expert FFNs on expert-sorted rows: grouped GEMMs, forward, and backward stages 3 and 4.
+"""Expert FFNs on expert-sorted rows: the forward, and backward stages 3 and 4, as plain stage math.
 
 Rows [N, .] are grouped by expert (Groups). Parameters, per expert e:
   "glu":  gate_up_proj [E, 2F, H] (rows 0:F gate, F:2F up), down_proj [E, H, F],
@@ -10,17 +10,17 @@ Rows [N, .] are grouped by expert (Groups). Parameters, per expert e:
 pre_gemm, post_gemm, expert_forward and expert_backward take the kind (shardmoe/expert_kinds.py:
 GLU or MLP) and run its body here; stages 3 and 4 are a function per kind (grad_post_gemm_glu, ...).
 
-The stage functions below are the torch backend (shardmoe/moe/backends.py picks the backend once
-per forward; the Triton kernels of shardmoe/kernels provide the same names). GEMMs use
-torch.nn.functional.grouped_mm for fp32/bf16 operands whose strides are 16-byte aligned (its
-kernels require it), and a per-expert loop otherwise (float64, odd tiny shapes, and whenever the
-output comes from a workspace: grouped_mm cannot write into a given buffer).
-`workspace` (shardmoe/moe/cpu.py), where a function takes one, supplies the large row
-buffers it returns; None allocates them fresh. `passes` (cpu.CpuPasses) is the forward's
-decision of which C++ passes may run on CPU; None decides at the call (callers outside a
-forward). Elementwise math stays in the input dtype: the activation kernels compute in float32
-internally and round once, and a bf16 -> fp32 -> bf16 round trip would cost more than the GEMMs on
-CPU. Reductions over tokens accumulate in float32.
+Every stage function takes `ops` first: the row primitives it runs on (grouped GEMMs, the GLU's
+elementwise passes, row scaling, row dots, combines, row buffers). TorchOps below is torch's own,
+on any device: GEMMs by torch.nn.functional.grouped_mm for fp32/bf16 operands whose strides are
+16-byte aligned (its kernels require it; on CPU it runs the per-expert loop's products, bit for
+bit) and a per-expert loop otherwise (float64, odd tiny shapes, and a GEMM with a bias: one addmm
+per expert adds b_e inside the GEMM and rounds once), fresh buffers. On CPU the torch backend
+runs moe/cpu.py's CpuOps instead, which overrides the primitives with the C++ passes, the
+side-by-side GEMMs and the layer's workspace where they take the operands. Elementwise math stays in
+the input dtype: the activation kernels compute in float32 internally and round once, and a
+bf16 -> fp32 -> bf16 round trip would cost more than the GEMMs on CPU. Reductions over tokens
+accumulate in float32.
 """
 from __future__ import annotations
 
@@ -28,11 +28,9 @@ import torch
 import torch.nn.functional as F
 
 from shardmoe.expert_kinds import GLU, MLP, ExpertKind
-from shardmoe.moe import cpu
-from shardmoe.moe.cpu import CpuPasses
+from shardmoe.moe import combine as comb
 from shardmoe.moe.activations import ClampedSwiGLU, activate, activate_backward
-from shardmoe.moe.combine import grad_combine, row_chunks
-from shardmoe.moe.cpu import Workspace, empty_rows
+from shardmoe.moe.combine import grad_combine, grad_gate_combine, row_chunks
 from shardmoe.rows import Groups, accumulation_dtype
 
 
@@ -58,25 +56,10 @@ def _use_grouped_mm(*operands: torch.Tensor) -> bool:
     return all(t.dtype in (torch.float32, torch.bfloat16) and _aligned(t) for t in operands)
 
 
-def _side_by_side(groups: Groups, *operands: torch.Tensor, passes: CpuPasses | None) -> bool:
-    """Whether the experts' GEMMs run side by side, one per thread (moe/cpu.py)."""
-    return groups.num_experts > 1 and cpu.gemm_available(*operands, passes=passes)
-
-
-def grouped_linear(rows: torch.Tensor, weight: torch.Tensor, groups: Groups,
-                   bias: torch.Tensor | None = None, *, workspace: Workspace | None = None,
-                   passes: CpuPasses | None = None) -> torch.Tensor:
-    """out_r = rows_r W_e^T (+ b_e) for the expert e of row r: rows [N, K], weight [E, O, K],
-    bias [E, O] -> [N, O].
-
-    With a bias each expert runs one addmm, which adds b_e inside the GEMM and rounds once
-    (grouped_mm takes no bias on CPU, and adding it after a bf16 GEMM rounds twice)."""
-    weight_t = weight.transpose(-2, -1)
-    if bias is None and workspace is None and _use_grouped_mm(rows, weight_t):
-        return F.grouped_mm(rows, weight_t, offs=groups.offsets)
-    out = empty_rows(workspace, (rows.shape[0], weight.shape[1]), rows)
-    if bias is None and _side_by_side(groups, rows, weight_t, out, passes=passes):
-        return cpu.experts_mm(rows, weight_t, groups.sizes, out)
+def per_expert_mm(rows: torch.Tensor, weight_t: torch.Tensor, groups: Groups, out: torch.Tensor,
+                  bias: torch.Tensor | None = None) -> torch.Tensor:
+    """out[rows of e] = rows[rows of e] W_e (+ b_e), one torch.mm (addmm with a bias) per expert:
+    rows [N, K], weight_t [E, K, O], bias [E, O], out [N, O]; returns out."""
     for e, part, dest in groups.expert_rows(rows, out):
         if bias is None:
             torch.mm(part, weight_t[e], out=dest)
@@ -85,133 +68,146 @@ def grouped_linear(rows: torch.Tensor, weight: torch.Tensor, groups: Groups,
     return out
 
 
-def grouped_linear_t(rows: torch.Tensor, weight: torch.Tensor, groups: Groups, *,
-                     workspace: Workspace | None = None, passes: CpuPasses | None = None) -> torch.Tensor:
-    """out_r = rows_r W_e (the input-gradient GEMM): rows [N, O], weight [E, O, K] -> [N, K]."""
-    if workspace is None and _use_grouped_mm(rows, weight):
-        return F.grouped_mm(rows, weight, offs=groups.offsets)
-    out = empty_rows(workspace, (rows.shape[0], weight.shape[2]), rows)
-    if _side_by_side(groups, rows, weight, out, passes=passes):
-        return cpu.experts_mm(rows, weight, groups.sizes, out)
-    for e, part, dest in groups.expert_rows(rows, out):
-        torch.mm(part, weight[e], out=dest)
-    return out
+class TorchOps:
+    """The row primitives the stage math runs on, in torch's own ops (any device, fresh buffers).
+    moe/cpu.py's CpuOps is the same set with the CPU's own passes."""
 
+    def empty(self, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+        """An uninitialised row buffer of `shape` with like's dtype and device."""
+        return like.new_empty(shape)
 
-def grouped_weight_grad(grad_rows: torch.Tensor, in_rows: torch.Tensor, groups: Groups, *,
-                        passes: CpuPasses | None = None) -> torch.Tensor:
-    """dW_e = sum over rows r of e of grad_r^T in_r: [N, O], [N, K] -> [E, O, K].
+    def linear(self, rows: torch.Tensor, weight: torch.Tensor, groups: Groups,
+               bias: torch.Tensor | None = None) -> torch.Tensor:
+        """out_r = rows_r W_e^T (+ b_e) for the expert e of row r: rows [N, K], weight [E, O, K],
+        bias [E, O] -> [N, O]."""
+        weight_t = weight.transpose(-2, -1)
+        if bias is None and _use_grouped_mm(rows, weight_t):
+            return F.grouped_mm(rows, weight_t, offs=groups.offsets)
+        return per_expert_mm(rows, weight_t, groups, self.empty((rows.shape[0], weight.shape[1]), rows), bias)
 
-    The sum over an expert's rows happens inside one GEMM (fp32 accumulation for bf16)."""
-    if _side_by_side(groups, grad_rows, in_rows, passes=passes):
-        return cpu.experts_weight_grad(grad_rows, in_rows, groups.sizes)
-    grad_t = grad_rows.t()
-    if _use_grouped_mm(grad_t, in_rows) and grad_rows.shape[0] > 0:
-        return F.grouped_mm(grad_t, in_rows, offs=groups.offsets)
-    out = grad_rows.new_zeros((groups.num_experts, grad_rows.shape[1], in_rows.shape[1]))
-    for e, (g, x) in enumerate(zip(grad_rows.split(groups.sizes), in_rows.split(groups.sizes))):
-        if g.shape[0]:
-            out[e] = g.t() @ x
-    return out
+    def linear_t(self, rows: torch.Tensor, weight: torch.Tensor, groups: Groups) -> torch.Tensor:
+        """out_r = rows_r W_e (the input-gradient GEMM): rows [N, O], weight [E, O, K] -> [N, K]."""
+        if _use_grouped_mm(rows, weight):
+            return F.grouped_mm(rows, weight, offs=groups.offsets)
+        return per_expert_mm(rows, weight, groups, self.empty((rows.shape[0], weight.shape[2]), rows))
 
+    def weight_grad(self, grad_rows: torch.Tensor, in_rows: torch.Tensor, groups: Groups) -> torch.Tensor:
+        """dW_e = sum over rows r of e of grad_r^T in_r: [N, O], [N, K] -> [E, O, K]. The sum over an
+        expert's rows happens inside one GEMM (fp32 accumulation for bf16)."""
+        grad_t = grad_rows.t()
+        if _use_grouped_mm(grad_t, in_rows) and grad_rows.shape[0] > 0:
+            return F.grouped_mm(grad_t, in_rows, offs=groups.offsets)
+        out = grad_rows.new_zeros((groups.num_experts, grad_rows.shape[1], in_rows.shape[1]))
+        for e, (g, x) in enumerate(zip(grad_rows.split(groups.sizes), in_rows.split(groups.sizes))):
+            if g.shape[0]:
+                out[e] = g.t() @ x
+        return out
 
-def grouped_bias_grad(grad_rows: torch.Tensor, groups: Groups, *, passes: CpuPasses | None = None) -> torch.Tensor:
-    """db_e = sum over rows r of e of grad_r: [N, O] -> [E, O], summed in the acc dtype."""
-    if cpu.elementwise_available(grad_rows, passes=passes):  # the same row-order sum, one pass
-        return cpu.combine_rows(grad_rows, groups.row_expert(), groups.num_experts).to(grad_rows.dtype)
-    acc = accumulation_dtype(grad_rows.dtype)
-    out = grad_rows.new_zeros((groups.num_experts, grad_rows.shape[1]), dtype=acc)
-    out.index_add_(0, groups.row_expert(grad_rows.device), grad_rows.to(acc))
-    return out.to(grad_rows.dtype)
+    def bias_grad(self, grad_rows: torch.Tensor, groups: Groups) -> torch.Tensor:
+        """db_e = sum over rows r of e of grad_r: [N, O] -> [E, O], summed in the acc dtype."""
+        acc = accumulation_dtype(grad_rows.dtype)
+        out = grad_rows.new_zeros((groups.num_experts, grad_rows.shape[1]), dtype=acc)
+        out.index_add_(0, groups.row_expert(grad_rows.device), grad_rows.to(acc))
+        return out.to(grad_rows.dtype)
 
-
-def glu_activation(h: torch.Tensor, activation: str | ClampedSwiGLU, *,
-                   workspace: Workspace | None = None, passes: CpuPasses | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """For h = [hg | hu] [N, 2F]: (a = act(hg) * hu, act(hg)), both [N, F] (backward needs both);
-    for a ClampedSwiGLU act(hg) is its gate factor f(min(hg, L))."""
-    ffn = h.shape[-1] // 2
-    act_gate = empty_rows(workspace, (h.shape[0], ffn), h)
-    return _glu(h, activation, act_gate, workspace=workspace, passes=passes), act_gate
-
-
-def _glu(h: torch.Tensor, activation: str | ClampedSwiGLU, act_gate: torch.Tensor | None = None, *,
-         workspace: Workspace | None = None, passes: CpuPasses | None = None) -> torch.Tensor:
-    """a = act(hg) * hu [N, F], row chunk by row chunk so that act(hg) is still in cache when the
-    product reads it; act(hg) is also written to act_gate when one is given."""
-    ffn = h.shape[-1] // 2
-    a = empty_rows(workspace, (h.shape[0], ffn), h)
-    if cpu.elementwise_available(h, *([] if act_gate is None else [act_gate]), activation=activation, passes=passes):
-        return cpu.glu_forward(h, activation, act_gate, out=a)
-    for c in row_chunks(h):
-        if isinstance(activation, ClampedSwiGLU):
-            act = activation.forward(h[c, :ffn], h[c, ffn:], out=a[c])[1]
+    def glu(self, h: torch.Tensor, activation: str | ClampedSwiGLU,
+            act_gate: torch.Tensor | None = None) -> torch.Tensor:
+        """a = act(hg) * hu [N, F] for h = [hg | hu] [N, 2F], row chunk by row chunk so that act(hg)
+        is still in cache when the product reads it; act(hg) (a ClampedSwiGLU's gate factor
+        f(min(hg, L))) is also written to act_gate [N, F] when one is given."""
+        ffn = h.shape[-1] // 2
+        a = self.empty((h.shape[0], ffn), h)
+        for c in row_chunks(h):
+            if isinstance(activation, ClampedSwiGLU):
+                act = activation.forward(h[c, :ffn], h[c, ffn:], out=a[c])[1]
+                if act_gate is not None:
+                    act_gate[c] = act
+                continue
+            act = activate(activation, h[c, :ffn])
             if act_gate is not None:
                 act_gate[c] = act
-            continue
-        act = activate(activation, h[c, :ffn])
-        if act_gate is not None:
-            act_gate[c] = act
-        torch.mul(act, h[c, ffn:], out=a[c])
-    return a
+            torch.mul(act, h[c, ffn:], out=a[c])
+        return a
+
+    def glu_backward(self, grad_a: torch.Tensor, h: torch.Tensor, act_gate: torch.Tensor,
+                     activation: str | ClampedSwiGLU) -> torch.Tensor:
+        """dh = [dA hu act'(hg) | dA act(hg)] [N, 2F] from dA [N, F], h = [hg | hu] [N, 2F] and
+        act(hg) [N, F] (a ClampedSwiGLU by its own derivative), one pass per row chunk: the [N, F]
+        intermediate dA * hu never leaves the cache."""
+        ffn = act_gate.shape[-1]
+        grad_h = self.empty(h.shape, h)
+        for c in row_chunks(h):
+            gate, up = h[c, :ffn], h[c, ffn:]
+            if isinstance(activation, ClampedSwiGLU):
+                activation.backward(grad_a[c], gate, up, act_gate[c], grad_h[c, :ffn], grad_h[c, ffn:])
+                continue
+            grad_h[c, :ffn] = activate_backward(activation, grad_a[c] * up, gate)
+            torch.mul(grad_a[c], act_gate[c], out=grad_h[c, ffn:])
+        return grad_h
+
+    def fuses_glu_grad(self, grad_rows: torch.Tensor, h: torch.Tensor, weight_rows: torch.Tensor,
+                       activation: str | ClampedSwiGLU) -> bool:
+        """Whether these ops have glu_grad, the glu backward's elementwise work in one pass
+        (_glu_backward_one_pass), for these operands: torch's own have not."""
+        return False
+
+    def scale_rows(self, rows: torch.Tensor, weight_rows: torch.Tensor, *,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
+        return comb.scale_rows(rows, weight_rows, out=out)
+
+    def rowwise_dot(self, rows: torch.Tensor, *factors: torch.Tensor) -> torch.Tensor:
+        return comb.rowwise_dot(rows, *factors)
+
+    def combine_rows(self, rows: torch.Tensor, row_pair: torch.Tensor, num_tokens: int, top_k: int,
+                     weight_rows: torch.Tensor | None = None) -> torch.Tensor:
+        return comb.combine_rows(rows, row_pair, num_tokens, top_k, weight_rows)
 
 
-def pre_gemm(kind: ExpertKind, activation: str | ClampedSwiGLU, xs: torch.Tensor,
-             params: dict[str, torch.Tensor | None], groups: Groups, *,
-             workspace: Workspace | None = None, passes: CpuPasses | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+TORCH_OPS = TorchOps()
+
+
+def glu_activation(ops, h: torch.Tensor, activation: str | ClampedSwiGLU) -> tuple[torch.Tensor, torch.Tensor]:
+    """For h = [hg | hu] [N, 2F]: (a = act(hg) * hu, act(hg)), both [N, F] (backward needs both);
+    for a ClampedSwiGLU act(hg) is its gate factor f(min(hg, L))."""
+    act_gate = ops.empty((h.shape[0], h.shape[-1] // 2), h)
+    return ops.glu(h, activation, act_gate), act_gate
+
+
+def pre_gemm(ops, kind: ExpertKind, activation: str | ClampedSwiGLU, xs: torch.Tensor,
+             params: dict[str, torch.Tensor | None], groups: Groups) -> tuple[torch.Tensor, torch.Tensor]:
     """The expert's first GEMM and activation, (a, z) for dispatched rows xs [N, H]:
       GLU: z = h = xs Wgu_e^T + bgu_e [N, 2F], a = act(hg) * hu [N, F]
       MLP: z = z1 = xs W1_e^T + b1_e [N, P], a = act(z1)      [N, P]
     A tile task passes the weight rows of its columns (both halves for GLU) and gets those columns."""
-    return _PRE_GEMM[kind](activation, xs, params, groups, workspace, passes)
-
-
-def post_gemm(kind: ExpertKind, output_activation: str, a: torch.Tensor, params: dict[str, torch.Tensor | None],
-              groups: Groups, *, workspace: Workspace | None = None,
-              passes: CpuPasses | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The expert's second GEMM and output activation, (y, z2) [N, H] each:
-      GLU: y = z2 = a Wdown_e^T + bdown_e;  MLP: z2 = a W2_e^T + b2_e, y = act_out(z2)."""
-    return _POST_GEMM[kind](output_activation, a, params, groups, workspace, passes)
-
-
-def expert_forward(kind: ExpertKind, activation: str | ClampedSwiGLU, output_activation: str, xs: torch.Tensor,
-                   params: dict[str, torch.Tensor | None], groups: Groups, *, workspace: Workspace | None = None,
-                   passes: CpuPasses | None = None):
-    """y [N, H] for dispatched rows xs [N, H] (pre_gemm then post_gemm), and the tensors backward
-    keeps, kind.saved(z, z2): GLU (h,) with h [N, 2F];  MLP (z1, z2) with z1 [N, P], z2 [N, H]."""
-    a, z = pre_gemm(kind, activation, xs, params, groups, workspace=workspace, passes=passes)
-    y, z2 = post_gemm(kind, output_activation, a, params, groups, workspace=workspace, passes=passes)
-    return y, kind.saved(z, z2)
-
-
-def _glu_pre_gemm(activation, xs, params, groups, workspace, passes):
-    h = grouped_linear(xs, params["gate_up_proj"], groups, params.get("gate_up_proj_bias"), workspace=workspace,
-                       passes=passes)
-    return _glu(h, activation, workspace=workspace, passes=passes), h
-
-
-def _mlp_pre_gemm(activation, xs, params, groups, workspace, passes):
-    z1 = grouped_linear(xs, params["w1"], groups, params["b1"], passes=passes)
+    if kind is GLU:
+        h = ops.linear(xs, params["gate_up_proj"], groups, params.get("gate_up_proj_bias"))
+        return ops.glu(h, activation), h
+    z1 = ops.linear(xs, params["w1"], groups, params["b1"])
     return activate(activation, z1), z1
 
 
-def _glu_post_gemm(output_activation, a, params, groups, workspace, passes):
-    y = grouped_linear(a, params["down_proj"], groups, params.get("down_proj_bias"), workspace=workspace,
-                       passes=passes)
-    return y, y
-
-
-def _mlp_post_gemm(output_activation, a, params, groups, workspace, passes):
-    z2 = grouped_linear(a, params["w2"], groups, params["b2"], passes=passes)
+def post_gemm(ops, kind: ExpertKind, output_activation: str, a: torch.Tensor, params: dict[str, torch.Tensor | None],
+              groups: Groups) -> tuple[torch.Tensor, torch.Tensor]:
+    """The expert's second GEMM and output activation, (y, z2) [N, H] each:
+      GLU: y = z2 = a Wdown_e^T + bdown_e;  MLP: z2 = a W2_e^T + b2_e, y = act_out(z2)."""
+    if kind is GLU:
+        y = ops.linear(a, params["down_proj"], groups, params.get("down_proj_bias"))
+        return y, y
+    z2 = ops.linear(a, params["w2"], groups, params["b2"])
     return activate(output_activation, z2), z2
 
 
-_PRE_GEMM = {GLU: _glu_pre_gemm, MLP: _mlp_pre_gemm}
-_POST_GEMM = {GLU: _glu_post_gemm, MLP: _mlp_post_gemm}
+def expert_forward(ops, kind: ExpertKind, activation: str | ClampedSwiGLU, output_activation: str, xs: torch.Tensor,
+                   params: dict[str, torch.Tensor | None], groups: Groups):
+    """y [N, H] for dispatched rows xs [N, H] (pre_gemm then post_gemm), and the tensors backward
+    keeps, kind.saved(z, z2): GLU (h,) with h [N, 2F];  MLP (z1, z2) with z1 [N, P], z2 [N, H]."""
+    a, z = pre_gemm(ops, kind, activation, xs, params, groups)
+    y, z2 = post_gemm(ops, kind, output_activation, a, params, groups)
+    return y, kind.saved(z, z2)
 
 
-def grad_post_gemm_glu(grad_rows: torch.Tensor, weight_rows: torch.Tensor, a: torch.Tensor,
-                       down_proj: torch.Tensor, groups: Groups, has_bias: bool = False, *,
-                       workspace: Workspace | None = None, passes: CpuPasses | None = None):
+def grad_post_gemm_glu(ops, grad_rows: torch.Tensor, weight_rows: torch.Tensor, a: torch.Tensor,
+                       down_proj: torch.Tensor, groups: Groups, has_bias: bool = False):
     """Stage 3 for "glu", fed the unscaled g [N, H] and w [N]:
       g_down = g Wdown_e            [N, F]   (also feeds stage 2: g . y = g_down . a)
       dA     = w g_down = ge Wdown_e [N, F]
@@ -220,160 +216,118 @@ def grad_post_gemm_glu(grad_rows: torch.Tensor, weight_rows: torch.Tensor, a: to
     Applying w after the GEMM is exact (it is linear) and lets stage 2 reuse the GEMM.
     The bias adds w_tj bdown_e to the output, so stage 2's gate dot gains g . bdown_e: the
     caller adds it (expert_backward), since this function only sees the gradient side."""
-    g_down = grouped_linear_t(grad_rows, down_proj, groups, workspace=workspace, passes=passes)
-    grad_a = grad_combine(g_down, weight_rows, workspace=workspace, passes=passes)
-    grad_expert = grad_combine(grad_rows, weight_rows, workspace=workspace, passes=passes)
-    grad_down = grouped_weight_grad(grad_expert, a, groups, passes=passes)
-    grad_down_bias = grouped_bias_grad(grad_expert, groups, passes=passes) if has_bias else None
+    g_down = ops.linear_t(grad_rows, down_proj, groups)
+    grad_a = grad_combine(ops, g_down, weight_rows)
+    grad_expert = grad_combine(ops, grad_rows, weight_rows)
+    grad_down = ops.weight_grad(grad_expert, a, groups)
+    grad_down_bias = ops.bias_grad(grad_expert, groups) if has_bias else None
     return grad_a, grad_down, g_down, grad_down_bias
 
 
-def glu_grad(grad_a: torch.Tensor, h: torch.Tensor, act_gate: torch.Tensor, activation: str | ClampedSwiGLU, *,
-             workspace: Workspace | None = None, passes: CpuPasses | None = None) -> torch.Tensor:
-    """dh = [dA hu act'(hg) | dA act(hg)] [N, 2F] from dA [N, F], h = [hg | hu] [N, 2F] and act(hg)
-    [N, F] (a ClampedSwiGLU by its own derivative): one C++ pass on CPU where it applies, else torch."""
-    ffn = act_gate.shape[-1]
-    grad_h = empty_rows(workspace, h.shape, h)
-    if cpu.elementwise_available(grad_a, h, act_gate, activation=activation, passes=passes):
-        return cpu.glu_backward(grad_a, h, act_gate, activation, out=grad_h)
-    # one pass per row chunk on CPU: the [N, F] intermediate dA * hu never leaves the cache
-    for c in row_chunks(h):
-        gate, up = h[c, :ffn], h[c, ffn:]
-        if isinstance(activation, ClampedSwiGLU):
-            activation.backward(grad_a[c], gate, up, act_gate[c], grad_h[c, :ffn], grad_h[c, ffn:])
-            continue
-        grad_h[c, :ffn] = activate_backward(activation, grad_a[c] * up, gate)
-        torch.mul(grad_a[c], act_gate[c], out=grad_h[c, ffn:])
-    return grad_h
-
-
-def grad_pre_gemm_glu(grad_a: torch.Tensor, h: torch.Tensor, act_gate: torch.Tensor, xs: torch.Tensor,
+def grad_pre_gemm_glu(ops, grad_a: torch.Tensor, h: torch.Tensor, act_gate: torch.Tensor, xs: torch.Tensor,
                       gate_up_proj: torch.Tensor, groups: Groups, activation: str | ClampedSwiGLU,
-                      has_bias: bool = False, *, workspace: Workspace | None = None,
-                      passes: CpuPasses | None = None):
+                      has_bias: bool = False):
     """Stage 4 for "glu", given act(hg) from the recomputed forward:
       dhg = (dA * hu) * act'(hg);  dhu = dA * act(hg);  dh = [dhg | dhu]   [N, 2F]
       dWgu_e = sum dh^T x   [E, 2F, H];   dx = dh Wgu_e   [N, H];   dbgu_e = sum dh  [E, 2F] (has_bias)
     (a ClampedSwiGLU computes dh by its own derivative, ClampedSwiGLU.backward)"""
-    grad_h = glu_grad(grad_a, h, act_gate, activation, workspace=workspace, passes=passes)
-    grad_bias = grouped_bias_grad(grad_h, groups, passes=passes) if has_bias else None
-    return (grouped_linear_t(grad_h, gate_up_proj, groups, workspace=workspace, passes=passes),
-            grouped_weight_grad(grad_h, xs, groups, passes=passes), grad_bias)
+    grad_h = ops.glu_backward(grad_a, h, act_gate, activation)
+    grad_bias = ops.bias_grad(grad_h, groups) if has_bias else None
+    return ops.linear_t(grad_h, gate_up_proj, groups), ops.weight_grad(grad_h, xs, groups), grad_bias
 
 
-def grad_post_gemm_mlp(grad_expert: torch.Tensor, z2: torch.Tensor, a1: torch.Tensor, w2: torch.Tensor,
-                       has_bias: bool, groups: Groups, output_activation: str, *, passes: CpuPasses | None = None):
+def grad_post_gemm_mlp(ops, grad_expert: torch.Tensor, z2: torch.Tensor, a1: torch.Tensor, w2: torch.Tensor,
+                       has_bias: bool, groups: Groups, output_activation: str):
     """Stage 3 for "mlp", fed ge [N, H] from grad_combine:
       dz2 = ge * act_out'(z2);  dW2_e = sum dz2^T a1;  db2_e = sum dz2;  da1 = dz2 W2_e  [N, P]"""
     grad_z2 = activate_backward(output_activation, grad_expert, z2)
-    grad_b2 = grouped_bias_grad(grad_z2, groups, passes=passes) if has_bias else None
-    return (grouped_linear_t(grad_z2, w2, groups, passes=passes), grouped_weight_grad(grad_z2, a1, groups, passes=passes),
-            grad_b2)
+    grad_b2 = ops.bias_grad(grad_z2, groups) if has_bias else None
+    return ops.linear_t(grad_z2, w2, groups), ops.weight_grad(grad_z2, a1, groups), grad_b2
 
 
-def grad_pre_gemm_mlp(grad_a1: torch.Tensor, z1: torch.Tensor, xs: torch.Tensor, w1: torch.Tensor,
-                      has_bias: bool, groups: Groups, activation: str, *, passes: CpuPasses | None = None):
+def grad_pre_gemm_mlp(ops, grad_a1: torch.Tensor, z1: torch.Tensor, xs: torch.Tensor, w1: torch.Tensor,
+                      has_bias: bool, groups: Groups, activation: str):
     """Stage 4 for "mlp": dz1 = da1 * act'(z1);  dW1_e = sum dz1^T x;  db1_e = sum dz1;  dx = dz1 W1_e"""
     grad_z1 = activate_backward(activation, grad_a1, z1)
-    grad_b1 = grouped_bias_grad(grad_z1, groups, passes=passes) if has_bias else None
-    return (grouped_linear_t(grad_z1, w1, groups, passes=passes), grouped_weight_grad(grad_z1, xs, groups, passes=passes),
-            grad_b1)
+    grad_b1 = ops.bias_grad(grad_z1, groups) if has_bias else None
+    return ops.linear_t(grad_z1, w1, groups), ops.weight_grad(grad_z1, xs, groups), grad_b1
 
 
-def expert_backward(kind: ExpertKind, activation: str | ClampedSwiGLU, output_activation: str,
+def expert_backward(ops, kind: ExpertKind, activation: str | ClampedSwiGLU, output_activation: str,
                     grad_rows: torch.Tensor, weight_rows: torch.Tensor, xs: torch.Tensor, saved: tuple, params: dict,
-                    groups: Groups, *, stages, workspace: Workspace | None = None, one_pass: bool = False,
-                    passes: CpuPasses | None = None):
+                    groups: Groups):
     """Stages 1-4 on dispatched rows, given the unscaled output gradient g [N, H], the combine
     weights w [N], the rows xs [N, H] and what expert_forward saved.
 
-    `stages` is the backend whose stage functions run (moe/backends.py); `workspace` supplies the
-    row buffers. With one_pass (the torch backend) GLU runs the elementwise work of stages 2-4
-    as one pass where the CPU kernels take the rows (_glu_backward_one_pass); otherwise, and where
-    they do not, the backend's own stage functions (_glu_backward_by_stage).
+    GLU runs the elementwise work of stages 2-4 as one pass where `ops` has it for the operands
+    (ops.fuses_glu_grad: the CPU's C++ pass; _glu_backward_one_pass), and stage by stage
+    otherwise (_glu_backward_by_stage): the same products, the same bits.
 
     Returns (dx rows [N, H], gate dots dw [N] in the acc dtype, {parameter name: gradient}).
     GLU takes the gate dot over F, as (g Wdown) . a: with F sharded that is a partial sum.
     """
-    return _BACKWARD[kind](activation, output_activation, grad_rows, weight_rows, xs, saved, params, groups,
-                           stages=stages, workspace=workspace, one_pass=one_pass, passes=passes)
-
-
-def _glu_backward(activation, output_activation, grad_rows, weight_rows, xs, saved, params, groups, *, stages,
-                  workspace, one_pass, passes):
+    if kind is MLP:
+        return _mlp_backward(ops, activation, output_activation, grad_rows, weight_rows, xs, saved, params, groups)
     (h,) = saved
     has_bias = params.get("gate_up_proj_bias") is not None
-    if one_pass and isinstance(activation, str) and cpu.elementwise_available(
-            grad_rows, h, activation=activation, extra=(weight_rows,), passes=passes):
-        grad_xs, grad_dots, grads = _glu_backward_one_pass(activation, grad_rows, weight_rows, xs, h, params,
-                                                           groups, has_bias, workspace, passes)
-    else:
-        grad_xs, grad_dots, grads = _glu_backward_by_stage(stages, activation, grad_rows, weight_rows, xs, h,
-                                                           params, groups, has_bias, workspace, passes)
+    by = _glu_backward_one_pass if ops.fuses_glu_grad(grad_rows, h, weight_rows, activation) \
+        else _glu_backward_by_stage
+    grad_xs, grad_dots, grads = by(ops, activation, grad_rows, weight_rows, xs, h, params, groups, has_bias)
     # y = a Wdown_e^T + bdown_e, so g . y gains g . bdown_e; expert TP passes down_proj_bias None
     # (it adds the term once, after the psum of the partial dots over t) but still wants dbdown
     if params.get("down_proj_bias") is not None:
         row_bias = params["down_proj_bias"][groups.row_expert(grad_rows.device)]
-        grad_dots = grad_dots + stages.grad_gate_combine(grad_rows, row_bias)
+        grad_dots = grad_dots + grad_gate_combine(ops, grad_rows, row_bias)
     return grad_xs, grad_dots, grads
 
 
-def _mlp_backward(activation, output_activation, grad_rows, weight_rows, xs, saved, params, groups, *, stages,
-                  workspace, one_pass, passes):
+def _mlp_backward(ops, activation, output_activation, grad_rows, weight_rows, xs, saved, params, groups):
     z1, z2 = saved
     has_bias = params["b1"] is not None
-    grad_dots = stages.grad_gate_combine(grad_rows, activate(output_activation, z2))
-    grad_a1, grad_w2, grad_b2 = stages.grad_post_gemm_mlp(stages.grad_combine(grad_rows, weight_rows), z2,
-                                                          activate(activation, z1), params["w2"], has_bias, groups,
-                                                          output_activation)
-    grad_xs, grad_w1, grad_b1 = stages.grad_pre_gemm_mlp(grad_a1, z1, xs, params["w1"], has_bias, groups, activation)
+    grad_dots = grad_gate_combine(ops, grad_rows, activate(output_activation, z2))
+    grad_a1, grad_w2, grad_b2 = grad_post_gemm_mlp(ops, grad_combine(ops, grad_rows, weight_rows), z2,
+                                                   activate(activation, z1), params["w2"], has_bias, groups,
+                                                   output_activation)
+    grad_xs, grad_w1, grad_b1 = grad_pre_gemm_mlp(ops, grad_a1, z1, xs, params["w1"], has_bias, groups, activation)
     return grad_xs, grad_dots, {"w1": grad_w1, "b1": grad_b1, "w2": grad_w2, "b2": grad_b2}
 
 
-_BACKWARD = {GLU: _glu_backward, MLP: _mlp_backward}
-
-
-def _glu_backward_by_stage(stages, activation: str | ClampedSwiGLU, grad_rows: torch.Tensor,
-                           weight_rows: torch.Tensor, xs: torch.Tensor, h: torch.Tensor, params: dict,
-                           groups: Groups, has_bias: bool, workspace: Workspace | None, passes: CpuPasses | None):
-    """Stages 2-4 for "glu" from the backend's stage functions (their elementwise work in separate
-    passes): recompute (a, act(hg)) from h, stage 3, stage 2's dots, stage 4.
+def _glu_backward_by_stage(ops, activation: str | ClampedSwiGLU, grad_rows: torch.Tensor, weight_rows: torch.Tensor,
+                           xs: torch.Tensor, h: torch.Tensor, params: dict, groups: Groups, has_bias: bool):
+    """Stages 2-4 for "glu" from the stage functions (their elementwise work in separate passes):
+    recompute (a, act(hg)) from h, stage 3, stage 2's dots, stage 4.
     Returns (dx rows, dots without the down bias term, {parameter name: gradient})."""
-    a, act_gate = glu_activation(h, activation, workspace=workspace, passes=passes)
-    grad_a, grad_down, g_down, grad_down_bias = stages.grad_post_gemm_glu(grad_rows, weight_rows, a,
-                                                                          params["down_proj"], groups, has_bias)
+    a, act_gate = glu_activation(ops, h, activation)
+    grad_a, grad_down, g_down, grad_down_bias = grad_post_gemm_glu(ops, grad_rows, weight_rows, a,
+                                                                   params["down_proj"], groups, has_bias)
     # a = act(hg) * hu, or (clamped SwiGLU) a = f(gc) * (uc + 1): take the dot on a itself
-    grad_dots = stages.grad_gate_combine(g_down, a) if isinstance(activation, ClampedSwiGLU) \
-        else stages.grad_gate_combine(g_down, act_gate, h[:, act_gate.shape[1]:])
-    grad_xs, grad_gate_up, grad_gate_up_bias = stages.grad_pre_gemm_glu(grad_a, h, act_gate, xs,
-                                                                        params["gate_up_proj"], groups, activation,
-                                                                        has_bias)
+    grad_dots = grad_gate_combine(ops, g_down, a) if isinstance(activation, ClampedSwiGLU) \
+        else grad_gate_combine(ops, g_down, act_gate, h[:, act_gate.shape[1]:])
+    grad_xs, grad_gate_up, grad_gate_up_bias = grad_pre_gemm_glu(ops, grad_a, h, act_gate, xs,
+                                                                 params["gate_up_proj"], groups, activation, has_bias)
     return grad_xs, grad_dots, {"gate_up_proj": grad_gate_up, "gate_up_proj_bias": grad_gate_up_bias,
                                 "down_proj": grad_down, "down_proj_bias": grad_down_bias}
 
 
-def _glu_backward_one_pass(activation: str, grad_rows: torch.Tensor, weight_rows: torch.Tensor, xs: torch.Tensor,
-                           h: torch.Tensor, params: dict, groups: Groups, has_bias: bool,
-                           workspace: Workspace | None, passes: CpuPasses | None):
-    """Stages 2-4 for "glu" as the torch backend runs them where the CPU kernels take the rows: the
-    GEMMs of grad_post_gemm_glu and grad_pre_gemm_glu, and all their elementwise work, with stage
-    2's dots and the recomputed a, in one pass after the first GEMM (cpu.glu_grad; FlashMoE
-    puts the same work in that GEMM's epilogue):
+def _glu_backward_one_pass(ops, activation: str, grad_rows: torch.Tensor, weight_rows: torch.Tensor,
+                           xs: torch.Tensor, h: torch.Tensor, params: dict, groups: Groups, has_bias: bool):
+    """Stages 2-4 for "glu" where ops.glu_grad takes the rows: the GEMMs of grad_post_gemm_glu and
+    grad_pre_gemm_glu, and all their elementwise work, with stage 2's dots and the recomputed a, in
+    one pass after the first GEMM (FlashMoE puts the same work in that GEMM's epilogue):
       g_down = g Wdown_e [N, F];   (a, dh, dw) = glu_grad(h, g_down, w)
       dWdown_e = sum (w g)^T a;    dWgu_e = sum dh^T x;    dx = dh Wgu_e
     dx rows and every gradient are _glu_backward_by_stage's bits (the float32 dots its values to
     round-off), from 1 pass over [N, F]-sized rows instead of 4 and without its act(hg), dA and
     separate a buffers. Returns what _glu_backward_by_stage returns."""
-    g_down = grouped_linear_t(grad_rows, params["down_proj"], groups, workspace=workspace, passes=passes)
+    g_down = ops.linear_t(grad_rows, params["down_proj"], groups)
     # a overwrites g_down, which nothing reads after the pass: one [N, F] buffer fewer
-    a, grad_h, grad_dots = cpu.glu_grad(h, g_down, weight_rows, activation, a_out=g_down,
-                                                grad_h_out=empty_rows(workspace, h.shape, h))
+    a, grad_h, grad_dots = ops.glu_grad(h, g_down, weight_rows, activation, a_out=g_down,
+                                        grad_h_out=ops.empty(h.shape, h))
     del g_down  # the same tensor as a: freed with it below
-    grad_expert = grad_combine(grad_rows, weight_rows, workspace=workspace, passes=passes)
-    grads = {"down_proj": grouped_weight_grad(grad_expert, a, groups, passes=passes),
-             "down_proj_bias": grouped_bias_grad(grad_expert, groups, passes=passes) if has_bias else None}
+    grad_expert = grad_combine(ops, grad_rows, weight_rows)
+    grads = {"down_proj": ops.weight_grad(grad_expert, a, groups),
+             "down_proj_bias": ops.bias_grad(grad_expert, groups) if has_bias else None}
     del a, grad_expert
-    grads["gate_up_proj_bias"] = grouped_bias_grad(grad_h, groups, passes=passes) if has_bias else None
-    grads["gate_up_proj"] = grouped_weight_grad(grad_h, xs, groups, passes=passes)
-    return (grouped_linear_t(grad_h, params["gate_up_proj"], groups, workspace=workspace, passes=passes), grad_dots,
-            grads)
+    grads["gate_up_proj_bias"] = ops.bias_grad(grad_h, groups) if has_bias else None
+    grads["gate_up_proj"] = ops.weight_grad(grad_h, xs, groups)
+    return ops.linear_t(grad_h, params["gate_up_proj"], groups), grad_dots, grads

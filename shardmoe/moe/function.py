@@ -212,8 +212,8 @@ def moe_forward(call: MoEContext, x: torch.Tensor, tensors) -> tuple[torch.Tenso
         shared_saved = ()
         with dispatcher.timed(state, "experts"):
             if shared:
-                shared_out, shared_saved = shared_ex.forward(x, shared, config, dispatcher.reduce_shared("output"),
-                                                             backend.passes)
+                shared_out, shared_saved = shared_ex.forward(backend.ops, x, shared, config,
+                                                             dispatcher.reduce_shared("output"))
                 out = out + shared_out  # both in the acc dtype: one rounding below
             out = out.to(x.dtype)
         with dispatcher.timed(state, "combine"):
@@ -281,9 +281,9 @@ def moe_backward(call: MoEContext, x: torch.Tensor, tensors, made: SavedForBackw
         shared_grads = []
         with dispatcher.timed(state, "experts"):
             if shared:
-                grad_x_shared, named = shared_ex.backward(grad_out, x, made.shared, shared, config,
+                grad_x_shared, named = shared_ex.backward(backend.ops, grad_out, x, made.shared, shared, config,
                                                           dispatcher.reduce_shared("input"),
-                                                          dispatcher.reduce_shared("dot"), backend.passes)
+                                                          dispatcher.reduce_shared("dot"))
                 grad_x = grad_x + grad_x_shared
                 shared_grads = [named[n] for n in shared]
     expert_grads = [None if p is None else grads[n].to(p.dtype) for n, p in params.items()]

@@ -31,9 +31,8 @@ import torch
 
 from shardmoe.expert_kinds import GLU
 from shardmoe.moe import experts as ex
-from shardmoe.moe.combine import grad_gate_combine, scale_rows
+from shardmoe.moe.combine import grad_gate_combine
 from shardmoe.moe.config import MoEConfig
-from shardmoe.moe.cpu import CpuPasses
 from shardmoe.rows import accumulation_dtype
 
 GATE_NAME = "shared_gate_weight"
@@ -58,34 +57,32 @@ def shared_gate(x: torch.Tensor, gate_weight: torch.Tensor | None) -> torch.Tens
     return torch.sigmoid(x.to(acc) @ gate_weight.to(acc))
 
 
-def shared_forward(x: torch.Tensor, params: dict, activation: str,
-                   passes: CpuPasses | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def shared_forward(ops, x: torch.Tensor, params: dict, activation: str) -> tuple[torch.Tensor, torch.Tensor]:
     """(z = (act(hg) * hu) Wsd^T [S, H] in x's dtype, h [S, 2Fs]) for tokens x [S, H]; z is a partial
     sum over 't' when the intermediate dim is sharded."""
     groups = _one_group(x.shape[0], x.device)
     gate_up, down = params["shared_gate_up_proj"][None], params["shared_down_proj"][None]
-    a, h = ex.pre_gemm(GLU, activation, x, {"gate_up_proj": gate_up}, groups, passes=passes)
-    z, _ = ex.post_gemm(GLU, "identity", a, {"down_proj": down}, groups, passes=passes)
+    a, h = ex.pre_gemm(ops, GLU, activation, x, {"gate_up_proj": gate_up}, groups)
+    z, _ = ex.post_gemm(ops, GLU, "identity", a, {"down_proj": down}, groups)
     return z, h
 
 
-def shared_output(z: torch.Tensor, s: torch.Tensor, passes: CpuPasses | None = None) -> torch.Tensor:
+def shared_output(ops, z: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
     """s_t z_t [S, H] in the acc dtype (rounded once with the routed output by the caller)."""
-    return scale_rows(z.to(s.dtype), s, passes=passes)
+    return ops.scale_rows(z.to(s.dtype), s)
 
 
-def shared_backward(grad_out: torch.Tensor, x: torch.Tensor, h: torch.Tensor, s: torch.Tensor, params: dict,
-                    activation: str, gated: bool, passes: CpuPasses | None = None):
+def shared_backward(ops, grad_out: torch.Tensor, x: torch.Tensor, h: torch.Tensor, s: torch.Tensor, params: dict,
+                    activation: str, gated: bool):
     """Stages 3, 2, 4 of the shared expert for the output gradient g [S, H]:
     (dx [S, H], ds [S] acc dtype or None without the gate, {name: gradient}). dx and ds are partial
     sums over 't' when the intermediate dim is sharded; the weight gradients are this rank's slice."""
     groups = _one_group(x.shape[0], x.device)
     gate_up, down = params["shared_gate_up_proj"][None], params["shared_down_proj"][None]
-    a, act_gate = ex.glu_activation(h, activation, passes=passes)
-    grad_a, grad_down, g_down, _ = ex.grad_post_gemm_glu(grad_out, s, a, down, groups, passes=passes)
-    grad_dot = grad_gate_combine(g_down, act_gate, h[:, act_gate.shape[1]:], passes=passes) if gated else None
-    grad_x, grad_gate_up, _ = ex.grad_pre_gemm_glu(grad_a, h, act_gate, x, gate_up, groups, activation,
-                                                   passes=passes)
+    a, act_gate = ex.glu_activation(ops, h, activation)
+    grad_a, grad_down, g_down, _ = ex.grad_post_gemm_glu(ops, grad_out, s, a, down, groups)
+    grad_dot = grad_gate_combine(ops, g_down, act_gate, h[:, act_gate.shape[1]:]) if gated else None
+    grad_x, grad_gate_up, _ = ex.grad_pre_gemm_glu(ops, grad_a, h, act_gate, x, gate_up, groups, activation)
     return grad_x, grad_dot, {"shared_gate_up_proj": grad_gate_up[0], "shared_down_proj": grad_down[0]}
 
 
@@ -101,23 +98,24 @@ def _whole(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def forward(x: torch.Tensor, params: dict, config: MoEConfig, reduce_output=_whole,
-            passes: CpuPasses | None = None) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
-    """(s z [S, H] acc dtype, saved (h, s)). reduce_output sums z over 't' under expert TP (the
-    intermediate dim is sharded there); one process needs none. `passes`: the forward's backend's."""
+def forward(ops, x: torch.Tensor, params: dict, config: MoEConfig,
+            reduce_output=_whole) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+    """(s z [S, H] acc dtype, saved (h, s)) on the row primitives `ops` (the forward's backend's).
+    reduce_output sums z over 't' under expert TP (the intermediate dim is sharded there); one
+    process needs none."""
     s = shared_gate(x, params.get(GATE_NAME))
-    z, h = shared_forward(x, params, config.activation, passes)
-    return shared_output(reduce_output(z), s, passes), (h, s)
+    z, h = shared_forward(ops, x, params, config.activation)
+    return shared_output(ops, reduce_output(z), s), (h, s)
 
 
-def backward(grad_out: torch.Tensor, x: torch.Tensor, saved: tuple, params: dict, config: MoEConfig,
-             reduce_input=_whole, reduce_dot=_whole, passes: CpuPasses | None = None) -> tuple[torch.Tensor, dict]:
+def backward(ops, grad_out: torch.Tensor, x: torch.Tensor, saved: tuple, params: dict, config: MoEConfig,
+             reduce_input=_whole, reduce_dot=_whole) -> tuple[torch.Tensor, dict]:
     """(dx [S, H] acc dtype, {name: gradient in the parameter's dtype}, this rank's slices under
     expert TP). reduce_input and reduce_dot sum the partial dx [S, H] and ds [S] over 't' there:
     ds must be whole before the sigmoid Jacobian."""
     h, s = saved
     gate = params.get(GATE_NAME)
-    grad_x, grad_dot, grads = shared_backward(grad_out, x, h, s, params, config.activation, gate is not None, passes)
+    grad_x, grad_dot, grads = shared_backward(ops, grad_out, x, h, s, params, config.activation, gate is not None)
     grad_x = reduce_input(grad_x).to(s.dtype)
     if gate is not None:
         grad_x_gate, grads[GATE_NAME] = shared_gate_backward(x, s, reduce_dot(grad_dot), gate)

@@ -50,12 +50,8 @@ from shardmoe.expert_kinds import GLU, MLP, ExpertKind
 from shardmoe.kernels import combine as kernel_combine
 from shardmoe.kernels import stages as kernel_stages
 from shardmoe.moe.activations import activate
-from shardmoe.moe.cpu import CpuPasses
+from shardmoe.moe.experts import TORCH_OPS
 from shardmoe.rows import Groups
-
-# its tensors are on the GPU: none of the C++ CPU passes, for the shared experts' stages, which
-# function.py runs with the backend's passes
-NO_CPU_PASSES = CpuPasses()
 
 
 def expert_backward(kind: ExpertKind, activation, output_activation: str, grad_rows: torch.Tensor,
@@ -86,12 +82,12 @@ _BACKWARD = {GLU: _glu_backward, MLP: _mlp_backward}
 
 class TritonBackend:
     """The Backend protocol on the Triton kernels, for every expert kind and activation of the torch
-    backend (biased glu and the clamped SwiGLU included); the kernels allocate their own buffers
-    (workspace None)."""
+    backend (biased glu and the clamped SwiGLU included); the kernels allocate their own buffers.
+    A shared expert, which moe/function.py runs on torch beside the backend, gets torch's own row
+    primitives (its tensors are on the GPU)."""
 
     name = "triton"
-    workspace = None
-    passes = NO_CPU_PASSES
+    ops = TORCH_OPS
 
     def expert_forward(self, kind, activation, output_activation, xs, params, groups):
         return kernel_stages.expert_forward(kind, activation, output_activation, xs, params, groups)

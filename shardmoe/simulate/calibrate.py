@@ -32,7 +32,7 @@ import time
 import torch
 
 from shardmoe.moe.experts import glu_activation
-from shardmoe.moe.cpu import Workspace
+from shardmoe.moe.cpu import CpuOps, Workspace
 
 from .baseline import bulk_synchronous, step_seconds
 from .presets import Hardware, ModelShape
@@ -81,8 +81,9 @@ def measure_rates(shape: ModelShape, ranks: int = 1) -> dict[str, float]:
     a = torch.randn(rows, H)
     copy_into = torch.empty_like(a)
     copy = _median_seconds(lambda: copy_into.copy_(a))
-    h, workspace = torch.randn(rows, 2 * F), Workspace()
-    activation = _median_seconds(lambda: glu_activation(h, "silu", workspace=workspace))
+    h = torch.randn(rows, 2 * F)
+    ops = CpuOps.decide(h, Workspace())  # the layer's own CPU primitives
+    activation = _median_seconds(lambda: glu_activation(ops, h, "silu"))
     return {"peak_flops": flops / gemm, "copy_bandwidth": 2 * a.numel() * a.element_size() / copy,
             "hbm_bandwidth": glu_pass_bytes(h) / activation}
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from shardmoe.moe import shared_experts as shared_ex
+from shardmoe.moe.experts import TORCH_OPS
 from shardmoe.moe.reference import parameter_shapes
 from shardmoe.moe.routing import Routing, balance_loss, route
 from shardmoe.tasks.emitters import Emitters
@@ -104,7 +105,7 @@ def run_forward(layer, x: torch.Tensor, *, peers: int = 1, ranks_per_node: int |
     output = torch.cat([memory[Ref(d, "out")] for d in range(plan.peers)])
     shared_saved = ()
     if config.shared_ffn_size:
-        shared_out, shared_saved = shared_ex.forward(xf, _params(layer, shared=True), config)
+        shared_out, shared_saved = shared_ex.forward(TORCH_OPS, xf, _params(layer, shared=True), config)
         output = output + shared_out
     output = output.to(x.dtype).view(x.shape)
     return ForwardResult(output, balance_loss(routing, config), counts, trace, plan, memory, shared_saved)
@@ -158,7 +159,8 @@ def run_backward(layer, x: torch.Tensor, grad_out: torch.Tensor, *, peers: int =
     grad_input = torch.cat([memory[Ref(d, "grad_x")] for d in devices])
     shared_grads = {}
     if config.shared_ffn_size:
-        grad_x_shared, shared_grads = shared_ex.backward(gf, xf, forward.shared_saved, _params(layer, shared=True),
+        grad_x_shared, shared_grads = shared_ex.backward(TORCH_OPS, gf, xf, forward.shared_saved,
+                                                         _params(layer, shared=True),
                                                          config)
         grad_input = grad_input + grad_x_shared
     grad_input = grad_input.to(x.dtype).view(x.shape)

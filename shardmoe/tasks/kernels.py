@@ -1,12 +1,13 @@
 """The processors' task bodies: what one tile task computes, on real tensors.
 
 Every formula is the fused layer's own (shardmoe.moe): a task calls the stage function on its
-tile's slices. Column tile n covers cols = [n*block_n, (n+1)*block_n) of the tiled dim; a row
-tile has m rows of one expert e (local index le on its device), so the one-expert weight slice
-W[e:e+1] with Groups((m,)) turns the grouped stage functions into tile functions. preGEMM and
-postGEMM call experts.pre_gemm and experts.post_gemm, the two halves expert_forward composes,
-with the weight rows (and bias entries) of their columns: expert_forward itself runs both GEMMs
-of whole rows, while a preGEMM tile owns only columns c of z1.
+tile's slices, on torch's own row primitives (experts.TORCH_OPS). Column tile n covers
+cols = [n*block_n, (n+1)*block_n) of the tiled dim; a row tile has m rows of one expert e (local
+index le on its device), so the one-expert weight slice W[e:e+1] with Groups((m,)) turns the
+grouped stage functions into tile functions. preGEMM and postGEMM call experts.pre_gemm and
+experts.post_gemm, the two halves expert_forward composes, with the weight rows (and bias entries)
+of their columns: expert_forward itself runs both GEMMs of whole rows, while a preGEMM tile owns
+only columns c of z1.
 
 A kernel is called when its task starts: it reads its inputs then and computes, and returns a
 Commit that writes its outputs when the task ends. So a value that lands while a task runs is
@@ -28,6 +29,7 @@ The glu's stage-2 dot g . y includes bdown by itself here: gradGateCombine reads
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 from typing import Callable
 
@@ -36,6 +38,7 @@ import torch
 from shardmoe.expert_kinds import GLU, MLP
 from shardmoe.moe import combine as comb
 from shardmoe.moe import experts as ex
+from shardmoe.moe.experts import TORCH_OPS
 from shardmoe.moe.activations import activate
 from shardmoe.moe.routing import Routing, grad_gate_gemm
 from shardmoe.tasks.memory import Memory
@@ -90,7 +93,7 @@ def pre_gemm(task: Task, ctx: KernelContext) -> Commit:
     z_cols = kind.up_columns(cols, cfg.ffn_size)  # the tile's columns of each half ("glu": [hg | hu])
     params = {kind.up: _expert_rows(ctx.params[kind.up], e, z_cols),
               kind.up_bias: _expert_rows(ctx.params.get(kind.up_bias), e, z_cols)}
-    a, z = ex.pre_gemm(kind, cfg.expert_activation, mem[op["x"]], params, _one_expert(tile.size))
+    a, z = ex.pre_gemm(TORCH_OPS, kind, cfg.expert_activation, mem[op["x"]], params, _one_expert(tile.size))
 
     def commit():
         for part, dest in zip(z.chunk(len(z_cols), dim=1), z_cols):
@@ -105,7 +108,7 @@ def post_gemm(task: Task, ctx: KernelContext) -> Commit:
     kind, e = cfg.kind, tile.expert
     params = {kind.down: _expert_rows(ctx.params[kind.down], e, (cols,)),
               kind.down_bias: _expert_rows(ctx.params.get(kind.down_bias), e, (cols,))}
-    y, z2 = ex.post_gemm(kind, cfg.output_activation, mem[op["a"]], params, _one_expert(tile.size))
+    y, z2 = ex.post_gemm(TORCH_OPS, kind, cfg.output_activation, mem[op["a"]], params, _one_expert(tile.size))
 
     def commit():
         mem[op["z2"]][:, cols] = z2
@@ -117,7 +120,7 @@ def combine(task: Task, ctx: KernelContext) -> Commit:
     tile, mem, op = ctx.plan.row_tile_of(task), ctx.memory, task.operands
     cols = ctx.plan.columns(task.tile_idx, ctx.plan.config.hidden_size)
     rows = ctx.plan.local_tokens(tile.tokens, task.peer)
-    scaled = comb.scale_rows(mem[op["y"]][:, cols], tile.weight)
+    scaled = TORCH_OPS.scale_rows(mem[op["y"]][:, cols], tile.weight)
 
     def commit():
         mem[op["out"]][rows, cols] += scaled
@@ -128,7 +131,7 @@ def combine(task: Task, ctx: KernelContext) -> Commit:
 def grad_combine(task: Task, ctx: KernelContext) -> Commit:
     tile, mem, op = ctx.plan.row_tile_of(task), ctx.memory, task.operands
     cols = ctx.plan.columns(task.tile_idx, ctx.plan.config.hidden_size)
-    ge = comb.grad_combine(mem[op["g"]][:, cols], tile.weight)
+    ge = comb.grad_combine(TORCH_OPS, mem[op["g"]][:, cols], tile.weight)
 
     def commit():
         mem[op["out"]][:, cols] = ge
@@ -139,7 +142,7 @@ def grad_gate_combine(task: Task, ctx: KernelContext) -> Commit:
     """Writes the tile's dots into the token device's gate_dots (P2P store) or into the expert's
     gate_rows cell, which the protocol puts into the token device's heap (remote)."""
     cfg, tile, mem, op = ctx.plan.config, ctx.plan.row_tile_of(task), ctx.memory, task.operands
-    dots = comb.grad_gate_combine(mem[op["g"]], activate(cfg.output_activation, mem[op["z2"]]))
+    dots = comb.grad_gate_combine(TORCH_OPS, mem[op["g"]], activate(cfg.output_activation, mem[op["z2"]]))
 
     def commit():
         if op["out"].name == "gate_dots":
@@ -178,20 +181,20 @@ def grad_pre_gemm(task: Task, ctx: KernelContext) -> Commit:
 def _glu_grad_post_gemm(ge, z2, a, down_proj, has_bias, groups, output_activation):
     """Stage 3 for "glu" in grad_post_gemm_mlp's signature: (dA, dWdown, dbdown or None) from ge.
     ge already carries w, so the stage function gets unit weights: w (g Wdown) = (w g) Wdown."""
-    grad_a, grad_down, _, grad_bias = ex.grad_post_gemm_glu(ge, ge.new_ones(ge.shape[0]), a, down_proj, groups,
-                                                            has_bias)
+    grad_a, grad_down, _, grad_bias = ex.grad_post_gemm_glu(TORCH_OPS, ge, ge.new_ones(ge.shape[0]), a, down_proj,
+                                                            groups, has_bias)
     return grad_a, grad_down, grad_bias
 
 
 def _glu_grad_pre_gemm(grad_a, h, xs, gate_up_proj, has_bias, groups, activation):
     """Stage 4 for "glu" in grad_pre_gemm_mlp's signature: (dx, dWgu, dbgu or None), act(hg) from h."""
-    _, act_gate = ex.glu_activation(h, activation)
-    return ex.grad_pre_gemm_glu(grad_a, h, act_gate, xs, gate_up_proj, groups, activation, has_bias)
+    _, act_gate = ex.glu_activation(TORCH_OPS, h, activation)
+    return ex.grad_pre_gemm_glu(TORCH_OPS, grad_a, h, act_gate, xs, gate_up_proj, groups, activation, has_bias)
 
 
 # a tile's stage 3 and stage 4 for each kind, in grad_post_gemm_mlp's and grad_pre_gemm_mlp's signatures
-_GRAD_POST_GEMM = {GLU: _glu_grad_post_gemm, MLP: ex.grad_post_gemm_mlp}
-_GRAD_PRE_GEMM = {GLU: _glu_grad_pre_gemm, MLP: ex.grad_pre_gemm_mlp}
+_GRAD_POST_GEMM = {GLU: _glu_grad_post_gemm, MLP: functools.partial(ex.grad_post_gemm_mlp, TORCH_OPS)}
+_GRAD_PRE_GEMM = {GLU: _glu_grad_pre_gemm, MLP: functools.partial(ex.grad_pre_gemm_mlp, TORCH_OPS)}
 
 
 def grad_input_combine(task: Task, ctx: KernelContext) -> Commit:

@@ -12,8 +12,8 @@ if not triton_importable():
 from shardmoe.expert_kinds import GLU, MLP  # noqa: E402
 from shardmoe.kernels import stages as kex  # noqa: E402
 from shardmoe.kernels.down_grad import down_grad  # noqa: E402
-from shardmoe.moe import backends  # noqa: E402
 from shardmoe.moe import combine as comb  # noqa: E402
+from shardmoe.moe.experts import TORCH_OPS  # noqa: E402
 from shardmoe.moe import experts as ex  # noqa: E402
 from shardmoe.moe.activations import ClampedSwiGLU, activate  # noqa: E402
 
@@ -48,8 +48,8 @@ def test_grouped_gemms(routed, expert_params, rel_err):
     down = expert_params("glu", False, routed.x.device)["down_proj"]  # [E, H, F]
     rows = routed.x[routed.row_token]  # [N, H]
     act = random_like(rows[:, : down.shape[2]], seed=3)  # [N, F]
-    expected = (ex.grouped_linear_t(rows, down, groups), ex.grouped_weight_grad(rows, act, groups),
-                ex.grouped_bias_grad(rows, groups))
+    expected = (TORCH_OPS.linear_t(rows, down, groups), TORCH_OPS.weight_grad(rows, act, groups),
+                TORCH_OPS.bias_grad(rows, groups))
     r32, d32, a32 = rows.to(F32), down.to(F32), act.to(F32)
     got = (kex.grouped_linear_t(r32, d32, groups), kex.grouped_weight_grad(r32, a32, groups),
            kex.grouped_bias_grad(r32, groups))
@@ -62,7 +62,7 @@ def _glu_saved(routed, params, activation):
     """(xs, h) of the float64 forward."""
     groups = groups_of(routed)
     xs = routed.x[routed.row_token]
-    _, (h,) = ex.expert_forward(GLU, activation, "identity", xs, params, groups)
+    _, (h,) = ex.expert_forward(TORCH_OPS, GLU, activation, "identity", xs, params, groups)
     return xs, h
 
 
@@ -77,11 +77,11 @@ def test_glu_backward(routed, expert_params, rel_err, activation, bias):
     params = expert_params("glu", bias, routed.x.device)
     xs, h = _glu_saved(routed, params, activation)
     grad_rows = routed.grad_out[routed.row_token]
-    dx, dots, grads = ex.expert_backward(GLU, activation, "identity", grad_rows, routed.weight_rows, xs, (h,),
-                                         params, groups, stages=backends.TorchBackend())
+    dx, dots, grads = ex.expert_backward(TORCH_OPS, GLU, activation, "identity", grad_rows, routed.weight_rows, xs, (h,),
+                                         params, groups)
     if bias:  # the bias term is no round-off
-        without = ex.expert_backward(GLU, activation, "identity", grad_rows, routed.weight_rows, xs, (h,),
-                                     {**params, "down_proj_bias": None}, groups, stages=backends.TorchBackend())[1]
+        without = ex.expert_backward(TORCH_OPS, GLU, activation, "identity", grad_rows, routed.weight_rows, xs, (h,),
+                                     {**params, "down_proj_bias": None}, groups)[1]
         assert rel_err(without, dots) > 1e-2
     r32 = routed.cast(F32)
     params32 = {k: None if v is None else v.to(F32) for k, v in params.items()}
@@ -101,10 +101,10 @@ def test_down_grad_epilogue(routed, expert_params, rel_err):
     params = expert_params("glu", False, routed.x.device)
     _, h = _glu_saved(routed, params, "silu")
     grad_rows = routed.grad_out[routed.row_token]
-    a, act_gate = ex.glu_activation(h, "silu")
-    g_down = ex.grouped_linear_t(grad_rows, params["down_proj"], groups)
-    expected = (ex.glu_grad(g_down * routed.weight_rows[:, None], h, act_gate, "silu"), a * routed.weight_rows[:, None],
-                comb.grad_gate_combine(g_down, a))
+    a, act_gate = ex.glu_activation(TORCH_OPS, h, "silu")
+    g_down = TORCH_OPS.linear_t(grad_rows, params["down_proj"], groups)
+    expected = (TORCH_OPS.glu_backward(g_down * routed.weight_rows[:, None], h, act_gate, "silu"), a * routed.weight_rows[:, None],
+                comb.grad_gate_combine(TORCH_OPS, g_down, a))
     r32 = routed.cast(F32)
     got = down_grad(r32.grad_out, r32.weight_rows, h.to(F32), params["down_proj"].to(F32), groups, "silu",
                     grad_index=r32.row_token)
@@ -120,10 +120,10 @@ def test_mlp_backward(routed, expert_params, rel_err, activation, output_activat
     groups = groups_of(routed)
     params = expert_params("mlp", bias, routed.x.device)
     xs = routed.x[routed.row_token]
-    _, (z1, z2) = ex.expert_forward(MLP, activation, output_activation, xs, params, groups)
+    _, (z1, z2) = ex.expert_forward(TORCH_OPS, MLP, activation, output_activation, xs, params, groups)
     grad_rows = routed.grad_out[routed.row_token]
-    dx, dots, grads = ex.expert_backward(MLP, activation, output_activation, grad_rows, routed.weight_rows, xs,
-                                         (z1, z2), params, groups, stages=backends.TorchBackend())
+    dx, dots, grads = ex.expert_backward(TORCH_OPS, MLP, activation, output_activation, grad_rows, routed.weight_rows, xs,
+                                         (z1, z2), params, groups)
     r32 = routed.cast(F32)
     params32 = {k: None if v is None else v.to(F32) for k, v in params.items()}
     z1_32 = z1.to(F32)

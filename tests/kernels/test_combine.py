@@ -9,6 +9,7 @@ if not triton_importable():
 
 from shardmoe.kernels import combine as kcomb  # noqa: E402
 from shardmoe.moe import combine as comb  # noqa: E402
+from shardmoe.moe.experts import TORCH_OPS  # noqa: E402
 from shardmoe.moe.activations import activate, activate_backward  # noqa: E402
 
 TOL = 1e-5
@@ -29,8 +30,8 @@ def test_token_combines(device, make_routed_batch, rel_err, top_k, drop_every):
     routed = make_routed_batch(device, top_k=top_k, drop_every=drop_every)
     rows = expert_rows(routed, seed=7)
     S, k = routed.num_tokens, top_k
-    expected = (comb.combine(rows, routed.weight_rows, routed.row_pair, S, k),
-                comb.grad_input_combine(rows, routed.row_pair, S, k))
+    expected = (comb.combine(TORCH_OPS, rows, routed.weight_rows, routed.row_pair, S, k),
+                comb.grad_input_combine(TORCH_OPS, rows, routed.row_pair, S, k))
     got = (kcomb.combine(rows.to(F32), routed.weight_rows.to(F32), routed.row_pair, S, k),
            kcomb.grad_input_combine(rows.to(F32), routed.row_pair, S, k))
     for g, e in zip(got, expected):
@@ -43,7 +44,7 @@ def test_grad_gate_combine(routed, rel_err):
     out_rows = expert_rows(routed, seed=8)
     g32, o32 = grad_rows.to(F32), out_rows.to(F32)
     dots = kcomb.grad_gate_combine(g32, o32)
-    assert dots.dtype == F32 and rel_err(dots, comb.grad_gate_combine(grad_rows, out_rows)) < TOL
+    assert dots.dtype == F32 and rel_err(dots, comb.grad_gate_combine(TORCH_OPS, grad_rows, out_rows)) < TOL
 
 
 @pytest.mark.parametrize("output_activation", ["identity", "gelu_tanh"])
@@ -52,8 +53,8 @@ def test_grad_combine_gate_fused(routed, rel_err, output_activation):
     applied to the saved z2."""
     z2 = expert_rows(routed, seed=9)
     grad_rows = routed.grad_out[routed.row_token]
-    expected = (activate_backward(output_activation, comb.grad_combine(grad_rows, routed.weight_rows), z2),
-                comb.grad_gate_combine(grad_rows, activate(output_activation, z2)))
+    expected = (activate_backward(output_activation, comb.grad_combine(TORCH_OPS, grad_rows, routed.weight_rows), z2),
+                comb.grad_gate_combine(TORCH_OPS, grad_rows, activate(output_activation, z2)))
     r32 = routed.cast(F32)
     got = kcomb.grad_combine_gate(r32.grad_out, z2.to(F32), r32.weight_rows, output_activation=output_activation,
                                   row_index=r32.row_token)

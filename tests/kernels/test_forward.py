@@ -10,6 +10,7 @@ if not triton_importable():
 from shardmoe.expert_kinds import GLU, expert_kind  # noqa: E402
 from shardmoe.kernels import stages as kex  # noqa: E402
 from shardmoe.moe import combine as comb  # noqa: E402
+from shardmoe.moe.experts import TORCH_OPS  # noqa: E402
 from shardmoe.moe import experts as ex  # noqa: E402
 from shardmoe.moe.activations import ClampedSwiGLU  # noqa: E402
 
@@ -33,7 +34,7 @@ def groups_of(routed):
 def test_grouped_linear(routed, expert_params, rel_err, gather):
     groups = groups_of(routed)
     weight = expert_params("glu", False, routed.x.device)["gate_up_proj"]
-    expected = ex.grouped_linear(routed.x[routed.row_token], weight, groups)
+    expected = TORCH_OPS.linear(routed.x[routed.row_token], weight, groups)
     x32, w32 = routed.x.to(F32), weight.to(F32)
     got = (kex.grouped_linear(x32, w32, groups, row_index=routed.row_token) if gather
            else kex.grouped_linear(x32[routed.row_token], w32, groups))
@@ -43,7 +44,7 @@ def test_grouped_linear(routed, expert_params, rel_err, gather):
 
 def _check_expert_forward(routed, params, cast, rel_err, expert, act, act_out):
     groups, kind = groups_of(routed), expert_kind(expert)
-    y_ref, saved_ref = ex.expert_forward(kind, act, act_out, routed.x[routed.row_token], params, groups)
+    y_ref, saved_ref = ex.expert_forward(TORCH_OPS, kind, act, act_out, routed.x[routed.row_token], params, groups)
     y, saved = kex.expert_forward(kind, act, act_out, routed.x.to(F32), cast(params, F32), groups,
                                   row_index=routed.row_token)
     assert y.dtype == F32 and len(saved) == len(saved_ref)
@@ -63,7 +64,7 @@ def test_expert_forward_glu_kinds(routed, expert_params, cast, rel_err, activati
     """The glu biases in both GEMMs' epilogues and the clamped SwiGLU in the first one's."""
     params = expert_params("glu", bias, routed.x.device)
     if isinstance(activation, ClampedSwiGLU):  # both clamps act on these rows
-        _, (h,) = ex.expert_forward(GLU, activation, "identity", routed.x[routed.row_token], params,
+        _, (h,) = ex.expert_forward(TORCH_OPS, GLU, activation, "identity", routed.x[routed.row_token], params,
                                     groups_of(routed))
         gate, up = h.chunk(2, dim=1)
         assert (gate > activation.limit).float().mean() > 0.1 and (up.abs() > activation.limit).float().mean() > 0.1
@@ -96,9 +97,9 @@ def test_expert_forward_combine(device, make_routed_batch, expert_params, cast, 
     routed = make_routed_batch(device, top_k=top_k, drop_every=drop_every)
     groups, kind = groups_of(routed), expert_kind(expert)
     params = expert_params(expert, bias, device)
-    y_ref, saved_ref = ex.expert_forward(kind, activation, output_activation, routed.x[routed.row_token],
+    y_ref, saved_ref = ex.expert_forward(TORCH_OPS, kind, activation, output_activation, routed.x[routed.row_token],
                                          params, groups)
-    out_ref = comb.combine(y_ref, routed.weight_rows, routed.row_pair, routed.num_tokens, top_k)
+    out_ref = comb.combine(TORCH_OPS, y_ref, routed.weight_rows, routed.row_pair, routed.num_tokens, top_k)
     r32 = routed.cast(F32)
     out, saved = kex.expert_forward_combine(kind, activation, output_activation, r32.x, r32.row_token,
                                             r32.weight_rows, r32.row_pair, cast(params, F32), groups, top_k)

@@ -1,5 +1,5 @@
-"""backends.select: one backend per forward, kept for its backward; every stage of the fused layer
-runs through it."""
+"""backends.select: one backend per forward, decided again for its backward; every stage of the fused
+layer runs through it and on its row primitives."""
 import pytest
 import torch
 
@@ -7,59 +7,65 @@ import shardmoe
 from shardmoe import kernels, settings
 from shardmoe.moe import backends, function
 from shardmoe.moe.config import MoEConfig
-from shardmoe.moe.cpu import CpuPasses
-from shardmoe.moe.cpu import Workspace
+from shardmoe.moe.cpu import CpuOps, Workspace
+from shardmoe.moe.experts import TORCH_OPS, TorchOps
+
+PROTOCOL = {name for name in vars(backends.Backend) if not name.startswith("_")} | {"name", "ops"}
+# the row primitives the stage math calls (moe/experts.py TorchOps; glu_grad only where fuses_glu_grad)
+PRIMITIVES = {name for name in vars(TorchOps) if not name.startswith("_")} | {"glu_grad"}
 
 
-PROTOCOL = {name for name in vars(backends.Backend) if not name.startswith("_")} | {"name", "workspace", "passes"}
+def _flags(ops: CpuOps) -> tuple[bool, bool]:
+    return ops.elementwise, ops.experts_mm
 
 
-def test_cpu_tensors_get_the_torch_backend_with_the_forwards_passes():
+def test_cpu_tensors_get_the_torch_backend_on_the_forwards_cpu_ops():
     config = MoEConfig(8, 6, 4, 2)
     x = torch.zeros(3, 8)
     chosen = backends.select(config, x)
-    assert chosen.name == "torch" and chosen.workspace is None and chosen.passes == CpuPasses.decide(x)
-    assert backends.select(config, x.double()).passes == CpuPasses()  # float64: no C++ pass takes it
+    assert chosen.name == "torch" and isinstance(chosen.ops, CpuOps) and chosen.ops.workspace is None
+    assert _flags(chosen.ops) == _flags(CpuOps.decide(x))
+    assert _flags(backends.select(config, x.double()).ops) == (False, False)  # float64: no C++ pass takes it
     with settings.override(fused_elementwise=False, experts_mm=False):
-        assert backends.select(config, x).passes == CpuPasses()
+        assert _flags(backends.select(config, x).ops) == (False, False)
     ws = Workspace()
     bound = backends.select(config, x, ws)
-    assert bound.name == "torch" and bound.workspace is ws
+    assert bound.name == "torch" and bound.ops.workspace is ws
 
 
-def test_off_the_cpu_the_torch_backend_takes_no_workspace():
+def test_off_the_cpu_the_torch_backend_runs_torchs_own_primitives():
     """Off the CPU (here the meta device stands in for a GPU) the torch backend allocates its rows, so
     its GEMMs are grouped_mm's (a GEMM into a workspace buffer runs a loop over experts)."""
     x = torch.zeros(3, 8, device="meta")
     chosen = backends.select(MoEConfig(8, 6, 4, 2), x, Workspace())
-    assert chosen.name == "torch" and chosen.workspace is None
+    assert chosen.name == "torch" and chosen.ops is TORCH_OPS
 
 
 @pytest.mark.parametrize("expert,bias,dtype", [("glu", False, torch.float32), ("glu", True, torch.bfloat16),
                                                 ("mlp", True, torch.float32)], ids=["glu", "glu-bias-bf16", "mlp-bias"])
-def test_the_passes_are_decided_once_per_forward_and_once_per_backward(monkeypatch, expert, bias, dtype):
+def test_the_cpu_ops_are_decided_once_per_forward_and_once_per_backward(monkeypatch, expert, bias, dtype):
     """Every stage of a layer's forward and backward (shared experts included) uses the decision its
     backend carries: a stage that decided again would add a decision."""
     x = torch.randn(5, 8, dtype=dtype, requires_grad=True)
-    expected = CpuPasses.decide(x)
+    expected = _flags(CpuOps.decide(x))
     decisions = []
-    decide = CpuPasses.decide.__func__
+    decide = CpuOps.decide.__func__
 
-    def counting(cls, tensor):
-        decisions.append(decide(cls, tensor))
+    def counting(cls, tensor, workspace=None):
+        decisions.append(decide(cls, tensor, workspace))
         return decisions[-1]
 
-    monkeypatch.setattr(CpuPasses, "decide", classmethod(counting))
+    monkeypatch.setattr(CpuOps, "decide", classmethod(counting))
     torch.manual_seed(0)
     shared = dict(shared_ffn_size=4, shared_gate=True) if expert == "glu" else {}
     layer = shardmoe.MoE(8, 6, 4, 2, expert=expert, bias=bias, dtype=dtype, **shared)
     layer(x).float().sum().backward()
-    assert decisions == [expected, expected]
+    assert [_flags(d) for d in decisions] == [expected, expected]
 
 
 def test_every_backend_implements_the_whole_protocol():
     assert {"expert_forward", "gathered_backward", "grad_input_combine"} <= PROTOCOL
-    assert PROTOCOL <= set(dir(backends.TorchBackend))
+    assert PROTOCOL <= set(dir(backends.TorchBackend(TORCH_OPS)))
     pytest.importorskip("triton")
     from shardmoe.moe.triton_backend import TritonBackend
 
@@ -76,40 +82,41 @@ def test_kernels_take_every_layer_kind():
     assert backends.select(MoEConfig(8, 6, 4, 2), x).name == "torch"
 
 
-# the torch backend's own stage 1, 3 and 4 functions, which its expert_backward calls on itself
-TORCH_STAGES = {"grad_post_gemm_glu", "grad_pre_gemm_glu", "grad_post_gemm_mlp", "grad_pre_gemm_mlp", "grad_combine"}
-
-
-class _Recording(backends.TorchBackend):
-    """The torch backend, noting the name of every protocol method and stage function called on it."""
-
-    def __init__(self, workspace, calls):
-        super().__init__(workspace)
-        self.calls = calls
-
-    def __getattribute__(self, name):
-        if name in (PROTOCOL | TORCH_STAGES) - {"name", "workspace", "passes"}:
-            object.__getattribute__(self, "calls").append(name)
-        return object.__getattribute__(self, name)
-
-
-@pytest.mark.parametrize("expert", ["glu", "mlp"])
-def test_every_stage_runs_on_the_backend_chosen_in_forward(monkeypatch, expert):
-    calls, widths = [], []
+@pytest.mark.parametrize("expert,dtype", [("glu", torch.float64), ("glu", torch.float32), ("mlp", torch.float64)])
+def test_every_stage_runs_on_the_backend_and_ops_chosen_in_forward(monkeypatch, expert, dtype):
+    """Each protocol method the layer calls is the chosen backend's, and every row primitive any
+    stage calls (shared expert included) is a method of the ops that backend carries: none reaches
+    for other primitives of its own."""
+    chosen, widths, protocol_calls, primitive_calls = [], [], [], []
+    select = backends.select
 
     def recording(config, x, workspace=None, expert_width=None):
         widths.append(expert_width)
-        return _Recording(workspace, calls)
+        backend = select(config, x, workspace, expert_width)
+        chosen.append(backend.ops)
+        for name in PROTOCOL - {"name", "ops"}:
+            method = getattr(backend, name)
+            setattr(backend, name, lambda *a, _n=name, _m=method, **k: (protocol_calls.append(_n), _m(*a, **k))[1])
+        return backend
 
+    for cls in (TorchOps, CpuOps):
+        for name in PRIMITIVES & set(vars(cls)):
+            method = vars(cls)[name]
+            monkeypatch.setattr(cls, name, lambda self, *a, _n=name, _m=method, **k:
+                                (primitive_calls.append((_n, self)), _m(self, *a, **k))[1])
     monkeypatch.setattr(backends, "select", recording)
-    layer = shardmoe.MoE(8, 6, 4, 2, expert=expert, dtype=torch.float64)
-    layer(torch.randn(5, 8, dtype=torch.float64, requires_grad=True)).sum().backward()
+    shared = dict(shared_ffn_size=4, shared_gate=True) if expert == "glu" else {}
+    layer = shardmoe.MoE(8, 6, 4, 2, expert=expert, dtype=dtype, **shared)
+    layer(torch.randn(5, 8, dtype=dtype, requires_grad=True)).sum().backward()
     assert widths == [6, 6]  # forward and backward, each with the width of the GEMMs this rank runs
     # under expert tensor parallelism that is the rank's share of F: the down projection it holds
     config, F = layer.config, 6
     assert function.local_width(config, {config.kind.down: torch.empty(4, 8, F // 2)}) == F // 2  # [E, H, F/t]
-    stages = {"gathered_forward", "expert_forward", "combine", "gathered_backward", "expert_backward",
-              "grad_gate_combine", "grad_input_combine"}
-    stages |= {"grad_post_gemm_glu", "grad_pre_gemm_glu"} if expert == "glu" else \
-        {"grad_post_gemm_mlp", "grad_pre_gemm_mlp", "grad_combine"}
-    assert set(calls) == stages
+    assert set(protocol_calls) == {"gathered_forward", "expert_forward", "combine", "gathered_backward",
+                                   "expert_backward", "grad_input_combine"}
+    assert primitive_calls and all(any(ops is c for c in chosen) for _, ops in primitive_calls)
+    used = {name for name, _ in primitive_calls}
+    assert {"empty", "linear", "linear_t", "weight_grad", "scale_rows", "rowwise_dot", "combine_rows"} <= used
+    if expert == "glu":
+        fused = CpuOps.decide(torch.zeros(1, dtype=dtype)).elementwise
+        assert {"glu", "fuses_glu_grad"} | ({"glu_grad"} if fused else {"glu_backward"}) <= used

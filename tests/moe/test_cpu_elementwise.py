@@ -13,6 +13,8 @@ import torch.nn.functional as F
 import shardmoe
 from shardmoe import settings
 from shardmoe.moe import combine, cpu, experts
+from shardmoe.moe.cpu import CpuOps
+from shardmoe.moe.experts import TORCH_OPS
 from shardmoe.settings import SETTINGS
 
 DTYPES = [torch.float32, torch.bfloat16]
@@ -30,7 +32,7 @@ def fused():
 
 
 def torch_path(monkeypatch, fn, *args):
-    """fn(*args) with the fused passes switched off (the torch code)."""
+    """fn(*args) with the fused passes switched off (a layer's steps then decide on the torch code)."""
     with monkeypatch.context() as m:
         m.setattr(SETTINGS, "fused_elementwise", False)
         return fn(*args)
@@ -57,44 +59,38 @@ def test_glu_passes_give_todays_bits(fused, monkeypatch, dtype, activation):
     multiply-adds than aten's build did (same formula, same float64 error: 1.16e-6 both in a probe),
     is held to 4 float32 eps of the largest value."""
     h, grad_a, _ = operands(dtype, width=64)
-    assert cpu.elementwise_available(h, activation=activation)
-    a, act_gate = experts.glu_activation(h, activation)
-    a_ref, act_ref = torch_path(monkeypatch, experts.glu_activation, h, activation)
+    ops = CpuOps.decide(h)
+    assert ops.elementwise_fits(h, activation=activation)
+    a, act_gate = experts.glu_activation(ops, h, activation)
+    a_ref, act_ref = experts.glu_activation(TORCH_OPS, h, activation)
     torch.testing.assert_close(act_gate, act_ref, rtol=0, atol=0)
     torch.testing.assert_close(a, a_ref, rtol=0, atol=0)
-    grad_h = cpu.glu_backward(grad_a, h, act_gate, activation)
-    width = act_gate.shape[1]
-    with monkeypatch.context() as m:
-        m.setattr(SETTINGS, "fused_elementwise", False)
-        x = torch.randn(h.shape[0], 3).to(dtype)
-        gate_up = torch.randn(1, 2 * width, 3).to(dtype)
-        groups = experts.Groups.from_counts(torch.tensor([h.shape[0]]))
-        spy = {}
-        m.setattr(experts, "grouped_weight_grad", lambda g, *_, **__: spy.setdefault("grad_h", g))
-        experts.grad_pre_gemm_glu(grad_a, h, act_gate, x, gate_up, groups, activation)
+    grad_h = ops.glu_backward(grad_a, h, act_gate, activation)
+    grad_h_ref = TORCH_OPS.glu_backward(grad_a, h, act_gate, activation)
     fma = activation == "gelu_tanh" and dtype == torch.float32
-    atol = 4 * torch.finfo(dtype).eps * float(spy["grad_h"].abs().max()) if fma else 0.0
-    torch.testing.assert_close(grad_h, spy["grad_h"], rtol=0, atol=atol)
+    atol = 4 * torch.finfo(dtype).eps * float(grad_h_ref.abs().max()) if fma else 0.0
+    torch.testing.assert_close(grad_h, grad_h_ref, rtol=0, atol=atol)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_combine_side_passes(fused, monkeypatch, dtype):
-    """scale_rows, combine_rows (with and without weights), grouped_bias_grad: the torch path's bits;
+def test_combine_side_passes(fused, dtype):
+    """scale_rows, combine_rows (with and without weights), bias_grad: the torch path's bits;
     rowwise_dot: float32 round-off of a float64 dot of the same (rounded) operands."""
     rows, other, weight = operands(dtype)
     rows = rows[:, :other.shape[1]]
     row_pair = torch.randperm(2 * rows.shape[0], generator=torch.Generator().manual_seed(1))[:rows.shape[0]]
     groups = experts.Groups.from_counts(torch.tensor([10, 0, 27]))
+    ops = CpuOps.decide(rows)
     same = [
-        (combine.scale_rows, (rows, weight)),
-        (combine.combine_rows, (rows, row_pair, rows.shape[0], 2, weight)),
-        (combine.combine_rows, (rows, row_pair, rows.shape[0], 2)),
-        (experts.grouped_bias_grad, (rows, groups)),
+        ("scale_rows", (rows, weight)),
+        ("combine_rows", (rows, row_pair, rows.shape[0], 2, weight)),
+        ("combine_rows", (rows, row_pair, rows.shape[0], 2)),
+        ("bias_grad", (rows, groups)),
     ]
-    for fn, args in same:
-        torch.testing.assert_close(fn(*args), torch_path(monkeypatch, fn, *args), rtol=0, atol=0)
+    for name, args in same:
+        torch.testing.assert_close(getattr(ops, name)(*args), getattr(TORCH_OPS, name)(*args), rtol=0, atol=0)
     for factors in [(other,), (other, rows)]:
-        dot = combine.rowwise_dot(rows, *factors)
+        dot = ops.rowwise_dot(rows, *factors)
         exact = rows.double()
         for f in factors:
             exact = exact * f.double()
@@ -205,18 +201,19 @@ def test_bad_input_named_before_any_work(fused):
     with pytest.raises(ValueError, match=r"token_rows: expected \[S, k\], got shape \(4,\)"):
         cpu.combine_pairs(h, torch.tensor([0, 1, 2, 3]))
     # what the kernels do not take goes to the torch path, not to them
-    assert not cpu.elementwise_available(h.double())
-    assert not cpu.elementwise_available(h, activation="clamped_swiglu")
-    assert not cpu.elementwise_available(h.t())
+    ops = CpuOps.decide(h)
+    assert not ops.elementwise_fits(h.double())
+    assert not ops.elementwise_fits(h, activation="clamped_swiglu")
+    assert not ops.elementwise_fits(h.t())
     with torch.enable_grad():
-        assert not cpu.elementwise_available(h.requires_grad_())
+        assert not ops.elementwise_fits(h.requires_grad_())
     # given the forward's decision, only the operands are checked (the settings were read by it)
     h = h.detach()
-    assert not cpu.elementwise_available(h, passes=cpu.CpuPasses(experts_mm=True))
+    assert not CpuOps(experts_mm=True).elementwise_fits(h)
     with settings.override(fused_elementwise=False):
-        assert not cpu.elementwise_available(h)
-        assert cpu.elementwise_available(h, passes=cpu.CpuPasses(elementwise=True))
-        assert not cpu.elementwise_available(h.t(), passes=cpu.CpuPasses(elementwise=True))
+        assert not CpuOps.decide(h).elementwise
+        assert CpuOps(elementwise=True).elementwise_fits(h)
+        assert not CpuOps(elementwise=True).elementwise_fits(h.t())
 
 
 def test_layer_runs_the_fused_passes_with_todays_results(fused, monkeypatch):
@@ -297,7 +294,7 @@ def test_unbuildable_library_falls_back_with_one_warning(monkeypatch, tmp_path, 
         assert len(lines) == 1 and "\n" not in lines[0], lines
         assert lines[0].startswith("shardmoe: fused CPU elementwise passes unavailable, using the torch path")
         assert x.grad is not None and bool(torch.isfinite(x.grad).all())
-        assert not cpu.elementwise_available(x.detach())
+        assert not CpuOps.decide(x.detach()).elementwise
     finally:
         cpu._ops.cache_clear()
 

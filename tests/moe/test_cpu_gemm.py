@@ -13,7 +13,8 @@ import torch
 
 import shardmoe
 from shardmoe.moe import cpu
-from shardmoe.moe.cpu import CpuPasses
+from shardmoe.moe.cpu import CpuOps
+from shardmoe.rows import Groups
 from shardmoe.settings import SETTINGS
 
 
@@ -41,7 +42,7 @@ def test_experts_mm_and_weight_grad_are_the_per_expert_products(two_threads, dty
     rows = torch.randn(n, k, generator=gen).to(dtype)
     weight = torch.randn(len(sizes), o, k, generator=gen).to(dtype).transpose(1, 2)  # [E, K, O], strided
     grad = torch.randn(n, o, generator=gen).to(dtype)
-    assert cpu.gemm_available(rows, weight)
+    assert CpuOps.decide(rows).gemm_fits(Groups.from_counts(torch.tensor(sizes)), rows, weight)
     out = cpu.experts_mm(rows, weight, sizes, torch.full((n, o), float("nan"), dtype=dtype))
     weight_grad = cpu.experts_weight_grad(grad, rows, sizes)
     start = 0
@@ -166,30 +167,34 @@ def test_the_ops_refuse_bad_sizes_and_operands_before_any_work(two_threads):
 
 
 def test_what_it_does_not_take_stays_on_the_loop(two_threads, monkeypatch):
-    x = torch.randn(4, 3)
-    assert cpu.gemm_available(x)
-    assert not cpu.gemm_available(x.double())
-    assert not cpu.gemm_available(x, x.to(torch.bfloat16))
+    x, two, one = torch.randn(4, 3), Groups.from_counts(torch.tensor([1, 3])), Groups.from_counts(torch.tensor([4]))
+    ops = CpuOps.decide(x)
+    assert ops.gemm_fits(two, x)
+    assert not ops.gemm_fits(one, x)  # one expert: nothing to run side by side
+    assert not ops.gemm_fits(two, x.double())
+    assert not ops.gemm_fits(two, x, x.to(torch.bfloat16))
     with torch.enable_grad():
-        assert not cpu.gemm_available(x.requires_grad_())
+        assert not ops.gemm_fits(two, x.requires_grad_())
     torch.set_num_threads(1)
-    assert not cpu.gemm_available(x.detach())
+    assert not CpuOps.decide(x.detach()).gemm_fits(two, x.detach())
     torch.set_num_threads(2)
     monkeypatch.setattr(SETTINGS, "experts_mm", False)
-    assert not cpu.gemm_available(x.detach())
+    assert not CpuOps.decide(x.detach()).gemm_fits(two, x.detach())
 
 
 def test_a_forwards_decision_is_taken_as_given(two_threads, monkeypatch):
-    """With the forward's CpuPasses, available() checks only the operands: the settings and the
-    thread count are read once, by CpuPasses.decide."""
-    x = torch.randn(4, 3)
-    assert CpuPasses.decide(x) == CpuPasses(elementwise=True, experts_mm=True)
-    assert not cpu.gemm_available(x, passes=CpuPasses(elementwise=True))
+    """With the forward's CpuOps, gemm_fits checks only the operands: the settings and the thread
+    count are read once, by CpuOps.decide."""
+    x, two = torch.randn(4, 3), Groups.from_counts(torch.tensor([1, 3]))
+    ops = CpuOps.decide(x)
+    assert (ops.elementwise, ops.experts_mm) == (True, True)
+    assert not CpuOps(elementwise=True).gemm_fits(two, x)
     monkeypatch.setattr(SETTINGS, "experts_mm", False)
     torch.set_num_threads(1)
-    assert cpu.gemm_available(x, passes=CpuPasses(experts_mm=True))
-    assert not cpu.gemm_available(x.double(), passes=CpuPasses(experts_mm=True))
-    assert CpuPasses.decide(x) == CpuPasses(elementwise=True)
+    assert CpuOps(experts_mm=True).gemm_fits(two, x)
+    assert not CpuOps(experts_mm=True).gemm_fits(two, x.double())
+    ops = CpuOps.decide(x)
+    assert (ops.elementwise, ops.experts_mm) == (True, False)
 
 
 def test_layer_with_and_without_side_by_side_gemms(two_threads, monkeypatch):

@@ -1,16 +1,20 @@
-"""Grouped GEMMs: the grouped_mm path equals the per-expert loop, empty experts included."""
+"""Grouped GEMMs: the grouped_mm path, the per-expert loop and the CPU's side-by-side GEMMs equal
+per-expert matmuls, empty experts included."""
 import pytest
 import torch
 
 from shardmoe.moe import experts as ex
+from shardmoe.moe.cpu import CpuOps, Workspace
+from shardmoe.moe.experts import TORCH_OPS
 
 
 def _groups(sizes):
     return ex.Groups.from_counts(torch.tensor(sizes))
 
 
+@pytest.mark.parametrize("on_cpu_ops", [False, True], ids=["torch", "cpu"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_grouped_gemms_match_per_expert_matmuls(dtype):
+def test_grouped_gemms_match_per_expert_matmuls(dtype, on_cpu_ops):
     gen = torch.Generator().manual_seed(0)
     sizes = [3, 0, 5, 1]
     groups, n = _groups(sizes), sum(sizes)
@@ -18,10 +22,11 @@ def test_grouped_gemms_match_per_expert_matmuls(dtype):
     weight = torch.randn(4, 8, 16, generator=gen, dtype=dtype)
     grad = torch.randn(n, 8, generator=gen, dtype=dtype)
     starts = [0, 3, 3, 8]
-    out = ex.grouped_linear(rows, weight, groups)
-    back = ex.grouped_linear_t(grad, weight, groups)
-    dw = ex.grouped_weight_grad(grad, rows, groups)
-    db = ex.grouped_bias_grad(grad, groups)
+    ops = CpuOps.decide(rows, Workspace(min_bytes=0)) if on_cpu_ops else TORCH_OPS
+    out = ops.linear(rows, weight, groups)
+    back = ops.linear_t(grad, weight, groups)
+    dw = ops.weight_grad(grad, rows, groups)
+    db = ops.bias_grad(grad, groups)
     tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-13, atol=1e-13)
     for e, (s, m) in enumerate(zip(starts, sizes)):
         r, g = rows[s:s + m], grad[s:s + m]
@@ -42,22 +47,20 @@ def test_grouped_mm_is_used_when_aligned_and_loop_otherwise():
 def test_zero_rows():
     groups = _groups([0, 0])
     w = torch.randn(2, 8, 16)
-    assert ex.grouped_linear(torch.zeros(0, 16), w, groups).shape == (0, 8)
-    assert ex.grouped_linear_t(torch.zeros(0, 8), w, groups).shape == (0, 16)
-    assert torch.count_nonzero(ex.grouped_weight_grad(torch.zeros(0, 8), torch.zeros(0, 16), groups)) == 0
+    for ops in (TORCH_OPS, CpuOps.decide(w)):
+        assert ops.linear(torch.zeros(0, 16), w, groups).shape == (0, 8)
+        assert ops.linear_t(torch.zeros(0, 8), w, groups).shape == (0, 16)
+        assert torch.count_nonzero(ops.weight_grad(torch.zeros(0, 8), torch.zeros(0, 16), groups)) == 0
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("bias", [False, True])
 def test_glu_backward_in_one_pass_equals_the_stage_functions(dtype, bias):
-    """The torch backend's one-pass glu backward (cpu.glu_grad) against the stage functions
-    run in turn, with an empty expert, biases, workspace buffers holding garbage from an earlier
-    step: dx rows and every parameter gradient bit for bit, the gate dots too in bf16, and in
-    float32 to the round-off of each row's sum (the compiler may fuse another multiply-add)."""
-    from shardmoe.moe import backends, cpu
-    from shardmoe.moe.cpu import Workspace
-
-    if not cpu.elementwise_available(torch.zeros(1, dtype=dtype)):
+    """The one-pass glu backward (CpuOps.glu_grad) against the stage functions run in turn, with an
+    empty expert, biases, workspace buffers holding garbage from an earlier step: dx rows and every
+    parameter gradient bit for bit, the gate dots too in bf16, and in float32 to the round-off of
+    each row's sum (the compiler may fuse another multiply-add)."""
+    if not CpuOps.decide(torch.zeros(1, dtype=dtype)).elementwise:
         pytest.skip("the fused CPU kernels are not built here (no compiler): one path only")
     gen = torch.Generator().manual_seed(4)
     sizes, H, F = [40, 0, 70, 18], 32, 24
@@ -71,10 +74,10 @@ def test_glu_backward_in_one_pass_equals_the_stage_functions(dtype, bias):
     workspace = Workspace(min_bytes=0)
     garbage = [workspace.empty((n, 2 * F), dtype, h.device).fill_(float("nan")) for _ in range(3)]
     del garbage  # three blocks holding NaN, free for the one-pass path to be lent
-    passes = cpu.CpuPasses.decide(h)
-    one = ex._glu_backward_one_pass("silu", g, w, xs, h, params, groups, bias, workspace, passes)
-    staged = ex._glu_backward_by_stage(backends.TorchBackend(None, passes), "silu", g, w, xs, h, params, groups, bias,
-                                       None, passes)
+    ops = CpuOps.decide(h, workspace)
+    assert ops.fuses_glu_grad(g, h, w, "silu")
+    one = ex._glu_backward_one_pass(ops, "silu", g, w, xs, h, params, groups, bias)
+    staged = ex._glu_backward_by_stage(CpuOps.decide(h), "silu", g, w, xs, h, params, groups, bias)
     torch.testing.assert_close(one[0], staged[0], rtol=0, atol=0)
     assert one[2].keys() == staged[2].keys()
     for name, grad in one[2].items():
