@@ -18,7 +18,7 @@ import torch
 from shardmoe.tools import gpu_check
 from shardmoe.tools.gpu_check import bench, model, parity, pytest_stage, runner, sanitize, sanitizer, static, sweep
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 ENV = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
 
 

@@ -86,7 +86,8 @@ def run(out: Path, stages: list[str], dry_run: bool, budget: float | None, merge
         report.merge(read(existing))
     for data in merged:
         report.merge(data)
-    ctx = Context(out, dry_run, device, Path(__file__).resolve().parents[2],
+    # the working tree: this file is shardmoe/tools/gpu_check/runner.py under it
+    ctx = Context(out, dry_run, device, Path(__file__).resolve().parents[3],
                   None if budget is None else time.monotonic() + budget, report)
     failed = False
     for name in [n for n in STAGES if n in stages]:
