@@ -32,4 +32,4 @@ clean:
 # [ARGS="--budget 480"]
 GPU_PYTHON ?= python
 gpu-check:
-	PYTHONPATH=. $(GPU_PYTHON) -m shardmoe.gpu_check $(if $(OUT),--out $(OUT)) $(if $(ONLY),--only $(ONLY)) $(ARGS)
+	PYTHONPATH=. $(GPU_PYTHON) -m shardmoe.tools.gpu_check $(if $(OUT),--out $(OUT)) $(if $(ONLY),--only $(ONLY)) $(ARGS)

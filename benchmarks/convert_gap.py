@@ -23,7 +23,7 @@ import time
 import torch
 
 import shardmoe.hf
-from shardmoe.bench import hf_model
+from shardmoe.tools.bench import hf_model
 
 
 def main() -> None:

@@ -4,7 +4,7 @@
 
 bf16, random weights and input, three warm-up steps (the first autotunes the kernels), then two
 profiled steps; prints the 22 rows with the most CUDA time. Each path runs in the GPU bench's
-context for it (shardmoe.gpu_check.bench.contexts()): the Triton path forced (also past
+context for it (shardmoe.tools.gpu_check.bench.contexts()): the Triton path forced (also past
 KERNEL_MAX_FFN); --torch the torch path instead.
 docs/gpu/2026-11-24-h100/profile-*.txt were made with it.
 """
@@ -14,7 +14,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import shardmoe
-from shardmoe.gpu_check.bench import contexts
+from shardmoe.tools.gpu_check.bench import contexts
 
 
 def main(argv: list[str]) -> None:

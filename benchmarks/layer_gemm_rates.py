@@ -22,8 +22,8 @@ import time
 
 import torch
 
-from shardmoe.bench.candidates import build_candidates
-from shardmoe.bench.flops import SHAPES, Shape, total_flops
+from shardmoe.tools.bench.candidates import build_candidates
+from shardmoe.tools.bench.flops import SHAPES, Shape, total_flops
 from shardmoe.moe import cpu
 
 

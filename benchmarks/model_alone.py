@@ -20,7 +20,7 @@ import time
 import torch
 
 import shardmoe.hf
-from shardmoe.bench.hf_model import DEFAULTS, FAMILY_DEFAULTS, SIZES, build_model
+from shardmoe.tools.bench.hf_model import DEFAULTS, FAMILY_DEFAULTS, SIZES, build_model
 
 
 def main(argv=None) -> None:

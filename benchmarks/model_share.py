@@ -20,7 +20,7 @@ import time
 import torch
 
 import shardmoe.hf  # noqa: F401  (registers "shardmoe")
-from shardmoe.bench.hf_model import DEFAULTS, FAMILY_DEFAULTS, build_model
+from shardmoe.tools.bench.hf_model import DEFAULTS, FAMILY_DEFAULTS, build_model
 
 
 def experts_modules(model):
@@ -46,11 +46,11 @@ class ExpertsClock:
 
 
 def dense_anchor_seconds(tokens: int, hidden: int, ffn: int, experts: int, top_k: int, dtype) -> float:
-    """Median seconds of the layer bench's dense anchor for one layer (shardmoe.bench.candidates:
+    """Median seconds of the layer bench's dense anchor for one layer (shardmoe.tools.bench.candidates:
     the experts' and router's forward + backward GEMMs as if every row went to one expert, into
     preallocated outputs)."""
-    from shardmoe.bench.candidates import dense_candidate
-    from shardmoe.bench.flops import Shape
+    from shardmoe.tools.bench.candidates import dense_candidate
+    from shardmoe.tools.bench.flops import Shape
 
     anchor = dense_candidate(Shape(tokens, hidden, ffn, experts, top_k), dtype, "cpu", preallocated=True,
                              name="dense")

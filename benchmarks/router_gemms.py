@@ -29,7 +29,7 @@ import time
 import torch
 
 import shardmoe
-from shardmoe.bench.flops import SHAPES
+from shardmoe.tools.bench.flops import SHAPES
 from shardmoe.moe import routing
 
 

@@ -3,15 +3,15 @@ spills, shared memory and HGMMA count per candidate, at the GPU bench's two shap
 
     PYTHONPATH=. python benchmarks/static_candidates.py [--shape mixtral|fine]
 
-`python -m shardmoe.gpu_check --only static` compiles only the config each launch runs (the tuned
+`python -m shardmoe.tools.gpu_check --only static` compiles only the config each launch runs (the tuned
 one, else the first candidate); this compiles them all, to keep candidates that spill out of the
 lists (the autotuner would time them, and a tuned table could then hold one). Slow on two cores:
 a few minutes per shape.
 """
 import argparse
 
-from shardmoe.gpu_check.static import WORKLOADS
-from shardmoe.gpu_check import compiled
+from shardmoe.tools.gpu_check.static import WORKLOADS
+from shardmoe.tools.gpu_check import compiled
 
 
 def main() -> None:

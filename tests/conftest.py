@@ -6,7 +6,7 @@ mode must be chosen here, in the first conftest pytest loads: a test module coll
 would otherwise fix triton in compiled mode, and every interpreted kernel calling one of triton's
 own jit helpers would fail ("Cannot call @triton.jit'd outside of the scope of a kernel").
 SHARDMOE_TEST_COMPILED: 0 or unset, Triton's interpreter on CPU tensors (what `make test` runs,
-on any machine); 1, compiled kernels on CUDA tensors (python -m shardmoe.gpu_check's tests stage;
+on any machine); 1, compiled kernels on CUDA tensors (python -m shardmoe.tools.gpu_check's tests stage;
 tests/kernels/conftest.py skips the interpreter-only modules)."""
 import os
 

@@ -1,7 +1,8 @@
 """The docs describe the repository as it is: every repository path a doc names exists, every
 `python -m shardmoe...` module it runs exists, every section it cites by name ("docs/X.md,
-"Title"") is a heading or a bold lead of that doc, every link inside docs/ resolves, and no doc,
-comment or test cites the tracker ("issue 9") or narrates history ("today's", "used to").
+"Title"") is a heading or a bold lead of that doc, every link inside docs/ resolves, every script in
+benchmarks/ has a row in its index and is cited by the docs that row names, and no doc, comment or
+test cites the tracker ("issue 9") or narrates history ("today's", "used to").
 
 docs/history/ is a dated record and is not held to the present."""
 from __future__ import annotations
@@ -119,6 +120,24 @@ def test_every_link_between_docs_resolves():
                 if anchor not in anchors:
                     broken.append(f"{doc}: {target}")
     assert not broken, "links that lead nowhere:\n" + "\n".join(broken)
+
+
+
+def test_every_benchmark_script_is_indexed_and_cited_by_the_docs_its_index_names():
+    """benchmarks/ keeps only scripts a doc cites: each has a row in benchmarks/README.md, and every
+    doc its row's "cited by" column names (docs/X.md, or README.md) cites the script."""
+    index = {}
+    for row in (ROOT / "benchmarks" / "README.md").read_text().splitlines():
+        cells = [c.strip() for c in re.split(r"(?<!\\)\|", row.strip().strip("|"))]  # at |, not \|
+        if len(cells) == 4 and cells[0].startswith("`"):
+            index[cells[0].strip("`")] = re.findall(r"(?:docs/[\w-]+|README)\.md", cells[2])
+    scripts = sorted(f.removeprefix("benchmarks/") for f in FILES if f.startswith("benchmarks/")
+                     and f != "benchmarks/README.md" and "/" not in f.removeprefix("benchmarks/"))
+    assert sorted(index) == scripts, "benchmarks/README.md's rows against the scripts in benchmarks/"
+    uncited = [f"{script}: no doc named" for script, docs in index.items() if not docs]
+    uncited += [f"{script}: {doc}" for script, docs in index.items() for doc in docs
+                if script not in (ROOT / doc).read_text()]
+    assert not uncited, "benchmark scripts their index says a doc cites, which it does not:\n" + "\n".join(uncited)
 
 
 TRACKER = re.compile(r"\bissues? #?\d+|\bitems? \d+(?:-\d+)? of (?:the )?issue", re.I)

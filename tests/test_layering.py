@@ -19,7 +19,7 @@ LAYERS = [
     ("check", "arguments"),
     ("tasks", "hf"),
     ("train", "simulate"),
-    ("bench", "gpu_check"),
+    ("tools", "gpu_check"),  # the measurement tools; gpu_check: their old command name, forwarding
     ("cli", "__main__"),
 ]
 RANK = {part: rank for rank, parts in enumerate(LAYERS) for part in parts}

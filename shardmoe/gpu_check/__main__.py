@@ -1,6 +1,7 @@
-"""`python -m shardmoe.gpu_check`: see shardmoe/gpu_check/__init__.py and docs/gpu.md."""
+"""`python -m shardmoe.gpu_check`: the old name of `python -m shardmoe.tools.gpu_check`, kept for one
+release; it runs the same main with the same arguments."""
 import sys
 
-from shardmoe.gpu_check import main
+from shardmoe.tools.gpu_check import main
 
 sys.exit(main())

@@ -31,7 +31,7 @@ from shardmoe.kernels.tiles import dot_acc, row_tile
 from shardmoe.kernels.tuning import autotune, dot_settings, unit_columns
 
 # The first is the untuned default: 64 columns, as the GLU keeps two accumulators (gate and up), and
-# at 128 rows two 128-column ones spill on an H100 (python -m shardmoe.gpu_check --only static).
+# at 128 rows two 128-column ones spill on an H100 (python -m shardmoe.tools.gpu_check --only static).
 # Few candidates: each is a compile of every variant on a bare GPU, within a lease's minutes.
 _GPU_TILES = [{"BLOCK_N": n, "BLOCK_K": 64} for n in (64, 128)]
 

@@ -91,7 +91,7 @@ def merge(target: Path, sources: list[Path]) -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m shardmoe.kernels.tuned", description=__doc__.splitlines()[0])
     parser.add_argument("--merge", metavar="TUNED_JSON", nargs="+", required=True,
-                        help="tuned_configs.json files a lease wrote (python -m shardmoe.gpu_check --only lease)")
+                        help="tuned_configs.json files a lease wrote (python -m shardmoe.tools.gpu_check --only lease)")
     parser.add_argument("--into", metavar="PATH", default=str(DATA), help=f"the file to merge into (default {DATA})")
     args = parser.parse_args(argv)
     try:

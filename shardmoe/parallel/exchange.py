@@ -28,6 +28,8 @@ import contextlib
 import math
 import os
 import platform
+import statistics
+import time
 import weakref
 
 import torch
@@ -197,6 +199,26 @@ class RowExchange:
             received[s] = out[start : start + recv_remote[s]]
             start += recv_remote[s]
         return received
+
+
+def time_exchange(mesh, rows: int, width: int, repeats: int) -> float:
+    """Median seconds of one exchange over 'e' of rows // G rows of width bytes from every rank to
+    each of its G peers (itself included): the dropless average of rows = S k dispatched rows.
+    Every rank of the world calls it; each timed exchange starts after a barrier. The expert-parallel
+    benchmark (shardmoe.tools.bench.distributed) and the simulator's calibration
+    (shardmoe.simulate.calibrate) time the transport with it."""
+    exchange = shared_exchange(mesh, "e")
+    peers = mesh.size("e")
+    per_peer = rows // peers
+    counts = [[per_peer] * peers for _ in range(peers)]
+    data = torch.randint(0, 256, (per_peer * peers, width), dtype=torch.uint8)
+    times = []
+    for _ in range(repeats + 1):  # the first exchange may grow the heap
+        dist.barrier()
+        start = time.perf_counter()
+        exchange.exchange(data, counts)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[1:])
 
 
 def _exclusive_prefix(values: list[int]) -> list[int]:

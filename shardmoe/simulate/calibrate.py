@@ -116,7 +116,7 @@ def _measured_step(shape: ModelShape, repeats: int) -> dict:
 
     import shardmoe
     from shardmoe.mesh import Mesh
-    from shardmoe.parallel.bench import _time_exchange
+    from shardmoe.parallel.exchange import time_exchange
 
     torch.set_num_threads(1)
     world = dist.get_world_size() if dist.is_initialized() else 1
@@ -144,9 +144,9 @@ def _measured_step(shape: ModelShape, repeats: int) -> dict:
         result["rates"] = measure_rates(shape, world)
         rows = shape.tokens_per_gpu * shape.top_k
         width = shape.hidden_size * 4
-        result["exchange"] = _time_exchange(mesh, rows, width, repeats)
+        result["exchange"] = time_exchange(mesh, rows, width, repeats)
         result["exchange_bytes"] = rows // world * width * (world - 1)  # what one rank sends to its peer
-        result["one_row"] = _time_exchange(mesh, world, width, repeats)
+        result["one_row"] = time_exchange(mesh, world, width, repeats)
     return result
 
 

@@ -3,12 +3,12 @@ workspace blocks, the same pool after a step (the seam's pool is shared by every
 a model, like a converted model's layers)."""
 import torch
 
-from shardmoe.bench.saved_bytes import measure_saved_bytes
+from shardmoe.tools.bench.saved_bytes import measure_saved_bytes
 
 
 def test_seam_saves_and_pools_what_the_layer_does(hf):
     import shardmoe
-    from shardmoe.bench.hf_block import family_block
+    from shardmoe.tools.bench.hf_block import family_block
 
     # [N, 2F] rows of 4096 x 512 fp32 = 8 MiB: above the pool's 4 MiB floor, so the rows are pooled
     block, config = family_block("mixtral", torch.float32, hidden_size=128, ffn_size=256, num_experts=4, top_k=2)

@@ -1,5 +1,5 @@
 """Kernel tests: on CPU tensors in Triton's interpreter, or compiled on CUDA tensors with
-SHARDMOE_TEST_COMPILED=1 (python -m shardmoe.gpu_check's tests stage sets it; docs/gpu.md).
+SHARDMOE_TEST_COMPILED=1 (python -m shardmoe.tools.gpu_check's tests stage sets it; docs/gpu.md).
 
 tests/conftest.py chooses the mode before any test module imports triton. In compiled mode
 test_layer_path.py and test_hf_path.py are skipped: they feed CPU tensors to the kernels through
@@ -53,7 +53,7 @@ def pytest_collection_modifyitems(config, items):
     if not COMPILED:
         return
     skip = pytest.mark.skip(reason="compiled mode: CPU tensors through force_kernel_path() run only in the "
-                                   "interpreter; python -m shardmoe.gpu_check --only parity runs these cases on CUDA")
+                                   "interpreter; python -m shardmoe.tools.gpu_check --only parity runs these cases on CUDA")
     for item in items:
         if item.path.parent == Path(__file__).parent and item.path.name in INTERPRETER_ONLY:
             item.add_marker(skip)

@@ -7,7 +7,7 @@ Two spawned gloo worlds carry every distributed check (spawning costs seconds):
            to one rank's experts, with capacity; every router option; GPT-OSS's biased clamped-SwiGLU
            experts with its router), plus the raw row exchange with heap growth.
   2 ranks: ep=2 (P2P and remote), tp=2, dp=2, a worked tp=2 example, bad configurations,
-           and the distributed benchmark on tiny shapes.
+           and the distributed benchmark (shardmoe/tools/bench/distributed.py) on tiny shapes.
 The parent computes every expected value with shardmoe.moe.reference (plain autograd, float64):
 outputs and input gradients of the concatenation of all ranks' tokens; the gate gradient of each
 rank's share of the loss; expert shard gradients of each d slice's tokens; after sync_grads, the
@@ -27,10 +27,11 @@ from shardmoe.mesh import Mesh
 from shardmoe.moe.composition import local
 from shardmoe.moe.config import MoEConfig
 from shardmoe.moe.reference import reference_forward_backward, reference_moe, reference_routing
-from shardmoe.parallel import bench, sync_grads
+from shardmoe.parallel import sync_grads
 from shardmoe.parallel import expert_tensor as etp
 from shardmoe.parallel.exchange import RowExchange
 from shardmoe.testing import run_distributed
+from shardmoe.tools.bench import distributed as distributed_bench
 
 TOL = 1e-10
 H, FFN = 8, 12
@@ -325,8 +326,8 @@ def _two_rank_world(cases: list[dict], tp_example: dict, bench_json: str) -> dic
     out["tp_example"] = _run_tp_example(tp_example)
     out["errors"] = _bad_configurations(meshes[((1, 2, 1), 2)], meshes[((1, 1, 2), 2)])
     out["low_precision"] = {name: _run_low_precision(meshes[((1, 2, 1), 2)], name) for name in LOW_PRECISION}
-    out["bench_exit"] = bench.run_distributed(SimpleNamespace(mesh="e=2", quick=True, dtype="fp32", json=bench_json,
-                                                              device="cpu", threads=None))
+    out["bench_exit"] = distributed_bench.run_distributed(SimpleNamespace(mesh="e=2", quick=True, dtype="fp32",
+                                                                        json=bench_json, device="cpu", threads=None))
     return out
 
 
@@ -560,7 +561,7 @@ def test_distributed_benchmark_reports_both_paths(two_rank_results):
     assert p2p["remote_rows"] == 0 and p2p["p2p_rows"] > 0
     assert remote["p2p_rows"] == 0 and remote["remote_rows"] == p2p["p2p_rows"]
     for path in (p2p, remote):
-        assert path["tokens_per_s_per_rank"] > 0 and set(path["phases_s"]) == set(bench.PHASES)
+        assert path["tokens_per_s_per_rank"] > 0 and set(path["phases_s"]) == set(distributed_bench.PHASES)
         assert path["bytes_sent_per_rank"] >= path["bytes_min_per_rank"] > 0
 
 
