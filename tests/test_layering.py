@@ -78,3 +78,36 @@ def test_no_two_parts_import_each_other():
     edges = _imports()
     circles = {(a, b): edges[(a, b)] + edges[(b, a)] for a, b in edges if (b, a) in edges and a < b}
     assert not circles, circles
+
+
+# the modules one warm CPU forward + backward of the default layer runs code in: the walk of x in
+# docs/architecture.md, which a reader follows; a new stop on it shows here first
+WALK = {"layer", "ops", "function", "config", "routing", "backends", "dispatch", "experts", "cpu", "combine",
+        "precision"}
+LEAVES = {"shardmoe.rows", "shardmoe.expert_kinds"}
+
+
+def test_one_cpu_step_of_the_layer_walks_the_documented_modules():
+    import sys
+
+    import torch
+
+    import shardmoe
+
+    torch.manual_seed(0)
+    layer = shardmoe.MoE(64, 128, 8, 2)
+    x = torch.randn(256, 64, requires_grad=True)
+    layer(x).sum().backward()  # warm: the C++ library is loaded, the caches are filled
+    entered = set()
+
+    def note(frame, event, arg):
+        name = frame.f_globals.get("__name__", "")
+        if event == "call" and name.startswith("shardmoe"):
+            entered.add(name)
+
+    sys.setprofile(note)
+    try:
+        layer(x).sum().backward()
+    finally:
+        sys.setprofile(None)
+    assert entered == {f"shardmoe.moe.{m}" for m in WALK} | LEAVES and len(entered) <= 13, sorted(entered)
