@@ -180,10 +180,18 @@ class MoE(nn.Module):
 
     @aux_loss_scale.setter
     def aux_loss_scale(self, scale: float | None) -> None:
-        if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))
-                                  or not math.isfinite(scale)):
+        if scale is None:
+            self._aux_loss_scale = None
+            return
+        value = math.nan
+        if isinstance(scale, (int, float)) and not isinstance(scale, bool):
+            try:
+                value = float(scale)
+            except OverflowError:  # an int past float's range, such as 10**400
+                value = math.inf
+        if not math.isfinite(value):
             raise ValueError(f"aux_loss_scale: expected None or a finite number, got {scale!r}")
-        self._aux_loss_scale = None if scale is None else float(scale)
+        self._aux_loss_scale = value
 
     def _check_input(self, x: torch.Tensor, autocast: torch.dtype | None) -> None:
         H = self.config.hidden_size
