@@ -34,9 +34,10 @@ ROWS, SEQ_LEN = 4, 64
 
 def _config():
     from shardmoe.model.transformer import TransformerConfig
+    from shardmoe.moe.config import MoEConfig
 
     return TransformerConfig(vocab_size=320, d_model=128, n_layers=8, n_q_heads=4, n_kv_heads=2, head_dim=32,
-                             ffn_size=256, num_experts=8, top_k=2, aux_loss_coef=0.01)
+                             moe=MoEConfig(128, 256, 8, 2, aux_loss_coef=0.01))
 
 
 def _measure(schedule: str, per_rank: int, microbatches: int, steps: int) -> dict:

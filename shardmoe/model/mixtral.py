@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from shardmoe.moe.config import MoEConfig
 from shardmoe.moe.routing import check_mixtral_router
 
 from .transformer import Transformer, TransformerConfig
@@ -46,31 +47,33 @@ def config_from_mixtral(mixtral_config) -> TransformerConfig:
     return TransformerConfig(
         vocab_size=c.vocab_size, d_model=c.hidden_size, n_layers=c.num_hidden_layers,
         n_q_heads=c.num_attention_heads, n_kv_heads=c.num_key_value_heads,
-        head_dim=c.head_dim or c.hidden_size // c.num_attention_heads, ffn_size=c.intermediate_size,
-        num_experts=c.num_local_experts, top_k=c.num_experts_per_tok, aux_loss_coef=c.router_aux_loss_coef,
+        head_dim=c.head_dim or c.hidden_size // c.num_attention_heads,
+        moe=MoEConfig(c.hidden_size, c.intermediate_size, c.num_local_experts, c.num_experts_per_tok,
+                      aux_loss_coef=c.router_aux_loss_coef),
         rope_theta=float(rope.get("rope_theta", 10000.0)), norm_eps=c.rms_norm_eps)
 
 
 def check_mixtral_experts(config: TransformerConfig, what: str) -> None:
     """Raise ValueError unless the experts are Mixtral's (silu glu without biases), for `what`, an
     export that has nowhere to put the biases or the clamp."""
-    if config.expert_bias:
+    if config.moe.bias:
         raise ValueError(f"{what}: expert_bias: expected False (Mixtral's experts have no biases), got True")
-    if config.activation != "silu":
-        raise ValueError(f"{what}: activation: expected 'silu' (Mixtral's experts), got {config.activation!r}")
+    if config.moe.activation != "silu":
+        raise ValueError(f"{what}: activation: expected 'silu' (Mixtral's experts), got {config.moe.activation!r}")
 
 
 def mixtral_config(config: TransformerConfig, **overrides):
     """A transformers MixtralConfig of the same model (overrides: extra MixtralConfig fields)."""
     from transformers import MixtralConfig
 
-    check_mixtral_router(config, "mixtral_config")
+    check_mixtral_router(config.moe, "mixtral_config")
     check_mixtral_experts(config, "mixtral_config")
     options = dict(
-        vocab_size=config.vocab_size, hidden_size=config.d_model, intermediate_size=config.ffn_size,
+        vocab_size=config.vocab_size, hidden_size=config.d_model, intermediate_size=config.moe.ffn_size,
         num_hidden_layers=config.n_layers, num_attention_heads=config.n_q_heads,
-        num_key_value_heads=config.n_kv_heads, head_dim=config.head_dim, num_local_experts=config.num_experts,
-        num_experts_per_tok=config.top_k, router_aux_loss_coef=config.aux_loss_coef, rms_norm_eps=config.norm_eps,
+        num_key_value_heads=config.n_kv_heads, head_dim=config.head_dim, num_local_experts=config.moe.num_experts,
+        num_experts_per_tok=config.moe.top_k, router_aux_loss_coef=config.moe.aux_loss_coef,
+        rms_norm_eps=config.norm_eps,
         rope_parameters={"rope_type": "default", "rope_theta": config.rope_theta}, tie_word_embeddings=False)
     return MixtralConfig(**{**options, **overrides})
 
@@ -102,7 +105,7 @@ def from_mixtral_state_dict(state: dict[str, Tensor], config: TransformerConfig)
 
 def to_mixtral_state_dict(full: dict[str, Tensor], config: TransformerConfig) -> dict[str, Tensor]:
     """A MixtralForCausalLM state dict from our full state dict (the inverse of the above)."""
-    check_mixtral_router(config, "to_mixtral_state_dict")
+    check_mixtral_router(config.moe, "to_mixtral_state_dict")
     check_mixtral_experts(config, "to_mixtral_state_dict")
     M, K, D = config.d_model, config.n_kv_heads, config.head_dim
     Q = config.n_q_heads // K

@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -56,8 +57,8 @@ from torch import Tensor, nn
 
 from shardmoe import shardops
 from shardmoe.moe import composition
-from shardmoe.moe.config import MoEConfig, check_bool_fields
-from shardmoe.moe.layer import ROUTER_OPTIONS, SHARED_OPTIONS, MoE
+from shardmoe.moe.config import MoEConfig, check_bool
+from shardmoe.moe.layer import MoE
 from shardmoe.moe.cpu import share as share_workspace
 from shardmoe.notation import MESH_AXES, global_shape, parse_spec
 from shardmoe.parallel import dtensors
@@ -82,18 +83,36 @@ GATE_BIAS_SPEC = "E"
 ROUTER_STATE = ("gate_weight", "gate_bias", "correction_bias", "shared_gate_weight")  # replicated on every rank
 
 
+# The MoE layer every block holds, but for its options: it maps the d_model-wide residual stream
+# (hidden_size is d_model), its experts are GLUs (full_shapes, the checkpoints and the Mixtral
+# conversion lay them out so) and it renormalizes the top-k weights.
+MOE_FIXED = {"expert": "glu", "output_activation": "identity", "renormalize": True}
+# MoEConfig's fields that a model's flat options name otherwise: the experts' biases, beside the router's
+FLAT_NAMES = {"bias": "expert_bias"}
+# The MoE layer's options in a model's flat form (a config file's `model` table, a run's config.json,
+# a checkpoint's settings), by flat name: MoEConfig's fields but those the model fixes.
+MOE_OPTIONS = {FLAT_NAMES.get(f.name, f.name): f.name for f in dataclasses.fields(MoEConfig)
+               if f.name != "hidden_size" and f.name not in MOE_FIXED}
+DEFAULT_MOE = MoEConfig(hidden_size=96, ffn_size=192, num_experts=4, top_k=2, aux_loss_coef=0.01)
+
+
 @dataclass(frozen=True)
 class TransformerConfig:
-    """Dims and MoE options of the model; validated at construction (every error names the option).
+    """Dims of the model and its blocks' MoE layer; validated at construction (every error names
+    the option).
 
     vocab_size includes padding (the byte tokenizer's 257 ids padded to split evenly over t).
-    aux_loss_coef and z_loss_coef weight each block's load-balancing and router z losses; the
-    router options after them are MoEConfig's (docs/moe.md "Routers"); with seq_aux_loss_coef the
-    sequences are the packed documents (a row's segments, is_seq_start), cut at row boundaries.
-    expert_bias, activation, swiglu_limit and swiglu_alpha are MoEConfig's bias, activation and
-    clamped-SwiGLU constants (GPT-OSS's experts: expert_bias=True, activation="clamped_swiglu").
-    shared_ffn_size and shared_gate add each block's shared expert (docs/moe.md "Shared experts").
-    Residual-branch outputs (w_o, down_proj) start at init_std / sqrt(2 n_layers) (GPT-2).
+    moe: every block's MoE layer (shardmoe/moe/config.py MoEConfig documents each option: experts,
+    load-balancing and z losses, router, expert biases and activation, shared expert), with
+    hidden_size = d_model and the MOE_FIXED values; its seq_aux_loss_coef's sequences are the packed
+    documents (a row's segments, is_seq_start), cut at row boundaries. Residual-branch outputs (w_o,
+    down_proj) start at init_std / sqrt(2 n_layers) (GPT-2).
+
+    to_dict and from_dict use the flat form config files take: the dims beside the MoE options by
+    their MOE_OPTIONS names ({"d_model": 96, "num_experts": 4, "expert_bias": false, ...}), the
+    MoE's hidden_size following d_model. The flat names also read as attributes (config.num_experts
+    is config.moe.num_experts), with a DeprecationWarning, for one release (docs/model.md, "The
+    model's config").
     """
 
     vocab_size: int = 320
@@ -102,69 +121,73 @@ class TransformerConfig:
     n_q_heads: int = 4
     n_kv_heads: int = 2
     head_dim: int = 24
-    ffn_size: int = 192
-    num_experts: int = 4
-    top_k: int = 2
-    capacity_factor: float | None = None
-    aux_loss_coef: float = 0.01
-    z_loss_coef: float = 0.0
-    score_func: str = "softmax"
-    router_bias: bool = False
-    correction_bias: bool = False
-    bias_update_rate: float = 0.001
-    n_group: int = 1
-    topk_group: int = 1
-    renormalize_epsilon: float = 0.0
-    routed_scaling_factor: float = 1.0
-    seq_aux_loss_coef: float = 0.0
-    expert_bias: bool = False
-    activation: str = "silu"
-    swiglu_limit: float = 7.0
-    swiglu_alpha: float = 1.702
-    shared_ffn_size: int = 0
-    shared_gate: bool = False
+    moe: MoEConfig = DEFAULT_MOE
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     init_std: float = 0.02
 
     def __post_init__(self) -> None:
-        check_bool_fields(self)  # here, by these names: MoEConfig knows expert_bias as bias
-        self.dense(), self.moe()  # their own checks, with messages naming the option
+        self.dense()  # its own checks, with messages naming the option
+        if not isinstance(self.moe, MoEConfig):
+            raise ValueError(f"moe: expected a MoEConfig, got {type(self.moe).__name__}")
+        if self.moe.hidden_size != self.d_model:
+            raise ValueError(f"moe.hidden_size: expected d_model={self.d_model} (the MoE layer maps the residual "
+                             f"stream), got {self.moe.hidden_size}")
+        for name, value in MOE_FIXED.items():
+            if getattr(self.moe, name) != value:
+                raise ValueError(f"moe.{name}: expected {value!r} (every block's MoE layer has it), "
+                                 f"got {getattr(self.moe, name)!r}")
         check_positive_int("n_layers", self.n_layers)
         check_positive_number("init_std", self.init_std)
+
+    def __getattr__(self, name: str):
+        """A MoE option by its flat name (config.num_experts), read from moe with a DeprecationWarning."""
+        if name not in MOE_OPTIONS:  # also while unpickling, before the fields are set
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        warnings.warn(f"TransformerConfig.{name} is deprecated: read config.moe.{MOE_OPTIONS[name]}",
+                      DeprecationWarning, stacklevel=2)
+        return getattr(self.moe, MOE_OPTIONS[name])
 
     def dense(self) -> DenseConfig:
         return DenseConfig(self.vocab_size, self.d_model, self.n_q_heads, self.n_kv_heads, self.head_dim,
                            self.rope_theta, self.norm_eps)
 
-    def moe(self) -> MoEConfig:
-        return MoEConfig(self.d_model, self.ffn_size, self.num_experts, self.top_k, expert="glu",
-                         activation=self.activation, bias=self.expert_bias, swiglu_limit=self.swiglu_limit,
-                         swiglu_alpha=self.swiglu_alpha, capacity_factor=self.capacity_factor,
-                         aux_loss_coef=self.aux_loss_coef, z_loss_coef=self.z_loss_coef,
-                         **{name: getattr(self, name) for name in ROUTER_OPTIONS + SHARED_OPTIONS})
-
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        """The flat form: every dim, and in moe's place its options by their MOE_OPTIONS names."""
+        values = {}
+        for f in dataclasses.fields(self):
+            if f.name == "moe":
+                values.update({flat: getattr(self.moe, name) for flat, name in MOE_OPTIONS.items()})
+            else:
+                values[f.name] = getattr(self, f.name)
+        return values
 
     @classmethod
     def from_dict(cls, values: dict) -> "TransformerConfig":
-        known = {f.name for f in dataclasses.fields(cls)}
+        """The config of the flat form `values` (to_dict's); what it leaves out keeps its default."""
+        known = set(cls().to_dict())
         unknown = sorted(set(values) - known)
         if unknown:
             raise ValueError(f"model: unknown option(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
-        return cls(**values)
+        dims = {name: value for name, value in values.items() if name not in MOE_OPTIONS}
+        d_model = dims.get("d_model", cls.d_model)
+        check_positive_int("d_model", d_model)  # before it becomes the MoE layer's hidden_size
+        if "expert_bias" in values:  # here, by this name: MoEConfig knows it as bias
+            check_bool("expert_bias", values["expert_bias"])
+        options = {MOE_OPTIONS[flat]: value for flat, value in values.items() if flat in MOE_OPTIONS}
+        return cls(**dims, moe=dataclasses.replace(DEFAULT_MOE, hidden_size=d_model, **options))
 
 
 def check_layout(config: TransformerConfig, dp: int = 1, ep: int = 1, tp: int = 1) -> None:
     """Raise ValueError when a dp x ep x tp mesh cannot split the model evenly; no communication,
     so a launcher calls it before creating any process group."""
+    moe = config.moe
     needs = [("vocab_size", config.vocab_size, tp, "the vocabulary is split over t"),
              ("n_kv_heads", config.n_kv_heads, tp, "key/value heads are split over t"),
              ("d_model", config.d_model, tp * dp, "norm gains are split over t and d"),
-             ("ffn_size", config.ffn_size, tp, "each expert's intermediate dim is split over t"),
-             ("shared_ffn_size", config.shared_ffn_size, tp, "the shared expert's intermediate dim is split over t"),
-             ("num_experts", config.num_experts, ep, "experts are split over e")]
+             ("ffn_size", moe.ffn_size, tp, "each expert's intermediate dim is split over t"),
+             ("shared_ffn_size", moe.shared_ffn_size, tp, "the shared expert's intermediate dim is split over t"),
+             ("num_experts", moe.num_experts, ep, "experts are split over e")]
     for name, value, multiple, why in needs:
         if value % multiple:
             raise ValueError(f"{name}: expected a multiple of {multiple} on a mesh d={dp}, e={ep}, t={tp} "
@@ -174,26 +197,26 @@ def check_layout(config: TransformerConfig, dp: int = 1, ep: int = 1, tp: int = 
 def full_shapes(config: TransformerConfig) -> dict[str, tuple[int, ...]]:
     """Name -> unsharded shape of every parameter, in the model's parameter order, then of the
     state that is not a parameter: each block's MoE correction bias (a float32 buffer)."""
-    V, M, K, D = config.vocab_size, config.d_model, config.n_kv_heads, config.head_dim
-    Q, E, F = config.n_q_heads // config.n_kv_heads, config.num_experts, config.ffn_size
+    V, M, K, D, moe = config.vocab_size, config.d_model, config.n_kv_heads, config.head_dim, config.moe
+    Q, E, F = config.n_q_heads // config.n_kv_heads, moe.num_experts, moe.ffn_size
     shapes = {"embedding.weight": (V, M)}
     for i in range(config.n_layers):
         shapes.update({f"blocks.{i}.attn_norm.weight": (M,), f"blocks.{i}.attention.w_q": (M, Q, K, D),
                        f"blocks.{i}.attention.w_kv": (2, M, K, D), f"blocks.{i}.attention.w_o": (M, Q, K, D),
                        f"blocks.{i}.ffn_norm.weight": (M,), f"blocks.{i}.moe.gate_weight": (M, E),
                        f"blocks.{i}.moe.gate_up_proj": (E, 2 * F, M), f"blocks.{i}.moe.down_proj": (E, M, F)})
-        if config.expert_bias:
+        if moe.bias:
             shapes.update({f"blocks.{i}.moe.gate_up_proj_bias": (E, 2 * F), f"blocks.{i}.moe.down_proj_bias": (E, M)})
-        if config.router_bias:
+        if moe.router_bias:
             shapes[f"blocks.{i}.moe.gate_bias"] = (E,)
-        if config.shared_ffn_size:
-            Fs = config.shared_ffn_size
+        if moe.shared_ffn_size:
+            Fs = moe.shared_ffn_size
             shapes.update({f"blocks.{i}.moe.shared_gate_up_proj": (2 * Fs, M),
                            f"blocks.{i}.moe.shared_down_proj": (M, Fs)})
-        if config.shared_gate:
+        if moe.shared_gate:
             shapes[f"blocks.{i}.moe.shared_gate_weight"] = (M,)
     shapes.update({"final_norm.weight": (M,), "unembedding.weight": (V, M)})
-    if config.correction_bias:
+    if moe.correction_bias:
         shapes.update({f"blocks.{i}.moe.correction_bias": (E,) for i in range(config.n_layers)})
     return shapes
 
@@ -286,7 +309,7 @@ class Block(nn.Module):
         self.attn_norm = RMSNorm(config.d_model, config.norm_eps, **kw)
         self.attention = Attention(config.d_model, config.n_q_heads, config.n_kv_heads, config.head_dim, **kw)
         self.ffn_norm = RMSNorm(config.d_model, config.norm_eps, **kw)
-        self.moe = MoE(**dataclasses.asdict(config.moe()), mesh=mesh, dtype=dtype)  # MoE takes MoEConfig's fields
+        self.moe = MoE(**dataclasses.asdict(config.moe), mesh=mesh, dtype=dtype)  # MoE takes MoEConfig's fields
 
     def forward(self, x: Tensor, segment_ids: Tensor, rope: RopeTable, sequence_starts: Tensor | None) -> Tensor:
         x = x + self.attention(self.attn_norm(x), segment_ids, rope)
@@ -445,7 +468,7 @@ class Transformer(nn.Module):
         sequence-wise loss's sequences (a pure function of is_seq_start: each stage computes it)."""
         layout = packed_layout(is_seq_start)
         rope = rope_table(layout.positions, self.config.head_dim, self.config.rope_theta, self.dtype)
-        starts = sequence_starts(layout.segment_ids) if self.config.seq_aux_loss_coef else None
+        starts = sequence_starts(layout.segment_ids) if self.config.moe.seq_aux_loss_coef else None
         return BlockInputs(layout.segment_ids, rope, starts)
 
     def embed(self, ids: Tensor) -> Tensor:

@@ -140,8 +140,8 @@ def grad_balance_scores(scores: torch.Tensor, grad_balance: torch.Tensor, config
 
 def check_mixtral_router(config, what: str) -> None:
     """Raise ValueError unless config's router options are the defaults (Mixtral's router) and it
-    has no shared expert, for `what`, an export to Mixtral that has nowhere to put the others. config: MoEConfig or a
-    TransformerConfig (both carry the router fields)."""
+    has no shared expert (config: a MoEConfig), for `what`, an export to Mixtral that has nowhere to put
+    the others."""
     defaults = MoEConfig(1, 1, 1, 1)
     for name in ("score_func", "router_bias", "correction_bias", "n_group", "topk_group", "renormalize_epsilon",
                  "routed_scaling_factor", "seq_aux_loss_coef"):

@@ -329,7 +329,7 @@ def _train_and_report(config: TrainConfig, args: argparse.Namespace, mesh) -> in
         return 0
     model = config.model
     title = (f"shardmoe train --arch {config.arch}: {model.n_layers} layers, d_model {model.d_model}, "
-             f"{model.num_experts} experts (top {model.top_k}), {config.steps} steps")
+             f"{model.moe.num_experts} experts (top {model.moe.top_k}), {config.steps} steps")
     curve = plot_loss_curve(rows, Path(args.out) / CURVE_FILE, title=title)
     load = plot_expert_load(rows, Path(args.out) / LOAD_FILE, title=title)
     tokens_per_s = len(new) * config.batch_size * config.seq_len / sum(r["seconds"] for r in new)

@@ -1,6 +1,6 @@
 """TrainConfig: every setting of a training run, with defaults, loaded from JSON or TOML.
 
-A config file holds top-level training settings and a `model` table (TransformerConfig fields);
+A config file holds top-level training settings and a `model` table (TransformerConfig's flat form);
 anything left out keeps the value of its architecture preset (`arch`, shardmoe.train.presets),
 or else its default:
 

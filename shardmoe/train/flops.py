@@ -28,12 +28,13 @@ from shardmoe.model.transformer import TransformerConfig
 
 def forward_flops_per_token(config: TransformerConfig, seq_len: int) -> float:
     """Model FLOPs of one forward pass per token (see the module docstring)."""
-    M, K, D, E, F = config.d_model, config.n_kv_heads, config.head_dim, config.num_experts, config.ffn_size
+    moe = config.moe
+    M, K, D, E, F = config.d_model, config.n_kv_heads, config.head_dim, moe.num_experts, moe.ffn_size
     heads = config.n_q_heads * D
     per_layer = (2 * M * heads + 2 * M * 2 * K * D + 2 * heads * M
                  + 4 * seq_len * heads
-                 + 2 * M * E + config.top_k * (2 * M * 2 * F + 2 * F * M)
-                 + 6 * M * config.shared_ffn_size + (2 * M if config.shared_gate else 0))
+                 + 2 * M * E + moe.top_k * (2 * M * 2 * F + 2 * F * M)
+                 + 6 * M * moe.shared_ffn_size + (2 * M if moe.shared_gate else 0))
     return config.n_layers * per_layer + 2 * M * config.vocab_size
 
 

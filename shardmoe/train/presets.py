@@ -1,7 +1,8 @@
 """Architecture presets (`shardmoe train --arch NAME`, `arch = "NAME"` in a config file).
 
 A preset is a row of overrides of the training settings, written like a config file: top-level
-TrainConfig settings and a `model` table of TransformerConfig fields. A run's settings are
+TrainConfig settings and a `model` table of the model's options (TransformerConfig's flat form).
+A run's settings are
 
     TrainConfig defaults  <  ARCH_PRESETS[arch]  <  the config file  <  command-line flags
 

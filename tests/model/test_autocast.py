@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from shardmoe.model.transformer import Transformer, TransformerConfig
+from shardmoe.moe.config import MoEConfig
 
 CONFIG = TransformerConfig(vocab_size=24, d_model=12, n_layers=2, n_q_heads=4, n_kv_heads=2, head_dim=6,
-                           ffn_size=10, num_experts=4, top_k=2, aux_loss_coef=0.05, z_loss_coef=0.01,
-                           rope_theta=100.0)
+                           moe=MoEConfig(12, 10, 4, 2, aux_loss_coef=0.05, z_loss_coef=0.01), rope_theta=100.0)
 
 
 @pytest.mark.parametrize("backward", ["explicit", "autograd"])

@@ -13,6 +13,7 @@ import torch
 
 from shardmoe import shardops
 from shardmoe.model.transformer import Transformer, TransformerConfig
+from shardmoe.moe.config import MoEConfig
 from shardmoe.shardops import UnreducedError
 
 # The modules, not the functions of the same names that shardmoe.model exports.
@@ -20,7 +21,7 @@ attention, embedding, rmsnorm, unembed = (importlib.import_module(f"shardmoe.mod
                                           for name in ("attention", "embedding", "rmsnorm", "unembed"))
 
 CONFIG = TransformerConfig(vocab_size=16, d_model=8, n_layers=1, n_q_heads=2, n_kv_heads=1, head_dim=4,
-                           ffn_size=8, num_experts=2, top_k=1)
+                           moe=MoEConfig(8, 8, 2, 1, aux_loss_coef=0.01))
 
 
 def _run_step(packed_starts):

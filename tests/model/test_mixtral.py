@@ -4,6 +4,7 @@ import torch
 
 from shardmoe.model.mixtral import (config_from_mixtral, export_mixtral, from_mixtral, mixtral_config)
 from shardmoe.model.transformer import TransformerConfig
+from shardmoe.moe.config import MoEConfig
 
 transformers = pytest.importorskip("transformers")
 
@@ -50,7 +51,7 @@ def test_export_round_trips_the_state_dict(hf_model):
 
 def test_config_round_trip_and_unsupported_options():
     config = TransformerConfig(vocab_size=64, d_model=32, n_layers=2, n_q_heads=4, n_kv_heads=2, head_dim=8,
-                               ffn_size=24, num_experts=4, top_k=2, rope_theta=500.0)
+                               moe=MoEConfig(32, 24, 4, 2, aux_loss_coef=0.01), rope_theta=500.0)
     assert config_from_mixtral(mixtral_config(config)) == config
     with pytest.raises(ValueError, match="sliding_window"):
         config_from_mixtral(mixtral_config(config, sliding_window=16))

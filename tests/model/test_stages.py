@@ -9,9 +9,10 @@ import torch
 
 from shardmoe.model.stages import StageModule, rank_part, rank_stages, stage_layers
 from shardmoe.model.transformer import Part, Transformer, TransformerConfig
+from shardmoe.moe.config import MoEConfig
 
-CONFIG = TransformerConfig(vocab_size=260, d_model=16, n_layers=5, n_q_heads=4, n_kv_heads=2, head_dim=4, ffn_size=8,
-                           num_experts=4, top_k=2, aux_loss_coef=0.01, z_loss_coef=0.001)
+CONFIG = TransformerConfig(vocab_size=260, d_model=16, n_layers=5, n_q_heads=4, n_kv_heads=2, head_dim=4,
+                           moe=MoEConfig(16, 8, 4, 2, aux_loss_coef=0.01, z_loss_coef=0.001))
 
 
 def test_layers_split_evenly_and_ranks_hold_stages_in_loop_order():

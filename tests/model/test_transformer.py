@@ -4,17 +4,19 @@ The reference below shares no code with shardmoe.model: torch's embedding, rms_n
 cross_entropy, RoPE as complex multiplication, segments from a Python loop, a dense masked
 softmax, and the MoE oracle shardmoe.moe.reference.reference_moe.
 """
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 from shardmoe.model.transformer import (Transformer, TransformerConfig, check_layout, full_shapes,
                                         init_full_weights)
+from shardmoe.moe.config import MoEConfig
 from shardmoe.moe.reference import reference_moe
 
 CONFIG = TransformerConfig(vocab_size=24, d_model=12, n_layers=2, n_q_heads=4, n_kv_heads=2, head_dim=6,
-                           ffn_size=10, num_experts=4, top_k=2, aux_loss_coef=0.05, z_loss_coef=0.01,
-                           rope_theta=100.0)
+                           moe=MoEConfig(12, 10, 4, 2, aux_loss_coef=0.05, z_loss_coef=0.01), rope_theta=100.0)
 
 
 def segments_and_positions(is_seq_start):
@@ -63,7 +65,7 @@ def reference_loss(w, ids, is_seq_start, targets, c: TransformerConfig):
         x = x + torch.einsum("blhd,mhd->blm", o, w_o)
         params = {"gate_weight": w[p + "moe.gate_weight"], "gate_up_proj": w[p + "moe.gate_up_proj"],
                   "down_proj": w[p + "moe.down_proj"]}
-        y, layer_aux = reference_moe(norm(x, p + "ffn_norm.weight").reshape(B * L, -1), params, c.moe())
+        y, layer_aux = reference_moe(norm(x, p + "ffn_norm.weight").reshape(B * L, -1), params, c.moe)
         x = x + y.reshape(B, L, -1)
         aux = aux + layer_aux
     logits = norm(x, "final_norm.weight") @ w["unembedding.weight"].t()
@@ -142,12 +144,45 @@ def test_layout_and_config_errors_name_the_option():
     with pytest.raises(ValueError, match="n_layers"):
         TransformerConfig(n_layers=0)
     with pytest.raises(ValueError, match="top_k"):
-        TransformerConfig(top_k=5, num_experts=4)
+        TransformerConfig.from_dict({"top_k": 5, "num_experts": 4})
     with pytest.raises(ValueError, match="unknown option"):
         TransformerConfig.from_dict({"d_modle": 64})
     assert TransformerConfig.from_dict(CONFIG.to_dict()) == CONFIG
     with pytest.raises(ValueError, match="state dict: missing"):
         Transformer(CONFIG).load_full_state_dict({})
+
+
+def test_the_model_holds_its_moe_layers_config_whose_width_is_d_model():
+    """The MoE options live in one MoEConfig (`moe`) whose hidden_size is d_model: the flat form of
+    a config file derives it; a MoEConfig of another width, another expert kind or without
+    renormalization is refused naming the option and both values."""
+    moe = MoEConfig(12, 10, 4, 2, aux_loss_coef=0.05, z_loss_coef=0.01)
+    flat = TransformerConfig.from_dict({"d_model": 16, "num_experts": 8, "expert_bias": True})
+    assert flat.moe == dataclasses.replace(TransformerConfig().moe, hidden_size=16, num_experts=8, bias=True)
+    assert flat.to_dict()["expert_bias"] is True and "bias" not in flat.to_dict() and "moe" not in flat.to_dict()
+    with pytest.raises(ValueError, match=r"^moe.hidden_size: expected d_model=16 \(the MoE layer maps the residual "
+                                         r"stream\), got 12$"):
+        dataclasses.replace(CONFIG, d_model=16)
+    for name, value in (("expert", "mlp"), ("renormalize", False)):
+        with pytest.raises(ValueError, match=rf"^moe.{name}: expected .*, got {value!r}$"):
+            dataclasses.replace(CONFIG, moe=dataclasses.replace(moe, **{name: value}))
+    with pytest.raises(ValueError, match="^moe: expected a MoEConfig, got dict$"):
+        TransformerConfig(moe={"num_experts": 4})
+    with pytest.raises(ValueError, match=r"^d_model: expected an int >= 1, got 0$"):  # not the MoE's hidden_size
+        TransformerConfig.from_dict({"d_model": 0})
+
+
+def test_the_flat_names_read_through_to_moe_with_a_deprecation_warning():
+    """config.num_experts and the other flat names of the MoE options still read, for one release."""
+    import pickle
+
+    with pytest.warns(DeprecationWarning, match=r"TransformerConfig.expert_bias is deprecated: read config.moe.bias"):
+        assert CONFIG.expert_bias is False
+    with pytest.warns(DeprecationWarning, match="config.moe.num_experts"):
+        assert CONFIG.num_experts == 4
+    with pytest.raises(AttributeError, match="no attribute 'nmu_experts'"):
+        CONFIG.nmu_experts
+    assert pickle.loads(pickle.dumps(CONFIG)) == CONFIG  # the spawned ranks receive their config pickled
 
 
 @pytest.mark.parametrize("value", ["false", "no", 0, 1], ids=repr)

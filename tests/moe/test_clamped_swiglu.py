@@ -192,10 +192,10 @@ def test_mixtral_exports_refuse_glu_biases_and_the_clamp():
         shardmoe.MoE(8, 6, 4, 2, bias=True).to_mixtral_state_dict()
     with pytest.raises(ValueError, match=r"activation='clamped_swiglu'"):
         shardmoe.MoE(8, 6, 4, 2, activation="clamped_swiglu").to_mixtral_state_dict()
-    tiny = dict(vocab_size=16, d_model=8, n_layers=1, n_q_heads=2, n_kv_heads=1, head_dim=4, ffn_size=8)
-    for options, match in ((dict(expert_bias=True), r"expert_bias: expected False .* got True"),
+    tiny = dict(vocab_size=16, d_model=8, n_layers=1, n_q_heads=2, n_kv_heads=1, head_dim=4)
+    for options, match in ((dict(bias=True), r"expert_bias: expected False .* got True"),
                            (dict(activation="clamped_swiglu"), r"activation: expected 'silu' .* got 'clamped_swiglu'")):
-        config = TransformerConfig(**tiny, **options)
+        config = TransformerConfig(**tiny, moe=MoEConfig(8, 8, 4, 2, **options))
         for export in (lambda: mixtral_config(config), lambda: to_mixtral_state_dict({}, config)):
             with pytest.raises(ValueError, match=match):
                 export()

@@ -160,7 +160,7 @@ def test_mixtral_exports_refuse_a_shared_expert():
     with pytest.raises(ValueError, match="to_mixtral_state_dict: " + match):
         shardmoe.MoE(H, F, E, K, shared_ffn_size=4).to_mixtral_state_dict()
     with pytest.raises(ValueError, match="mixtral_config: " + match):
-        mixtral_config(TransformerConfig(shared_ffn_size=4))
+        mixtral_config(TransformerConfig.from_dict({"shared_ffn_size": 4}))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=str)

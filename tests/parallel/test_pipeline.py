@@ -72,12 +72,13 @@ def _zero_bubble_step():
     from shardmoe.mesh import Mesh
     from shardmoe.model.stages import rank_part
     from shardmoe.model.transformer import Transformer, TransformerConfig
+    from shardmoe.moe.config import MoEConfig
     from shardmoe.train.data import Batch
     from shardmoe.train.pipeline import Pipeline
 
     torch.set_num_threads(1)
     config = TransformerConfig(vocab_size=260, d_model=16, n_layers=4, n_q_heads=4, n_kv_heads=2, head_dim=4,
-                               ffn_size=8, num_experts=4, top_k=2)
+                               moe=MoEConfig(16, 8, 4, 2, aux_loss_coef=0.01))
     mesh = Mesh(pp=2)
     model = Transformer(config, mesh=mesh, part=rank_part(4, mesh.stage, 2, 2))
     pipeline = Pipeline(model, mesh, schedule="interleaved-1f1b", stages_per_rank=2, microbatches=2, rows=4, seq_len=8,

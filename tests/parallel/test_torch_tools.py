@@ -206,10 +206,11 @@ def _transformer(tmp: str) -> dict:
     moment back, and shardmoe.parallel.clip_grad_norm_ (torch's refuses parameters on two meshes)
     equals the model's own global norm (train/optim.py)."""
     from shardmoe.model.transformer import Transformer, TransformerConfig
+    from shardmoe.moe.config import MoEConfig
     from shardmoe.train.optim import global_grad_norm
 
     config = TransformerConfig(vocab_size=64, d_model=16, n_layers=2, n_q_heads=4, n_kv_heads=2, head_dim=4,
-                               ffn_size=8, num_experts=4, top_k=2, aux_loss_coef=0.01)
+                               moe=MoEConfig(16, 8, 4, 2, aux_loss_coef=0.01))
     mesh = Mesh(dp=2, ep=2)
     gen = torch.Generator().manual_seed(mesh.coord(("d", "e")))
     ids = torch.randint(0, 64, (2, 8), generator=gen)

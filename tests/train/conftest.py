@@ -1,17 +1,25 @@
 """Shared fixtures of the training tests: a tiny config, single-threaded torch, a generated corpus
 and BPE tokenizers trained offline with the `tokenizers` package."""
+import dataclasses
 import random
 
 import pytest
 import torch
 
 from shardmoe.model.transformer import TransformerConfig
+from shardmoe.moe.config import MoEConfig
 from shardmoe.train.config import TrainConfig
 from shardmoe.train.documents import load_corpus
 
 # vocab 260 (the 257 byte ids padded to a multiple of 4) splits over t = 2 and 4
 TINY_MODEL = TransformerConfig(vocab_size=260, d_model=16, n_layers=2, n_q_heads=4, n_kv_heads=2, head_dim=4,
-                               ffn_size=8, num_experts=4, top_k=2, aux_loss_coef=0.01, z_loss_coef=0.001)
+                               moe=MoEConfig(16, 8, 4, 2, aux_loss_coef=0.01, z_loss_coef=0.001))
+
+
+def with_moe(model: TransformerConfig, **changes) -> TransformerConfig:
+    """`model` with its MoE layer's options `changes` (MoEConfig's names)."""
+    return dataclasses.replace(model, moe=dataclasses.replace(model.moe, **changes))
+
 
 NOUNS = ("river", "stone", "garden", "lantern", "harbour", "orchard", "window", "meadow", "engine", "letter")
 VERBS = ("carries", "finds", "remembers", "follows", "mends", "opens", "paints", "answers")

@@ -6,7 +6,6 @@ with "microbatch" the cross-entropy part is still exact (the balance losses are 
 micro-batches' mean, a different objective, which is checked against its own definition).
 A capacity is per forward, so with capacity_factor set the parts drop other pairs than the whole
 batch: not equal, by definition, and not tested as such."""
-import dataclasses
 
 import pytest
 import torch
@@ -16,10 +15,10 @@ from shardmoe.train.accumulate import accumulate_step, micro_batches
 from shardmoe.train.config import TrainConfig
 from shardmoe.train.loop import build_streams, train
 
-from .conftest import TINY_MODEL, tiny_train_config
+from .conftest import TINY_MODEL, tiny_train_config, with_moe
 
-ROUTER_MODEL = dataclasses.replace(TINY_MODEL, score_func="sigmoid", correction_bias=True, bias_update_rate=0.01,
-                                   seq_aux_loss_coef=0.05, aux_loss_coef=0.05, z_loss_coef=0.01)
+ROUTER_MODEL = with_moe(TINY_MODEL, score_func="sigmoid", correction_bias=True, bias_update_rate=0.01,
+                        seq_aux_loss_coef=0.05, aux_loss_coef=0.05, z_loss_coef=0.01)
 # no capacity_factor: a capacity is per forward (ceil(S / E * factor * k) of that forward's S tokens),
 # so micro-batches drop other pairs than the whole batch would; docs/training.md
 
@@ -73,7 +72,7 @@ def test_microbatch_balance_is_the_mean_of_the_micro_batches_losses(one_thread):
 
 
 def test_microbatch_cross_entropy_is_exact_without_balance_losses(one_thread):
-    plain = dataclasses.replace(TINY_MODEL, aux_loss_coef=0.0, z_loss_coef=0.0)
+    plain = with_moe(TINY_MODEL, aux_loss_coef=0.0, z_loss_coef=0.0)
     whole = train(tiny_train_config(model=plain, dtype="float64", steps=2, batch_size=8, eval_batches=0), None,
                   progress=False)
     parts = train(tiny_train_config(model=plain, dtype="float64", steps=2, batch_size=8, eval_batches=0,

@@ -284,6 +284,60 @@ def test_a_checkpoint_with_settings_under_their_former_names_resumes(tmp_path, c
     assert [r["step"] for r in read_rows(out)] == [1, 2, 3, 4]
 
 
+# The model table of tiny_train_config(steps=4, sample_tokens=0) as a run's config.json and its
+# checkpoints store it, in their order: flat, every MoE option beside the model's dims
+FLAT_MODEL = {"vocab_size": 260, "d_model": 16, "n_layers": 2, "n_q_heads": 4, "n_kv_heads": 2, "head_dim": 4,
+              "ffn_size": 8, "num_experts": 4, "top_k": 2, "capacity_factor": None, "aux_loss_coef": 0.01,
+              "z_loss_coef": 0.001, "score_func": "softmax", "router_bias": False, "correction_bias": False,
+              "bias_update_rate": 0.001, "n_group": 1, "topk_group": 1, "renormalize_epsilon": 0.0,
+              "routed_scaling_factor": 1.0, "seq_aux_loss_coef": 0.0, "expert_bias": False, "activation": "silu",
+              "swiglu_limit": 7.0, "swiglu_alpha": 1.702, "shared_ffn_size": 0, "shared_gate": False,
+              "rope_theta": 10000.0, "norm_eps": 1e-05, "init_std": 0.02}
+FLAT_IDENTITY = {"arch": "mixtral", "batch_size": 4, "data": None, "dtype": "float32", "model": FLAT_MODEL, "seed": 0,
+                 "seq_len": 16, "tokenizer": "byte", "val_fraction": 0.05}
+
+
+def test_a_run_that_stores_the_model_table_flat_resumes_and_refuses_a_changed_option(tmp_path, capsys, one_thread):
+    """A run directory whose config.json and checkpoint hold the model's options flat, as above: the
+    model config reads it back equal, its resume identity is the stored one key for key, --resume
+    continues the run, and a changed MoE option, given again, is refused by its flat name (by
+    config.json, and by the checkpoint without config.json)."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from shardmoe.model.transformer import TransformerConfig
+
+    config = tiny_train_config(steps=4, sample_tokens=0)
+    assert config.model.to_dict() == FLAT_MODEL and TransformerConfig.from_dict(FLAT_MODEL) == config.model
+    assert config.resume_identity() == FLAT_IDENTITY
+    out = tmp_path / "run"
+    loop.train(config, out, stop_after=2, progress=False)
+    path = ckpt.checkpoint_path(out)
+    with safe_open(str(path), "pt") as f:
+        tensors, metadata = {k: f.get_tensor(k) for k in f.keys()}, f.metadata()
+    settings = {**config.to_dict(), "model": FLAT_MODEL}
+    metadata.update(config=json.dumps(settings), identity=json.dumps(FLAT_IDENTITY, sort_keys=True))
+    save_file(tensors, str(path), metadata=metadata)
+    (out / "config.json").write_text(json.dumps(settings, indent=1) + "\n")
+
+    changed = tmp_path / "changed.json"
+    changed.write_text(json.dumps({**settings, "model": {**FLAT_MODEL, "expert_bias": True}}))
+    assert main(["train", "--config", str(changed), "--out", str(out), "--resume"]) == 2
+    assert "other settings (model.expert_bias: the run has False, given True)" in capsys.readouterr().err
+    with pytest.raises(ValueError, match=r"written with another config: model\.num_experts: saved 4, now 8$"):
+        other = config.replace(model=TransformerConfig.from_dict({**FLAT_MODEL, "num_experts": 8}))
+        ckpt.check_resumable(path, other.resume_identity())
+    os.replace(out / "config.json", tmp_path / "config.json")
+    assert main(["train", "--config", str(changed), "--out", str(out), "--resume"]) == 2
+    assert "other settings (model.expert_bias: the run has False, given True)" in capsys.readouterr().err
+    os.replace(tmp_path / "config.json", out / "config.json")
+
+    assert main(["train", "--out", str(out), "--resume", "--no-progress"]) == 0
+    assert f"resuming {out} from {path} at step 2 of 4\n" in capsys.readouterr().out
+    assert [r["step"] for r in read_rows(out)] == [1, 2, 3, 4]
+    assert json.loads((out / "config.json").read_text())["model"] == FLAT_MODEL
+
+
 def test_a_resume_may_change_the_pipeline_schedule_as_it_may_change_the_mesh(tmp_path, capsys, one_thread):
     """pipeline_schedule and stages_per_rank are the layout's, like --mesh: a run set up with one
     schedule resumes with another (config.json records it); another setting is still refused."""

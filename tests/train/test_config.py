@@ -1,4 +1,5 @@
 """TrainConfig: defaults, JSON and TOML files, and errors that name the setting."""
+import dataclasses
 import json
 
 import pytest
@@ -6,13 +7,17 @@ import pytest
 from shardmoe.model.transformer import TransformerConfig
 from shardmoe.train.config import TrainConfig, load_config
 
+from .conftest import with_moe
+
 
 def test_toml_and_json_files_load_with_a_model_table(tmp_path):
     toml = tmp_path / "run.toml"
     toml.write_text('steps = 12\nlr = 0.002\n[model]\nd_model = 64\nnum_experts = 8\n')
     config = load_config(toml)
     assert config.steps == 12 and config.lr == 0.002
-    assert config.model == TransformerConfig(d_model=64, num_experts=8)
+    default_moe = TransformerConfig().moe
+    assert config.model == TransformerConfig(d_model=64, moe=dataclasses.replace(default_moe, hidden_size=64,
+                                                                                num_experts=8))
     assert config.batch_size == TrainConfig().batch_size  # untouched settings keep their defaults
 
     as_json = tmp_path / "run.json"
@@ -55,12 +60,12 @@ def test_resume_identity_covers_what_fixes_weights_and_data():
     base = TrainConfig()
     assert base.replace(lr=1.0, steps=5).resume_identity() == base.resume_identity()
     assert base.replace(seq_len=32).resume_identity() != base.resume_identity()
-    assert base.replace(model=TransformerConfig(d_model=64)).resume_identity() != base.resume_identity()
+    assert base.replace(model=TransformerConfig.from_dict({"d_model": 64})).resume_identity() != base.resume_identity()
+    assert base.replace(model=with_moe(base.model, shared_ffn_size=8)).resume_identity() != base.resume_identity()
 
 
 def test_the_settings_table_of_the_docs_lists_every_setting():
     """docs/training.md ("Configuration") has a row for every key a config file takes."""
-    import dataclasses
     import re
     from pathlib import Path
 
@@ -68,5 +73,5 @@ def test_the_settings_table_of_the_docs_lists_every_setting():
     table = text.split("Every setting (`model.` ones go in the `model` table):")[1].split("\n\n")[1]
     listed = {name for row in table.splitlines()[2:] for name in re.findall(r"`([a-z_.0-9]+)`", row.split(" | ")[0])}
     keys = {f.name for f in dataclasses.fields(TrainConfig) if f.name != "model"}
-    keys |= {f"model.{f.name}" for f in dataclasses.fields(TransformerConfig)}
+    keys |= {f"model.{name}" for name in TransformerConfig().to_dict()}
     assert listed == keys, (sorted(keys - listed), sorted(listed - keys))

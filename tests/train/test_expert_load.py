@@ -43,8 +43,8 @@ def recomputed_counts(config, steps):
         layers = []
         for x, block in zip(inputs, model.blocks):
             scores = x.reshape(-1, x.shape[-1]).double() @ block.moe.gate_weight.double()
-            chosen = scores.topk(config.model.top_k, dim=-1).indices.reshape(-1)
-            layers.append(torch.bincount(chosen, minlength=config.model.num_experts).tolist())
+            chosen = scores.topk(config.model.moe.top_k, dim=-1).indices.reshape(-1)
+            layers.append(torch.bincount(chosen, minlength=config.model.moe.num_experts).tolist())
         counts.append(layers)
     return counts
 
@@ -72,7 +72,7 @@ def test_logged_loads_equal_the_recomputed_counts(single_process):
     assert [r["expert_tokens"] for r in rows] == counts
     for row, step_counts in zip(rows, counts):
         for layer in step_counts:  # every (token, choice) pair of the global batch, once
-            assert sum(layer) == config.batch_size * config.seq_len * config.model.top_k
+            assert sum(layer) == config.batch_size * config.seq_len * config.model.moe.top_k
         ratios = [max(c) / (sum(c) / len(c)) for c in step_counts]
         assert row["load_max_over_mean"] == pytest.approx(ratios, rel=1e-15)
         assert row["worst_load_max_over_mean"] == max(row["load_max_over_mean"])

@@ -1,12 +1,11 @@
 """The training loop: metrics rows, checkpoints, and resuming with bitwise-identical losses."""
-import dataclasses
 import json
 
 import pytest
 import torch
 from safetensors import safe_open
 
-from shardmoe.model.transformer import Transformer
+from shardmoe.model.transformer import Transformer, TransformerConfig
 from shardmoe.train import checkpoint as ckpt
 from shardmoe.train.loop import train
 from shardmoe.train.metrics import METRICS_FILE
@@ -87,7 +86,7 @@ def test_a_failed_checkpoint_write_keeps_the_previous_checkpoint(tmp_path, tiny_
 def test_a_checkpoint_of_another_config_is_refused(tmp_path, tiny_config, one_thread):
     config = tiny_config(steps=1, eval_batches=0)
     train(config, tmp_path, progress=False)
-    other = config.replace(model=config.model.__class__(**{**config.model.to_dict(), "d_model": 32}), seq_len=8)
+    other = config.replace(model=TransformerConfig.from_dict({**config.model.to_dict(), "d_model": 32}), seq_len=8)
     with pytest.raises(ValueError, match=r"model\.d_model: saved 16, now 32.*seq_len: saved 16, now 8"):
         ckpt.check_resumable(ckpt.checkpoint_path(tmp_path), other.resume_identity())
     # optimizer settings and the schedule's length may change
@@ -164,7 +163,7 @@ def test_resume_with_correction_bias_in_the_checkpoint_is_bitwise(tmp_path, tiny
     expert, 16 fine-grained experts, no aux loss): the loop moves each block's correction bias after
     every optimizer step, the checkpoint carries it, and a resumed run reproduces the losses and the
     biases bitwise."""
-    model = dataclasses.replace(TINY_MODEL, **ROUTER_MODELS[name])
+    model = TransformerConfig.from_dict({**TINY_MODEL.to_dict(), **ROUTER_MODELS[name]})
     config = tiny_config(model=model, checkpoint_every=2)
     whole = train(config, tmp_path / "whole", progress=False)
     first = train(config, tmp_path / "split", stop_after=3, progress=False)
@@ -177,7 +176,7 @@ def test_resume_with_correction_bias_in_the_checkpoint_is_bitwise(tmp_path, tiny
     assert [r["loss"] for r in first.metrics + second.new_metrics] == losses
     for a, b in zip(whole.model.blocks, second.model.blocks):
         assert torch.equal(a.moe.correction_bias, b.moe.correction_bias)
-        assert (a.moe.gate_bias is None) == (not model.router_bias)
+        assert (a.moe.gate_bias is None) == (not model.moe.router_bias)
         assert a.moe.gate_bias is None or torch.equal(a.moe.gate_bias, b.moe.gate_bias)
     for a, b in zip(whole.model.parameters(), second.model.parameters()):
         assert torch.equal(a, b)

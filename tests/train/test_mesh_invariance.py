@@ -12,7 +12,6 @@ which no family combines with shared experts, is covered by tests/parallel); and
 taken as 2 micro-batches with balance_over = "global" on the mesh equals one process's step on the
 whole batch. A checkpoint written by the d = 2 run resumes on one process.
 """
-import dataclasses
 import math
 
 import pytest
@@ -25,14 +24,14 @@ from shardmoe.testing import run_distributed
 from shardmoe.train.accumulate import accumulate_step
 from shardmoe.train.loop import build_streams, train
 
-from .conftest import TINY_MODEL, tiny_train_config
+from .conftest import TINY_MODEL, tiny_train_config, with_moe
 
 STEPS = 20
-ROUTER_MODEL = dataclasses.replace(TINY_MODEL, score_func="sigmoid", router_bias=True, correction_bias=True,
-                                   bias_update_rate=0.01, n_group=2, topk_group=1, renormalize_epsilon=1e-20,
-                                   routed_scaling_factor=2.5, seq_aux_loss_coef=0.01,
-                                   # biased glu experts (the biases' linspace below) and a gated shared expert
-                                   expert_bias=True, shared_ffn_size=4, shared_gate=True)
+ROUTER_MODEL = with_moe(TINY_MODEL, score_func="sigmoid", router_bias=True, correction_bias=True,
+                        bias_update_rate=0.01, n_group=2, topk_group=1, renormalize_epsilon=1e-20,
+                        routed_scaling_factor=2.5, seq_aux_loss_coef=0.01,
+                        # biased glu experts (the biases' linspace below) and a gated shared expert
+                        bias=True, shared_ffn_size=4, shared_gate=True)
 LAYOUTS = {2: [(2, 1, 1), (1, 1, 2), (1, 2, 1)], 4: [(2, 2, 1), (1, 2, 2)]}  # (d, e, t)
 
 

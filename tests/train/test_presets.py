@@ -1,5 +1,4 @@
 """Architecture presets: `--arch NAME` and `arch` in a config file, layered under the file and the flags."""
-import dataclasses
 import json
 
 import pytest
@@ -12,7 +11,7 @@ from shardmoe.train.command import add_arguments, resolve_config
 from shardmoe.train.config import TrainConfig, load_config
 from shardmoe.train.loop import train
 
-from .conftest import tiny_train_config
+from .conftest import tiny_train_config, with_moe
 
 # a second architecture, as the deepseek row will be: training settings and a partial model table
 WIDE = {"lr": 0.5, "warmup_steps": 7, "model": {"num_experts": 8, "top_k": 1, "ffn_size": 96}}
@@ -42,18 +41,19 @@ def test_every_preset_resolves_and_mixtral_is_the_default_config():
 def test_a_preset_lies_under_the_config_file_and_the_flags(tmp_path, wide_preset):
     config = resolve("--arch", "wide")
     assert (config.arch, config.lr, config.warmup_steps) == ("wide", 0.5, 7)
-    assert (config.model.num_experts, config.model.top_k, config.model.ffn_size) == (8, 1, 96)
+    assert (config.model.moe.num_experts, config.model.moe.top_k, config.model.moe.ffn_size) == (8, 1, 96)
     assert config.model.d_model == TrainConfig().model.d_model  # not in the row: the default
 
     path = tmp_path / "run.toml"
     path.write_text('arch = "wide"\nwarmup_steps = 3\n[model]\nd_model = 64\ntop_k = 2\n')
     from_file = load_config(path)
     assert (from_file.lr, from_file.warmup_steps) == (0.5, 3)  # the file replaces what it names
-    assert (from_file.model.num_experts, from_file.model.top_k, from_file.model.d_model) == (8, 2, 64)
+    assert (from_file.model.moe.num_experts, from_file.model.moe.top_k, from_file.model.d_model) == (8, 2, 64)
     assert resolve("--config", str(path), "--steps", "9").steps == 9  # flags over the file
     # --arch replaces the file's arch; the file's settings still apply over it
     mixed = resolve("--config", str(path), "--arch", "mixtral")
-    assert (mixed.arch, mixed.lr, mixed.warmup_steps, mixed.model.num_experts) == ("mixtral", TrainConfig().lr, 3, 4)
+    assert (mixed.arch, mixed.lr, mixed.warmup_steps) == ("mixtral", TrainConfig().lr, 3)
+    assert mixed.model.moe.num_experts == 4
 
 
 def test_an_unknown_arch_is_one_line_listing_the_presets(tmp_path, capsys):
@@ -106,9 +106,9 @@ def test_the_mfu_flops_count_the_deepseek_presets_shared_expert():
     from shardmoe.train.flops import forward_flops_per_token
 
     model = TrainConfig.from_dict({"arch": "deepseek"}).model
-    M, Fs = model.d_model, model.shared_ffn_size
-    without = dataclasses.replace(model, shared_ffn_size=0)
+    M, Fs = model.d_model, model.moe.shared_ffn_size
+    without = with_moe(model, shared_ffn_size=0)
     per_layer = 2 * M * (2 * Fs) + 2 * Fs * M
     assert forward_flops_per_token(model, 64) - forward_flops_per_token(without, 64) == model.n_layers * per_layer
-    gated = dataclasses.replace(model, shared_gate=True)
+    gated = with_moe(model, shared_gate=True)
     assert forward_flops_per_token(gated, 64) - forward_flops_per_token(model, 64) == model.n_layers * 2 * M
