@@ -6,9 +6,11 @@
 
 Modules: dispatch (counts, global capacity, splits), exchange (rows over 'e': P2P shared memory
 within a node, collectives across nodes), symmetric_heap (the shared memory), expert_parallel
-(the expert-parallel dispatcher and placement), expert_tensor (shards and psums over 't'), sync (sync_grads, clip_grad_norm_),
-consistency (ranks that must agree: settings, t-peers' tokens, replicated parameters). Its benchmark
-is a measurement tool: shardmoe/tools/bench/distributed.py. docs/parallel.md has the decisions.
+(the expert-parallel dispatcher and placement), expert_tensor (shards and psums over 't'), sync
+(sync_grads, clip_grad_norm_), consistency (ranks that must agree: settings, t-peers' tokens,
+replicated parameters), dtensors (a rank's shard as a DTensor of the whole tensor, and back),
+pipeline (schedules over the mesh's 'p' axis, on torch.distributed.pipelining). Its benchmark is a
+measurement tool: shardmoe/tools/bench/distributed.py. docs/parallel.md has the decisions.
 """
 from shardmoe.moe.placement import register_mesh_placement
 from shardmoe.parallel.consistency import RankMismatchError
