@@ -81,7 +81,8 @@ def test_empty_products(device):
 
 @pytest.mark.parametrize("a,b,message", [
     (torch.ones(4), torch.ones(4, 2), "a: expected a 2-D tensor [M, K], got shape (4,)"),
-    (torch.ones(3, 4), torch.ones(4, 2, dtype=torch.float16), "b: expected dtype float32 or bfloat16, got torch.float16"),
+    (torch.ones(3, 4), torch.ones(4, 2, dtype=torch.float16),
+     "b: expected dtype float32 or bfloat16, got torch.float16"),
     (torch.ones(3, 4, dtype=F64), torch.ones(4, 2), "a: expected dtype float32 or bfloat16, got torch.float64"),
     (torch.ones(3, 4), torch.ones(5, 2), "b: expected 4 rows (a's columns, K), got shape (5, 2)"),
     (torch.ones(3, 4), torch.ones(4, 2, device="meta"), "b: expected a tensor on a's device cpu, got meta"),
