@@ -3,9 +3,11 @@ float32's round-off bound, the split reduction, the layer's router gradients thr
 float64 reference, the dispatch in moe/routing.py, and the wrapper's refusals.
 
 Bound, per element of C = A B (K the reduction length, eps32 = 2^-23 float32's machine epsilon):
-  |C - C64| <= K eps32 (|A| |B|)
-the classic float32 dot-product bound (K u, u = eps32 / 2, for the accumulation) with the same again
-for tf32x3's products on a GPU (each within a few u: the dropped lo lo term is 2^-22 of it)."""
+  |C - C64| <= (K + 6) eps32 (|A| |B|)
+K eps32 is twice the classic float32 accumulation bound (K u, u = eps32 / 2), the margin for the
+tensor cores' accumulation and the split reduction's partial sums; 6 eps32 = 3 * 2^-22 covers
+tf32x3's product on a GPU: with a = hi + lo rounded to TF32 (2^-11 relative each), lo lo is dropped
+(2^-22 of the product) and lo's own rounding costs 2^-22 in each operand."""
 import os
 
 import pytest
@@ -31,10 +33,10 @@ interpreter_only = pytest.mark.skipif(os.environ.get("SHARDMOE_TEST_COMPILED", "
 
 
 def bound_ratio(got: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> float:
-    """max over C of |C - C64| / (K eps32 (|A| |B|)): at most 1 within the bound."""
+    """max over C of |C - C64| / ((K + 6) eps32 (|A| |B|)): at most 1 within the bound."""
     a64, b64 = a.double().cpu(), b.double().cpu()
     err = (got.double().cpu() - a64 @ b64).abs()
-    scale = a.shape[1] * EPS32 * (a64.abs() @ b64.abs())
+    scale = (a.shape[1] + 6) * EPS32 * (a64.abs() @ b64.abs())
     return (err / scale.clamp_min(torch.finfo(F64).tiny)).max().item()
 
 
