@@ -398,16 +398,17 @@ def router_kernel(*tensors: torch.Tensor) -> bool:
 
 
 def gate_logits(x: torch.Tensor, gate_weight: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """x Wg: x [S, H], gate_weight [H, E] -> [S, E] in `dtype` (default: the inputs' one dtype), the
-    inputs cast to it, or read as they are by the router kernel (float32). Under autograd the narrow
-    form's weight gradient comes out as (dlogits^T x)^T as well (torch's mm backward for a
-    column-major operand)."""
-    dtype = x.dtype if dtype is None else dtype
-    if dtype == torch.float32 and router_kernel(x, gate_weight):
-        from shardmoe.kernels.router_gemm import router_mm
+    """x Wg: x [S, H], gate_weight [H, E] -> [S, E] in `dtype`, the inputs cast to it or, for float32,
+    read as they are by the router kernel (route()); dtype None: torch in the inputs' one dtype, no
+    cast (the transformers seam's RouterLogits, under autograd). Under autograd the narrow form's
+    weight gradient comes out as (dlogits^T x)^T as well (torch's mm backward for a column-major
+    operand)."""
+    if dtype is not None:
+        if dtype == torch.float32 and router_kernel(x, gate_weight):
+            from shardmoe.kernels.router_gemm import router_mm
 
-        return router_mm(x, gate_weight)
-    x, gate_weight = x.to(dtype), gate_weight.to(dtype)
+            return router_mm(x, gate_weight)
+        x, gate_weight = x.to(dtype), gate_weight.to(dtype)
     if narrow_router(x, gate_weight.shape[1]):
         return x @ gate_weight.t().contiguous().t()
     return x @ gate_weight

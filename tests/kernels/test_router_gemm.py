@@ -149,14 +149,15 @@ def test_layer_router_gradients_through_the_kernel(router_calls):
 @interpreter_only
 def test_routing_takes_the_kernel_only_where_router_path_says(router_calls):
     """Outside force_kernel_path() CPU tensors keep routing.py's torch products; under autograd (the
-    kernel has no backward) and for float64 the kernel is not taken even when forced; a bf16 x goes
-    to the kernel as it is (no float32 copy), float32 out."""
+    kernel has no backward), without a dtype (the transformers seam) and for float64 the kernel is not
+    taken even when forced; a bf16 x goes to the kernel as it is (no float32 copy), float32 out."""
     x, weight, dlogits = router_operands(11, 24, 8, BF16, BF16, "cpu")
     assert routing.gate_logits(x, weight, F32).dtype == F32 and router_calls == []
     with kernels.force_kernel_path():
         grad_weight = weight.float().requires_grad_()
-        routing.gate_logits(x.float(), grad_weight)
-        routing.gate_logits(x.double(), weight.double())
+        routing.gate_logits(x.float(), grad_weight, F32)
+        routing.gate_logits(x.float(), weight.float())  # no dtype: the transformers seam's torch product
+        routing.gate_logits(x.double(), weight.double(), F64)
         assert router_calls == []
         logits = routing.gate_logits(x, weight, F32)
         routing.gate_weight_grad(x, dlogits)
