@@ -53,7 +53,7 @@ def router_gemm_kernel(
     M, N, K, K_CHUNK,
     BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    """c[s, m, n] = sum over k in chunk s (K_CHUNK long, a multiple of BLOCK_K) of a[m, k] b[k, n]."""
+    """c[s, m, n] = sum over k in chunk s, [s K_CHUNK, (s + 1) K_CHUNK) within K, of a[m, k] b[k, n]."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_s = tl.program_id(2)
