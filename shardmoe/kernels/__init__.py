@@ -78,6 +78,15 @@ def force_kernel_path():
         FORCED = previous
 
 
+def router_path(*tensors: torch.Tensor) -> bool:
+    """Whether the router's GEMMs (moe/routing.py) run on router_gemm.router_mm: every tensor a kernel
+    dtype on CUDA with the kernels on (available()), on any device inside force_kernel_path(); never
+    where autograd would record the call (the kernel has no backward)."""
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return False
+    return all(available(t, cuda_only=not FORCED) for t in tensors)
+
+
 def fused_path(config, x: torch.Tensor, expert_width: int | None = None) -> bool:
     """The one predicate for "does the fused kernel path take this layer?".
 
@@ -86,8 +95,9 @@ def fused_path(config, x: torch.Tensor, expert_width: int | None = None) -> bool
     `expert_width`, the intermediate width this rank computes (F/t under expert tensor
     parallelism; config.ffn_size when not given). The kernels implement every expert kind, bias,
     activation (the clamped SwiGLU included) and capacity drop that MoEConfig accepts.
-    The router (every score function, bias and loss) and a shared expert (a dense GEMM pair over
-    all tokens, moe/shared_experts.py) run in torch beside the backend on every path. The one
+    The router (every score function, bias and loss; its three GEMMs on router_gemm where
+    router_path() says so) and a shared expert (a dense GEMM pair over all tokens,
+    moe/shared_experts.py) run beside the backend on every path. The one
     condition on the layer is measured speed: wider experts go to the torch path, whose cuBLAS
     GEMMs were faster there (force_kernel_path() overrides it).
     """

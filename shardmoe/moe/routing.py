@@ -36,6 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
+from shardmoe import kernels
 from shardmoe.moe.config import MoEConfig
 from shardmoe.rows import accumulation_dtype
 
@@ -213,7 +214,7 @@ def route(x: torch.Tensor, gate_weight: torch.Tensor, config: MoEConfig, gate_bi
     is needed when config.seq_aux_loss_coef > 0, and then defaults to one sequence."""
     acc = accumulation_dtype(x.dtype)
     num_tokens, num_experts = x.shape[0], config.num_experts
-    logits = gate_logits(x.to(acc), gate_weight.to(acc))
+    logits = gate_logits(x, gate_weight, acc)
     if gate_bias is not None:
         logits = logits + gate_bias.to(acc)
     logsumexp = torch.logsumexp(logits, dim=-1)
@@ -365,7 +366,7 @@ def grad_gate_gemm(
         softmax = routing.probs if config.score_func == "softmax" else routing.z_probs
         grad_logits = grad_logits + coef * routing.logsumexp[:, None] * softmax
     grad_bias = grad_logits.sum(0) if config.router_bias else None
-    return grad_logits @ gate_weight.to(acc).t(), gate_weight_grad(x.to(acc), grad_logits), grad_bias
+    return gate_input_grad(grad_logits, gate_weight), gate_weight_grad(x, grad_logits), grad_bias
 
 
 # On CPU, MKL runs the router's two GEMMs with a narrow expert dim slowly in their plain layouts:
@@ -383,20 +384,57 @@ def narrow_router(x: torch.Tensor, num_experts: int) -> bool:
     return x.device.type == "cpu" and num_experts <= NARROW_ROUTER
 
 
-def gate_logits(x: torch.Tensor, gate_weight: torch.Tensor) -> torch.Tensor:
-    """x Wg: x [S, H], gate_weight [H, E] -> [S, E], both in the same dtype. Under autograd the
-    narrow form's weight gradient comes out as (dlogits^T x)^T as well (torch's mm backward for a
-    column-major operand)."""
+# On CUDA (kernels.router_path) the three products run on kernels/router_gemm.py: float32 accuracy on
+# tensor cores (tf32x3) where cuBLAS's float32 GEMM with TF32 off runs on the CUDA cores, and a
+# bfloat16 x read as it is, widened in registers, with no [S, H] float32 copy. Their results are
+# float32, so they are taken only where float32 is the dtype asked for. CPU tensors ask the kernels
+# only under the test switch kernels.force_kernel_path() (as backends.select does): a CPU step never
+# enters shardmoe.kernels.
+
+
+def router_kernel(*tensors: torch.Tensor) -> bool:
+    """Whether the router GEMM of these operands runs on kernels/router_gemm.py (kernels.router_path)."""
+    return (tensors[0].device.type != "cpu" or kernels.FORCED) and kernels.router_path(*tensors)
+
+
+def gate_logits(x: torch.Tensor, gate_weight: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """x Wg: x [S, H], gate_weight [H, E] -> [S, E] in `dtype`, the inputs cast to it or, for float32,
+    read as they are by the router kernel (route()); dtype None: torch in the inputs' one dtype, no
+    cast (the transformers seam's RouterLogits, under autograd). Under autograd the narrow form's
+    weight gradient comes out as (dlogits^T x)^T as well (torch's mm backward for a column-major
+    operand)."""
+    if dtype is not None:
+        if dtype == torch.float32 and router_kernel(x, gate_weight):
+            from shardmoe.kernels.router_gemm import router_mm
+
+            return router_mm(x, gate_weight)
+        x, gate_weight = x.to(dtype), gate_weight.to(dtype)
     if narrow_router(x, gate_weight.shape[1]):
         return x @ gate_weight.t().contiguous().t()
     return x @ gate_weight
 
 
 def gate_weight_grad(x: torch.Tensor, grad_logits: torch.Tensor) -> torch.Tensor:
-    """dWg = x^T dlogits: x [S, H], grad_logits [S, E] -> [H, E] contiguous."""
+    """dWg = x^T dlogits: x [S, H], grad_logits [S, E] -> [H, E] contiguous in grad_logits' dtype
+    (x cast to it, or read as it is by the router kernel)."""
+    if grad_logits.dtype == torch.float32 and router_kernel(x, grad_logits):
+        from shardmoe.kernels.router_gemm import router_mm
+
+        return router_mm(x.t(), grad_logits)
+    x = x.to(grad_logits.dtype)
     if narrow_router(x, grad_logits.shape[1]):
         return (grad_logits.t() @ x).t().contiguous()
     return x.t() @ grad_logits
+
+
+def gate_input_grad(grad_logits: torch.Tensor, gate_weight: torch.Tensor) -> torch.Tensor:
+    """dx = dlogits Wg^T: grad_logits [S, E], gate_weight [H, E] -> [S, H] in grad_logits' dtype
+    (gate_weight cast to it, or read as it is, through its transpose's strides, by the router kernel)."""
+    if grad_logits.dtype == torch.float32 and router_kernel(grad_logits, gate_weight):
+        from shardmoe.kernels.router_gemm import router_mm
+
+        return router_mm(grad_logits, gate_weight.t())
+    return grad_logits @ gate_weight.to(grad_logits.dtype).t()
 
 
 class GateRouter:

@@ -4,7 +4,8 @@ the fused layer (the MoE operators of shardmoe/moe/ops.py) in float64.
 The expert side is the Triton backend's fused entry points, which the MoE operators run on the kernel path: rows are
 gathered inside the kernels (no x[row_token] or grad_out[row_token] copies), each token gathers
 and sums its rows, stages 1 + 2 (mlp) run as one kernel and glu's stages 2-4 as one GEMM with its
-epilogue and three plain GEMMs. Routing and stage 6 stay on torch (routing.py).
+epilogue and three plain GEMMs. Routing and stage 6 run in routing.py: on torch for the interpreter's
+CPU tensors, their three GEMMs on the router kernel for CUDA tensors (compiled mode).
 tests/kernels/test_layer_path.py runs the same code through the layer.
 """
 import pytest

@@ -1,7 +1,8 @@
 """A dropless step on the Triton path reads nothing from the device on the host: the MoE Function's
-forward and backward (routing, dispatch, the Triton backend, the router's backward) run on meta
-tensors, which hold shapes and no data, so any .item(), .tolist(), .cpu(), int(t), bool(t), a
-boolean-mask index or a data-sized output (bincount, repeat_interleave without its size) raises.
+forward and backward (routing with the router's GEMM kernel, dispatch, the Triton backend, the
+router's backward) run on meta tensors, which hold shapes and no data, so any .item(), .tolist(),
+.cpu(), int(t), bool(t), a boolean-mask index or a data-sized output (bincount, repeat_interleave
+without its size) raises.
 The kernel launches are recorded instead of run: what each launch needs from the host is then only
 shapes (N = S k, E), never counts. On a GPU the same holds under torch.cuda.set_sync_debug_mode
 ("error"), which the lease's model stage checks (docs/gpu.md)."""
@@ -23,12 +24,14 @@ from shardmoe.moe.routing import GateRouter  # noqa: E402
 
 S, H, F, E, K = 48, 32, 16, 8, 2
 META = dict(device="meta", dtype=torch.bfloat16)
-GLU_LAUNCHES = ["forward_gemm_kernel", "forward_gemm_kernel", "token_combine_kernel",  # forward
+ROUTER_FORWARD = ["router_gemm_kernel"]  # x Wg
+ROUTER_BACKWARD = ["router_gemm_kernel", "router_gemm_kernel"]  # stage 6: dx = dlogits Wg^T, dWg = x^T dlogits
+GLU_LAUNCHES = [*ROUTER_FORWARD, "forward_gemm_kernel", "forward_gemm_kernel", "token_combine_kernel",  # forward
                 "down_grad_kernel", "weight_grad_kernel", "weight_grad_kernel", "grad_gemm_kernel",  # stages 2-4
-                "token_combine_kernel"]  # stage 5
-MLP_LAUNCHES = ["forward_gemm_kernel", "forward_gemm_kernel", "token_combine_kernel",
+                "token_combine_kernel", *ROUTER_BACKWARD]  # stages 5 and 6
+MLP_LAUNCHES = [*ROUTER_FORWARD, "forward_gemm_kernel", "forward_gemm_kernel", "token_combine_kernel",
                 "grad_combine_gate_kernel", "grad_gemm_kernel", "weight_grad_kernel", "weight_grad_kernel",
-                "grad_gemm_kernel", "token_combine_kernel"]
+                "grad_gemm_kernel", "token_combine_kernel", *ROUTER_BACKWARD]
 
 
 def step(config: MoEConfig, launched: list):

@@ -39,7 +39,8 @@ import torch
 
 H100 = "NVIDIA H100 80GB HBM3"  # torch.cuda.get_device_name of the H100s measured: the tuned table's key
 CAPABILITY, WARP_SIZE = 90, 32
-GEMM_KERNELS = ("forward_gemm_kernel", "grad_gemm_kernel", "down_grad_kernel", "weight_grad_kernel")
+GEMM_KERNELS = ("forward_gemm_kernel", "grad_gemm_kernel", "down_grad_kernel", "weight_grad_kernel",
+                "router_gemm_kernel")
 TMA_PREFIXES = ("UTMA", "UBLK")
 
 
@@ -192,7 +193,11 @@ def meta_groups(num_experts: int, num_rows: int):
 
 def trace_layer_step(config, tokens: int) -> None:
     """One forward and backward of the Triton backend for a layer of `config` over `tokens` tokens,
-    dropless, on meta tensors in the layer's dtype (bf16): the calls the local dispatcher makes."""
+    dropless, on meta tensors in the layer's dtype (bf16): the calls the local dispatcher makes, and
+    the router's three GEMMs as routing.py makes them on CUDA (x and gate_weight bf16, dlogits
+    float32; force_kernel_path() lets the meta tensors stand for CUDA ones)."""
+    from shardmoe import kernels
+    from shardmoe.moe import routing
     from shardmoe.moe.triton_backend import TRITON
 
     meta = dict(device="meta", dtype=torch.bfloat16)
@@ -202,6 +207,12 @@ def trace_layer_step(config, tokens: int) -> None:
     params.update({name: None for name in config.kind.bias_names if not config.bias})
     groups = meta_groups(config.num_experts, num_rows)
     x = torch.empty(tokens, hidden, **meta)
+    gate_weight = torch.empty(hidden, config.num_experts, **meta)
+    grad_logits = torch.empty(tokens, config.num_experts, dtype=torch.float32, device="meta")
+    with kernels.force_kernel_path():
+        routing.gate_logits(x, gate_weight, torch.float32)
+        routing.gate_input_grad(grad_logits, gate_weight)
+        routing.gate_weight_grad(x, grad_logits)
     row_token = torch.empty(num_rows, dtype=torch.int64, device="meta")
     weight_rows = torch.empty(num_rows, dtype=torch.float32, device="meta")
     activation = config.expert_activation

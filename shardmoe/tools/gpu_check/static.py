@@ -3,11 +3,12 @@ needed), with its registers, spills, shared memory and HGMMA / TMA instruction c
 (shardmoe/tools/gpu_check/compiled.py).
 
 For each workload (WORKLOADS: the bench's two glu shapes, and an mlp and a GPT-OSS-like biased glu
-for the other kernel variants) one forward and backward of the Triton backend is traced on meta
-tensors with every launch compiled instead of run, at the config an H100 runs (the tuned one for
-its key, else the first autotune candidate). The work runs in a child process
-(`python -m shardmoe.tools.gpu_check.static OUT_JSON`) without TRITON_INTERPRET, whatever the parent's
-mode (a dry run's is the interpreter, whose kernels cannot compile).
+for the other kernel variants) one forward and backward of the Triton backend, with the router's
+three GEMMs (kernels/router_gemm.py), is traced on meta tensors with every launch compiled instead
+of run, at the config an H100 runs (the tuned one for its key, else the first autotune candidate).
+The work runs in a child process (`python -m shardmoe.tools.gpu_check.static OUT_JSON`) without
+TRITON_INTERPRET, whatever the parent's mode (a dry run's is the interpreter, whose kernels cannot
+compile).
 
 Passes when every GEMM kernel (compiled.GEMM_KERNELS) was compiled, and each of its rows has
 tensor-core MMA (HGMMA > 0) and no spills. Skipped, with the reason, where the toolchain is absent
