@@ -46,7 +46,7 @@ import torch.distributed as dist
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from shardmoe.model.transformer import Transformer, full_shapes
+from shardmoe.model.transformer import Transformer, TransformerConfig, full_shapes
 from shardmoe.notation import MESH_AXES
 from shardmoe.train.presets import DEFAULT_ARCH
 from shardmoe.train.tokenizer import BYTE
@@ -179,6 +179,10 @@ def check_resumable(path: str | Path, identity: dict) -> int:
     saved.setdefault("arch", DEFAULT_ARCH)  # written before presets existed: the defaults, i.e. mixtral
     saved = with_current_names(saved)
     saved.setdefault("tokenizer", BYTE)  # written before tokenizers could be chosen: bytes
+    if isinstance(saved.get("model"), dict):
+        # an option that joined the model after the checkpoint was written, at its default: an option
+        # joins with the default that keeps the behaviour it did not have, which the run trained with
+        saved["model"] = TransformerConfig.from_dict(saved["model"]).to_dict()
     differences = setting_differences(saved, json.loads(json.dumps(identity)))
     if differences:
         raise ValueError(f"--resume: checkpoint {path} was written with another config: "

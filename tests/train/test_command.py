@@ -327,6 +327,14 @@ def test_a_run_that_stores_the_model_table_flat_resumes_and_refuses_a_changed_op
     with pytest.raises(ValueError, match=r"written with another config: model\.num_experts: saved 4, now 8$"):
         other = config.replace(model=TransformerConfig.from_dict({**FLAT_MODEL, "num_experts": 8}))
         ckpt.check_resumable(path, other.resume_identity())
+    # a checkpoint written before a model option existed (here seq_aux_loss_coef) resumes at its default only
+    older = {**FLAT_IDENTITY, "model": {k: v for k, v in FLAT_MODEL.items() if k != "seq_aux_loss_coef"}}
+    older_path = tmp_path / "older.safetensors"
+    save_file(tensors, str(older_path), metadata={**metadata, "identity": json.dumps(older, sort_keys=True)})
+    assert ckpt.check_resumable(older_path, config.resume_identity()) == 2
+    with pytest.raises(ValueError, match=r"another config: model\.seq_aux_loss_coef: saved 0\.0, now 0\.01$"):
+        ckpt.check_resumable(older_path, config.replace(
+            model=TransformerConfig.from_dict({**FLAT_MODEL, "seq_aux_loss_coef": 0.01})).resume_identity())
     os.replace(out / "config.json", tmp_path / "config.json")
     assert main(["train", "--config", str(changed), "--out", str(out), "--resume"]) == 2
     assert "other settings (model.expert_bias: the run has False, given True)" in capsys.readouterr().err
