@@ -149,6 +149,22 @@ def free(cuda: bool) -> None:
         torch.cuda.empty_cache()
 
 
+def step_peak_gib(step, reset) -> float:
+    """GiB of CUDA memory one step() allocates above what is allocated before it, between two
+    reset()s (a candidate's gradients and saved state dropped)."""
+    import torch
+
+    reset()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    step()
+    torch.cuda.synchronize()
+    peak = (torch.cuda.max_memory_allocated() - before) / 2 ** 30
+    reset()
+    return peak
+
+
 def float64_truth(layer, x, grad) -> dict:
     """y and the gradients, in a module candidate's grads() layout, of one step of a float64 deep copy
     of `layer` on the torch path, on `x` and `grad` upcast (the bf16 weights and input are exact in
@@ -324,15 +340,7 @@ def measure(shape_name: str, s: Shape, ctx) -> dict:
     timed, kept_marks = time_steps(bases, steps_in, grad, clock, warmup, repeats, device)
     peaks = {}
     if cuda:
-        for name, c in timed.items():
-            bases[name].reset()
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            before = torch.cuda.memory_allocated()
-            c.step()
-            torch.cuda.synchronize()
-            peaks[name] = (torch.cuda.max_memory_allocated() - before) / 2 ** 30
-            bases[name].reset()
+        peaks = {name: step_peak_gib(c.step, bases[name].reset) for name, c in timed.items()}
         synced = host_sync(bases["shardmoe"], steps_in["shardmoe"])
         if synced is not None:
             problems.append(f"shardmoe: a dropless step synchronised with the host: {synced}")

@@ -70,7 +70,7 @@ def run(ctx) -> dict:
     from shardmoe.tools.bench.timing import time_interleaved
     from shardmoe.moe import backends
 
-    from .bench import free
+    from .bench import free, step_peak_gib
     from .parity import triton_context
 
     sizes, (warmup, repeats) = (DRY_RUN_MODEL, (DRY_RUN_WARMUP, DRY_RUN_REPEATS)) if ctx.dry_run \
@@ -127,15 +127,7 @@ def run(ctx) -> dict:
     times = time_interleaved(cands, warmup, repeats, ctx.device)
     peaks = {}
     if cuda:
-        for name, c in cands.items():
-            c.reset()
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            before = torch.cuda.memory_allocated()
-            c.step()
-            torch.cuda.synchronize()
-            peaks[name] = (torch.cuda.max_memory_allocated() - before) / 2 ** 30
-            c.reset()
+        peaks = {name: step_peak_gib(c.step, c.reset) for name, c in cands.items()}
     median_ms = {name: 1e3 * statistics.median(t) for name, t in times.items()}
     del cands, models
     gc.collect()
