@@ -511,10 +511,16 @@ class GivenRouting:
 
     def route(self, x: torch.Tensor, tensors: tuple, dropless: bool) -> Routing:
         top_k_index, top_k_weights = tensors
-        if top_k_index.numel():
+        if top_k_index.numel() and top_k_index.device.type == "cpu":
             low, high = int(top_k_index.min()), int(top_k_index.max())
             if low < 0 or high >= self.num_experts:
                 raise ValueError(f"top_k_index: expected expert ids in 0..{self.num_experts - 1}, got {low}..{high}")
+        elif top_k_index.numel():
+            # reading the ids on the host would wait for the GPU in every layer of every step: the
+            # device checks them in stream order, before dispatch uses them, as torch's own indexing
+            # does on CUDA (a device-side assert naming top_k_index)
+            torch._assert_async(((top_k_index >= 0) & (top_k_index < self.num_experts)).all(),
+                                f"top_k_index: expected expert ids in 0..{self.num_experts - 1}")
         row_pair, selected, kept = dispatch_order(top_k_index, self.num_experts, None)
         S, device = x.shape[0], x.device
         none = torch.zeros(S, 0, dtype=accumulation_dtype(x.dtype), device=device)

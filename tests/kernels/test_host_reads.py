@@ -20,7 +20,7 @@ from shardmoe import kernels  # noqa: E402
 from shardmoe.moe.config import MoEConfig  # noqa: E402
 from shardmoe.moe.dispatch import LOCAL  # noqa: E402
 from shardmoe.moe.function import MoEContext, moe_backward, moe_forward  # noqa: E402
-from shardmoe.moe.routing import GateRouter  # noqa: E402
+from shardmoe.moe.routing import GateRouter, GivenRouting  # noqa: E402
 
 S, H, F, E, K = 48, 32, 16, 8, 2
 META = dict(device="meta", dtype=torch.bfloat16)
@@ -70,6 +70,23 @@ def test_a_dropless_step_reads_nothing_from_the_device(launched, options, expect
     assert out.shape == (S, H) and out.device.type == "meta" and loss.shape == ()
     assert grads[0].shape == (S, H) and grads[1].shape == (H, E)  # dx, the gate weight's gradient
     assert stats[0]["dropped_tokens"].device.type == "meta"  # a tensor: reading it is the caller's wait
+
+
+def test_a_step_through_the_transformers_seam_reads_nothing_from_the_device(launched):
+    """The seam's routing is given (routing.GivenRouting: top_k_index, top_k_weights): its check of
+    the expert ids runs on the device, and the rest of the step is the layer's own."""
+    config = MoEConfig(H, F, E, K)
+    shapes = config.kind.whole_shapes(H, F, E)
+    params = [torch.empty(shapes[n], **META) if n in shapes and n not in config.kind.bias_names else None
+              for n in config.expert_param_names]
+    call = MoEContext(config, GivenRouting(E), LOCAL)
+    x = torch.empty(S, H, **META)
+    tensors = (torch.empty(S, K, device="meta", dtype=torch.int64), torch.empty(S, K, **META), *params)
+    with kernels.force_kernel_path():
+        out, loss, made = moe_forward(call, x, tensors)
+        grads = moe_backward(call, x, tensors, made, torch.empty(S, H, **META), torch.ones((), device="meta"))
+    assert launched == GLU_LAUNCHES[1:-2]  # no router GEMMs: the routing is given
+    assert out.shape == (S, H) and grads[0].shape == (S, H) and grads[2].shape == (S, K)
 
 
 def test_the_meta_step_catches_a_host_read(launched):
