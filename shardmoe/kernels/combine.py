@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from shardmoe.kernels.activations import activation, activation_grad
+from shardmoe.kernels.tiles import source_rows
 from shardmoe.kernels.tuning import autotune, unit_columns
 from shardmoe.rows import accumulation_dtype
 
@@ -58,10 +59,7 @@ def grad_combine_gate_kernel(g_ptr, g_index_ptr, stride_g, y_ptr, stride_y, scal
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     row_mask = rows < N
     rows = rows.to(tl.int64)
-    if GATHER:
-        g_rows = tl.load(g_index_ptr + rows, mask=row_mask, other=0).to(tl.int64)
-    else:
-        g_rows = rows
+    g_rows = source_rows(g_index_ptr, rows, row_mask, GATHER)
     if STORE_GE:
         weight = tl.load(scale_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
     dot = tl.zeros((BLOCK_R,), dtype=tl.float32)

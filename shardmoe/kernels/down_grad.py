@@ -31,7 +31,7 @@ import triton.language as tl
 
 from shardmoe.kernels.activations import activation_args, glu, glu_grad
 from shardmoe.kernels.schedule import choose_block_m, experts_pad, row_tiles
-from shardmoe.kernels.tiles import dot_acc, row_tile
+from shardmoe.kernels.tiles import dot_acc, row_tile, source_rows
 from shardmoe.kernels.tuning import autotune, dot_settings, unit_columns
 
 # 64 columns only: the epilogue holds h's two halves, a and dh beside the accumulator, and at 128
@@ -86,10 +86,7 @@ def down_grad_kernel(
     rows = row_start + tl.arange(0, BLOCK_M)
     row_mask = rows < row_end
     rows = rows.to(tl.int64)
-    if GATHER:
-        g_rows = tl.load(g_index_ptr + rows, mask=row_mask, other=0).to(tl.int64)
-    else:
-        g_rows = rows
+    g_rows = source_rows(g_index_ptr, rows, row_mask, GATHER)
     # the tile's columns as two halves, each with its own accumulator: the epilogue then runs on one
     # half after the other, and holds half the tiles at a time
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N // 2)

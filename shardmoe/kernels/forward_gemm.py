@@ -27,7 +27,7 @@ import triton.language as tl
 
 from shardmoe.kernels.activations import activation, activation_args, glu
 from shardmoe.kernels.schedule import choose_block_m, experts_pad, row_tiles
-from shardmoe.kernels.tiles import dot_acc, row_tile
+from shardmoe.kernels.tiles import dot_acc, row_tile, source_rows
 from shardmoe.kernels.tuning import autotune, dot_settings, unit_columns
 
 # The first is the untuned default: 64 columns, as the GLU keeps two accumulators (gate and up), and
@@ -59,10 +59,7 @@ def forward_gemm_kernel(
     rows = row_start + tl.arange(0, BLOCK_M)
     row_mask = rows < row_end
     rows = rows.to(tl.int64)  # row * stride can pass 2^31 elements
-    if GATHER:
-        a_rows = tl.load(a_index_ptr + rows, mask=row_mask, other=0).to(tl.int64)
-    else:
-        a_rows = rows
+    a_rows = source_rows(a_index_ptr, rows, row_mask, GATHER)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < O
     w_expert = w_ptr + expert * stride_we

@@ -33,6 +33,17 @@ def row_tile(tile, ends_ptr, num_experts, BLOCK_M: tl.constexpr, E_PAD: tl.const
 
 
 @triton.jit
+def source_rows(index_ptr, rows, row_mask, GATHER: tl.constexpr):
+    """The rows [BLOCK] (int64) an operand is read from for the tile's rows `rows`: index[rows]
+    with GATHER (the operand is in token order, read through the row -> token index), else rows."""
+    if GATHER:
+        out = tl.load(index_ptr + rows, mask=row_mask, other=0).to(tl.int64)
+    else:
+        out = rows
+    return out
+
+
+@triton.jit
 def expert_rows(expert, ends_ptr):
     """(start, end) of expert `expert`'s rows, from the cumulative ends on the device."""
     start = tl.load(ends_ptr + expert - 1, mask=expert > 0, other=0)

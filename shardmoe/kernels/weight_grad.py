@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from shardmoe.kernels.schedule import persistent_programs
-from shardmoe.kernels.tiles import dot_acc, expert_rows
+from shardmoe.kernels.tiles import dot_acc, expert_rows, source_rows
 from shardmoe.kernels.tuning import autotune, dot_settings, unit_columns
 
 # SonicMoE's 128 x 256 output tiles with 64-row steps first
@@ -72,14 +72,8 @@ def weight_grad_kernel(
             rows = r0 + tl.arange(0, BLOCK_R)
             row_mask = rows < end
             rows = rows.to(tl.int64)
-            if GATHER_G:
-                g_rows = tl.load(g_index_ptr + rows, mask=row_mask, other=0).to(tl.int64)
-            else:
-                g_rows = rows
-            if GATHER_X:
-                x_rows = tl.load(x_index_ptr + rows, mask=row_mask, other=0).to(tl.int64)
-            else:
-                x_rows = rows
+            g_rows = source_rows(g_index_ptr, rows, row_mask, GATHER_G)
+            x_rows = source_rows(x_index_ptr, rows, row_mask, GATHER_X)
             g = tl.load(g_ptr + g_rows[:, None] * stride_g + o_cols[None, :], mask=row_mask[:, None] & o_mask[None, :],
                         other=0.0)
             x = tl.load(x_ptr + x_rows[:, None] * stride_x + k_cols[None, :],
