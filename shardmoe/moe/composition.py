@@ -24,6 +24,13 @@ import torch.distributed as dist
 from shardmoe.mesh import DEVICE_MESH_NAMES, GRAD_SYNC_ATTRIBUTE
 from shardmoe.moe import shared_experts as shared_ex
 
+# DTensor, or nothing isinstance matches where torch has no distributed package (the layer's
+# forward tests its input and parameters with isinstance on it: no call into this module)
+try:
+    from torch.distributed.tensor import DTensor as DTENSOR
+except ImportError:
+    DTENSOR = ()
+
 
 def local(t: torch.Tensor) -> torch.Tensor:
     """This rank's block of t: a DTensor's local tensor (its storage, under no_grad), else t."""
@@ -204,11 +211,8 @@ def mean_over_e(group, size: int, replicated: list[torch.Tensor], experts: list[
 
 
 def is_dtensor(t) -> bool:
-    if not dist.is_available():
-        return False
-    from torch.distributed.tensor import DTensor
-
-    return isinstance(t, DTensor)
+    """Whether t is a DTensor (never, where torch has no distributed package)."""
+    return isinstance(t, DTENSOR)
 
 
 def local_tokens(layer, x) -> torch.Tensor:

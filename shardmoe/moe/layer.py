@@ -61,12 +61,6 @@ ACTIVATION_OPTIONS = ("swiglu_limit", "swiglu_alpha")
 # MoEConfig's shared-expert fields, also keyword options
 SHARED_OPTIONS = ("shared_ffn_size", "shared_gate")
 
-# DTensor, or nothing isinstance matches where torch has no distributed package
-try:
-    from torch.distributed.tensor import DTensor as _DTensor
-except ImportError:
-    _DTensor = ()
-
 # the dtypes the layer computes in (float16 runs, but fp16 matmul ran at ~1 GFLOP/s on the CPUs measured)
 DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
@@ -221,7 +215,7 @@ class MoE(nn.Module):
         sequences of the sequence-wise loss begin (moe/routing.py token_sequence_ids)."""
         if not isinstance(x, torch.Tensor):
             raise ValueError(f"x: expected a torch.Tensor, got {type(x).__name__}")
-        if isinstance(x, _DTensor):  # the same tokens as its local blocks; the output laid out as x
+        if isinstance(x, composition.DTENSOR):  # the same tokens as its local blocks; the output laid out as x
             out = self.forward(composition.local_tokens(self, x), sequence_starts)
             return type(x).from_local(out, x.device_mesh, x.placements, run_check=False, shape=x.shape,
                                       stride=x.stride())
@@ -243,7 +237,7 @@ class MoE(nn.Module):
         put DTensors in their place, after composition's checks of their layout, its local views
         (moe/composition.py compute_views)."""
         params = [self.gate_weight, self.gate_bias, *self.expert_parameters()]
-        if self.mesh is None and not any(isinstance(p, _DTensor) for p in params):
+        if self.mesh is None and not any(isinstance(p, composition.DTENSOR) for p in params):
             return params
         composition.check_parameters(self)
         if self.placement.sharded and not composition.fully_sharded_over_d(self):
