@@ -34,7 +34,7 @@ CASES = [
     (["bench", "--json", "/nonexistent/dir/x.json"], "--json: expected a file in an existing directory"),
     (["bench", "--mesh", "d=3"], "--mesh d=3: expected a mesh of the world size 1, got 3 rank(s): launch with torchrun"),
     (["train", "--resume", "--overwrite"], "--resume and --overwrite: expected at most one"),
-    # seeds beyond 64 bits were an OverflowError traceback from torch
+    # seeds beyond 64 bits: torch would raise an OverflowError
     (["trace", "--out", "OUT", "--seed", str(2 ** 64)], "--seed: expected an int in 0..18446744073709551615, got"),
     (["simulate", "--seed", "-1"], "--seed: expected an int in 0..18446744073709551615, got -1"),
     (["train", "--seed", str(2 ** 64)], "seed: expected an int in 0..18446744073709551615, got 18446744073709551616"),
@@ -63,7 +63,7 @@ def test_bad_input_is_one_line_naming_the_option_with_exit_code_2(argv, message,
 
 
 def test_an_unknown_option_gets_the_commands_usage(capsys):
-    """`shardmoe train --corpus x` printed the top-level usage, which lists no option of `train`."""
+    """`shardmoe train --corpus x` prints train's usage (the top-level one lists no option of `train`)."""
     with pytest.raises(SystemExit) as exit_:
         cli.main(["train", "--corpus", "x"])
     assert exit_.value.code == 2

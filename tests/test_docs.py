@@ -91,6 +91,7 @@ def test_every_section_cited_by_name_exists():
         text = re.sub(r"\s*\n\s*(?:#\s*)?", " ", (ROOT / source).read_text(errors="replace"))
         for doc, title in re.findall(r"(?:docs/)?([a-z][\w-]*\.md)[,:]? \(?\"([^\"]+)\"", text):
             if not (ROOT / "docs" / doc).is_file():
+                missing.append(f'{source}: docs/{doc} (no such doc), "{title}"')
                 continue
             title = title.replace("`", "")
             if not any(t.startswith(title) for t in _titles("docs/" + doc)):

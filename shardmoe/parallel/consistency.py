@@ -75,7 +75,7 @@ def handshake(mesh, call: str) -> None:
     codes = gather_table(code, mesh, f"{call} (its handshake)")[:, 0].tolist()
     if any(c != codes[0] for c in codes):
         names = [repr(CALLS[c]) if 0 <= c < len(CALLS) else f"unknown call {c}" for c in codes]
-        raise RankMismatchError(f"ranks are in different collective calls: {_by_value(names, mesh.ranks_along(MESH_AXES))}: "
+        raise RankMismatchError(f"ranks are in different collective calls: {by_value(names, mesh.ranks_along(MESH_AXES))}: "
                                 "every rank of the mesh must make the same shardmoe calls in the same order (every "
                                 "layer's forward and backward; sync_grads on every rank after the same backward)")
 
@@ -147,7 +147,7 @@ def check_settings(table: torch.Tensor, names, what: str, mesh) -> None:
         column = table[:, 2 * i : 2 * i + 2]
         if bool((column != column[0]).any()):
             values = [_decode(int(tag), int(payload)) for tag, payload in column.tolist()]
-            problems.append(f"{name}: {_by_value(values, ranks)}")
+            problems.append(f"{name}: {by_value(values, ranks)}")
     if problems:
         raise RankMismatchError(f"{what} differ across ranks (every rank must build the same model, from the same "
                                 "options and dtype, on the same mesh): " + "; ".join(problems))
@@ -164,7 +164,7 @@ def check_t_peers(table: torch.Tensor, mesh) -> None:
         if bool((rows[:, :2] != rows[0, :2]).any()):
             tokens = [f"{int(s)} tokens with checksum {int(c)}" for s, c in rows[:, :2].tolist()]
             raise RankMismatchError(
-                f"the ranks along mesh axis 't' hold different tokens: {_by_value(tokens, group)}, on {where}. "
+                f"the ranks along mesh axis 't' hold different tokens: {by_value(tokens, group)}, on {where}. "
                 "Rule: tokens are split over the (d, e) coordinate and replicated over 't', so ranks with the same "
                 "(d, e) must get the same rows (split the data by mesh.coord(('d', 'e')), not by the global rank)")
         if bool((rows[:, 2:] != rows[0, 2:]).any()):  # same tokens, other choices
@@ -183,7 +183,7 @@ def check_replicas(named: list[tuple[str, tuple[str, ...]]], table: torch.Tensor
             if bool((values != values[0]).any()):
                 raise RankMismatchError(
                     f"{what}: parameter {name!r} must hold the same value on ranks {', '.join(map(str, group))} "
-                    f"(replicated along mesh axes {axes}), but differs: {_by_value(values.tolist(), group, 'checksum')}"
+                    f"(replicated along mesh axes {axes}), but differs: {by_value(values.tolist(), group, 'checksum')}"
                     "; initialise it from the same seed (or load the same weights) on every rank")
 
 
@@ -203,7 +203,7 @@ def _rows(mesh, ranks: list[int]) -> list[int]:
     return [mesh.coord(MESH_AXES, r) for r in ranks]
 
 
-def _by_value(values: list, ranks, noun: str = "") -> str:
+def by_value(values: list, ranks, noun: str = "") -> str:
     """'rank 0 has 2, ranks 1, 3 have 3' (ranks grouped by value, in order of first appearance)."""
     grouped: dict = {}
     for rank, value in zip(ranks, values):

@@ -38,7 +38,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from shardmoe.parallel.consistency import RankMismatchError
+from shardmoe.parallel.consistency import RankMismatchError, by_value
 from shardmoe.parallel.exchange import ExchangeError
 from shardmoe.parallel.symmetric_heap import PeerExitedError, PeerTimeoutError
 
@@ -117,12 +117,12 @@ def check_agreement(settings: dict, what: str = "pipeline settings") -> None:
         dist.all_gather_object(gathered, settings)
     except RuntimeError as err:
         raise PipelineError(f"{what}: the all-gather over every rank failed on rank {dist.get_rank()}: a peer "
-                            f"failed, hung or left; cause: {_first_line(err)}") from err
+                            f"failed, hung or left; cause: {first_line(err)}") from err
     problems = []
     for name in sorted(set().union(*(g.keys() for g in gathered))):
         values = [g.get(name) for g in gathered]
         if any(v != values[0] for v in values):
-            problems.append(f"{name}: {_by_value(values)}")
+            problems.append(f"{name}: {by_value([repr(v) for v in values], range(len(values)))}")
     if problems:
         raise RankMismatchError(f"{what} differ across ranks (every rank must run the same model, schedule and "
                                 "batch settings): " + "; ".join(problems))
@@ -136,9 +136,9 @@ def run_step(step, *args, stage: int, **kwargs):
         return step(*args, **kwargs)
     except Exception as err:
         cause = _innermost(err)
-        if _lost_peer(cause):
+        if lost_peer(cause):
             raise PipelineError(f"pipeline stage {stage} waited on a rank that failed, hung or left: "
-                                f"{_first_line(cause)}") from cause
+                                f"{first_line(cause)}") from cause
         if cause is err:
             raise
         raise cause from None
@@ -151,23 +151,19 @@ def _innermost(err: BaseException) -> BaseException:
     return err
 
 
-def _lost_peer(err: BaseException) -> bool:
+def lost_peer(err: BaseException) -> bool:
+    """Whether err says another rank failed, hung or left: torch raises DistError from the store and
+    the process group, but gloo's transport timeouts and closed connections arrive as plain
+    RuntimeErrors whose text names the gloo source file that raised them (gloo/transport/...);
+    shardmoe's row exchange, shared-memory peers and pipeline say so by their error types."""
     return isinstance(err, (dist.DistError, ExchangeError, PeerExitedError, PeerTimeoutError, PipelineError)) or \
-        (isinstance(err, RuntimeError) and "gloo" in str(err).lower())
+        (isinstance(err, RuntimeError) and "gloo/transport" in str(err))
 
 
-def _first_line(err: BaseException) -> str:
+def first_line(err: BaseException) -> str:
+    """The first line of err's message (its type's name when it has none)."""
     lines = str(err).strip().splitlines()
     return lines[0] if lines else type(err).__name__
-
-
-def _by_value(values: list) -> str:
-    """'rank 0 has 2, ranks 1, 3 have 3' (global ranks grouped by value)."""
-    grouped: dict[str, list[int]] = {}
-    for rank, value in enumerate(values):
-        grouped.setdefault(repr(value), []).append(rank)
-    return ", ".join(f"rank {ranks[0]} has {value}" if len(ranks) == 1 else
-                     f"ranks {', '.join(map(str, ranks))} have {value}" for value, ranks in grouped.items())
 
 
 def example(shape: tuple[int, ...], dtype: torch.dtype, requires_grad: bool = False) -> torch.Tensor:

@@ -42,12 +42,16 @@ class StepLosses:
     dropped_tokens: int
 
 
-def micro_batches(batch: Batch, count: int) -> list[Batch]:
-    """batch [R L] as `count` consecutive row blocks [R/count L] (R divisible by count)."""
-    rows = batch.ids.shape[0]
+def check_micro_batches(rows: int, count: int) -> None:
+    """Raise ValueError unless this rank's `rows` per step split into `count` micro-batches."""
     if rows % count:
         raise ValueError(f"grad_accum_steps: expected a divisor of this rank's {rows} rows per step "
                          f"(batch_size / data-parallel ranks), got {count}")
+
+
+def micro_batches(batch: Batch, count: int) -> list[Batch]:
+    """batch [R L] as `count` consecutive row blocks [R/count L] (R divisible by count)."""
+    check_micro_batches(batch.ids.shape[0], count)
     return [Batch(*(t.chunk(count)[i] for t in batch)) for i in range(count)]
 
 

@@ -34,7 +34,7 @@ from pathlib import Path
 from shardmoe.mesh import PIPELINE_MESH_AXES, parse_mesh
 from shardmoe.model.residuals import BACKWARD_MODES
 from shardmoe.model.transformer import check_layout
-from shardmoe.parallel.pipeline import SCHEDULES
+from shardmoe.parallel.pipeline import SCHEDULES, first_line, lost_peer
 from shardmoe.train.config import TrainConfig, read_config_file
 from shardmoe.train.presets import ARCH_PRESETS, DEFAULT_ARCH, check_arch
 
@@ -220,13 +220,13 @@ def run(args: argparse.Namespace) -> int:
         if isinstance(err, TrainingDiverged):
             print(f"shardmoe train: rank {rank}: {err}", file=sys.stderr)
             return 1
-        if not _lost_peer(err):
+        if not lost_peer(err):
             raise
         print(f"shardmoe train: rank {rank}: lost contact with the other ranks (a peer hung or died; "
-              f"timeout_minutes={config.timeout_minutes:g}): {_first_line(err)}", file=sys.stderr)
+              f"timeout_minutes={config.timeout_minutes:g}): {first_line(err)}", file=sys.stderr)
         return 1
     except OSError as err:  # a failed metrics or checkpoint write (it names the file)
-        print(f"shardmoe train: rank {rank}: {_first_line(err)}", file=sys.stderr)
+        print(f"shardmoe train: rank {rank}: {first_line(err)}", file=sys.stderr)
         return 1
     except CheckpointException as err:  # a failed DCP write or read
         print(f"shardmoe train: rank {rank}: {checkpoint_failure(err)}", file=sys.stderr)
@@ -283,32 +283,13 @@ def _announce(config: TrainConfig, out: str, notes: list[str], resume_from: tupl
         print(f"resuming {out} from {path} at step {step} of {config.steps}")
 
 
-def _lost_peer(err: RuntimeError) -> bool:
-    """Whether a collective failed because a peer hung or died: torch raises DistError from the store
-    and the process group, but gloo's transport timeouts and closed connections arrive as plain
-    RuntimeErrors whose text starts with the gloo source file that raised them; shardmoe's row
-    exchange and pipeline say so by their error types."""
-    import torch.distributed as dist
-
-    from shardmoe.parallel.exchange import ExchangeError
-    from shardmoe.parallel.pipeline import PipelineError
-    from shardmoe.parallel.symmetric_heap import PeerExitedError
-
-    return isinstance(err, (dist.DistError, ExchangeError, PeerExitedError, PipelineError)) or "gloo/transport" in str(err)
-
-
 def checkpoint_failure(err) -> str:
     """One line for torch.distributed.checkpoint's CheckpointException: the error of each failed rank
     (its first line reads "CheckpointException ranks:dict_keys([0])", naming neither file nor cause)."""
     failures = getattr(err, "failures", None) or {}
     parts = [f"rank {r}: {type(e).__name__}: {e}" for r, (e, *_) in sorted(failures.items())
              if isinstance(e, BaseException)]
-    return "sharded checkpoint: " + ("; ".join(parts) if parts else _first_line(err))
-
-
-def _first_line(err: BaseException) -> str:
-    lines = str(err).strip().splitlines()
-    return lines[0] if lines else type(err).__name__
+    return "sharded checkpoint: " + ("; ".join(parts) if parts else first_line(err))
 
 
 def _train_and_report(config: TrainConfig, args: argparse.Namespace, mesh) -> int:

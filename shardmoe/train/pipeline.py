@@ -37,7 +37,7 @@ from torch import Tensor
 from shardmoe.model.stages import StageModule, rank_stages, stage_layers
 from shardmoe.model.transformer import Losses, Transformer
 from shardmoe.parallel import pipeline as schedules
-from shardmoe.train.accumulate import StepLosses, add_scopes, micro_batches
+from shardmoe.train.accumulate import StepLosses, add_scopes, check_micro_batches
 from shardmoe.train.data import Batch
 
 
@@ -51,6 +51,7 @@ class Pipeline:
         config = model.config
         self.model, self.mesh, self.microbatches = model, mesh, microbatches
         self.count = mesh.pipeline_size * stages_per_rank
+        check_micro_batches(rows, microbatches)  # torch's split of the rows would not refuse
         schedules.check_schedule(schedule, mesh.pipeline_size, stages_per_rank, microbatches)
         schedules.check_agreement({
             "mesh (pp, dp, ep, tp)": (mesh.pipeline_size, *(mesh.size(a) for a in ("d", "e", "t"))),
@@ -77,10 +78,9 @@ class Pipeline:
         tp = self.mesh.size("t")
         stages = []
         for module in self.modules:
-            first, last = module.index == 0, module.index == self.count - 1
-            inputs = schedules.example((rows, length), torch.int64) if first else \
+            inputs = schedules.example((rows, length), torch.int64) if module.first else \
                 schedules.example((rows, length, width // tp), dtype, grad)
-            outputs = schedules.example((rows, length, width if last else width // tp), dtype, grad)
+            outputs = schedules.example((rows, length, width if module.last else width // tp), dtype, grad)
             module.output = (tuple(outputs.shape[2:]), dtype)
             stages.append(PipelineStage(module, module.index, self.count, torch.device("cpu"), input_args=inputs,
                                         output_args=outputs, group=self.mesh.pipeline_group))
@@ -118,7 +118,6 @@ class Pipeline:
         holds this rank's part's gradients (before sync_grads). Returns the whole step's StepLosses,
         equal on every rank. Collective over the world."""
         count = self.microbatches
-        micro_batches(batch, count)  # a ValueError unless this rank's rows divide into them (torch's split would not)
         layers = self.model.moe_layers()
         self._num_tokens = batch.targets.numel() * self.mesh.size(("d", "e"))
         share = balance_over == "global" and count > 1

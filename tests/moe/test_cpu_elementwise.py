@@ -81,6 +81,7 @@ def test_combine_side_passes(fused, dtype):
     row_pair = torch.randperm(2 * rows.shape[0], generator=torch.Generator().manual_seed(1))[:rows.shape[0]]
     groups = experts.Groups.from_counts(torch.tensor([10, 0, 27]))
     ops = CpuOps.decide(rows)
+    assert ops.elementwise_fits(rows)  # else both sides below would be torch's code
     same = [
         ("scale_rows", (rows, weight)),
         ("combine_rows", (rows, row_pair, rows.shape[0], 2, weight)),

@@ -317,9 +317,10 @@ def test_fully_shard_over_the_experts_is_refused_not_trained(world):
             "torch.distributed.fsdp.fully_shard on a module holding this layer"), parent
         for (label, names), text in refusals.items():
             assert text is not None and text.startswith("fully_shard: "), (label, names, text)
-        assert refusals["layer over every rank", ("world",)] == (
-            "fully_shard: RuntimeError: Cannot concatenate overlapping meshes: [DeviceMesh((world=4), 'cpu', "
-            "stride=(1,)), DeviceMesh((ep=2), 'cpu', stride=(1,))]")
+        overlap = ("fully_shard: RuntimeError: Cannot concatenate overlapping meshes: [DeviceMesh((world=4), 'cpu', "
+                   "stride=(1,)), DeviceMesh((ep=2), 'cpu', stride=(1,))]")
+        assert refusals["layer over every rank", ("world",)] == overlap
+        assert refusals["parent over every rank", ("world",)] == overlap
 
 
 def test_a_dtensor_input_is_its_local_tokens_and_other_layouts_are_refused(world):
