@@ -577,9 +577,7 @@ def _local_dense_entries(model: Transformer, state_dict: dict, prefix: str, *arg
         own = dtensors.own_local(spec, value, model.mesh)
         if own is None:
             own = model.shard_full(name, value.full_tensor() if isinstance(value, DTensor) else value)
-        param = params[name]
-        state_dict[key] = own if not isinstance(param, DTensor) else DTensor.from_local(
-            own, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride())
+        state_dict[key] = dtensors.parameter(spec, own, model.mesh)  # laid out as the parameter it made
 
 
 def _unsharded(spec: str) -> str:

@@ -74,12 +74,16 @@ def whole(spec: str, local: torch.Tensor, mesh) -> torch.Tensor:
     device_mesh = None if mesh is None else device_mesh_for(spec, mesh)
     if device_mesh is None:
         return local
+    return _whole_on(device_mesh, spec, local, mesh)
+
+
+def _whole_on(device_mesh, spec: str, local: torch.Tensor, mesh) -> torch.Tensor:
+    """The DTensor on device_mesh of the whole tensor whose shard under `spec` is local (its storage)."""
     from torch.distributed.tensor import DTensor
 
     shape = global_shape(spec, local.shape, mesh)
-    stride = torch.empty(shape, device="meta").stride()
-    return DTensor.from_local(local, device_mesh, placements(spec, device_mesh, mesh), run_check=False,
-                              shape=shape, stride=stride)
+    return DTensor.from_local(local, device_mesh, placements(spec, device_mesh, mesh), run_check=False, shape=shape,
+                              stride=torch.empty(shape, device="meta").stride())
 
 
 def own_local(spec: str, value, mesh) -> torch.Tensor | None:
@@ -102,12 +106,7 @@ def parameter(spec: str, local: torch.Tensor, mesh) -> torch.Tensor:
     of more than one rank splits it); else local itself."""
     if mesh is None or mesh.device_mesh is None or mesh.size() == 1:
         return local
-    from torch.distributed.tensor import DTensor
-
-    device_mesh = device_mesh_for(spec, mesh) or mesh.device_mesh
-    shape = global_shape(spec, local.shape, mesh)
-    return DTensor.from_local(local, device_mesh, placements(spec, device_mesh, mesh), run_check=False, shape=shape,
-                              stride=torch.empty(shape, device="meta").stride())
+    return _whole_on(device_mesh_for(spec, mesh) or mesh.device_mesh, spec, local, mesh)
 
 
 def compute_view(param: torch.Tensor) -> torch.Tensor:
