@@ -16,7 +16,6 @@ import dataclasses
 import io
 import json
 import os
-import socket
 import time
 from pathlib import Path
 
@@ -32,7 +31,7 @@ from shardmoe.testing.distributed import RankFailed
 from shardmoe.train.checkpoint import latest_checkpoint
 from shardmoe.train.loop import train
 
-from .conftest import TINY_MODEL, tiny_train_config
+from .conftest import TINY_MODEL, all_ranks_at, free_ports, tiny_train_config
 
 MODEL = dataclasses.replace(TINY_MODEL, n_layers=4)  # interleaved-1f1b on p=2 runs 4 stages of one block
 SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2))
@@ -65,29 +64,6 @@ def cli_config(tmp: Path, name: str, **changes) -> str:
 def losses(out: Path, steps) -> list[float]:
     return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()
             if json.loads(line)["step"] in steps]
-
-
-def free_ports(count: int) -> list[int]:
-    """`count` ports rank 0 found free, on every rank (for the command's own process groups)."""
-    ports = [None]
-    if dist.get_rank() == 0:
-        sockets = [socket.socket() for _ in range(count)]
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        ports = [[s.getsockname()[1] for s in sockets]]
-        for s in sockets:
-            s.close()
-    dist.broadcast_object_list(ports, src=0)
-    return ports[0]
-
-
-def all_ranks_at(tmp: Path, name: str, world: int = 4) -> None:
-    """A barrier without a process group: every rank starts the next command together."""
-    (tmp / f"{name}.{os.environ['RANK']}").touch()
-    deadline = time.monotonic() + 120
-    while not all((tmp / f"{name}.{r}").exists() for r in range(world)):
-        assert time.monotonic() < deadline, f"{name}: a rank did not arrive"
-        time.sleep(0.05)
 
 
 def _training_world(tmp: str) -> dict:
