@@ -31,7 +31,7 @@ from shardmoe.testing.distributed import RankFailed
 from shardmoe.train.checkpoint import latest_checkpoint
 from shardmoe.train.loop import train
 
-from .conftest import TINY_MODEL, all_ranks_at, free_ports, tiny_train_config
+from .conftest import TINY_MODEL, all_ranks_at, free_ports, one_torch_thread, tiny_train_config
 
 MODEL = dataclasses.replace(TINY_MODEL, n_layers=4)  # interleaved-1f1b on p=2 runs 4 stages of one block
 SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2))
@@ -104,15 +104,11 @@ def _training_world(tmp: str) -> dict:
 
 @pytest.fixture(scope="module")
 def golden():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with one_torch_thread():
         whole = train(config(**EXTRAS), None, progress=False)
         microbatch = train(config(balance_over="microbatch"), None, progress=False)
-        return {"global": (rows(whole.metrics), whole.samples), "microbatch": (rows(microbatch.metrics),
-                                                                              microbatch.samples)}
-    finally:
-        torch.set_num_threads(before)
+    return {"global": (rows(whole.metrics), whole.samples), "microbatch": (rows(microbatch.metrics),
+                                                                          microbatch.samples)}
 
 
 def assert_equal_run(mine, gold, where):
