@@ -30,6 +30,7 @@ from shardmoe.testing import run_distributed
 from shardmoe.testing.distributed import RankFailed
 from shardmoe.train.checkpoint import latest_checkpoint
 from shardmoe.train.loop import train
+from shardmoe.train.metrics import read_metrics
 
 from .conftest import TINY_MODEL, all_ranks_at, free_ports, one_torch_thread, tiny_train_config
 
@@ -62,8 +63,10 @@ def cli_config(tmp: Path, name: str, **changes) -> str:
 
 
 def losses(out: Path, steps) -> list[float]:
-    return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()
-            if json.loads(line)["step"] in steps]
+    """The logged loss of each of `steps` in out/metrics.jsonl, each step logged once, in order."""
+    rows = [r for r in read_metrics(out, max(steps)) if r["step"] in steps]
+    assert [r["step"] for r in rows] == list(steps), (out, list(steps), [r["step"] for r in rows])
+    return [r["loss"] for r in rows]
 
 
 def _training_world(tmp: str) -> dict:

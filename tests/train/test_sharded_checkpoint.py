@@ -30,6 +30,7 @@ from shardmoe.testing import run_distributed
 from shardmoe.train import checkpoint as ckpt
 from shardmoe.train import sharded_checkpoint
 from shardmoe.train.loop import train
+from shardmoe.train.metrics import read_metrics
 
 from .conftest import TINY_MODEL, all_ranks_at, free_ports, tiny_train_config
 
@@ -45,8 +46,10 @@ def cli_config(tmp: Path, **changes) -> str:
 
 
 def losses(out: Path, steps) -> list[float]:
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return [r["loss"] for r in rows if r["step"] in steps]
+    """The logged loss of each of `steps` in out/metrics.jsonl, each step logged once, in order."""
+    rows = [r for r in read_metrics(out, max(steps)) if r["step"] in steps]
+    assert [r["step"] for r in rows] == list(steps), (out, list(steps), [r["step"] for r in rows])
+    return [r["loss"] for r in rows]
 
 
 def _state_dict_checks(tmp: str) -> dict:
