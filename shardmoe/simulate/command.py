@@ -56,21 +56,33 @@ def parse_gpus(text: str) -> list[int]:
     return counts
 
 
-def sweep(counts: list[int], shape, hardware, routing: str, seed: int, progress: bool = False) -> list[dict]:
+def simulate_sizes(eps: list[int], shape, hardware, routing: str, seed: int, known: dict[int, dict] | None = None,
+                   desc: str = "simulating", progress: bool = False) -> dict[int, dict]:
+    """e -> the one-layer simulation at e GPUs (one expert-parallel group: sweep.simulate_point),
+    for each distinct e of `eps` in their order; an e in `known` (e -> an earlier simulation of it)
+    is taken from there, not simulated again."""
     from tqdm import tqdm
 
-    from .sweep import layout, simulate_point
-    eps = [layout(gpus, shape, hardware)["ep"] for gpus in counts]  # every count checked before any work
-    simulated: dict[int, dict] = {}
-    rows = []
-    with tqdm(total=len(set(eps)), desc="simulating", unit="EP size", disable=not progress) as bar:
-        for gpus, ep in zip(counts, eps):
-            if ep not in simulated:
-                bar.set_postfix(gpus=gpus)
-                simulated[ep] = simulate_point(gpus, shape, hardware, routing, seed)
+    from .sweep import simulate_point
+    known = known or {}
+    distinct = list(dict.fromkeys(eps))
+    out = {ep: known[ep] for ep in distinct if ep in known}
+    with tqdm(total=len(distinct) - len(out), desc=desc, unit="EP size", disable=not progress) as bar:
+        for ep in distinct:
+            if ep not in out:
+                bar.set_postfix(ep=ep)
+                out[ep] = simulate_point(ep, shape, hardware, routing, seed)
                 bar.update(1)
-            rows.append(dict(simulated[ep], gpus=gpus, replicas=gpus // ep))
-    return rows
+    return out
+
+
+def sweep(counts: list[int], shape, hardware, routing: str, seed: int, progress: bool = False) -> list[dict]:
+    """One row per GPU count: the layer simulated at its expert-parallel group, e = min(gpus, E)
+    (once per distinct e), with its GPU count and data-parallel replicas."""
+    from .sweep import layout
+    eps = [layout(gpus, shape, hardware)["ep"] for gpus in counts]  # every count checked before any work
+    layer = simulate_sizes(eps, shape, hardware, routing, seed, progress=progress)
+    return [dict(layer[ep], gpus=gpus, replicas=gpus // ep) for gpus, ep in zip(counts, eps)]
 
 
 def describe(preset: str, shape, hardware_name: str, hardware, routing: str) -> str:
@@ -82,41 +94,29 @@ def describe(preset: str, shape, hardware_name: str, hardware, routing: str) -> 
             f"{hardware.fabric_bandwidth / 1e9:g} GB/s per GPU, {hardware.gpus_per_node} per node)")
 
 
-def simulate_layers(eps: list[int], shape, hardware, routing: str, seed: int, progress: bool = False) -> dict:
-    """e -> the one-layer simulation at e GPUs (one expert-parallel group), for each distinct e."""
-    from tqdm import tqdm
-
-    from .sweep import simulate_point
-    out = {}
-    with tqdm(total=len(set(eps)), desc="simulating layers", unit="EP size", disable=not progress) as bar:
-        for ep in sorted(set(eps)):
-            bar.set_postfix(ep=ep)
-            out[ep] = simulate_point(ep, shape, hardware, routing, seed)
-            bar.update(1)
-    return out
-
-
 def pipeline_report(counts: list[int], shape, hardware, routing: str, seed: int, stages_per_rank: int,
-                    progress: bool = False) -> dict[int, list[dict]]:
-    """GPU count -> every layout and schedule priced (pipeline.sweep_layouts), fastest first."""
+                    known: dict[int, dict] | None = None, progress: bool = False) -> dict[int, list[dict]]:
+    """GPU count -> every layout and schedule priced (pipeline.sweep_layouts), fastest first; the
+    layer at each e a layout uses is simulated once, unless `known` (e -> its simulation) has it."""
     from .pipeline import layouts, sweep_layouts
 
-    eps = [layout.e for gpus in counts for layout in layouts(gpus, shape)]
-    layer = simulate_layers(eps, shape, hardware, routing, seed, progress)
+    eps = sorted({layout.e for gpus in counts for layout in layouts(gpus, shape)})
+    layer = simulate_sizes(eps, shape, hardware, routing, seed, known, desc="simulating layers", progress=progress)
     return {gpus: sweep_layouts(gpus, shape, hardware, layer, stages_per_rank) for gpus in counts}
 
 
 def format_pipeline(gpus: int, rows: list[dict], memory_bytes: float, shown: int = 12) -> str:
     """The fastest `shown` layouts that fit, one line per (p, e, d) with each schedule's step and
     bubble, and a line naming the fastest."""
+    from shardmoe.parallel.pipeline import SCHEDULES
+
     from .pipeline import fastest
 
     best: dict[tuple, dict[str, dict]] = {}
     for r in rows:
         if r["fits"]:
             best.setdefault((r["p"], r["e"], r["d"]), {})[r["schedule"]] = r
-    names = ("gpipe", "1f1b", "interleaved-1f1b")
-    head = f"{'p':>3} {'e':>4} {'d':>4} {'m':>5} {'GB':>4}" + "".join(f" {n:>16} {'bubble':>6}" for n in names) + \
+    head = f"{'p':>3} {'e':>4} {'d':>4} {'m':>5} {'GB':>4}" + "".join(f" {n:>16} {'bubble':>6}" for n in SCHEDULES) + \
         f" {'bulk s':>8}"
     lines = [f"pipeline layouts of {gpus} GPUs that fit (p stages x e expert-parallel x d data-parallel, m "
              "micro-batches per step, GB per GPU under its leanest schedule): step seconds per schedule with the "
@@ -124,7 +124,7 @@ def format_pipeline(gpus: int, rows: list[dict], memory_bytes: float, shown: int
     for (p, e, d), by_schedule in list(best.items())[:shown]:
         line = f"{p:>3} {e:>4} {d:>4} {next(iter(by_schedule.values()))['microbatches']:>5} " \
                f"{min(r['memory_bytes'] for r in by_schedule.values()) / 1e9:>4.0f}"
-        for name in names:
+        for name in SCHEDULES:
             r = by_schedule.get(name)
             line += f" {'-':>16} {'-':>6}" if r is None else f" {r['step_seconds']:>16.3f} {100 * r['bubble']:>5.1f}%"
         lines.append(line + f" {min(r['bulk_step_seconds'] for r in by_schedule.values()):>8.3f}")
@@ -239,7 +239,7 @@ def run(args) -> int:
     layouts = None
     if args.pipeline:
         layouts = pipeline_report(counts, shape, hardware, args.routing, args.seed, args.stages_per_rank,
-                                  progress=True)
+                                  known={r["ep"]: r for r in rows}, progress=True)
         for gpus in counts:
             print(format_pipeline(gpus, layouts[gpus], hardware.memory_bytes))
     if args.out is None:

@@ -83,11 +83,18 @@ def layouts(gpus: int, shape: ModelShape) -> list[PipelineLayout]:
     return out
 
 
+def expert_parameters(layout: PipelineLayout, shape: ModelShape) -> int:
+    """The expert parameters one GPU holds: (E / e) * ceil(L / p) * 3 H F (its E / e experts' three
+    H x F matrices in each of its stage's layers)."""
+    return shape.num_experts // layout.e * math.ceil(shape.layers / layout.p) * 3 * shape.hidden_size * \
+        shape.ffn_size
+
+
 def memory_bytes(layout: PipelineLayout, schedule: str, shape: ModelShape, hw: Hardware) -> float:
     """Bytes one GPU holds: its experts' training state and the activations in flight."""
     H, F, k, b = shape.hidden_size, shape.ffn_size, shape.top_k, hw.bytes_per_element
     layers = math.ceil(shape.layers / layout.p)
-    params = shape.num_experts // layout.e * layers * 3 * H * F
+    params = expert_parameters(layout, shape)
     in_flight = layout.microbatches if schedule == "gpipe" else min(layout.microbatches, layout.p)
     activations = in_flight * layers * shape.tokens_per_gpu * b * (H + k * (H + 2 * F))
     return params * STATE_BYTES_PER_PARAM + activations
@@ -110,8 +117,7 @@ def price(layout: PipelineLayout, schedule: str, stages_per_rank: int, layer_sec
         transfer_seconds(shape.tokens_per_gpu * shape.hidden_size * hw.bytes_per_element, in_node, hw)
     chunk = math.ceil(shape.layers / (layout.p * v)) * layer_seconds + 2 * transfer
     pipeline, bubble = pipeline_seconds(chunk, layout.p, v, layout.microbatches)
-    gradient = shape.num_experts // layout.e * math.ceil(shape.layers / layout.p) * 3 * shape.hidden_size * \
-        shape.ffn_size * hw.bytes_per_element
+    gradient = expert_parameters(layout, shape) * hw.bytes_per_element
     allreduce = 0.0 if layout.d == 1 else transfer_seconds(2 * (layout.d - 1) / layout.d * gradient,
                                                            stage_ranks <= hw.gpus_per_node, hw)
     step = pipeline + allreduce

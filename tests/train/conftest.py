@@ -1,10 +1,17 @@
-"""Shared fixtures of the training tests: a tiny config, single-threaded torch, a generated corpus
-and BPE tokenizers trained offline with the `tokenizers` package."""
+"""Shared fixtures of the training tests: a tiny config, single-threaded torch, a generated corpus,
+BPE tokenizers trained offline with the `tokenizers` package, and the plumbing of spawned worlds
+that run `shardmoe train` on process groups of its own (free ports, a file barrier)."""
+import contextlib
 import dataclasses
+import os
 import random
+import socket
+import time
+from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from shardmoe.model.transformer import TransformerConfig
 from shardmoe.moe.config import MoEConfig
@@ -76,10 +83,45 @@ def tiny_config():
     return tiny_train_config
 
 
+def free_ports(count: int) -> list[int]:
+    """`count` ports rank 0 found free, on every rank (for the command's own process groups)."""
+    ports = [None]
+    if dist.get_rank() == 0:
+        sockets = [socket.socket() for _ in range(count)]
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        ports = [[s.getsockname()[1] for s in sockets]]
+        for s in sockets:
+            s.close()
+    dist.broadcast_object_list(ports, src=0)
+    return ports[0]
+
+
+def all_ranks_at(tmp: Path, name: str, world: int = 4) -> None:
+    """A barrier without a process group (the command destroys its own): each rank leaves a file
+    and waits up to 120 s for the others', so that every rank starts the next command together and
+    none starts it while rank 0 still holds --out's lock (it plots after the others have returned)."""
+    (tmp / f"{name}.{os.environ['RANK']}").touch()
+    deadline = time.monotonic() + 120
+    while not all((tmp / f"{name}.{r}").exists() for r in range(world)):
+        assert time.monotonic() < deadline, f"{name}: a rank did not arrive"
+        time.sleep(0.05)
+
+
+@contextlib.contextmanager
+def one_torch_thread():
+    """Torch on one thread (as the training command runs it) inside the block; the count before it
+    is restored on the way out, also when the block raises."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.fixture
 def one_thread():
     """Runs the test on one torch thread (as the training command does) and restores the count."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+    with one_torch_thread():
+        yield

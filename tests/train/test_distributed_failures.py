@@ -9,7 +9,6 @@ import contextlib
 import io
 import json
 import os
-import socket
 import time
 from pathlib import Path
 
@@ -20,7 +19,7 @@ from shardmoe.mesh import Mesh
 from shardmoe.model.transformer import Transformer
 from shardmoe.testing.distributed import run_distributed
 
-from .conftest import tiny_train_config
+from .conftest import free_ports, tiny_train_config
 
 TIMEOUT_MINUTES = 0.05  # 3 s
 
@@ -70,14 +69,9 @@ def _health_then_hang(tmp: str) -> dict:
                    planted=(exploding, vanishing, zero_on_rank0))
 
     # -- a hung peer under `shardmoe train` ------------------------------------------------------
-    port = [None]
-    if rank == 0:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = [s.getsockname()[1]]
-    dist.broadcast_object_list(port, src=0)
+    port = free_ports(1)[0]
     dist.destroy_process_group()  # the command creates its own group, with its own timeout
-    os.environ["MASTER_PORT"] = str(port[0])
+    os.environ["MASTER_PORT"] = str(port)
     gave_up = Path(tmp) / "rank0-gave-up"
     if rank == 1:
         def hang(*args, **kwargs):  # stays away from every collective until rank 0 has given up

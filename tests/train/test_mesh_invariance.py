@@ -24,7 +24,7 @@ from shardmoe.testing import run_distributed
 from shardmoe.train.accumulate import accumulate_step
 from shardmoe.train.loop import build_streams, train
 
-from .conftest import TINY_MODEL, tiny_train_config, with_moe
+from .conftest import TINY_MODEL, one_torch_thread, tiny_train_config, with_moe
 
 STEPS = 20
 ROUTER_MODEL = with_moe(TINY_MODEL, score_func="sigmoid", router_bias=True, correction_bias=True,
@@ -100,12 +100,8 @@ def run_layouts(layouts, checkpoint_dir=None):
 
 @pytest.fixture(scope="module")
 def golden():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with one_torch_thread():
         return train(training_config(), None, progress=False).metrics
-    finally:
-        torch.set_num_threads(before)
 
 
 # The gradient norm gets ten times the losses' tolerance. Measured on this run (docs/training.md,

@@ -16,7 +16,6 @@ import dataclasses
 import io
 import json
 import os
-import socket
 import time
 from pathlib import Path
 
@@ -31,8 +30,9 @@ from shardmoe.testing import run_distributed
 from shardmoe.testing.distributed import RankFailed
 from shardmoe.train.checkpoint import latest_checkpoint
 from shardmoe.train.loop import train
+from shardmoe.train.metrics import read_metrics
 
-from .conftest import TINY_MODEL, tiny_train_config
+from .conftest import TINY_MODEL, all_ranks_at, free_ports, one_torch_thread, tiny_train_config
 
 MODEL = dataclasses.replace(TINY_MODEL, n_layers=4)  # interleaved-1f1b on p=2 runs 4 stages of one block
 SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2))
@@ -63,31 +63,10 @@ def cli_config(tmp: Path, name: str, **changes) -> str:
 
 
 def losses(out: Path, steps) -> list[float]:
-    return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()
-            if json.loads(line)["step"] in steps]
-
-
-def free_ports(count: int) -> list[int]:
-    """`count` ports rank 0 found free, on every rank (for the command's own process groups)."""
-    ports = [None]
-    if dist.get_rank() == 0:
-        sockets = [socket.socket() for _ in range(count)]
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        ports = [[s.getsockname()[1] for s in sockets]]
-        for s in sockets:
-            s.close()
-    dist.broadcast_object_list(ports, src=0)
-    return ports[0]
-
-
-def all_ranks_at(tmp: Path, name: str, world: int = 4) -> None:
-    """A barrier without a process group: every rank starts the next command together."""
-    (tmp / f"{name}.{os.environ['RANK']}").touch()
-    deadline = time.monotonic() + 120
-    while not all((tmp / f"{name}.{r}").exists() for r in range(world)):
-        assert time.monotonic() < deadline, f"{name}: a rank did not arrive"
-        time.sleep(0.05)
+    """The logged loss of each of `steps` in out/metrics.jsonl, each step logged once, in order."""
+    rows = [r for r in read_metrics(out, max(steps)) if r["step"] in steps]
+    assert [r["step"] for r in rows] == list(steps), (out, list(steps), [r["step"] for r in rows])
+    return [r["loss"] for r in rows]
 
 
 def _training_world(tmp: str) -> dict:
@@ -128,15 +107,11 @@ def _training_world(tmp: str) -> dict:
 
 @pytest.fixture(scope="module")
 def golden():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with one_torch_thread():
         whole = train(config(**EXTRAS), None, progress=False)
         microbatch = train(config(balance_over="microbatch"), None, progress=False)
-        return {"global": (rows(whole.metrics), whole.samples), "microbatch": (rows(microbatch.metrics),
-                                                                              microbatch.samples)}
-    finally:
-        torch.set_num_threads(before)
+    return {"global": (rows(whole.metrics), whole.samples), "microbatch": (rows(microbatch.metrics),
+                                                                          microbatch.samples)}
 
 
 def assert_equal_run(mine, gold, where):

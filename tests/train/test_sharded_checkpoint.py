@@ -17,7 +17,6 @@ import json
 import os
 import re
 import shutil
-import socket
 from pathlib import Path
 
 import pytest
@@ -31,8 +30,9 @@ from shardmoe.testing import run_distributed
 from shardmoe.train import checkpoint as ckpt
 from shardmoe.train import sharded_checkpoint
 from shardmoe.train.loop import train
+from shardmoe.train.metrics import read_metrics
 
-from .conftest import TINY_MODEL, tiny_train_config
+from .conftest import TINY_MODEL, all_ranks_at, free_ports, tiny_train_config
 
 STEPS, MORE = 6, 8
 
@@ -46,8 +46,10 @@ def cli_config(tmp: Path, **changes) -> str:
 
 
 def losses(out: Path, steps) -> list[float]:
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    return [r["loss"] for r in rows if r["step"] in steps]
+    """The logged loss of each of `steps` in out/metrics.jsonl, each step logged once, in order."""
+    rows = [r for r in read_metrics(out, max(steps)) if r["step"] in steps]
+    assert [r["step"] for r in rows] == list(steps), (out, list(steps), [r["step"] for r in rows])
+    return [r["loss"] for r in rows]
 
 
 def _state_dict_checks(tmp: str) -> dict:
@@ -77,19 +79,6 @@ def _state_dict_checks(tmp: str) -> dict:
         single.load_state_dict(state)
         results["d2t2 -> 1"] = sorted(n for n, t in single.full_state_dict().items() if not torch.equal(t, expected[n]))
     return results
-
-
-def _all_ranks_done(tmp: Path, name: str, world: int = 4) -> None:
-    """A barrier without a process group (the command destroys its own): each rank leaves a file
-    and waits for the others', so that no rank starts the next command while rank 0 still holds
-    --out's lock (it plots after the others have returned)."""
-    import time
-
-    (tmp / f"{name}-{os.environ['RANK']}").touch()
-    deadline = time.monotonic() + 120
-    while not all((tmp / f"{name}-{r}").exists() for r in range(world)):
-        assert time.monotonic() < deadline, f"{name}: a rank did not finish"
-        time.sleep(0.05)
 
 
 def _rank0_failures_on_every_rank(tmp: Path, config, mesh) -> dict:
@@ -130,27 +119,19 @@ def _world(tmp: str) -> dict:
     out.update(_rank0_failures_on_every_rank(tmp, config, mesh))
 
     # the command line, on fresh process groups of its own
-    ports = [None]
-    if dist.get_rank() == 0:
-        sockets = [socket.socket() for _ in range(3)]
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        ports = [[s.getsockname()[1] for s in sockets]]
-        for s in sockets:
-            s.close()
-    dist.broadcast_object_list(ports, src=0)
+    ports = free_ports(3)
     dist.destroy_process_group()
     common = ["--mesh", "d=2,e=2", "--no-progress"]
-    os.environ["MASTER_PORT"] = str(ports[0][0])
+    os.environ["MASTER_PORT"] = str(ports[0])
     out["cli run"] = main(["train", "--config", cli_config(tmp), "--out", str(tmp / "four")] + common)
     if int(os.environ["RANK"]) == 0:
         shutil.copytree(tmp / "four", tmp / "four-then-one")
-    _all_ranks_done(tmp, "run")
-    os.environ["MASTER_PORT"] = str(ports[0][1])
+    all_ranks_at(tmp, "run")
+    os.environ["MASTER_PORT"] = str(ports[1])
     out["cli resume"] = main(["train", "--config", cli_config(tmp), "--out", str(tmp / "four"), "--resume",
                               "--steps", str(MORE)] + common)
-    _all_ranks_done(tmp, "resume")
-    os.environ["MASTER_PORT"] = str(ports[0][2])
+    all_ranks_at(tmp, "resume")
+    os.environ["MASTER_PORT"] = str(ports[2])
     out["cli resume of one process's run"] = main(
         ["train", "--config", cli_config(tmp, checkpoint_format="dcp"), "--out", str(tmp / "one-then-four"),
          "--resume", "--steps", str(MORE)] + common)
