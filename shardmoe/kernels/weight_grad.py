@@ -94,7 +94,7 @@ def weight_grad_kernel(
                 tl.store(db_ptr + expert * stride_dbe + o_cols, bias.to(db_ptr.dtype.element_ty), mask=o_mask)
 
 
-def weight_grad(grad: torch.Tensor, x: torch.Tensor, groups, *, width: int,
+def weight_grad(grad: torch.Tensor, x: torch.Tensor, groups, *,
                 grad_index: torch.Tensor | None = None, x_index: torch.Tensor | None = None,
                 with_bias: bool = False, bias_scale: torch.Tensor | None = None):
     """Launch weight_grad_kernel: (dW [E, width, K], db [E, width] or None), in grad's dtype.
@@ -102,7 +102,7 @@ def weight_grad(grad: torch.Tensor, x: torch.Tensor, groups, *, width: int,
     grad [N, width] (or token-order rows through grad_index [N]); x [N, K] (or token-order rows
     through x_index [N]); bias_scale [N] the row scale of the bias sum only (with_bias).
     """
-    num_experts, in_width = groups.num_experts, x.shape[1]
+    num_experts, width, in_width = groups.num_experts, grad.shape[1], x.shape[1]
     dw = grad.new_empty((num_experts, width, in_width))
     db = grad.new_empty((num_experts, width)) if with_bias else None
     if dw.numel() == 0:
