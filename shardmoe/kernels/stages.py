@@ -29,27 +29,7 @@ from shardmoe.kernels.combine import combine, grad_combine_gate
 from shardmoe.kernels.down_grad import down_grad
 from shardmoe.kernels.forward_gemm import forward_gemm
 from shardmoe.kernels.grad_gemm import grad_gemm
-from shardmoe.kernels.weight_grad import bias_grad, weight_grad
-
-
-def grouped_linear(rows: torch.Tensor, weight: torch.Tensor, groups, *, row_index=None) -> torch.Tensor:
-    """out_r = rows_r W_e^T: rows [N, K], weight [E, O, K] -> [N, O]."""
-    return forward_gemm(rows, weight, groups, a_index=row_index)
-
-
-def grouped_linear_t(rows: torch.Tensor, weight: torch.Tensor, groups) -> torch.Tensor:
-    """out_r = rows_r W_e: rows [N, O], weight [E, O, K] -> [N, K]."""
-    return grad_gemm(rows, weight, groups)
-
-
-def grouped_weight_grad(grad_rows: torch.Tensor, in_rows: torch.Tensor, groups) -> torch.Tensor:
-    """dW_e = sum over rows r of e of grad_r^T in_r: [N, O], [N, K] -> [E, O, K]."""
-    return weight_grad(grad_rows, in_rows, groups)[0]
-
-
-def grouped_bias_grad(grad_rows: torch.Tensor, groups) -> torch.Tensor:
-    """db_e = sum over rows r of e of grad_r: [N, O] -> [E, O]."""
-    return bias_grad(grad_rows, groups)
+from shardmoe.kernels.weight_grad import weight_grad
 
 
 def _expert_up(kind, activation, xs, params, groups, row_index):
