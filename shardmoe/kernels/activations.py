@@ -72,7 +72,7 @@ def sigmoid(z):
 
 @triton.jit
 def activation(z, ACT: tl.constexpr):
-    """act(z), cpu."""
+    """act(z), elementwise."""
     if ACT == "relu":
         out = tl.maximum(z, 0.0, propagate_nan=tl.PropagateNan.ALL)  # NaN stays NaN, as torch.relu
     elif ACT == "gelu":

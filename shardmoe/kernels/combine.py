@@ -51,11 +51,11 @@ def token_combine_kernel(rows_ptr, stride_rows, scale_ptr, pair_row_ptr, out_ptr
 
 
 @autotune([{"BLOCK_R": r, "BLOCK_H": h} for r in (16, 32) for h in (128, 256)], {"BLOCK_R": 16, "BLOCK_H": 32},
-          key=["H", "OUT_ACT", "STORE_GE", "DOT"], warps_stages=((4, 3),))
+          key=["H", "OUT_ACT", "STORE_GE"], warps_stages=((4, 3),))
 @triton.jit
 def grad_combine_gate_kernel(g_ptr, g_index_ptr, stride_g, y_ptr, stride_y, scale_ptr, ge_ptr, stride_ge, dw_ptr,
                              N, H, OUT_ACT: tl.constexpr, GATHER: tl.constexpr, STORE_GE: tl.constexpr,
-                             DOT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr):
+                             BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     row_mask = rows < N
     rows = rows.to(tl.int64)
@@ -67,17 +67,14 @@ def grad_combine_gate_kernel(g_ptr, g_index_ptr, stride_g, y_ptr, stride_y, scal
         cols = h0 + tl.arange(0, BLOCK_H)
         mask = row_mask[:, None] & (cols < H)[None, :]
         g = tl.load(g_ptr + g_rows[:, None] * stride_g + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        if DOT or OUT_ACT != "identity":
-            y = tl.load(y_ptr + rows[:, None] * stride_y + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        y = tl.load(y_ptr + rows[:, None] * stride_y + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         if STORE_GE:
             ge = g * weight[:, None]
             if OUT_ACT != "identity":
                 ge = ge * activation_grad(y, OUT_ACT)
             tl.store(ge_ptr + rows[:, None] * stride_ge + cols[None, :], ge.to(ge_ptr.dtype.element_ty), mask=mask)
-        if DOT:
-            dot += tl.sum(g * activation(y, OUT_ACT), axis=1)
-    if DOT:
-        tl.store(dw_ptr + rows, dot, mask=row_mask)
+        dot += tl.sum(g * activation(y, OUT_ACT), axis=1)
+    tl.store(dw_ptr + rows, dot, mask=row_mask)
 
 
 def _token_combine(rows: torch.Tensor, scale: torch.Tensor | None, row_pair: torch.Tensor, num_tokens: int,
@@ -95,20 +92,20 @@ def _token_combine(rows: torch.Tensor, scale: torch.Tensor | None, row_pair: tor
     return out
 
 
-def _grad_combine_gate(grad_rows, out_rows, weight_rows, *, row_index, output_activation, store_ge, dot):
-    num_rows = weight_rows.shape[0] if weight_rows is not None else out_rows.shape[0]
+def _grad_combine_gate(grad_rows, out_rows, weight_rows, *, row_index, output_activation, store_ge):
+    num_rows = out_rows.shape[0]
     width = grad_rows.shape[-1]
     ge = grad_rows.new_empty((num_rows, width)) if store_ge else None
-    dw = grad_rows.new_empty((num_rows,), dtype=accumulation_dtype(grad_rows.dtype)) if dot else None
+    dw = grad_rows.new_empty((num_rows,), dtype=accumulation_dtype(grad_rows.dtype))
     if num_rows == 0:
         return ge, dw
     grad_rows = unit_columns(grad_rows)
-    out_rows = None if out_rows is None else unit_columns(out_rows)
+    out_rows = unit_columns(out_rows)
     grid = lambda meta: (triton.cdiv(num_rows, meta["BLOCK_R"]),)  # noqa: E731
     grad_combine_gate_kernel[grid](
-        grad_rows, row_index, grad_rows.stride(0), out_rows, 0 if out_rows is None else out_rows.stride(0),
+        grad_rows, row_index, grad_rows.stride(0), out_rows, out_rows.stride(0),
         weight_rows, ge, 0 if ge is None else ge.stride(0), dw, num_rows, width,
-        OUT_ACT=output_activation, GATHER=row_index is not None, STORE_GE=store_ge, DOT=dot,
+        OUT_ACT=output_activation, GATHER=row_index is not None, STORE_GE=store_ge,
     )
     return ge, dw
 
@@ -127,7 +124,7 @@ def grad_input_combine(dx_rows: torch.Tensor, row_pair: torch.Tensor, num_tokens
 def grad_gate_combine(grad_rows: torch.Tensor, out_rows: torch.Tensor) -> torch.Tensor:
     """Replaces combine.grad_gate_combine: dw_r = sum_d grad_rows[r, d] out_rows[r, d]. [N], acc dtype."""
     return _grad_combine_gate(grad_rows, out_rows, None, row_index=None, output_activation="identity",
-                              store_ge=False, dot=True)[1]
+                              store_ge=False)[1]
 
 
 def grad_combine_gate(grad_rows: torch.Tensor, out_rows: torch.Tensor, weight_rows: torch.Tensor, *,
@@ -142,4 +139,4 @@ def grad_combine_gate(grad_rows: torch.Tensor, out_rows: torch.Tensor, weight_ro
     (w g act_out'(z2), grad_gate_combine(g, act_out(z2))) with g = grad_rows[row_index].
     """
     return _grad_combine_gate(grad_rows, out_rows, weight_rows, row_index=row_index,
-                              output_activation=output_activation, store_ge=True, dot=True)
+                              output_activation=output_activation, store_ge=True)

@@ -48,7 +48,7 @@ def forward_gemm_kernel(
     post_ptr, stride_post,
     O, K, limit, alpha,
     ACT: tl.constexpr, GLU: tl.constexpr, GATHER: tl.constexpr, HAS_BIAS: tl.constexpr,
-    STORE_PRE: tl.constexpr, STORE_POST: tl.constexpr,
+    STORE_POST: tl.constexpr,
     DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, E_PAD: tl.constexpr,
 ):
@@ -86,11 +86,10 @@ def forward_gemm_kernel(
             acc_up += tl.load(bias_row + O + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
 
     out_mask = row_mask[:, None] & col_mask[None, :]
-    if STORE_PRE:
-        pre = pre_ptr + rows[:, None] * stride_pre + cols[None, :]
-        tl.store(pre, acc.to(pre_ptr.dtype.element_ty), mask=out_mask)
-        if GLU:
-            tl.store(pre + O, acc_up.to(pre_ptr.dtype.element_ty), mask=out_mask)
+    pre = pre_ptr + rows[:, None] * stride_pre + cols[None, :]
+    tl.store(pre, acc.to(pre_ptr.dtype.element_ty), mask=out_mask)
+    if GLU:
+        tl.store(pre + O, acc_up.to(pre_ptr.dtype.element_ty), mask=out_mask)
     if STORE_POST:
         if GLU:
             post = glu(acc, acc_up, limit, alpha, ACT)
@@ -102,20 +101,20 @@ def forward_gemm_kernel(
 
 def forward_gemm(a: torch.Tensor, weight: torch.Tensor, groups, *, a_index: torch.Tensor | None = None,
                  bias: torch.Tensor | None = None, activation="identity", glu: bool = False,
-                 store_pre: bool = True, post: torch.Tensor | None = None) -> torch.Tensor | None:
+                 post: torch.Tensor | None = None) -> torch.Tensor:
     """Launch forward_gemm_kernel over the N = groups.num_rows dispatched rows.
 
     a [N, K] (or [S, K] gathered through a_index [N]); weight [E, O_total, K]; bias
-    [E, O_total] (for GLU both halves' biases, [E, 2 O]). Returns pre [N, O_total] in a's dtype
-    when store_pre, else None. `post` (preallocated [N, O]) receives the activation. `activation`
-    is a name, or with glu a clamped SwiGLU (activations.activation_args). Row strides may be
-    anything; columns must be unit-stride.
+    [E, O_total] (for GLU both halves' biases, [E, 2 O]). Returns pre [N, O_total] in a's dtype;
+    `post` (preallocated [N, O]) receives the activation. `activation` is a name, or with glu a
+    clamped SwiGLU (activations.activation_args). Row strides may be anything; columns must be
+    unit-stride.
     """
     act_args = activation_args(activation, glu)
     num_rows, num_experts = groups.num_rows, groups.num_experts
     out_total = weight.shape[1]
     width = out_total // 2 if glu else out_total
-    pre = a.new_empty((num_rows, out_total)) if store_pre else None
+    pre = a.new_empty((num_rows, out_total))
     if num_rows == 0:
         return pre
     a = unit_columns(a)
@@ -128,11 +127,11 @@ def forward_gemm(a: torch.Tensor, weight: torch.Tensor, groups, *, a_index: torc
         weight, weight.stride(0), weight.stride(1), weight.stride(2),
         bias, 0 if bias is None else bias.stride(0),
         groups.offsets, num_experts,
-        pre, 0 if pre is None else pre.stride(0),
+        pre, pre.stride(0),
         post, 0 if post is None else post.stride(0),
         width, a.shape[1],
         GLU=glu, GATHER=a_index is not None, HAS_BIAS=bias is not None,
-        STORE_PRE=store_pre, STORE_POST=post is not None,
+        STORE_POST=post is not None,
         BLOCK_M=block_m, E_PAD=experts_pad(num_experts), **act_args, **dot_settings(a.dtype),
     )
     return pre

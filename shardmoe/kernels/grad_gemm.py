@@ -7,7 +7,7 @@ For each dispatched row r of expert e (N rows, expert-sorted; W [E, C, N_out]):
 The derivative is applied once, to the product, where the torch path applies it to a stored
 gradient: "mlp"'s dz1 = (dz2 W2_e) * act'(z1) comes out of the GEMM that makes da1, so the GEMMs
 after it read plain operands (as glu's dh comes out of down_grad.py). Used for dz1 ("mlp", with
-its activation), dx = dz1 W1 and dx = dh Wgu (identity) and grouped_linear_t.
+its activation), dx = dz1 W1 and dx = dh Wgu (identity).
 
 Tiling: one program per (row tile of one expert, found on the device by tiles.row_tile; BLOCK_N
 output columns), a K loop over C in BLOCK_K steps. Autotuned over BLOCK_N, BLOCK_K, warps and

@@ -53,8 +53,8 @@ def _multiprocessors(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def persistent_programs(device: torch.device, tiles: int, per_multiprocessor: int = 1) -> int:
+def persistent_programs(device: torch.device, tiles: int) -> int:
     """Programs of a persistent kernel: one per multiprocessor (CUDA), never more than its tiles."""
     device = torch.device(device)
-    slots = _multiprocessors(device) * per_multiprocessor if device.type == "cuda" else INTERPRETER_PROGRAMS
+    slots = _multiprocessors(device) if device.type == "cuda" else INTERPRETER_PROGRAMS
     return max(1, min(tiles, slots))

@@ -29,27 +29,7 @@ from shardmoe.kernels.combine import combine, grad_combine_gate
 from shardmoe.kernels.down_grad import down_grad
 from shardmoe.kernels.forward_gemm import forward_gemm
 from shardmoe.kernels.grad_gemm import grad_gemm
-from shardmoe.kernels.weight_grad import bias_grad, weight_grad
-
-
-def grouped_linear(rows: torch.Tensor, weight: torch.Tensor, groups, *, row_index=None) -> torch.Tensor:
-    """out_r = rows_r W_e^T: rows [N, K], weight [E, O, K] -> [N, O]."""
-    return forward_gemm(rows, weight, groups, a_index=row_index)
-
-
-def grouped_linear_t(rows: torch.Tensor, weight: torch.Tensor, groups) -> torch.Tensor:
-    """out_r = rows_r W_e: rows [N, O], weight [E, O, K] -> [N, K]."""
-    return grad_gemm(rows, weight, groups)
-
-
-def grouped_weight_grad(grad_rows: torch.Tensor, in_rows: torch.Tensor, groups) -> torch.Tensor:
-    """dW_e = sum over rows r of e of grad_r^T in_r: [N, O], [N, K] -> [E, O, K]."""
-    return weight_grad(grad_rows, in_rows, groups, width=grad_rows.shape[1])[0]
-
-
-def grouped_bias_grad(grad_rows: torch.Tensor, groups) -> torch.Tensor:
-    """db_e = sum over rows r of e of grad_r: [N, O] -> [E, O]."""
-    return bias_grad(grad_rows, groups)
+from shardmoe.kernels.weight_grad import weight_grad
 
 
 def _expert_up(kind, activation, xs, params, groups, row_index):
@@ -111,12 +91,11 @@ def glu_backward(grad_rows: torch.Tensor, weight_rows: torch.Tensor, xs: torch.T
     has_bias = params.get("gate_up_proj_bias") is not None
     grad_h, a_scaled, grad_dots = down_grad(grad_rows, weight_rows, h, down, groups, activation,
                                             grad_index=row_index, dot_bias=down_bias)
-    grad_down, grad_down_bias = weight_grad(grad_rows, a_scaled, groups, width=down.shape[1], grad_index=row_index,
+    grad_down, grad_down_bias = weight_grad(grad_rows, a_scaled, groups, grad_index=row_index,
                                             with_bias=has_bias, bias_scale=weight_rows if has_bias else None)
     del a_scaled
     gate_up = params["gate_up_proj"]
-    grad_gate_up, grad_gate_up_bias = weight_grad(grad_h, xs, groups, width=gate_up.shape[1], x_index=row_index,
-                                                  with_bias=has_bias)
+    grad_gate_up, grad_gate_up_bias = weight_grad(grad_h, xs, groups, x_index=row_index, with_bias=has_bias)
     grad_xs = grad_gemm(grad_h, gate_up, groups)
     return grad_xs, grad_dots, {"gate_up_proj": grad_gate_up, "gate_up_proj_bias": grad_gate_up_bias,
                                 "down_proj": grad_down, "down_proj_bias": grad_down_bias}
@@ -140,8 +119,8 @@ def mlp_backward(grad_rows: torch.Tensor, weight_rows: torch.Tensor, xs: torch.T
                                            row_index=row_index)
     w1, w2 = params["w1"], params["w2"]
     grad_z1 = grad_gemm(grad_z2, w2, groups, z=z1, activation=activation)
-    grad_w2, grad_b2 = weight_grad(grad_z2, a1, groups, width=w2.shape[1], with_bias=has_bias)
+    grad_w2, grad_b2 = weight_grad(grad_z2, a1, groups, with_bias=has_bias)
     del grad_z2
-    grad_w1, grad_b1 = weight_grad(grad_z1, xs, groups, width=w1.shape[1], x_index=row_index, with_bias=has_bias)
+    grad_w1, grad_b1 = weight_grad(grad_z1, xs, groups, x_index=row_index, with_bias=has_bias)
     grad_xs = grad_gemm(grad_z1, w1, groups)
     return grad_xs, grad_dots, {"w1": grad_w1, "b1": grad_b1, "w2": grad_w2, "b2": grad_b2}

@@ -94,7 +94,7 @@ def weight_grad_kernel(
                 tl.store(db_ptr + expert * stride_dbe + o_cols, bias.to(db_ptr.dtype.element_ty), mask=o_mask)
 
 
-def weight_grad(grad: torch.Tensor, x: torch.Tensor, groups, *, width: int,
+def weight_grad(grad: torch.Tensor, x: torch.Tensor, groups, *,
                 grad_index: torch.Tensor | None = None, x_index: torch.Tensor | None = None,
                 with_bias: bool = False, bias_scale: torch.Tensor | None = None):
     """Launch weight_grad_kernel: (dW [E, width, K], db [E, width] or None), in grad's dtype.
@@ -102,7 +102,7 @@ def weight_grad(grad: torch.Tensor, x: torch.Tensor, groups, *, width: int,
     grad [N, width] (or token-order rows through grad_index [N]); x [N, K] (or token-order rows
     through x_index [N]); bias_scale [N] the row scale of the bias sum only (with_bias).
     """
-    num_experts, in_width = groups.num_experts, x.shape[1]
+    num_experts, width, in_width = groups.num_experts, grad.shape[1], x.shape[1]
     dw = grad.new_empty((num_experts, width, in_width))
     db = grad.new_empty((num_experts, width)) if with_bias else None
     if dw.numel() == 0:
@@ -124,33 +124,3 @@ def weight_grad(grad: torch.Tensor, x: torch.Tensor, groups, *, width: int,
         HAS_BIAS=with_bias, BIAS_SCALE=bias_scale is not None, **dot_settings(grad.dtype),
     )
     return dw, db
-
-
-@autotune([{"BLOCK_O": o, "BLOCK_R": 64} for o in (128, 256)], {"BLOCK_O": 32, "BLOCK_R": 32}, key=["O"])
-@triton.jit
-def bias_grad_kernel(g_ptr, stride_g, ends_ptr, db_ptr, stride_dbe, O,
-                     BLOCK_O: tl.constexpr, BLOCK_R: tl.constexpr):
-    """db[e, o] = sum over the rows r of expert e of g[r, o], float32 accumulation."""
-    expert = tl.program_id(0)
-    start, end = expert_rows(expert, ends_ptr)
-    cols = tl.program_id(1) * BLOCK_O + tl.arange(0, BLOCK_O)
-    col_mask = cols < O
-    acc = tl.zeros((BLOCK_O,), dtype=tl.float32)
-    for r0 in range(start, end, BLOCK_R):
-        rows = r0 + tl.arange(0, BLOCK_R)
-        tile = tl.load(g_ptr + rows.to(tl.int64)[:, None] * stride_g + cols[None, :],
-                       mask=(rows < end)[:, None] & col_mask[None, :], other=0.0)
-        acc += tl.sum(tile.to(tl.float32), axis=0)
-    tl.store(db_ptr + expert.to(tl.int64) * stride_dbe + cols, acc.to(db_ptr.dtype.element_ty), mask=col_mask)
-
-
-def bias_grad(grad: torch.Tensor, groups) -> torch.Tensor:
-    """db [E, O] in grad's dtype for grad [N, O] (the standalone grouped_bias_grad)."""
-    num_experts, width = groups.num_experts, grad.shape[1]
-    db = grad.new_empty((num_experts, width))
-    if db.numel() == 0:
-        return db
-    grad = unit_columns(grad)
-    grid = lambda meta: (num_experts, triton.cdiv(width, meta["BLOCK_O"]))  # noqa: E731
-    bias_grad_kernel[grid](grad, grad.stride(0), groups.offsets, db, db.stride(0), width)
-    return db

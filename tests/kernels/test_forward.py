@@ -9,6 +9,7 @@ if not triton_importable():
 
 from shardmoe.expert_kinds import GLU, expert_kind  # noqa: E402
 from shardmoe.kernels import stages as kex  # noqa: E402
+from shardmoe.kernels.forward_gemm import forward_gemm  # noqa: E402
 from shardmoe.moe import combine as comb  # noqa: E402
 from shardmoe.moe.experts import TORCH_OPS  # noqa: E402
 from shardmoe.moe import experts as ex  # noqa: E402
@@ -31,13 +32,13 @@ def groups_of(routed):
 
 
 @pytest.mark.parametrize("gather", [False, True], ids=["rows", "gathered"])
-def test_grouped_linear(routed, expert_params, rel_err, gather):
+def test_forward_gemm(routed, expert_params, rel_err, gather):
     groups = groups_of(routed)
     weight = expert_params("glu", False, routed.x.device)["gate_up_proj"]
     expected = TORCH_OPS.linear(routed.x[routed.row_token], weight, groups)
     x32, w32 = routed.x.to(F32), weight.to(F32)
-    got = (kex.grouped_linear(x32, w32, groups, row_index=routed.row_token) if gather
-           else kex.grouped_linear(x32[routed.row_token], w32, groups))
+    got = (forward_gemm(x32, w32, groups, a_index=routed.row_token) if gather
+           else forward_gemm(x32[routed.row_token], w32, groups))
     assert got.dtype == F32 and got.shape == expected.shape
     assert rel_err(got, expected) < TOL
 

@@ -5,7 +5,7 @@ router's backward) run on meta tensors, which hold shapes and no data, so any .i
 without its size) raises.
 The kernel launches are recorded instead of run: what each launch needs from the host is then only
 shapes (N = S k, E), never counts. On a GPU the same holds under torch.cuda.set_sync_debug_mode
-("error"), which the lease's model stage checks (docs/gpu.md)."""
+("error"), which the lease's bench stage checks (docs/gpu.md)."""
 import pytest
 import torch
 

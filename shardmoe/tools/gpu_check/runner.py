@@ -58,17 +58,16 @@ class Context:
 def write_tuned(out: Path) -> None:
     """DIR/tuned_configs.json: every config the kernels' autotuners chose in this process, for this
     device (shardmoe/kernels/tuned.py; python -m shardmoe.kernels.tuned --merge takes it into the package)."""
-    import torch
-
     from shardmoe import kernels
 
     if not kernels.triton_importable():
         return
     from shardmoe.kernels import tuned
+    from shardmoe.kernels.tuning import current_device_name
 
     chosen = tuned.collect()
-    if chosen:
-        tuned.write(out / "tuned_configs.json", torch.cuda.get_device_name(), chosen)
+    if chosen:  # keyed by the name tuning.Prune looks the table up with
+        tuned.write(out / "tuned_configs.json", current_device_name(), chosen)
 
 
 def run(out: Path, stages: list[str], dry_run: bool, budget: float | None, merged: list[dict],

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 from shardmoe.tools.bench.flops import Shape
 
+from .bench import SHAPES
 from .report import table
 
 LIMIT_S = 600
@@ -32,13 +33,8 @@ LIMIT_S = 600
 @dataclass(frozen=True)
 class Workload:
     name: str
-    shape_name: str
     shape: Shape
     options: dict = field(default_factory=dict)  # MoEConfig's expert options
-
-    @property
-    def tokens(self) -> int:
-        return self.shape.tokens
 
     def config(self):
         from shardmoe.moe.config import MoEConfig
@@ -47,18 +43,12 @@ class Workload:
         return MoEConfig(s.hidden, s.ffn, s.experts, s.top_k, **self.options)
 
 
-def _bench_shapes() -> dict:
-    from .bench import SHAPES
-
-    return SHAPES
-
-
 WORKLOADS = (
-    Workload("mixtral glu silu", "mixtral", _bench_shapes()["mixtral"]),
-    Workload("fine glu silu", "fine", _bench_shapes()["fine"]),
-    Workload("fine mlp gelu bias", "fine", _bench_shapes()["fine"], dict(expert="mlp", activation="gelu", bias=True)),
+    Workload("mixtral glu silu", SHAPES["mixtral"]),
+    Workload("fine glu silu", SHAPES["fine"]),
+    Workload("fine mlp gelu bias", SHAPES["fine"], dict(expert="mlp", activation="gelu", bias=True)),
     # GPT-OSS-20B's experts: biased glu, clamped SwiGLU (H=2880 F=2880 E=32 k=4)
-    Workload("gpt-oss glu clamped bias", "gpt-oss", Shape(4096, 2880, 2880, 32, 4),
+    Workload("gpt-oss glu clamped bias", Shape(4096, 2880, 2880, 32, 4),
              dict(activation="clamped_swiglu", bias=True)),
 )
 
@@ -75,7 +65,7 @@ def compile_workloads() -> dict:
     with compiled.compile_only() as (found, workload):
         for w in WORKLOADS:
             workload["name"] = w.name
-            compiled.trace_layer_step(w.config(), w.tokens)
+            compiled.trace_layer_step(w.config(), w.shape.tokens)
     return {"target": f"sm_{compiled.CAPABILITY}a", "device_name": compiled.H100, "triton": triton.__version__,
             "workloads": {w.name: str(w.shape) + (f" {w.options}" if w.options else "") for w in WORKLOADS},
             "kernels": [compiled.analyse(c, tools["disassembler"]) for c in found.values()]}
