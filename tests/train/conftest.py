@@ -17,6 +17,7 @@ from shardmoe.model.transformer import TransformerConfig
 from shardmoe.moe.config import MoEConfig
 from shardmoe.train.config import TrainConfig
 from shardmoe.train.documents import load_corpus
+from shardmoe.train.metrics import read_metrics
 
 # vocab 260 (the 257 byte ids padded to a multiple of 4) splits over t = 2 and 4
 TINY_MODEL = TransformerConfig(vocab_size=260, d_model=16, n_layers=2, n_q_heads=4, n_kv_heads=2, head_dim=4,
@@ -81,6 +82,13 @@ def bpe_tokenizer(tmp_path_factory):
 @pytest.fixture
 def tiny_config():
     return tiny_train_config
+
+
+def losses(out: Path, steps) -> list[float]:
+    """The logged loss of each of `steps` in out/metrics.jsonl, each step logged once, in order."""
+    rows = [r for r in read_metrics(out, max(steps)) if r["step"] in steps]
+    assert [r["step"] for r in rows] == list(steps), (out, list(steps), [r["step"] for r in rows])
+    return [r["loss"] for r in rows]
 
 
 def free_ports(count: int) -> list[int]:

@@ -30,9 +30,8 @@ from shardmoe.testing import run_distributed
 from shardmoe.testing.distributed import RankFailed
 from shardmoe.train.checkpoint import latest_checkpoint
 from shardmoe.train.loop import train
-from shardmoe.train.metrics import read_metrics
 
-from .conftest import TINY_MODEL, all_ranks_at, free_ports, one_torch_thread, tiny_train_config
+from .conftest import TINY_MODEL, all_ranks_at, free_ports, losses, one_torch_thread, tiny_train_config
 
 MODEL = dataclasses.replace(TINY_MODEL, n_layers=4)  # interleaved-1f1b on p=2 runs 4 stages of one block
 SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2))
@@ -60,13 +59,6 @@ def cli_config(tmp: Path, name: str, **changes) -> str:
     path = tmp / f"{name}-{os.environ.get('RANK', 'parent')}.json"
     path.write_text(json.dumps(config(**changes).to_dict()))
     return str(path)
-
-
-def losses(out: Path, steps) -> list[float]:
-    """The logged loss of each of `steps` in out/metrics.jsonl, each step logged once, in order."""
-    rows = [r for r in read_metrics(out, max(steps)) if r["step"] in steps]
-    assert [r["step"] for r in rows] == list(steps), (out, list(steps), [r["step"] for r in rows])
-    return [r["loss"] for r in rows]
 
 
 def _training_world(tmp: str) -> dict:

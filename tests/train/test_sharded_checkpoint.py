@@ -30,9 +30,8 @@ from shardmoe.testing import run_distributed
 from shardmoe.train import checkpoint as ckpt
 from shardmoe.train import sharded_checkpoint
 from shardmoe.train.loop import train
-from shardmoe.train.metrics import read_metrics
 
-from .conftest import TINY_MODEL, all_ranks_at, free_ports, tiny_train_config
+from .conftest import TINY_MODEL, all_ranks_at, free_ports, losses, tiny_train_config
 
 STEPS, MORE = 6, 8
 
@@ -43,13 +42,6 @@ def cli_config(tmp: Path, **changes) -> str:
     path.write_text(json.dumps(tiny_train_config(steps=STEPS, checkpoint_every=3, eval_batches=0, sample_tokens=0,
                                                  health_every=0, **changes).to_dict()))
     return str(path)
-
-
-def losses(out: Path, steps) -> list[float]:
-    """The logged loss of each of `steps` in out/metrics.jsonl, each step logged once, in order."""
-    rows = [r for r in read_metrics(out, max(steps)) if r["step"] in steps]
-    assert [r["step"] for r in rows] == list(steps), (out, list(steps), [r["step"] for r in rows])
-    return [r["loss"] for r in rows]
 
 
 def _state_dict_checks(tmp: str) -> dict:
