@@ -1,7 +1,6 @@
 """Shared fixtures of the training tests: a tiny config, single-threaded torch, a generated corpus,
 BPE tokenizers trained offline with the `tokenizers` package, and the plumbing of spawned worlds
 that run `shardmoe train` on process groups of its own (free ports, a file barrier)."""
-import contextlib
 import dataclasses
 import os
 import random
@@ -13,6 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from shardmoe.check.command import single_threaded
 from shardmoe.model.transformer import TransformerConfig
 from shardmoe.moe.config import MoEConfig
 from shardmoe.train.config import TrainConfig
@@ -116,20 +116,8 @@ def all_ranks_at(tmp: Path, name: str, world: int = 4) -> None:
         time.sleep(0.05)
 
 
-@contextlib.contextmanager
-def one_torch_thread():
-    """Torch on one thread (as the training command runs it) inside the block; the count before it
-    is restored on the way out, also when the block raises."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
-
-
 @pytest.fixture
 def one_thread():
     """Runs the test on one torch thread (as the training command does) and restores the count."""
-    with one_torch_thread():
+    with single_threaded():
         yield

@@ -17,7 +17,7 @@ from shardmoe.train import plots
 from shardmoe.train.loop import build_streams, train
 from shardmoe.train.metrics import METRICS_FILE, load_columns
 
-from .conftest import one_torch_thread, tiny_train_config
+from .conftest import single_threaded, tiny_train_config
 
 STEPS = 3
 
@@ -56,7 +56,7 @@ def read_rows(out_dir):
 @pytest.fixture(scope="module")
 def single_process(tmp_path_factory):
     """(rows of metrics.jsonl, recomputed counts) of the float64 tiny run on one process and one thread."""
-    with one_torch_thread():
+    with single_threaded():
         config, out = float64_config(), tmp_path_factory.mktemp("single")
         train(config, out, progress=False)
         return read_rows(out), recomputed_counts(config, STEPS)

@@ -24,7 +24,7 @@ from shardmoe.testing import run_distributed
 from shardmoe.train.accumulate import accumulate_step
 from shardmoe.train.loop import build_streams, train
 
-from .conftest import TINY_MODEL, one_torch_thread, tiny_train_config, with_moe
+from .conftest import TINY_MODEL, single_threaded, tiny_train_config, with_moe
 
 STEPS = 20
 ROUTER_MODEL = with_moe(TINY_MODEL, score_func="sigmoid", router_bias=True, correction_bias=True,
@@ -100,7 +100,7 @@ def run_layouts(layouts, checkpoint_dir=None):
 
 @pytest.fixture(scope="module")
 def golden():
-    with one_torch_thread():
+    with single_threaded():
         return train(training_config(), None, progress=False).metrics
 
 

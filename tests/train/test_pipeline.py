@@ -31,7 +31,7 @@ from shardmoe.testing.distributed import RankFailed
 from shardmoe.train.checkpoint import latest_checkpoint
 from shardmoe.train.loop import train
 
-from .conftest import TINY_MODEL, all_ranks_at, free_ports, losses, one_torch_thread, tiny_train_config
+from .conftest import TINY_MODEL, all_ranks_at, free_ports, losses, single_threaded, tiny_train_config
 
 MODEL = dataclasses.replace(TINY_MODEL, n_layers=4)  # interleaved-1f1b on p=2 runs 4 stages of one block
 SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2))
@@ -99,7 +99,7 @@ def _training_world(tmp: str) -> dict:
 
 @pytest.fixture(scope="module")
 def golden():
-    with one_torch_thread():
+    with single_threaded():
         whole = train(config(**EXTRAS), None, progress=False)
         microbatch = train(config(balance_over="microbatch"), None, progress=False)
     return {"global": (rows(whole.metrics), whole.samples), "microbatch": (rows(microbatch.metrics),
