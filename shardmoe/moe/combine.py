@@ -5,8 +5,8 @@ A row r of the dispatched matrix is the kept pair row_pair[r] = t * k + j. Combi
 each row to its token t = row_pair[r] // k (in row order, so deterministic); dropped pairs
 have no row and add nothing.
 
-These functions are the torch backend's combine-side stages (moe/backends.py TorchBackend; the
-Triton backend has its own). Of the six backward stages (docs/architecture.md), three live here:
+These functions are TorchOps' combine-side stages (moe/experts.py; TritonOps has its own on the
+kernels). Of the six backward stages (docs/architecture.md), three live here:
   1 grad_combine:        ge_r = w_r g_t(r)                       [N, H]
   2 grad_gate_combine:   dw_r = g_t(r) . y_r   (dot over H)      [N]
   5 grad_input_combine:  dx_t = sum over kept pairs of dx_r      [S, H]

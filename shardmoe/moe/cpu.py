@@ -7,7 +7,7 @@
 CpuOps puts them together as the row primitives the stage math (moe/experts.py, moe/combine.py)
 runs on: it is experts.TorchOps with the first two where the forward allows them and the operands
 fit, and the row buffers from the third; everything else runs TorchOps' torch code. On other
-devices none of this runs (moe/backends.py select()).
+devices none of this runs (moe/dispatch.py select()).
 
 ## C++ passes
 Fused elementwise passes of the fused layer on CPU: one vectorised pass per stage, in C++.
@@ -129,7 +129,7 @@ from pathlib import Path
 import torch
 
 from shardmoe.moe.combine import token_rows
-from shardmoe.moe.experts import TorchOps, per_expert_mm
+from shardmoe.moe.experts import TorchOps
 from shardmoe.rows import Groups
 from shardmoe.settings import SETTINGS
 
@@ -213,7 +213,7 @@ def _ops():
 
 class CpuOps(TorchOps):
     """The row primitives of moe/experts.py's TorchOps with the CPU's own machinery, for one forward
-    of a layer (and again for its backward; backends.select decides both):
+    of a layer (and again for its backward; dispatch.select decides both):
 
       elementwise   the fused elementwise passes of this module
       experts_mm    the experts' GEMMs side by side, one per intra-op thread (the side-by-side GEMMs below)
@@ -225,6 +225,9 @@ class CpuOps(TorchOps):
     primitive still checks per call is what its own operands are (dtype, device, strides, autograd
     tracking) and, for the elementwise passes, its activation (elementwise_fits, gemm_fits); where
     they do not fit, it runs TorchOps' torch code."""
+
+    # a given buffer rules out grouped_mm, which allocates: on CPU it runs the per-expert loop's products
+    fills_row_buffers = True
 
     def __init__(self, elementwise: bool = False, experts_mm: bool = False, workspace: Workspace | None = None):
         self.elementwise, self.experts_mm, self.workspace = elementwise, experts_mm, workspace
@@ -259,25 +262,6 @@ class CpuOps(TorchOps):
         if self.workspace is None:
             return like.new_empty(shape)
         return self.workspace.empty(tuple(shape), like.dtype, like.device)
-
-    def linear(self, rows, weight, groups, bias=None):
-        weight_t = weight.transpose(-2, -1)
-        out = self.empty((rows.shape[0], weight.shape[1]), rows)
-        if bias is None and self.gemm_fits(groups, rows, weight_t, out):
-            return experts_mm(rows, weight_t, groups.sizes, out)
-        # a given buffer rules out grouped_mm, which allocates: on CPU it runs this loop's products
-        return per_expert_mm(rows, weight_t, groups, out, bias)
-
-    def linear_t(self, rows, weight, groups):
-        out = self.empty((rows.shape[0], weight.shape[2]), rows)
-        if self.gemm_fits(groups, rows, weight, out):
-            return experts_mm(rows, weight, groups.sizes, out)
-        return per_expert_mm(rows, weight, groups, out)
-
-    def weight_grad(self, grad_rows, in_rows, groups):
-        if self.gemm_fits(groups, grad_rows, in_rows):
-            return experts_weight_grad(grad_rows, in_rows, groups.sizes)
-        return super().weight_grad(grad_rows, in_rows, groups)
 
     def bias_grad(self, grad_rows, groups):
         if self.elementwise_fits(grad_rows):  # the same row-order sum, one pass
@@ -445,23 +429,6 @@ def combine_pairs(rows: torch.Tensor, token_rows: torch.Tensor, weight_rows: tor
     weight = None if weight_rows is None else _check_rows_float32("weight_rows", weight_rows, rows.shape[0])
     out = torch.empty((token_rows.shape[0], rows.shape[1]), dtype=torch.float32)
     torch.ops.shardmoe_elementwise.combine_pairs(rows, token_rows.to(torch.int64), weight, out)
-    return out
-
-
-# -- side-by-side GEMMs ----------------------------------------------------------------------
-
-
-def experts_mm(rows: torch.Tensor, weight: torch.Tensor, sizes: tuple[int, ...], out: torch.Tensor) -> torch.Tensor:
-    """out[start_e : start_e + sizes[e]] = rows[same] @ weight[e] for every expert e (rows [N, K],
-    weight [E, K, O] in any strides, out [N, O]); returns out."""
-    torch.ops.shardmoe_gemm.experts_mm(rows, weight, list(sizes), out)
-    return out
-
-
-def experts_weight_grad(grad_rows: torch.Tensor, in_rows: torch.Tensor, sizes: tuple[int, ...]) -> torch.Tensor:
-    """[E, O, K]: grad_rows[rows of e]^T @ in_rows[rows of e], zeros for an expert without rows."""
-    out = grad_rows.new_empty((len(sizes), grad_rows.shape[1], in_rows.shape[1]))
-    torch.ops.shardmoe_gemm.experts_weight_grad(grad_rows, in_rows, list(sizes), out)
     return out
 
 

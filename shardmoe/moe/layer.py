@@ -27,12 +27,12 @@ forward under no_grad (reentrant activation checkpointing returns y's graph, not
 the gate silently missed the losses' gradient. y's backward is the one the caller always runs.
 Under torch.autocast the router stays float32 and the experts compute in the autocast dtype
 (shardmoe/moe/precision.py).
-Forward and backward are the MoE operators (shardmoe/moe/ops.py over moe/function.py), with the
+Forward and backward are the MoE operators (shardmoe/moe/function.py), with the
 layer's gate as the router and its dispatcher: LOCAL on one process (mesh None or of one rank); with a
 mesh, parameters hold this rank's shard (experts split over 'e' in contiguous blocks, the
 intermediate dim over 't': shardmoe/parallel/expert_tensor.py), x holds this rank's tokens, and
 the dispatcher is expert parallelism's; both come from the placement that shardmoe.parallel
-registers (moe/dispatch.py), so this package imports nothing of it.
+registers (moe/placement.py), so this package imports nothing of it.
 """
 from __future__ import annotations
 
@@ -45,7 +45,7 @@ from torch import nn
 from shardmoe.moe import shared_experts as shared_ex
 from shardmoe.moe.config import MoEConfig
 from shardmoe.mesh import EXPERT, GRAD_SYNC_ATTRIBUTE, REPLICATED, as_mesh, mark_grad_sync
-from shardmoe.moe import composition, ops, precision
+from shardmoe.moe import composition, function, precision
 from shardmoe.moe.placement import placement
 from shardmoe.moe.function import MoEContext
 from shardmoe.moe.routing import GateRouter, check_mixtral_router, corrected_bias, token_sequence_ids
@@ -89,7 +89,7 @@ class MoE(nn.Module):
             raise ValueError(f"dtype: expected None or one of {', '.join(map(str, DTYPES))}, got {dtype!r}")
         # a torch DeviceMesh (a job's, or a slice of it) becomes the Mesh it names (shardmoe/mesh.py)
         mesh = as_mesh(mesh)
-        # the shards of the parameters and the dispatcher (moe/dispatch.py); checks the layout first
+        # the shards of the parameters and the dispatcher (moe/placement.py); checks the layout first
         self.placement = placement(self.config, mesh)
         self.mesh = mesh
         kw = {"dtype": dtype, "device": device}
@@ -115,7 +115,7 @@ class MoE(nn.Module):
         self.stats: dict = {}
         # the large row buffers of forward and backward, reused across steps (single process)
         self.workspace = Workspace()
-        self._moe_handle = ops.register(self)  # the int the MoE operators name this layer by
+        self._moe_handle = function.register(self)  # the int the MoE operators name this layer by
         # state dicts describe the whole logical expert tensors, whatever the mesh (moe/composition.py)
         self.register_state_dict_post_hook(composition.state_entries)
         self.register_load_state_dict_pre_hook(composition.shard_entries)
@@ -226,8 +226,9 @@ class MoE(nn.Module):
         # the router's tensors keep their dtype (it computes in float32); x and the experts take autocast's
         x, *experts = precision.cast((x, *experts), autocast)
         # out has x's shape and is no view: an in-place op on it cannot cut its graph (FSDP2's hooks)
-        out, loss = ops.fused_moe(self._moe_handle, x, gate_weight, gate_bias, self.correction_bias,
-                                  token_sequence, *experts)
+        present, absent = function.operator_inputs((gate_weight, gate_bias, self.correction_bias, token_sequence,
+                                                    *experts))
+        out, loss, _ = torch.ops.shardmoe.moe_forward(self._moe_handle, x, present, absent)
         self.aux_loss = loss if self.aux_loss_scale is None else loss.detach()
         return out
 
@@ -250,7 +251,7 @@ class MoE(nn.Module):
         return self.placement.dispatcher
 
     def moe_context(self, x: torch.Tensor, inputs: tuple) -> MoEContext:
-        """What the MoE operators (moe/ops.py) run this layer's forward and backward with: its config,
+        """What the MoE operators (moe/function.py) run this layer's forward and backward with: its config,
         its gate as the router, its dispatcher and workspace, aux_loss_scale and balance_scope; the
         forward's statistics land in self.stats (inside the operator, so they are current under
         torch.compile too)."""
@@ -318,7 +319,7 @@ class MoE(nn.Module):
     def __setstate__(self, state: dict) -> None:
         """A copy is a layer of its own: it gets its own handle (the original's names the original)."""
         super().__setstate__(state)
-        self._moe_handle = ops.register(self)
+        self._moe_handle = function.register(self)
 
     def extra_repr(self) -> str:
         c = self.config

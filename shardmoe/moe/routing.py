@@ -452,10 +452,6 @@ class GateRouter:
         when the sequence-wise loss is on and the caller gave one."""
         return {"token_sequence": tensors[3]} if self.config.seq_aux_loss_coef and tensors[3] is not None else {}
 
-    def gradient_mask(self, tensors: tuple) -> list[bool]:
-        """Which router tensors get a gradient: gate_weight, and gate_bias when there is one."""
-        return [True, tensors[1] is not None, False, False]
-
     def route(self, x: torch.Tensor, tensors: tuple, dropless: bool) -> Routing:
         gate_weight, gate_bias, correction_bias, token_sequence = tensors
         config = dataclasses.replace(self.config, capacity_factor=None) if dropless else self.config
@@ -504,10 +500,6 @@ class GivenRouting:
         """The Routing fields that are the given tensors themselves."""
         top_k_index, top_k_weights = tensors
         return {"top_idx": top_k_index, "top_prob": top_k_weights, "weight": top_k_weights}
-
-    def gradient_mask(self, tensors: tuple) -> list[bool]:
-        """top_k_weights gets a gradient, top_k_index none."""
-        return [False, True]
 
     def route(self, x: torch.Tensor, tensors: tuple, dropless: bool) -> Routing:
         top_k_index, top_k_weights = tensors

@@ -100,7 +100,7 @@ def _whole(t: torch.Tensor) -> torch.Tensor:
 
 def forward(ops, x: torch.Tensor, params: dict, config: MoEConfig,
             reduce_output=_whole) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
-    """(s z [S, H] acc dtype, saved (h, s)) on the row primitives `ops` (the forward's backend's).
+    """(s z [S, H] acc dtype, saved (h, s)) on the row primitives `ops` (the forward's, dispatch.select).
     reduce_output sums z over 't' under expert TP (the intermediate dim is sharded there); one
     process needs none."""
     s = shared_gate(x, params.get(GATE_NAME))

@@ -63,7 +63,7 @@ def _glu_saved(routed, params, activation):
     """(xs, h) of the float64 forward."""
     groups = groups_of(routed)
     xs = routed.x[routed.row_token]
-    _, (h,) = ex.expert_forward(TORCH_OPS, GLU, activation, "identity", xs, params, groups)
+    _, (h,) = TORCH_OPS.expert_forward(GLU, activation, "identity", xs, params, groups)
     return xs, h
 
 
@@ -78,10 +78,10 @@ def test_glu_backward(routed, expert_params, rel_err, activation, bias):
     params = expert_params("glu", bias, routed.x.device)
     xs, h = _glu_saved(routed, params, activation)
     grad_rows = routed.grad_out[routed.row_token]
-    dx, dots, grads = ex.expert_backward(TORCH_OPS, GLU, activation, "identity", grad_rows, routed.weight_rows, xs, (h,),
+    dx, dots, grads = TORCH_OPS.expert_backward(GLU, activation, "identity", grad_rows, routed.weight_rows, xs, (h,),
                                          params, groups)
     if bias:  # the bias term is no round-off
-        without = ex.expert_backward(TORCH_OPS, GLU, activation, "identity", grad_rows, routed.weight_rows, xs, (h,),
+        without = TORCH_OPS.expert_backward(GLU, activation, "identity", grad_rows, routed.weight_rows, xs, (h,),
                                      {**params, "down_proj_bias": None}, groups)[1]
         assert rel_err(without, dots) > 1e-2
     r32 = routed.cast(F32)
@@ -121,9 +121,9 @@ def test_mlp_backward(routed, expert_params, rel_err, activation, output_activat
     groups = groups_of(routed)
     params = expert_params("mlp", bias, routed.x.device)
     xs = routed.x[routed.row_token]
-    _, (z1, z2) = ex.expert_forward(TORCH_OPS, MLP, activation, output_activation, xs, params, groups)
+    _, (z1, z2) = TORCH_OPS.expert_forward(MLP, activation, output_activation, xs, params, groups)
     grad_rows = routed.grad_out[routed.row_token]
-    dx, dots, grads = ex.expert_backward(TORCH_OPS, MLP, activation, output_activation, grad_rows, routed.weight_rows, xs,
+    dx, dots, grads = TORCH_OPS.expert_backward(MLP, activation, output_activation, grad_rows, routed.weight_rows, xs,
                                          (z1, z2), params, groups)
     r32 = routed.cast(F32)
     params32 = {k: None if v is None else v.to(F32) for k, v in params.items()}

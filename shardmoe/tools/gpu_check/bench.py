@@ -259,12 +259,12 @@ def with_variants(by_name: dict) -> dict:
 def chosen_backends(config, x, steps_in: dict) -> tuple[dict, list[str]]:
     """(the backend each of shardmoe's paths selects for `config` on x inside its context, a problem
     for each that is not the one BACKENDS expects)."""
-    from shardmoe.moe import backends
+    from shardmoe.moe import dispatch
 
     chosen = {}
     for name in BACKENDS:
         with steps_in[name]():
-            chosen[name] = backends.select(config, x).name
+            chosen[name] = dispatch.select(config, x).name
     return chosen, [f"{name}: expected the {want} backend, got {chosen[name]!r}"
                     for name, want in BACKENDS.items() if chosen[name] != want]
 

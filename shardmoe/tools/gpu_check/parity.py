@@ -139,12 +139,12 @@ def torch_context():
 
 def forward_backward(layer, x, grad_out, context) -> tuple[str, dict, dict]:
     """(backend name, {"out", "aux_loss", "x", every parameter: tensor}, layer.stats) of one step."""
-    from shardmoe.moe import backends
+    from shardmoe.moe import dispatch
 
     layer.zero_grad(set_to_none=True)
     leaf = x.detach().clone().requires_grad_()
     with context:
-        backend = backends.select(layer.config, leaf.reshape(-1, leaf.shape[-1])).name
+        backend = dispatch.select(layer.config, leaf.reshape(-1, leaf.shape[-1])).name
         out = layer(leaf)
         out.backward(grad_out)
     tensors = {"out": out.detach(), "aux_loss": layer.aux_loss.detach(), "x": leaf.grad,
