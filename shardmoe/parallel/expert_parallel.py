@@ -67,6 +67,8 @@ class ExpertParallel:
         etp.check_layout(config, mesh)
         self.config, self.mesh = config, mesh
         self.exchange = shared_exchange(mesh, "e")
+        # the layer's name in the handshakes, the same on every rank that builds the same model
+        self.number = consistency.layer_number(mesh)
         self.forwards = 0  # forwards run: the settings and replicas are compared at the first and every
         # consistency.REPLICA_CHECK_EVERY-th after
         self.seconds = dict.fromkeys(PHASES, 0.0)  # the last forward's phase times (forward and backward)
@@ -80,9 +82,9 @@ class ExpertParallel:
         step.clock.lap(phase)
 
     def prepare(self, config: MoEConfig, x: torch.Tensor, router_tensors: tuple, shared: dict) -> None:
-        """The handshake of the forward's collectives, then, at the first forward and every
-        consistency.REPLICA_CHECK_EVERY-th after, the agreement check."""
-        consistency.handshake(self.mesh, "the forward of a MoE layer")
+        """The handshake of the forward's collectives (naming this layer), then, at the first forward
+        and every consistency.REPLICA_CHECK_EVERY-th after, the agreement check."""
+        consistency.handshake(self.mesh, "forward", [self.number])
         if self.forwards % consistency.REPLICA_CHECK_EVERY == 0:
             gate_weight, gate_bias, correction_bias, _ = router_tensors
             self.check_agreement(x.dtype, gate_weight, gate_bias, correction_bias, shared)
@@ -121,7 +123,7 @@ class ExpertParallel:
         """The forward's state from what it saved, after the handshake of the backward's collectives:
         the plan from the counts table (no communication), the received rows' order, a clock for the
         backward's phases."""
-        consistency.handshake(self.mesh, "the backward of a MoE layer")
+        consistency.handshake(self.mesh, "backward", [self.number])
         table, order = saved[:2]
         return _Step(plan_from_table(table, config, self.mesh), order, _Clock(self.seconds))
 
@@ -221,7 +223,7 @@ class MeshPlacement:
 
     def gather(self, name, local):
         if etp.is_sharded(self.mesh):
-            consistency.handshake(self.mesh, "the gather of a sharded MoE parameter")
+            consistency.handshake(self.mesh, "gather", [self.dispatcher.number])
         return etp.gather_expert_param(name, local, self.mesh)
 
     def state_entry(self, name, local):
