@@ -37,6 +37,7 @@ the backward of every layer, in the same order (they exchange rows with each oth
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import time
 
@@ -190,8 +191,14 @@ class MeshPlacement:
 
     def __init__(self, config: MoEConfig, mesh):
         etp.check_layout(config, mesh)
-        self.mesh, self.sharded = mesh, etp.is_sharded(mesh)
+        self.config, self.mesh, self.sharded = config, mesh, etp.is_sharded(mesh)
         self.dispatcher = ExpertParallel(config, mesh) if mesh.size() > 1 else LOCAL
+
+    def __deepcopy__(self, memo) -> "MeshPlacement":
+        """The placement of a copied layer (copy.deepcopy, torch.optim.swa_utils.AveragedModel): on the
+        same mesh, sharing its process groups and exchange, with a dispatcher of its own (the copy's
+        layer number and forward count)."""
+        return MeshPlacement(copy.deepcopy(self.config, memo), self.mesh)
 
     def shard_shape(self, name, shape):
         return etp.shard_shape(name, shape, self.mesh)

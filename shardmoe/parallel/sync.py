@@ -151,8 +151,10 @@ def clip_grad_norm_(module: torch.nn.Module, max_norm: float) -> float:
     blocks: the product of the mesh dims on which its DTensor is split (Shard, _StridedShard); 1
     for a plain tensor, which counts as replicated on every rank. The sharded transformer's
     parameters (dense on the mesh, MoE on its 'ep' x 'tp' part) are counted so too. A gradient
-    still Partial() somewhere (before sync_grads) is summed for the norm first. One all-reduce
-    over the world sums them (float64). Collective: every rank calls it after the same backward."""
+    still Partial() somewhere (before sync_grads) is summed for the norm first, so the norm is
+    whole before sync_grads too when dp = 1 and every parameter is a DTensor (a plain gradient, and
+    any over 'd', is each rank's share until sync_grads). One all-reduce over the world sums them
+    (float64). Collective: every rank calls it after the same backward."""
     from torch.distributed.tensor import Replicate
 
     if not isinstance(max_norm, (int, float)) or isinstance(max_norm, bool) or not max_norm > 0:

@@ -165,9 +165,11 @@ def _modules_differ_at_sync() -> str:
 def _refusal(run) -> str | None:
     """The message of the RankMismatchError that run raises, or None when it runs through (the
     parent's assertion then fails, not this world)."""
+    start = time.monotonic()
     try:
         run()
     except RankMismatchError as err:
+        _ERROR_SECONDS.append(time.monotonic() - start)
         return str(err)
     return None
 
