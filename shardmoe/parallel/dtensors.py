@@ -146,28 +146,36 @@ def replicate_plain_parameters(model: torch.nn.Module) -> torch.nn.Module:
     parameter read by another module's forward than its owner's stays a DTensor there, and torch
     refuses it ("mixed torch.Tensor and DTensor"). A parameter shared by several modules (tied
     weights) stays one parameter. Call it before the optimizer is built (it holds the parameters)
-    and before the first backward; ValueError for a model whose DTensor parameters live on several
-    DeviceMeshes (FSDP2's, beside the layers': shardmoe.parallel.clip_grad_norm_ takes those) or a
-    plain parameter that has a gradient."""
+    and before the first backward; ValueError for a model with DTensor parameters on another mesh
+    than its layers' parameter mesh (FSDP2's: shardmoe.parallel.clip_grad_norm_ takes those), with
+    layers on several, or with a plain parameter that has a gradient."""
     from torch.distributed.tensor import DTensor, Replicate
+
+    from shardmoe.moe.layer import MoE
 
     meshes = list(dict.fromkeys(p.device_mesh for p in model.parameters() if isinstance(p, DTensor)))
     if not meshes:
         return model
-    if len(meshes) > 1:
-        raise ValueError("model: expected DTensor parameters on one DeviceMesh (a sharded MoE layer's), got "
-                         f"{len(meshes)}: {', '.join(str(m.mesh_dim_names) for m in meshes)}; torch's tools refuse "
-                         "several meshes anyway: use shardmoe.parallel.clip_grad_norm_ for the norm")
+    layers = list(dict.fromkeys(m.mesh.parameter_mesh for m in model.modules()
+                                if isinstance(m, MoE) and m.mesh is not None and m.mesh.parameter_mesh is not None))
+    if len(layers) != 1 or meshes != layers:
+        raise ValueError(f"model: expected every DTensor parameter on the DeviceMesh of its sharded MoE layers' "
+                         f"parameters (one mesh.parameter_mesh), got DTensor parameters on mesh dims "
+                         f"{', '.join(str(m.mesh_dim_names) for m in meshes)} and layers' parameter meshes on "
+                         f"{', '.join(str(m.mesh_dim_names) for m in layers) or 'none'}: a model that FSDP2 "
+                         "(fully_shard) or another tool made DTensors is not for this call (fully_shard its plain "
+                         "modules too; shardmoe.parallel.clip_grad_norm_ takes the norm over several meshes)")
     device_mesh = meshes[0]
+    owners = [(module, [n for n, p in module._parameters.items() if p is not None and not isinstance(p, DTensor)])
+              for module in model.modules()]
+    for name, param in model.named_parameters():
+        if not isinstance(param, DTensor) and param.grad is not None:
+            raise ValueError(f"{name}: expected a parameter without a gradient (call replicate_plain_parameters "
+                             "before the first backward), got one with a gradient")
     replicated: dict[int, torch.nn.Parameter] = {}  # by id of the plain parameter: tied weights stay one
-    for module_name, module in model.named_modules():
-        names = [n for n, p in module._parameters.items() if p is not None and not isinstance(p, DTensor)]
+    for module, names in owners:
         for name in names:
             param = module._parameters[name]
-            if param.grad is not None:
-                raise ValueError(f"{module_name + '.' if module_name else ''}{name}: expected a parameter without a "
-                                 "gradient (call replicate_plain_parameters before the first backward), got one "
-                                 "with a gradient")
             if id(param) not in replicated:
                 whole = DTensor.from_local(param.detach(), device_mesh, [Replicate()] * device_mesh.ndim,
                                            run_check=False)

@@ -40,6 +40,7 @@ import copy
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 import shardmoe
 from shardmoe.mesh import Mesh
@@ -337,9 +338,9 @@ def _plain_beside() -> dict:
         mesh = Mesh(**layout)
         x_all, g_all = _batch(mesh.size(("d", "e")))
         for foreach in (True, False):
-            results = {}
-            for name, model, x, g in (("mesh", PlainBeside(mesh, 0), x_all[_rows(mesh)], g_all[_rows(mesh)]),
-                                      ("one process", PlainBeside(None, 0), x_all, g_all)):
+            results, models = {}, {"mesh": PlainBeside(mesh, 0), "one process": PlainBeside(None, 0)}
+            for name, model, x, g in (("mesh", models["mesh"], x_all[_rows(mesh)], g_all[_rows(mesh)]),
+                                      ("one process", models["one process"], x_all, g_all)):
                 optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=foreach)
                 norms = []
                 for _ in range(2):
@@ -355,6 +356,40 @@ def _plain_beside() -> dict:
             out[f"{label}, foreach={foreach}"] = {
                 "norms": (norms, ref_norms), "parameters": {n: _rel(params[n], ref_params[n]) for n in ref_params},
                 "kinds": sorted({type(p).__name__ for p in PlainBeside(mesh, 0).parameters()})}
+        # a forward that raises inside the module leaves its parameter in place, not the local view
+        weight = models["mesh"].proj.weight
+        try:
+            models["mesh"].proj(torch.zeros(2, H + 1, dtype=torch.float64))
+        except RuntimeError:
+            pass
+        out[f"{label}, restored"] = isinstance(weight, DTensor) and models["mesh"].proj.weight is weight
+        # the one process's plain state dict (every entry whole) loads into a replicated model
+        loaded = PlainBeside(mesh, 7)
+        loaded.load_state_dict({n: p.detach() for n, p in models["one process"].state_dict().items()})
+        out[f"{label}, loaded"] = _differ({n: _whole(p) for n, p in loaded.named_parameters()}, ref_params)
+    return out
+
+
+def _replicate_refusals() -> dict:
+    """replicate_plain_parameters refuses, before changing anything, a model whose layer FSDP2
+    manages (its DTensors on FSDP's mesh) and a plain parameter that already has a gradient."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    out = {}
+    job = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "ep"))
+    layer = shardmoe.MoE(H, F, E, K, mesh=job, **OPTIONS)
+    fully_shard(layer, mesh=job["dp"])
+    for label, model in (("fsdp", torch.nn.Sequential(torch.nn.Linear(H, H), layer)),
+                         ("gradient", torch.nn.Sequential(torch.nn.Linear(H, H),
+                                                          shardmoe.MoE(H, F, E, K, mesh=Mesh(ep=4), **OPTIONS)))):
+        if label == "gradient":
+            model[0].bias.grad = torch.zeros(H)
+        try:
+            shardmoe.parallel.replicate_plain_parameters(model)
+            out[label] = None
+        except ValueError as err:
+            out[label] = (str(err), sorted({type(p).__name__ for p in model[0].parameters()}))
     return out
 
 
@@ -441,7 +476,8 @@ def _assign() -> dict:
 def _world(tmp: str) -> dict:
     out = {"checkpoints": _checkpoints(tmp), "tensor parallel": _tensor_parallel(tmp),
            "transformer": _transformer(tmp), "drift": _drift(), "one rank syncs": _one_rank_syncs(),
-           "plain beside": _plain_beside(), "partial gradients": _partial_gradients(), "copies": _copies(),
+           "plain beside": _plain_beside(), "replicate refusals": _replicate_refusals(),
+           "partial gradients": _partial_gradients(), "copies": _copies(),
            "assign": _assign()}
     dist.barrier()
     return out
@@ -535,6 +571,25 @@ def test_torch_tools_take_a_plain_linear_beside_the_layer_once_replicated(world,
         assert all(abs(a - b) <= 1e-12 * b and b > MAX_NORM for a, b in zip(norms, ref_norms)), (norms, ref_norms)
         bad = {k: v for k, v in result["parameters"].items() if not v <= TOL}
         assert not bad and len(result["parameters"]) == 11, bad
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_a_replicated_model_loads_a_plain_state_dict_and_keeps_its_parameters_when_a_forward_raises(world, layout):
+    for out in world:
+        assert out["plain beside"][f"{layout}, loaded"] == [], out["plain beside"][f"{layout}, loaded"]
+        assert out["plain beside"][f"{layout}, restored"]
+
+
+def test_replicating_refuses_a_model_fsdp_manages_and_a_parameter_with_a_gradient(world):
+    for out in world:
+        result = out["replicate refusals"]
+        text, kinds = result["fsdp"]
+        assert text.startswith("model: expected every DTensor parameter on the DeviceMesh of its sharded MoE layers' "
+                               "parameters (one mesh.parameter_mesh), got DTensor parameters on mesh dims "), text
+        assert "fully_shard its plain modules too" in text and kinds == ["Parameter"], result
+        text, kinds = result["gradient"]
+        assert text.startswith("0.bias: expected a parameter without a gradient (call replicate_plain_parameters "
+                               "before the first backward)"), text
 
 
 def test_clipping_before_sync_sums_the_partial_gradients_and_a_second_sync_changes_nothing(world):
