@@ -25,7 +25,9 @@ router bias, gated shared expert) and every balance loss, against one process on
   plain beside           an nn.Linear before the layer, its parameters made DTensors by
                          replicate_plain_parameters: torch's clip_grad_norm_ (foreach on and off)
                          and AdamW (foreach on and off) on dp2 x ep2 and ep2 x tp2 as one process
-                         (torch refused the mix: "mixed torch.Tensor and DTensor").
+                         (torch refused the mix: "mixed torch.Tensor and DTensor"); a plain state
+                         dict loads; a raising forward leaves the parameters in place; a layer
+                         under fully_shard and a gradient already there are refused.
   partial gradients      ep2 x tp2: shardmoe's clip_grad_norm_ before sync_grads (the router's and
                          the Linear's gradients Partial over 'ep') gives the one-process norm, and
                          a second sync_grads leaves the gradients of the first bit for bit.
