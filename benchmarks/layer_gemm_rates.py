@@ -63,7 +63,7 @@ def main(argv=None) -> None:
     names = ["shardmoe", "dense"]
     cands = build_candidates(shape, dtype, "cpu", names, fresh_inputs=args.steps + 3)[0]
     stats = collections.defaultdict(lambda: [0.0, 0])
-    if cpu._ops() is None:
+    if not cpu.library_loaded():
         raise SystemExit("layer_gemm_rates: the C++ library did not build: nothing to time")
     # the layer looks the operators up on torch.ops.shardmoe_gemm at each call (experts.TorchOps.linear)
     torch.ops.shardmoe_gemm.experts_mm, torch.ops.shardmoe_gemm.experts_weight_grad = timed_gemms(stats)

@@ -18,10 +18,10 @@ CpuOps calls these for float32 and bfloat16 CPU tensors where `elementwise_fits(
 
   glu_forward    a = act(hg) * hu, and act(hg) when asked           h [N, 2F] -> [N, F]
   glu_backward   dh = [dA * hu * act'(hg) | dA * act(hg)]           dA, act(hg) [N, F], h -> [N, 2F]
-  glu_grad       the glu expert's backward passes in one: a, dh and the gate dots from h, g Wdown, w
+  glu_backward_one_pass  the glu expert's backward passes in one: a, dh and the gate dots from h, g Wdown, w
   scale_rows     out_r = w_r * rows_r                               [N, D], [N] -> [N, D]
   rowwise_dot    out_r = sum_d rows[r, d] * f1[r, d] (* f2[r, d])   [N, D] -> [N] float32
-  combine_rows   out_t = sum over rows r of t of (w_r *) rows_r     [N, D] -> [S, D] float32
+  index_add_rows out_i = sum over rows r with index r = i of (w_r *) rows_r   [N, D] -> [S, D] float32
   combine_pairs  the same sum as a gather over each token's rows    [N, D], [S, k] -> [S, D] float32
 
 Each reads every input element once, forms the math in float32 registers (bf16 is widened on load,
@@ -133,12 +133,12 @@ from shardmoe.moe.experts import TorchOps
 from shardmoe.rows import Groups
 from shardmoe.settings import SETTINGS
 
-FUSED_DTYPES = (torch.float32, torch.bfloat16)
+LIBRARY_DTYPES = (torch.float32, torch.bfloat16)
 # the activations the kernels evaluate, with the codes csrc/elementwise.cpp's Activation enum uses
 ACTIVATION_CODES = {"relu": 0, "gelu": 1, "gelu_tanh": 2, "silu": 3, "identity": 4}
 # one library: these passes and the side-by-side GEMMs below (csrc/experts_mm.cpp)
 SOURCES = tuple(Path(__file__).with_name("csrc") / name for name in ("elementwise.cpp", "experts_mm.cpp"))
-_LIBRARY = "shardmoe_elementwise"
+_LIBRARY = "shardmoe_cpu"
 
 # compiler flags per CPU capability, as ATen builds its own vectorised kernels (cmake/Codegen.cmake)
 _CAPABILITY_FLAGS = {
@@ -196,19 +196,20 @@ def build_library() -> Path:
 
 
 @functools.cache
-def _ops():
-    """torch.ops.shardmoe_elementwise after building/loading the library once per process, or None
-    (with one warning) when that fails. The wrappers below run only where CpuOps said yes, so
-    the library is loaded: they call torch.ops.shardmoe_elementwise directly, which Dynamo traces
-    (it would trace through this cache into build_library's compiler probe and break the graph)."""
+def library_loaded() -> bool:
+    """Whether the library (torch.ops.shardmoe_elementwise and torch.ops.shardmoe_gemm) is loaded,
+    after building/loading it once per process; False (with one warning) when that fails. The
+    wrappers below run only where CpuOps said yes, so the library is loaded: they call its operators
+    directly, which Dynamo traces (it would trace through this cache into build_library's compiler
+    probe and break the graph)."""
     try:
         torch.ops.load_library(str(build_library()))
-        return torch.ops.shardmoe_elementwise
+        return True
     except Exception as error:  # no compiler, no headers, a broken cache: all mean "use torch"
         message = " ".join(str(error).split())
-        warnings.warn(f"shardmoe: fused CPU elementwise passes unavailable, using the torch path: "
-                      f"{type(error).__name__}: {message}", RuntimeWarning, stacklevel=3)
-        return None
+        warnings.warn(f"shardmoe: the C++ CPU library (elementwise passes, side-by-side GEMMs) is unavailable, "
+                      f"using the torch path: {type(error).__name__}: {message}", RuntimeWarning, stacklevel=3)
+        return False
 
 
 class CpuOps(TorchOps):
@@ -229,20 +230,20 @@ class CpuOps(TorchOps):
     # a given buffer rules out grouped_mm, which allocates: on CPU it runs the per-expert loop's products
     fills_row_buffers = True
 
-    def __init__(self, elementwise: bool = False, experts_mm: bool = False, workspace: Workspace | None = None):
-        self.elementwise, self.experts_mm, self.workspace = elementwise, experts_mm, workspace
+    def __init__(self, elementwise: bool = False, side_by_side: bool = False, workspace: Workspace | None = None):
+        self.elementwise, self.side_by_side, self.workspace = elementwise, side_by_side, workspace
 
     def __repr__(self) -> str:
-        return f"CpuOps(elementwise={self.elementwise}, experts_mm={self.experts_mm})"
+        return f"CpuOps(elementwise={self.elementwise}, side_by_side={self.side_by_side})"
 
     @classmethod
     def decide(cls, x: torch.Tensor, workspace: Workspace | None = None) -> "CpuOps":
-        if x.device.type != "cpu" or x.dtype not in FUSED_DTYPES:
+        if x.device.type != "cpu" or x.dtype not in LIBRARY_DTYPES:
             return cls(workspace=workspace)
-        fused, side_by_side = SETTINGS.fused_elementwise, SETTINGS.experts_mm and torch.get_num_threads() >= 2
-        if not (fused or side_by_side) or _ops() is None:
+        elementwise, side_by_side = SETTINGS.fused_elementwise, SETTINGS.experts_mm and torch.get_num_threads() >= 2
+        if not (elementwise or side_by_side) or not library_loaded():
             return cls(workspace=workspace)
-        return cls(fused, side_by_side, workspace)
+        return cls(elementwise, side_by_side, workspace)
 
     def elementwise_fits(self, *tensors: torch.Tensor, activation: str = "identity", extra: tuple = ()) -> bool:
         """Whether the fused passes take these operands: this forward allows them, the operands fit
@@ -254,7 +255,7 @@ class CpuOps(TorchOps):
     def gemm_fits(self, groups: Groups, *tensors: torch.Tensor) -> bool:
         """Whether the experts' GEMMs run side by side: this forward allows them, there is more than
         one expert, and the operands fit (operands_fit; any strides)."""
-        return self.experts_mm and groups.num_experts > 1 and operands_fit(tensors)
+        return self.side_by_side and groups.num_experts > 1 and operands_fit(tensors)
 
     # -- the primitives: the CPU's own where the operands fit, TorchOps' otherwise ----------
 
@@ -265,7 +266,7 @@ class CpuOps(TorchOps):
 
     def bias_grad(self, grad_rows, groups):
         if self.elementwise_fits(grad_rows):  # the same row-order sum, one pass
-            return combine_rows(grad_rows, groups.row_expert(), groups.num_experts).to(grad_rows.dtype)
+            return index_add_rows(grad_rows, groups.row_expert(), groups.num_experts).to(grad_rows.dtype)
         return super().bias_grad(grad_rows, groups)
 
     def glu(self, h, activation, act_gate=None):
@@ -278,13 +279,14 @@ class CpuOps(TorchOps):
             return glu_backward(grad_a, h, act_gate, activation, out=self.empty(h.shape, h))
         return super().glu_backward(grad_a, h, act_gate, activation)
 
-    def fuses_glu_grad(self, grad_rows, h, weight_rows, activation):
+    def has_glu_backward_one_pass(self, grad_rows, h, weight_rows, activation):
         return isinstance(activation, str) and self.elementwise_fits(grad_rows, h, activation=activation,
                                                                      extra=(weight_rows,))
 
-    def glu_grad(self, h, g_down, weight_rows, activation, *, a_out=None, grad_h_out=None):
-        """The glu backward's elementwise work in one pass (glu_grad below), where fuses_glu_grad."""
-        return glu_grad(h, g_down, weight_rows, activation, a_out=a_out, grad_h_out=grad_h_out)
+    def glu_backward_one_pass(self, h, g_down, weight_rows, activation, *, a_out=None, grad_h_out=None):
+        """The glu backward's elementwise work in one pass (glu_backward_one_pass below), where
+        has_glu_backward_one_pass."""
+        return glu_backward_one_pass(h, g_down, weight_rows, activation, a_out=a_out, grad_h_out=grad_h_out)
 
     def scale_rows(self, rows, weight_rows, *, out=None):
         if self.elementwise_fits(rows, extra=(weight_rows,)):
@@ -307,7 +309,7 @@ def operands_fit(tensors: tuple, extra: tuple = ()) -> bool:
     they and the `extra` operands of other dtypes (None is skipped) CPU tensors not tracked by
     autograd (the ops have no autograd formula: the layer's stages run without one)."""
     dtype = tensors[0].dtype
-    if dtype not in FUSED_DTYPES or any(t.dtype != dtype for t in tensors):
+    if dtype not in LIBRARY_DTYPES or any(t.dtype != dtype for t in tensors):
         return False
     grad = torch.is_grad_enabled()
     return all(t.device.type == "cpu" and not (grad and t.requires_grad)
@@ -356,7 +358,7 @@ def glu_backward(grad_a: torch.Tensor, h: torch.Tensor, act_gate: torch.Tensor, 
     return grad_h
 
 
-def glu_grad(h: torch.Tensor, g_down: torch.Tensor, weight_rows: torch.Tensor, activation: str, *,
+def glu_backward_one_pass(h: torch.Tensor, g_down: torch.Tensor, weight_rows: torch.Tensor, activation: str, *,
              a_out: torch.Tensor | None = None, grad_h_out: torch.Tensor | None = None):
     """The glu expert's backward elementwise work in one pass over h = [hg | hu] [N, 2F], the
     unscaled g_down = g Wdown [N, F] and the combine weights w [N]:
@@ -381,7 +383,8 @@ def glu_grad(h: torch.Tensor, g_down: torch.Tensor, weight_rows: torch.Tensor, a
     a = h.new_empty((rows, width // 2)) if a_out is None else a_out
     grad_h = torch.empty_like(h, memory_format=torch.contiguous_format) if grad_h_out is None else grad_h_out
     dots = h.new_empty(rows, dtype=torch.float32)
-    torch.ops.shardmoe_elementwise.glu_grad(h, g_down, weight, ACTIVATION_CODES[activation], a, grad_h, dots)
+    torch.ops.shardmoe_elementwise.glu_backward_one_pass(h, g_down, weight, ACTIVATION_CODES[activation], a, grad_h,
+                                                         dots)
     return a, grad_h, dots
 
 
@@ -407,21 +410,22 @@ def rowwise_dot(rows: torch.Tensor, factor: torch.Tensor, second_factor: torch.T
     return out
 
 
-def combine_rows(rows: torch.Tensor, row_token: torch.Tensor, num_tokens: int,
-                 weight_rows: torch.Tensor | None = None) -> torch.Tensor:
-    """out_t = sum of (w_r *) rows_r over the rows r with row_token[r] == t, [S, D] float32, each
-    token's rows added in row order (as index_add_ does). Token indices outside [0, S) raise."""
-    _check_shape("row_token", row_token, (rows.shape[0],))
+def index_add_rows(rows: torch.Tensor, index: torch.Tensor, num_targets: int,
+                   weight_rows: torch.Tensor | None = None) -> torch.Tensor:
+    """out_i = sum of (w_r *) rows_r over the rows r with index[r] == i: rows [N, D], index [N] ->
+    [num_targets, D] float32, each target's rows added in row order (as index_add_ does; the bias
+    gradient sums an expert's rows, index = the row's expert). Indices outside [0, num_targets) raise."""
+    _check_shape("index", index, (rows.shape[0],))
     weight = None if weight_rows is None else _check_rows_float32("weight_rows", weight_rows, rows.shape[0])
-    out = torch.zeros((num_tokens, rows.shape[1]), dtype=torch.float32)
-    torch.ops.shardmoe_elementwise.combine_rows(rows, row_token.to(torch.int64), weight, out)
+    out = torch.zeros((num_targets, rows.shape[1]), dtype=torch.float32)
+    torch.ops.shardmoe_elementwise.index_add_rows(rows, index.to(torch.int64), weight, out)
     return out
 
 
 def combine_pairs(rows: torch.Tensor, token_rows: torch.Tensor, weight_rows: torch.Tensor | None = None) -> torch.Tensor:
     """out_t = sum over j of (w_r *) rows_r for r = token_rows[t, j], skipping r = -1 (a dropped
     pair): [N, D], [S, k] int64 -> [S, D] float32, each token's rows added in the order given
-    (ascending: the order combine_rows and index_add_ add them; combine.token_rows builds it).
+    (ascending: the order index_add_rows and index_add_ add them; combine.token_rows builds it).
     One thread forms each output row from its k rows, so nothing is read-modified-written. Row
     indices outside [-1, N) raise."""
     if token_rows.dim() != 2:

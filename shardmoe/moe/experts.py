@@ -173,10 +173,10 @@ class TorchOps:
             torch.mul(grad_a[c], act_gate[c], out=grad_h[c, ffn:])
         return grad_h
 
-    def fuses_glu_grad(self, grad_rows: torch.Tensor, h: torch.Tensor, weight_rows: torch.Tensor,
+    def has_glu_backward_one_pass(self, grad_rows: torch.Tensor, h: torch.Tensor, weight_rows: torch.Tensor,
                        activation: str | ClampedSwiGLU) -> bool:
-        """Whether these ops have glu_grad, the glu backward's elementwise work in one pass
-        (_glu_backward_one_pass), for these operands: torch's own have not."""
+        """Whether these ops have glu_backward_one_pass, the glu expert's backward elementwise work
+        in one pass (_glu_expert_backward_one_pass), for these operands: torch's own have not."""
         return False
 
     def scale_rows(self, rows: torch.Tensor, weight_rows: torch.Tensor, *,
@@ -213,8 +213,9 @@ class TorchOps:
         grad_rows and xs are the token-order [S, H] tensors, gathered here).
 
         GLU runs the elementwise work of stages 2-4 as one pass where these ops have it for the
-        operands (fuses_glu_grad: the CPU's C++ pass; _glu_backward_one_pass), and stage by stage
-        otherwise (_glu_backward_by_stage): the same products, the same bits.
+        operands (has_glu_backward_one_pass: the CPU's C++ pass; _glu_expert_backward_one_pass),
+        and stage by stage otherwise (_glu_expert_backward_by_stage): the same products, the same
+        bits.
 
         Returns (dx rows [N, H], gate dots dw [N] in the acc dtype, {parameter name: gradient}).
         GLU takes the gate dot over F, as (g Wdown) . a: with F sharded that is a partial sum.
@@ -222,12 +223,12 @@ class TorchOps:
         if row_index is not None:
             grad_rows, xs = gather_rows(self, grad_rows, row_index), gather_rows(self, xs, row_index)
         if kind is MLP:
-            return _mlp_backward(self, activation, output_activation, grad_rows, weight_rows, xs, saved, params,
+            return _mlp_expert_backward(self, activation, output_activation, grad_rows, weight_rows, xs, saved, params,
                                  groups)
         (h,) = saved
         has_bias = params.get("gate_up_proj_bias") is not None
-        by = _glu_backward_one_pass if self.fuses_glu_grad(grad_rows, h, weight_rows, activation) \
-            else _glu_backward_by_stage
+        one_pass = self.has_glu_backward_one_pass(grad_rows, h, weight_rows, activation)
+        by = _glu_expert_backward_one_pass if one_pass else _glu_expert_backward_by_stage
         grad_xs, grad_dots, grads = by(self, activation, grad_rows, weight_rows, xs, h, params, groups, has_bias)
         # y = a Wdown_e^T + bdown_e, so g . y gains g . bdown_e; expert TP passes down_proj_bias None
         # (it adds the term once, after the psum of the partial dots over t) but still wants dbdown
@@ -337,7 +338,7 @@ def grad_pre_gemm_mlp(ops, grad_a1: torch.Tensor, z1: torch.Tensor, xs: torch.Te
     return ops.linear_t(grad_z1, w1, groups), ops.weight_grad(grad_z1, xs, groups), grad_b1
 
 
-def _mlp_backward(ops, activation, output_activation, grad_rows, weight_rows, xs, saved, params, groups):
+def _mlp_expert_backward(ops, activation, output_activation, grad_rows, weight_rows, xs, saved, params, groups):
     z1, z2 = saved
     has_bias = params["b1"] is not None
     grad_dots = grad_gate_combine(ops, grad_rows, activate(output_activation, z2))
@@ -348,8 +349,9 @@ def _mlp_backward(ops, activation, output_activation, grad_rows, weight_rows, xs
     return grad_xs, grad_dots, {"w1": grad_w1, "b1": grad_b1, "w2": grad_w2, "b2": grad_b2}
 
 
-def _glu_backward_by_stage(ops, activation: str | ClampedSwiGLU, grad_rows: torch.Tensor, weight_rows: torch.Tensor,
-                           xs: torch.Tensor, h: torch.Tensor, params: dict, groups: Groups, has_bias: bool):
+def _glu_expert_backward_by_stage(ops, activation: str | ClampedSwiGLU, grad_rows: torch.Tensor,
+                                  weight_rows: torch.Tensor, xs: torch.Tensor, h: torch.Tensor, params: dict,
+                                  groups: Groups, has_bias: bool):
     """Stages 2-4 for "glu" from the stage functions (their elementwise work in separate passes):
     recompute (a, act(hg)) from h, stage 3, stage 2's dots, stage 4.
     Returns (dx rows, dots without the down bias term, {parameter name: gradient})."""
@@ -365,20 +367,21 @@ def _glu_backward_by_stage(ops, activation: str | ClampedSwiGLU, grad_rows: torc
                                 "down_proj": grad_down, "down_proj_bias": grad_down_bias}
 
 
-def _glu_backward_one_pass(ops, activation: str, grad_rows: torch.Tensor, weight_rows: torch.Tensor,
-                           xs: torch.Tensor, h: torch.Tensor, params: dict, groups: Groups, has_bias: bool):
-    """Stages 2-4 for "glu" where ops.glu_grad takes the rows: the GEMMs of grad_post_gemm_glu and
-    grad_pre_gemm_glu, and all their elementwise work, with stage 2's dots and the recomputed a, in
-    one pass after the first GEMM (FlashMoE puts the same work in that GEMM's epilogue):
-      g_down = g Wdown_e [N, F];   (a, dh, dw) = glu_grad(h, g_down, w)
+def _glu_expert_backward_one_pass(ops, activation: str, grad_rows: torch.Tensor, weight_rows: torch.Tensor,
+                                  xs: torch.Tensor, h: torch.Tensor, params: dict, groups: Groups, has_bias: bool):
+    """Stages 2-4 for "glu" where ops.glu_backward_one_pass takes the rows: the GEMMs of
+    grad_post_gemm_glu and grad_pre_gemm_glu, and all their elementwise work, with stage 2's dots
+    and the recomputed a, in one pass after the first GEMM (FlashMoE puts the same work in that
+    GEMM's epilogue):
+      g_down = g Wdown_e [N, F];   (a, dh, dw) = glu_backward_one_pass(h, g_down, w)
       dWdown_e = sum (w g)^T a;    dWgu_e = sum dh^T x;    dx = dh Wgu_e
-    dx rows and every gradient are _glu_backward_by_stage's bits (the float32 dots its values to
-    round-off), from 1 pass over [N, F]-sized rows instead of 4 and without its act(hg), dA and
-    separate a buffers. Returns what _glu_backward_by_stage returns."""
+    dx rows and every gradient are _glu_expert_backward_by_stage's bits (the float32 dots its values
+    to round-off), from 1 pass over [N, F]-sized rows instead of 4 and without its act(hg), dA and
+    separate a buffers. Returns what _glu_expert_backward_by_stage returns."""
     g_down = ops.linear_t(grad_rows, params["down_proj"], groups)
     # a overwrites g_down, which nothing reads after the pass: one [N, F] buffer fewer
-    a, grad_h, grad_dots = ops.glu_grad(h, g_down, weight_rows, activation, a_out=g_down,
-                                        grad_h_out=ops.empty(h.shape, h))
+    a, grad_h, grad_dots = ops.glu_backward_one_pass(h, g_down, weight_rows, activation, a_out=g_down,
+                                                     grad_h_out=ops.empty(h.shape, h))
     del g_down  # the same tensor as a: freed with it below
     grad_expert = grad_combine(ops, grad_rows, weight_rows)
     grads = {"down_proj": ops.weight_grad(grad_expert, a, groups),

@@ -1,6 +1,6 @@
 """cpu_gemm: the experts' GEMMs side by side, one per thread, against float64 products; skewed
 routing (an expert with a thread's share of the rows or more), empty experts, transposed weights;
-the GEMMs as torch operators (torch.library.opcheck) and, with cpu.glu_grad, under
+the GEMMs as torch operators (torch.library.opcheck) and, with cpu.glu_backward_one_pass, under
 torch.compile(fullgraph=True)."""
 import os
 import re
@@ -33,7 +33,7 @@ def experts_weight_grad(grad_rows, in_rows, sizes):
 
 @pytest.fixture
 def two_threads():
-    if cpu._ops() is None:
+    if not cpu.library_loaded():
         pytest.skip("the C++ library does not build here")
     previous = torch.get_num_threads()
     torch.set_num_threads(2)
@@ -120,7 +120,7 @@ def test_row_blocks_and_zero_padded_weight_grads_are_the_per_expert_products(two
 _SHAPES_RUN = """
 import torch
 from shardmoe.moe import cpu
-assert cpu._ops() is not None
+assert cpu.library_loaded()
 torch.set_num_threads(2)
 sizes = {sizes}
 n = sum(sizes)
@@ -200,14 +200,14 @@ def test_a_forwards_decision_is_taken_as_given(two_threads, monkeypatch):
     count are read once, by CpuOps.decide."""
     x, two = torch.randn(4, 3), Groups.from_counts(torch.tensor([1, 3]))
     ops = CpuOps.decide(x)
-    assert (ops.elementwise, ops.experts_mm) == (True, True)
+    assert (ops.elementwise, ops.side_by_side) == (True, True)
     assert not CpuOps(elementwise=True).gemm_fits(two, x)
     monkeypatch.setattr(SETTINGS, "experts_mm", False)
     torch.set_num_threads(1)
-    assert CpuOps(experts_mm=True).gemm_fits(two, x)
-    assert not CpuOps(experts_mm=True).gemm_fits(two, x.double())
+    assert CpuOps(side_by_side=True).gemm_fits(two, x)
+    assert not CpuOps(side_by_side=True).gemm_fits(two, x.double())
     ops = CpuOps.decide(x)
-    assert (ops.elementwise, ops.experts_mm) == (True, False)
+    assert (ops.elementwise, ops.side_by_side) == (True, False)
 
 
 def test_layer_with_and_without_side_by_side_gemms(two_threads, monkeypatch):
@@ -247,7 +247,7 @@ def test_gemm_is_a_proper_torch_operator(two_threads, name):
 
 def test_glu_expert_backward_compiles_to_the_eager_bits(two_threads):
     """The glu expert's backward as the torch backend runs it on CPU: g Wdown (experts_mm), the
-    one-pass glu_grad writing a over g Wdown, dWgate_up (experts_weight_grad). Under
+    one-pass glu_backward_one_pass writing a over g Wdown, dWgate_up (experts_weight_grad). Under
     torch.compile(fullgraph=True) Dynamo traces the wrappers into one graph (no break: they call
     torch.ops directly and the ops have Meta kernels), the written buffers are functionalized, and
     the compiled function runs the same kernels on the same operands: eager's bits."""
@@ -262,7 +262,7 @@ def test_glu_expert_backward_compiles_to_the_eager_bits(two_threads):
 
     def backward(g, down_t, h, w, x):
         g_down = experts_mm(g, down_t, sizes, g.new_empty(n, ffn))
-        a, grad_h, dots = cpu.glu_grad(h, g_down, w, "silu", a_out=g_down)
+        a, grad_h, dots = cpu.glu_backward_one_pass(h, g_down, w, "silu", a_out=g_down)
         return a, grad_h, dots, experts_weight_grad(grad_h, x, sizes)
 
     eager = backward(g, down_t, h, w, x)

@@ -11,13 +11,13 @@ from shardmoe.moe.cpu import CpuOps, Workspace
 from shardmoe.moe.experts import TORCH_OPS, TorchOps
 
 # what the operators and dispatchers call on the ops, and the row primitives the stage math calls
-# (glu_grad only where fuses_glu_grad says so)
+# (glu_backward_one_pass only where has_glu_backward_one_pass says so)
 STAGES = {"expert_forward", "expert_backward", "combine", "grad_gate_combine", "grad_input_combine"}
-PRIMITIVES = {name for name in vars(TorchOps) if not name.startswith("_")} - STAGES - {"name"} | {"glu_grad"}
+PRIMITIVES = {name for name in vars(TorchOps) if not name.startswith("_")} - STAGES - {"name", "fills_row_buffers"} | {"glu_backward_one_pass"}
 
 
 def _flags(ops: CpuOps) -> tuple[bool, bool]:
-    return ops.elementwise, ops.experts_mm
+    return ops.elementwise, ops.side_by_side
 
 
 def test_cpu_tensors_get_the_forwards_cpu_ops():
@@ -115,4 +115,5 @@ def test_every_stage_runs_on_the_ops_chosen_in_forward(monkeypatch, expert, dtyp
     assert {"empty", "linear", "linear_t", "weight_grad", "scale_rows", "rowwise_dot", "combine_rows"} <= used
     if expert == "glu":
         fused = CpuOps.decide(torch.zeros(1, dtype=dtype)).elementwise
-        assert {"glu", "fuses_glu_grad"} | ({"glu_grad"} if fused else {"glu_backward"}) <= used
+        one_pass = {"glu_backward_one_pass"} if fused else {"glu_backward"}
+        assert {"glu", "has_glu_backward_one_pass"} | one_pass <= used
