@@ -4,7 +4,7 @@
   model = AutoModelForCausalLM.from_config(cfg, experts_implementation="shardmoe")
 
 runs every experts module decorated with transformers' use_experts_implementation through
-shardmoe's fused expert stages (shardmoe/hf/seam.py); the family's router, shared experts and
+shardmoe's expert stages (shardmoe/hf/seam.py); the family's router, shared experts and
 the rest of the model stay the family's own. shardmoe.hf.convert(model) (shardmoe/hf/converted.py)
 swaps whole sparse blocks for shardmoe.MoE layers. docs/hf.md lists the families and their status.
 transformers is imported here, so nothing else in shardmoe imports this package at import time.

@@ -3,7 +3,7 @@
   shardmoe.hf.convert(model)   in place; returns model
 
 Each block (a module with an `experts` child decorated by use_experts_implementation) becomes a
-ConvertedBlock holding MoE.from_hf(block): routing and experts run in the fused layer, forward and
+ConvertedBlock holding MoE.from_hf(block): routing and experts run in the MoE layer, forward and
 backward. The model's own loss is kept, router aux loss included with the family's coefficient:
 transformers computes that loss from the router logits it records with a hook on modules of the
 family's router class (OutputRecorder), summed over all layers before the balance product
@@ -12,7 +12,7 @@ ConvertedBlock therefore keeps a RouterLogits child, an instance of a subclass o
 router class with no parameters, returning (x Wg,) with the layer's own gate weight: the hook
 records it and the model's aux loss differentiates through it into the layer's gate_weight. The
 layer's own aux_loss_coef stays 0, so nothing is counted twice. Costs one [S, H] x [H, E] GEMM
-per block beyond the fused layer.
+per block beyond the MoE layer.
 
 Every block is read (MoE.from_hf's refusals: shared experts, GPT-OSS, ...) before any is swapped.
 

@@ -321,7 +321,7 @@ class Transformer(nn.Module):
     """The model on this rank: parameters hold local shards (see the module docstring).
 
     backward: "explicit" (the dense layers' hand-written backward) or "autograd" (autograd through
-    their forward and shardops' collectives); the MoE layer always runs its fused explicit backward.
+    their forward and shardops' collectives); the MoE layer always runs its explicit backward.
     """
 
     def __init__(self, config: TransformerConfig, *, mesh=None, backward: str = "explicit",

@@ -10,7 +10,7 @@ fit, and the row buffers from the third; everything else runs TorchOps' torch co
 devices none of this runs (moe/dispatch.py select()).
 
 ## C++ passes
-Fused elementwise passes of the fused layer on CPU: one vectorised pass per stage, in C++.
+Fused elementwise passes of the MoE layer on CPU: one vectorised pass per stage, in C++.
 
 CpuOps calls these for float32 and bfloat16 CPU tensors where `elementwise_fits(...)` says so
 (the forward allows them and the operands fit), and TorchOps' torch code for everything else
@@ -84,7 +84,7 @@ annotated as written, a Meta kernel) that the wrappers call directly, so
 torch.compile(fullgraph=True) traces them, as for the passes.
 
 ## Workspace
-Workspace: a per-layer pool of the large row buffers of the fused layer's forward and backward.
+Workspace: a per-layer pool of the large row buffers of the MoE layer's forward and backward.
 
 Fresh CPU allocations of 32 MiB and more page-fault on every first touch (glibc maps them anew:
 docs/history/cpu-layer-choices.md), and a GEMM writing into such a buffer ran at a third of its speed. The row

@@ -1,5 +1,5 @@
 """Routing: gate logits, scores, selection, combine weights, capacity, balance losses,
-and the gate's backward (grad_gate_gemm, stage 6 of the fused backward).
+and the gate's backward (grad_gate_gemm, stage 6 of the explicit backward).
 
 Shapes: S tokens, H hidden, E experts, k = top_k, Q sequences, N = number of kept
 (token, expert) pairs. A pair is indexed p = t * k + j (token t, its j-th choice). Dispatch

@@ -12,7 +12,7 @@ intermediate dim (expert_tensor). Forward, on rank (d, e, t):
   plan           all-gather counts over (d, e): global capacity, splits          (dispatch)
   dispatch       rows xs = x[token of each kept pair] 'N_send H', grouped by destination peer,
                  to the peers along 'e' -> 'N_recv H' (P2P or remote path)      (exchange)
-  experts        the fused path's expert math on the local experts' rows, psum over 't'
+  experts        the layer's expert math on the local experts' rows, psum over 't'
   combine        rows y back along 'e' (reverse splits) -> out_t = sum_j w_tj y_j(x_t)
   shared expert  on this rank's own tokens (dense: no exchange), its intermediate dim split over 't'
                  like the routed experts': z psummed over 't', s z added to the combine (shared_experts)

@@ -1,4 +1,4 @@
-"""activation="clamped_swiglu" (GPT-OSS) in the fused layer: exactness against the float64 reference
+"""activation="clamped_swiglu" (GPT-OSS) in the MoE layer: exactness against the float64 reference
 (alone, with biases, capacity and the routers), the clamp's boundary, low precision, GPT-OSS's own
 experts, and the refusals."""
 import pytest
@@ -46,7 +46,7 @@ def _check_against_reference(layer, x, grad_out, bar):
 
 @pytest.mark.parametrize("kw", CASES)
 @pytest.mark.parametrize("top_k", [1, 2])
-def test_fused_backward_equals_reference_float64(kw, top_k):
+def test_backward_equals_reference_float64(kw, top_k):
     """Both clamp regions are hit: h ~ N(0, 8) against limits 1.5..2.5."""
     layer = _layer(top_k, **kw)
     gen = torch.Generator().manual_seed(1)
@@ -60,7 +60,7 @@ def test_fused_backward_equals_reference_float64(kw, top_k):
 def test_inputs_planted_exactly_at_the_limits():
     """h = x[:, 0] * gate_up_proj[e, :, 0] exactly when x[:, 0] = 1 and the other columns of gate_up_proj
     are zero; planting +-L (and L + 1, -L - 1) there puts h exactly on the clamp boundaries. The other
-    columns of x still steer the routing. Fused and reference agree to 1e-10 there: the clamp passes the
+    columns of x still steer the routing. Layer and reference agree to 1e-10 there: the clamp passes the
     gradient at the boundary (torch.clamp's closed range)."""
     limit = 2.0
     layer = _layer(1, swiglu_limit=limit)

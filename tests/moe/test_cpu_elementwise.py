@@ -239,11 +239,11 @@ def test_layer_runs_the_fused_passes_with_todays_results(fused, monkeypatch):
             called.add(_name)
             return _fn(*args, **kwargs)
         monkeypatch.setattr(cpu, name, spy)
-    fused_out, fused_dx, fused_grads = step()
+    fused_out, fused_dx, layer_grads = step()
     assert called == {"glu_forward", "glu_backward_one_pass", "scale_rows", "combine_pairs"}
     ref_out, ref_dx, ref_grads = torch_path(monkeypatch, step)
     torch.testing.assert_close(fused_out, ref_out, rtol=0, atol=0)
-    for name, grad in fused_grads.items():
+    for name, grad in layer_grads.items():
         exact = name != "gate_weight"
         torch.testing.assert_close(grad, ref_grads[name], rtol=0 if exact else 2e-2, atol=0 if exact else 1e-3)
     torch.testing.assert_close(fused_dx, ref_dx, rtol=2e-2, atol=1e-3)  # dx also flows through the router

@@ -41,7 +41,7 @@ def _grads(out, aux, grad_out, inputs):
 @pytest.mark.parametrize("kw", CASES)
 @pytest.mark.parametrize("top_k", [1, 3])
 @pytest.mark.parametrize("hidden,ffn", SHAPES)
-def test_fused_backward_equals_reference_float64(kw, top_k, hidden, ffn):
+def test_backward_equals_reference_float64(kw, top_k, hidden, ffn):
     layer = _layer(top_k, hidden, ffn, **kw)
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(13, hidden, generator=gen, dtype=torch.float64, requires_grad=True)

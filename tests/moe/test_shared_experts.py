@@ -1,4 +1,4 @@
-"""Shared experts in the fused layer (moe/shared_experts.py): exact in float64 against the independent
+"""Shared experts in the MoE layer (moe/shared_experts.py): exact in float64 against the independent
 autograd reference, alone and with routers, capacity and biases; fp32 / bf16 within the documented
 bars; transformers' Qwen2-MoE (gated shared expert) and DeepSeek-V3 (n_shared experts) blocks; errors."""
 import pytest
