@@ -44,7 +44,7 @@ from shardmoe.moe.config import MoEConfig
 from shardmoe.moe import function, precision
 from shardmoe.moe.dispatch import LOCAL
 from shardmoe.moe.function import MoEContext
-from shardmoe.moe.hf_blocks import experts_activation, family_name, gate_up_halves, unknown_activation
+from shardmoe.hf.blocks import experts_activation, family_name, gate_up_halves, unknown_activation
 from shardmoe.moe.routing import GivenRouting
 from shardmoe.moe.cpu import Workspace
 
@@ -92,7 +92,7 @@ def read_layout(experts) -> ExpertsLayout:
         raise _refuse(experts, "a post-expert norm (has_post_expert_norm=True) is not supported")
     if getattr(experts, "_is_expert_parallel", False):
         raise _refuse(experts, "transformers' expert parallelism (sentinel expert ids) is not supported; "
-                               "shardmoe shards experts itself (MoE.from_hf with a mesh)")
+                               "shardmoe shards experts itself (shardmoe.hf.from_block with a mesh)")
     has_bias = bool(experts.has_bias)
     activation, interleaved = None, False
     if experts.has_gate:

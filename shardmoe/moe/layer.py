@@ -48,10 +48,8 @@ from shardmoe.mesh import EXPERT, GRAD_SYNC_ATTRIBUTE, REPLICATED, as_mesh, mark
 from shardmoe.moe import composition, function, precision
 from shardmoe.moe.placement import placement
 from shardmoe.moe.function import MoEContext
-from shardmoe.moe.routing import GateRouter, check_mixtral_router, corrected_bias, token_sequence_ids
+from shardmoe.moe.routing import GateRouter, corrected_bias, token_sequence_ids
 from shardmoe.moe.cpu import Workspace
-from shardmoe.moe import hf_convert
-from shardmoe.moe.hf_blocks import MIXTRAL_ACTIVATIONS, mixtral_semantics
 
 # MoEConfig's router fields, which MoE takes as keyword options
 ROUTER_OPTIONS = ("score_func", "router_bias", "correction_bias", "bias_update_rate", "n_group", "topk_group",
@@ -115,6 +113,7 @@ class MoE(nn.Module):
         self.stats: dict = {}
         # the large row buffers of forward and backward, reused across steps (single process)
         self.workspace = Workspace()
+        self._router = GateRouter(self.config)  # the layer's gate, as the MoE operators route with it
         self._moe_handle = function.register(self)  # the int the MoE operators name this layer by
         # state dicts describe the whole logical expert tensors, whatever the mesh (moe/composition.py)
         self.register_state_dict_post_hook(composition.state_entries)
@@ -261,8 +260,8 @@ class MoE(nn.Module):
             scale = None if scale is None else scale * self.mesh.size(("d", "e"))
             if self.mesh.size("e") > 1:
                 reduce = functools.partial(composition.mean_over_e, self.mesh.group("e"), self.mesh.size("e"))
-        return MoEContext(self.config, GateRouter(self.config), self.dispatcher, self.workspace, self._keep_stats,
-                       scale, self.balance_scope, reduce)
+        return MoEContext(self.config, self._router, self.dispatcher, self.workspace, self._keep_stats, scale,
+                          self.balance_scope, reduce)
 
     def _keep_stats(self, stats: dict) -> None:
         self.stats = stats
@@ -327,60 +326,3 @@ class MoE(nn.Module):
         return (f"hidden={c.hidden_size}, ffn={c.ffn_size}, experts={c.num_experts}, top_k={c.top_k}, "
                 f"expert={c.expert}, activation={c.activation}"
                 + ("" if self.mesh is None else f", mesh={self.mesh!r}"))
-
-    # --- transformers interop -------------------------------------------------------------
-    @classmethod
-    def from_mixtral(cls, block, mesh=None, **overrides) -> "MoE":
-        """A MoE holding the weights of a transformers sparse block that routes as Mixtral does.
-
-        The block's semantics are checked first (shardmoe/moe/hf_blocks.py): a block MoE cannot
-        express (shared experts, sigmoid router, correction or router bias, scaling factor, jitter,
-        another expert layout or activation, or a class not known to be Mixtral-like) raises
-        ValueError naming its family and the feature, before anything is built or copied.
-        The router weight [E, H] becomes gate_weight [H, E]; the experts' gate_up_proj [E, 2F, H]
-        and down_proj [E, H, F] are copied as they are, or, with a sharded mesh, this rank's shard
-        of them. top_k, renormalize (as the block does) and the activation come from the block;
-        `overrides` replace constructor options, even ones that contradict the block."""
-        semantics = mixtral_semantics(block)
-        gate_up = semantics.gate_up_proj
-        E, two_f, H = gate_up.shape
-        options = dict(expert="glu", activation=semantics.activation, renormalize=semantics.renormalize,
-                       dtype=gate_up.dtype, device=gate_up.device)
-        options.update(overrides)
-        layer = cls(H, two_f // 2, E, semantics.top_k, mesh=mesh, **options)
-        with torch.no_grad():
-            composition.local(layer.gate_weight).copy_(semantics.router_weight.t())
-            composition.local(layer.gate_up_proj).copy_(layer.placement.shard("gate_up_proj", gate_up))
-            composition.local(layer.down_proj).copy_(layer.placement.shard("down_proj", semantics.down_proj))
-        return layer
-
-    @classmethod
-    def from_hf(cls, block, mesh=None, **overrides) -> "MoE":
-        """A MoE computing what a transformers sparse MoE block computes: the Mixtral-like
-        families (as from_mixtral), Qwen2-MoE (gated shared expert), DeepSeek-V3 (sigmoid,
-        group-limited, corrected, scaled router; shared experts) and GPT-OSS (router bias, biased
-        clamped-SwiGLU experts) (moe/hf_convert.py, docs/hf.md). A feature the layer cannot express raises
-        ValueError naming the family and the feature before anything is built. With a mesh, the
-        layer holds this rank's expert shard; `overrides` replace constructor options."""
-        return hf_convert.from_hf(cls, block, mesh, **overrides)
-
-    def to_hf_state_dict(self) -> dict[str, torch.Tensor]:
-        """The router, experts and shared-expert entries of the equivalent block's state dict
-        ('gate.*' or GPT-OSS's 'router.*', 'experts.*', 'shared_expert(s).*'; moe/hf_convert.py);
-        gathered whole with a sharded mesh (collective over ('e', 't'))."""
-        return hf_convert.to_hf_state_dict(self)
-
-    def to_mixtral_state_dict(self) -> dict[str, torch.Tensor]:
-        """State dict of the equivalent MixtralSparseMoeBlock ('gate.weight', 'experts.*').
-
-        With a sharded mesh the expert tensors are gathered whole: collective over ('e', 't')."""
-        c = self.config
-        check_mixtral_router(c, "to_mixtral_state_dict")
-        if c.expert != "glu" or c.activation not in MIXTRAL_ACTIVATIONS or not c.renormalize or c.bias:
-            raise ValueError("to_mixtral_state_dict: expected expert='glu', renormalize=True, bias=False and "
-                             f"activation in {sorted(MIXTRAL_ACTIVATIONS)}, got expert={c.expert!r}, "
-                             f"renormalize={c.renormalize}, bias={c.bias}, activation={c.activation!r}")
-        local = {n: composition.local(getattr(self, n)).detach() for n in ("gate_weight", "gate_up_proj", "down_proj")}
-        return {"gate.weight": local["gate_weight"].t().contiguous(),
-                "experts.gate_up_proj": self.placement.gather("gate_up_proj", local["gate_up_proj"]).clone(),
-                "experts.down_proj": self.placement.gather("down_proj", local["down_proj"]).clone()}

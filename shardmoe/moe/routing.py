@@ -139,21 +139,6 @@ def grad_balance_scores(scores: torch.Tensor, grad_balance: torch.Tensor, config
     return (grad_balance - (scores / total * grad_balance).sum(-1, keepdim=True)) / total
 
 
-def check_mixtral_router(config, what: str) -> None:
-    """Raise ValueError unless config's router options are the defaults (Mixtral's router) and it
-    has no shared expert (config: a MoEConfig), for `what`, an export to Mixtral that has nowhere to put
-    the others."""
-    defaults = MoEConfig(1, 1, 1, 1)
-    for name in ("score_func", "router_bias", "correction_bias", "n_group", "topk_group", "renormalize_epsilon",
-                 "routed_scaling_factor", "seq_aux_loss_coef"):
-        if getattr(config, name) != getattr(defaults, name):
-            raise ValueError(f"{what}: expected Mixtral's router ({name}={getattr(defaults, name)!r}), got "
-                             f"{name}={getattr(config, name)!r}")
-    if config.shared_ffn_size:  # Mixtral has no shared expert: exporting would drop it silently
-        raise ValueError(f"{what}: expected no shared expert (shared_ffn_size=0, as Mixtral), got "
-                         f"shared_ffn_size={config.shared_ffn_size}")
-
-
 def corrected_bias(correction_bias: torch.Tensor, load: torch.Tensor, rate: float) -> torch.Tensor:
     """DeepSeek-V3's aux-loss-free update: b_e + rate * sign(mean_e load_e - load_e), [E] -> [E]
     in correction_bias's dtype. load [E] is a step's tokens per expert, summed over the mesh."""

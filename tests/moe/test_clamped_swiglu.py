@@ -180,22 +180,3 @@ def test_kernels_fused_path_takes_the_clamp():
     with force_kernel_path():
         assert fused_path(MoEConfig(8, 16, 4, 2), torch.zeros(3, 8)) is True
         assert fused_path(MoEConfig(8, 16, 4, 2, activation="clamped_swiglu"), torch.zeros(3, 8)) is True
-
-
-def test_mixtral_exports_refuse_glu_biases_and_the_clamp():
-    """Mixtral's experts have neither biases nor a clamp: exporting a layer or model that has them
-    raises (an export of a biased glu layer's weights alone would silently drop both biases)."""
-    from shardmoe.model.mixtral import mixtral_config, to_mixtral_state_dict
-    from shardmoe.model.transformer import TransformerConfig
-
-    with pytest.raises(ValueError, match=r"to_mixtral_state_dict: expected .*bias=False.*got .*bias=True"):
-        shardmoe.MoE(8, 6, 4, 2, bias=True).to_mixtral_state_dict()
-    with pytest.raises(ValueError, match=r"activation='clamped_swiglu'"):
-        shardmoe.MoE(8, 6, 4, 2, activation="clamped_swiglu").to_mixtral_state_dict()
-    tiny = dict(vocab_size=16, d_model=8, n_layers=1, n_q_heads=2, n_kv_heads=1, head_dim=4)
-    for options, match in ((dict(bias=True), r"expert_bias: expected False .* got True"),
-                           (dict(activation="clamped_swiglu"), r"activation: expected 'silu' .* got 'clamped_swiglu'")):
-        config = TransformerConfig(**tiny, moe=MoEConfig(8, 8, 4, 2, **options))
-        for export in (lambda: mixtral_config(config), lambda: to_mixtral_state_dict({}, config)):
-            with pytest.raises(ValueError, match=match):
-                export()

@@ -279,23 +279,6 @@ def test_correction_bias_steers_selection_without_gradient():
     assert not layer.correction_bias.requires_grad
 
 
-def test_mixtral_exports_refuse_another_router():
-    """A Mixtral state dict or config has nowhere to put a sigmoid score, a bias or groups: the
-    layer's and the model's exports refuse instead of silently dropping them."""
-    from shardmoe.model.mixtral import mixtral_config, to_mixtral_state_dict
-    from shardmoe.model.transformer import Transformer, TransformerConfig
-
-    with pytest.raises(ValueError, match=r"to_mixtral_state_dict: expected Mixtral's router \(router_bias=False\), "
-                                         r"got router_bias=True"):
-        shardmoe.MoE(H, F, E, K, router_bias=True).to_mixtral_state_dict()
-    config = TransformerConfig(vocab_size=16, d_model=8, n_layers=1, n_q_heads=2, n_kv_heads=1, head_dim=4,
-                               moe=MoEConfig(8, 4, 4, 2, score_func="sigmoid"))
-    with pytest.raises(ValueError, match=r"mixtral_config: expected Mixtral's router \(score_func='softmax'\)"):
-        mixtral_config(config)
-    with pytest.raises(ValueError, match=r"to_mixtral_state_dict: expected Mixtral's router"):
-        to_mixtral_state_dict(Transformer(config).full_state_dict(), config)
-
-
 def test_correction_bias_stays_float32_when_the_layer_moves_to_bf16():
     """module.to(bf16) casts every floating buffer; the correction bias must not round (its updates
     of 1e-3 vanish in bf16 near |b| ~ 1), and it stays a registered buffer."""

@@ -151,18 +151,6 @@ def test_kernel_path_takes_a_layer_with_a_shared_expert():
         assert fused_path(MoEConfig(H, F, E, K, shared_ffn_size=4), torch.zeros(3, H)) is True
 
 
-def test_mixtral_exports_refuse_a_shared_expert():
-    """Mixtral has no shared expert: the layer's and the model's exports refuse rather than drop it."""
-    from shardmoe.model.mixtral import mixtral_config
-    from shardmoe.model.transformer import TransformerConfig
-
-    match = r"expected no shared expert \(shared_ffn_size=0, as Mixtral\), got shared_ffn_size=4"
-    with pytest.raises(ValueError, match="to_mixtral_state_dict: " + match):
-        shardmoe.MoE(H, F, E, K, shared_ffn_size=4).to_mixtral_state_dict()
-    with pytest.raises(ValueError, match="mixtral_config: " + match):
-        mixtral_config(TransformerConfig.from_dict({"shared_ffn_size": 4}))
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=str)
 def test_zero_tokens_give_empty_output_and_zero_shared_gradients(dtype):
     """S = 0 (a rank without tokens): the grouped GEMMs of one empty group, zero weight gradients."""
