@@ -13,7 +13,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "shardmoe"
 LAYERS = [
     ("rows", "expert_kinds", "notation", "settings", "testing"),
     ("kernels",),
-    ("mesh", "shardops"),
+    ("mesh",),
     ("moe",),
     ("parallel",),
     ("shardmoe",),  # the package's own __init__: MoE, Mesh, and parallel's registration
@@ -21,7 +21,7 @@ LAYERS = [
     ("check", "arguments"),
     ("tasks", "hf"),
     ("train", "simulate"),
-    ("tools", "gpu_check"),  # the measurement tools; gpu_check: their old command name, forwarding
+    ("tools",),  # the measurement tools
     ("cli", "__main__"),
 ]
 RANK = {part: rank for rank, parts in enumerate(LAYERS) for part in parts}

@@ -43,7 +43,7 @@ import time
 
 import torch
 
-from shardmoe import shardops
+from shardmoe.parallel import shardops
 from shardmoe.moe.activations import activate
 from shardmoe.moe.config import MoEConfig
 from shardmoe.moe.dispatch import LOCAL

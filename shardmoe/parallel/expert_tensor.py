@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import torch
 
-from shardmoe import shardops
+from shardmoe.parallel import shardops
 from shardmoe.expert_kinds import GLU, MLP
 from shardmoe.moe.placement import PACKED, packed, unpacked
 from shardmoe.notation import parse_spec

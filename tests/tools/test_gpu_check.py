@@ -1,7 +1,7 @@
 """python -m shardmoe.tools.gpu_check: its dry run end to end (CPU, tiny shapes, Triton's interpreter) into
 a temporary directory, the content of report.json and report.md for every stage, the argument
 errors, the runner's isolation of a failing stage, merging reports, and the compiled-mode switch
-of tests/kernels/conftest.py; and its old name, python -m shardmoe.gpu_check, forwarding to it."""
+of tests/kernels/conftest.py."""
 import dataclasses
 import json
 import math
@@ -366,16 +366,6 @@ def test_argument_errors_name_the_argument_expected_and_actual(tmp_path, capsys,
     assert not (tmp_path / "report.json").exists()
 
 
-
-def test_the_old_command_name_runs_the_same_command(tmp_path):
-    """python -m shardmoe.gpu_check, kept for one release, forwards its arguments to the same main."""
-    from shardmoe import gpu_check as old_name
-
-    assert old_name.main is gpu_check.main
-    done = subprocess.run([sys.executable, "-m", "shardmoe.gpu_check", "--out", str(tmp_path), "--only", "bogus"],
-                          cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 2 and "--only: expected comma-separated stage names" in done.stderr, done.stderr
-    assert not (tmp_path / "report.json").exists()
 
 def test_a_full_run_without_cuda_is_refused(tmp_path, capsys):
     if torch.cuda.is_available():
