@@ -8,8 +8,9 @@
                                  accumulation); None: aux_loss is a graph node the caller adds
   layer.balance_scope            None, or the whole batch the balance losses average over when a
                                  forward sees a micro-batch of it (moe/function.py BalanceScope)
-  layer.stats                    tokens_per_expert, selected_per_expert, dropped_tokens, capacity,
-                                 workspace_bytes (resident bytes of the workspace)
+  layer.stats                    tokens_per_expert, selected_per_expert (both summed over the mesh),
+                                 rank_selected_per_expert (this rank's tokens' choices), dropped_tokens,
+                                 capacity, workspace_bytes (resident bytes of the workspace)
   layer.workspace                the pool of large row buffers reused across steps
                                  (shardmoe/moe/cpu.py); None allocates them fresh every step;
                                  workspace.release() frees it, and .to() does
