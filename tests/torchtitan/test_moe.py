@@ -185,3 +185,131 @@ def test_torchtitans_bias_hook_moves_the_fused_module_as_its_own_and_as_shardmoe
         assert torch.equal(layer.correction_bias, runs[1][3][-1]), step
         assert torch.equal(fused.tokens_per_expert_E, torch.zeros(EXPERTS))  # the hook zeroes it
     assert not torch.equal(plain.correction_bias, layer.correction_bias)
+
+
+# torchtitan's expert-parallel plan on a 4-rank gloo world, with its mesh names (ParallelDims):
+#   ep2            dp_replicate=2 x dp_shard=2 (fsdp=2); ep=2 from dp_shard, efsdp=1
+#   ep2_efsdp2     dp_shard=4 (fsdp=4); ep=2, the experts FSDP-sharded over efsdp=2
+LAYOUTS = {"ep2": dict(data_parallel_replicate_degree=2, data_parallel_shard_degree=2, expert_parallel_degree=2),
+           "ep2_efsdp2": dict(data_parallel_shard_degree=4, expert_parallel_degree=2)}
+DIST_STEPS = 4
+
+
+def _train_record(model, parallel_dims, rows: list[torch.Tensor], total_tokens: int, all_reduce) -> dict:
+    """AdamW steps with torchtitan's bias hook; per step the loss summed over the ranks, the MoE
+    layers' tokens_per_expert_E summed over the ranks (read before the hook zeroes them) and their
+    expert_bias_E after it. Each rank's loss is its tokens' cross-entropy sum over the batch's
+    token count (torchtitan's global-token normalisation: FSDP sums the gradients)."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    moes = [block.moe for block in list(model.layers.values())[1:]]
+    counts = []
+    optimizer.register_step_pre_hook(lambda *_: counts.append(all_reduce(torch.stack([m.tokens_per_expert_E for m in moes]))))
+    register_moe_load_balancing_hook(optimizer, [model], parallel_dims)
+    losses, biases = [], []
+    for tokens in rows:
+        loss = torch.nn.functional.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten(),
+                                                 reduction="sum") / total_tokens
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(float(all_reduce(loss.detach())))
+        biases.append(torch.stack([m.expert_bias_E.detach().clone() for m in moes]))
+    return dict(losses=losses, counts=counts, biases=biases)
+
+
+def _expert_parallel_world(full_state: dict, batches: list[torch.Tensor]) -> dict:
+    """One rank: each layout of LAYOUTS built, parallelized and trained as torchtitan's trainer does
+    it (config.update_from_config, build on meta, the swap, parallelize_deepseekv3, to_empty,
+    init_weights, then the checkpoint's weights through set_model_state_dict), with the three
+    changes a CPU gloo world needs: torchtitan's device type set to "cpu" (it falls back to "cuda"
+    without an accelerator), the partial_dtensor backend selected as its trainer selects it, and
+    FSDP's reductions as plain sums (gloo has no PREMUL_SUM; torchtitan sets the divide factor to 1)."""
+    import torch.distributed as dist
+    import torchtitan.distributed.parallel_dims as titan_parallel_dims
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                         set_model_state_dict)
+    from torch.distributed.fsdp import FSDPModule
+    from torchtitan.config import (CompileConfig, OverrideConfig, ParallelismConfig, TrainingConfig,
+                                   apply_overrides)
+    from torchtitan.distributed import ParallelDims
+    from torchtitan.distributed.utils import set_spmd_backend
+    from torchtitan.models.deepseek_v3.parallelize import parallelize_deepseekv3
+
+    from .conftest import deepseek_v3_config
+
+    titan_parallel_dims.device_type = "cpu"
+    set_spmd_backend("partial_dtensor")
+    results = {}
+    for name, degrees in LAYOUTS.items():
+        parallelism = ParallelismConfig(spmd_backend="partial_dtensor", **degrees)
+        parallel_dims = ParallelDims.from_config(parallelism, dist.get_world_size())
+        parallel_dims.build_mesh()
+        config = deepseek_v3_config()
+        if name == "ep2_efsdp2":  # the config's one setting instead of the swap
+            apply_overrides(OverrideConfig(imports=["shardmoe.torchtitan.fused_moe"]), config)
+        config.update_from_config(config=SimpleNamespace(parallelism=parallelism))
+        with torch.device("meta"):
+            model = config.build()
+        if name == "ep2":
+            shardmoe.torchtitan.swap_moe(model)
+        model = parallelize_deepseekv3(model, parallel_dims=parallel_dims,
+                                       training=TrainingConfig(mixed_precision_param="float32"),
+                                       parallelism=parallelism, compile_config=CompileConfig(), ac_config=None,
+                                       dump_folder="")
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.set_force_sum_reduction_for_comms(True)
+        model.to_empty(device="cpu")
+        with torch.no_grad():
+            model.init_weights(buffer_device=None)
+        set_model_state_dict(model, {k: v.clone() for k, v in full_state.items()},
+                             options=StateDictOptions(full_state_dict=True))
+        moe = model.layers["1"].moe
+        batch = parallel_dims.get_mesh("batch")
+        loss_group = parallel_dims.get_mesh("loss").get_group()
+
+        def all_reduce(t, group=loss_group):
+            t = t.clone()
+            dist.all_reduce(t, group=group)
+            return t
+
+        rows = [b.chunk(batch.size())[batch.get_local_rank()] for b in batches]
+        record = _train_record(model, parallel_dims, rows, batches[0][:, 1:].numel(), all_reduce)
+        record["state"] = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
+                                                                                   cpu_offload=True))
+        record["mesh"] = (type(moe).__name__, moe.expert_mesh.size("e"), parallel_dims.get_mesh("efsdp").size())
+        results[name] = record
+    return results if dist.get_rank() == 0 else {name: {} for name in results}
+
+
+def test_swapped_model_under_torchtitans_expert_parallel_plan_trains_as_one_process():
+    """Four gloo ranks, torchtitan's plan (parallelize_deepseekv3: the experts Shard(0) over 'ep',
+    FSDP over 'fsdp' and, for the experts, 'efsdp'), float32, AdamW with torchtitan's bias hook over
+    its loss mesh: for ep=2 (x HSDP 2 x 2) and ep=2 x efsdp=2, every step's loss equals the single
+    process's on the whole batch to 1e-6, the selections per expert summed over the ranks and the
+    expert biases equal it exactly, and every weight after the last step to 1e-5 (measured: 9e-8
+    and 3e-7)."""
+    from shardmoe.testing import run_distributed
+
+    from .conftest import deepseek_v3_config
+
+    model = deepseek_v3_config().build()
+    randomize(model, seed=0)
+    full_state = {k: v.clone() for k, v in model.state_dict().items()}
+    gen = torch.Generator().manual_seed(2)
+    batches = [torch.randint(0, 64, (4, 17), generator=gen) for _ in range(DIST_STEPS)]
+    shardmoe.torchtitan.swap_moe(model)
+    one_process = SimpleNamespace(get_optional_mesh=lambda name: None, ep_enabled=False, tp=1)
+    expected = _train_record(model, one_process, batches, batches[0][:, 1:].numel(), lambda t: t.clone())
+    results = run_distributed(_expert_parallel_world, 4, args=(full_state, batches), timeout=600,
+                              collective_timeout=300)[0]
+    for name, got in results.items():
+        assert got["mesh"] == ("MoE", 2, 1 if name == "ep2" else 2)
+        assert all(abs(a - b) <= 1e-6 * abs(b) for a, b in zip(got["losses"], expected["losses"], strict=True)), name
+        for step in range(DIST_STEPS):
+            assert torch.equal(got["counts"][step], expected["counts"][step]), (name, step)
+            assert torch.equal(got["biases"][step], expected["biases"][step]), (name, step)
+        final = model.state_dict()
+        assert set(got["state"]) == set(final)
+        for key, value in final.items():
+            assert rel_err(got["state"][key], value) <= 1e-5, (name, key)
