@@ -2,6 +2,7 @@
 exact_torchtitan), float64: every router option, outputs and every gradient to round-off; the
 options it refuses; its state dict; its meta-device init; torchtitan's load-balancing hook on it,
 and shardmoe's centred correction-bias update, bit for bit."""
+import copy
 from types import SimpleNamespace
 
 import pytest
@@ -83,6 +84,20 @@ def test_float32_and_bf16_inputs_compute_in_their_dtype():
         fused = shardmoe.torchtitan.from_torchtitan(cast_parameters(titan, dtype))
         out = fused(x.to(dtype))
         assert out.dtype == dtype and rel_err(out.double(), expected) <= tol
+
+
+def test_under_torch_compile_outputs_and_the_counts_of_each_forward_are_eager_ones():
+    """torchtitan compiles its blocks: the swapped module compiled (dynamo, aot_eager) gives the eager
+    outputs, and tokens_per_expert_E counts each forward's own selections (the operator hands them
+    over when it runs, not when dynamo traces), over three forwards of different inputs."""
+    _, fused = both(ROUTERS["groups"], dtype=torch.float32)
+    compiled = torch.compile(copy.deepcopy(fused), backend="aot_eager")
+    gen = torch.Generator().manual_seed(5)
+    for i in range(3):
+        x = (i + 1) * torch.randn(2, 8, DIM, generator=gen)
+        assert torch.equal(compiled(x), fused(x))
+    assert torch.equal(compiled._orig_mod.tokens_per_expert_E, fused.tokens_per_expert_E)
+    assert fused.tokens_per_expert_E.sum() == 3 * 16 * 3
 
 
 REFUSED = [
