@@ -8,6 +8,8 @@ import pytest
 from shardmoe.train.config import TrainConfig
 from shardmoe.train.tokenizer import BOS, VOCAB_SIZE, byte_tokenizer, check_vocab, load_tokenizer, padded_vocab_size
 
+from .conftest import word_level
+
 TEXT = "And it came to pass: ünïcode ✓\n\nnext"
 
 
@@ -82,17 +84,6 @@ def test_the_digest_is_the_content_not_the_place(bpe_tokenizer, tmp_path):
     copy = tmp_path / "elsewhere.json"
     shutil.copy(bpe_tokenizer(300), copy)
     assert load_tokenizer(str(copy)).digest == load_tokenizer(bpe_tokenizer(300)).digest
-
-
-def word_level(path, vocab: dict[str, int], added=()) -> str:
-    """A tokenizer.json of whitespace-split words with the ids `vocab` gives (and `added` tokens)."""
-    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
-
-    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
-    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
-    tokenizer.add_tokens([AddedToken(token, special=False) for token in added])
-    tokenizer.save(str(path))
-    return str(path)
 
 
 def test_ids_that_are_not_0_to_n_minus_1_are_refused_by_name(tmp_path):
