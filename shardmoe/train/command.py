@@ -270,6 +270,9 @@ def interrupted_run(args: argparse.Namespace) -> str:
 
     from shardmoe.train.checkpoint import checkpoint_step, latest_checkpoint
 
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    launch = f"torchrun --nproc-per-node {world_size} -m shardmoe train --mesh {shlex.quote(args.mesh)}" \
+        if world_size > 1 else "shardmoe train"
     out = shlex.quote(args.out)
     try:
         path = latest_checkpoint(args.out)
@@ -277,10 +280,7 @@ def interrupted_run(args: argparse.Namespace) -> str:
     except ValueError as err:  # a checkpoint the interrupt left half-written is named by the resume
         return f"the checkpoints in {args.out} do not read ({err})"
     if step is None:
-        return f"{args.out} holds no checkpoint yet; start again with: shardmoe train --out {out} --overwrite ..."
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    launch = f"torchrun --nproc-per-node {world_size} -m shardmoe train --mesh {shlex.quote(args.mesh)}" \
-        if world_size > 1 else "shardmoe train"
+        return f"{args.out} holds no checkpoint yet; start again with: {launch} --out {out} --overwrite ..."
     return f"the last checkpoint is {path} at step {step}; continue with: {launch} --out {out} --resume"
 
 
