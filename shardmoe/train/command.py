@@ -7,19 +7,23 @@
     shardmoe train --steps 50 --out runs/short --seed 1
     shardmoe train --resume                          # continue runs/default with its settings
     shardmoe train --overwrite                       # start runs/default afresh, deleting the old run
-    torchrun --nproc-per-node 4 -m shardmoe train --mesh d=2,e=2
-    torchrun --nproc-per-node 4 -m shardmoe train --mesh p=2,e=2 --pipeline-schedule gpipe
+    torchrun --nproc-per-node 4 -m shardmoe train --mesh d=2,e=2 --out runs/d2e2
+    torchrun --nproc-per-node 4 -m shardmoe train --mesh p=2,e=2 --grad-accum-steps 2 --out runs/p2e2
 
 Every configuration error (a mesh that cannot split the model, missing data or config file, an
 unreadable tokenizer, a checkpoint written by another config or corrupt, a world size that is not
-the mesh's, a setting given to --resume that differs from the run's) is reported as one line,
-exit status 2, before any process group exists; the data is tokenized into the token cache last
-(shardmoe.train.token_cache). Rank 0 then claims the run directory (shardmoe.train.rundir:
-locked against a second run, empty unless --resume or --overwrite), tells the other ranks the
-outcome, and records the resolved settings in DIR/config.json (shardmoe.train.run_settings).
-A peer that hangs or dies makes the others fail within --timeout-minutes with one line and exit
-status 1, as does a failed write of the metrics. At the end rank 0 writes DIR/loss_curve.png and
-DIR/expert_load.png (tokens per expert over the steps) and prints a summary and the last samples.
+the mesh's, a setting given to --resume that differs from the run's, --steps below the
+checkpoint's, data edited since it) is reported as one line, exit status 2, before any process
+group exists; the data is tokenized into the token cache last (shardmoe.train.token_cache). On a
+mesh the ranks then compare what each was given (rank_settings), and differing ranks stop alike
+with one line, exit status 2. Rank 0 then claims the run directory (shardmoe.train.rundir: locked
+against a second run, empty unless --resume or --overwrite), tells the other ranks the outcome,
+and records the resolved settings in DIR/config.json (shardmoe.train.run_settings). A peer that
+hangs or dies makes the others fail within --timeout-minutes with one line and exit status 1, as
+does a failed write of the metrics or a checkpoint. Ctrl-C ends in one line naming the last
+checkpoint and the command that resumes it (exit status 130). At the end rank 0 writes
+DIR/loss_curve.png and DIR/expert_load.png (tokens per expert over the steps) and prints a
+summary (the mean loss of the last SUMMARY_STEPS steps) and the last samples.
 """
 from __future__ import annotations
 

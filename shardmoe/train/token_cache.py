@@ -24,7 +24,7 @@ complete; processes building the same key (the ranks of a torchrun job, each che
 before any process group exists) take turns on an flock of CACHE/<key>.lock, and those after the
 first find the entry built. A write that fails (a full disk) removes the scratch directory and is a
 ValueError naming the cache. Each document's ids are checked as they are written
-(check_encoding): some ids for a text that is not blank, every id a token's.
+(_check_encoding): some ids for a text that is not blank, every id a token's.
 
 Reuse is said: a process that finds its entry built prints one line naming it (when it shows
 progress), so that a run that does not tokenize says why.
@@ -148,7 +148,7 @@ def _build(entry: Path, key: str, data, files: list[Path], tokenizer: Tokenizer,
             index = 0
             for texts in _chunks(iter_documents(files), ENCODE_CHUNK):
                 for text, ids in zip(texts, tokenizer.encode_batch(texts)):
-                    check_encoding(tokenizer, ids, text, f"document {index + 1} of {data or 'the embedded corpus'}")
+                    _check_encoding(tokenizer, ids, text, f"document {index + 1} of {data or 'the embedded corpus'}")
                     if count == 1:  # one document: its tail is held out
                         if ids.size < 2:
                             raise ValueError(f"data: {data!r} holds one document of {ids.size} token(s); expected "
@@ -175,7 +175,7 @@ def _build(entry: Path, key: str, data, files: list[Path], tokenizer: Tokenizer,
         bar.close()
 
 
-def check_encoding(tokenizer: Tokenizer, ids: np.ndarray, text: str, what: str) -> None:
+def _check_encoding(tokenizer: Tokenizer, ids: np.ndarray, text: str, what: str) -> None:
     """ValueError naming the tokenizer and `what` (a document) unless the ids of `text` (not blank)
     are some and every one is a token's (0..n-1, below BOS): a tokenizer that drops a text, or gives
     an id without an embedding row, would lose the data silently."""

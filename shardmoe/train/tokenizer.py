@@ -166,7 +166,7 @@ def _file_tokenizer(spec: str, path: Path) -> Tokenizer:
                          f"({type(err).__name__}: {_first_line(err)})") from None
     digest = hashlib.sha256(path.read_bytes()).hexdigest()
     special = {i for i, token in hf.get_added_tokens_decoder().items() if token.special}
-    return Tokenizer(spec, digest, checked_size(spec, hf.get_vocab(with_added_tokens=True), special) + 1,
+    return Tokenizer(spec, digest, _checked_size(spec, hf.get_vocab(with_added_tokens=True), special) + 1,
                      lambda texts: [e.ids for e in hf.encode_batch(texts, add_special_tokens=False)],
                      lambda ids: hf.decode(ids, skip_special_tokens=False))
 
@@ -186,12 +186,12 @@ def _directory_tokenizer(spec: str, path: Path) -> Tokenizer:
     for file in sorted(p for p in path.rglob("*") if p.is_file()):
         digest.update(f"{file.relative_to(path)}\0".encode())
         digest.update(hashlib.sha256(file.read_bytes()).digest())
-    return Tokenizer(spec, digest.hexdigest(), checked_size(spec, hf.get_vocab(), set(hf.all_special_ids)) + 1,
+    return Tokenizer(spec, digest.hexdigest(), _checked_size(spec, hf.get_vocab(), set(hf.all_special_ids)) + 1,
                      lambda texts: hf(texts, add_special_tokens=False)["input_ids"],
                      lambda ids: hf.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False))
 
 
-def checked_size(spec: str, vocab: dict[str, int], special: set[int]) -> int:
+def _checked_size(spec: str, vocab: dict[str, int], special: set[int]) -> int:
     """n, the tokenizer's number of ids, once its vocabulary (token -> id, added tokens included)
     holds the ids 0..n-1 and one that is not in `special`; ValueError naming the setting otherwise
     (see the module doc)."""
