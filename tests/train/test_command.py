@@ -247,19 +247,31 @@ def test_a_bad_out_path_is_one_line(tmp_path, capsys):
                                        "(Not a directory)\n")
 
 
-def test_a_second_run_is_refused_while_the_first_runs_and_a_killed_run_resumes(tmp_path, capsys, one_thread):
-    out = tmp_path / "run"
+def running_past_a_checkpoint(tmp_path, out) -> tuple[subprocess.Popen, list[str]]:
+    """(`shardmoe train` into `out` in a process of its own, endless, a checkpoint every step, once
+    it has written its first; its argv). The caller ends the process."""
     config = write_config(tmp_path, steps=100_000, checkpoint_every=1, eval_batches=0, sample_tokens=0)
     argv = ["train", "--config", config, "--out", str(out), "--no-progress"]
     env = {**os.environ, "PYTHONPATH": str(Path(shardmoe.__file__).parents[1])}
-    first = subprocess.Popen([sys.executable, "-m", "shardmoe", *argv], env=env,
-                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    run = subprocess.Popen([sys.executable, "-m", "shardmoe", *argv], env=env, stdout=subprocess.DEVNULL,
+                           stderr=subprocess.PIPE)
     try:
         deadline = time.monotonic() + 180  # generous: a loaded machine starts python slowly
         while not (out / "checkpoint.safetensors").exists():
-            assert first.poll() is None, first.stderr.read().decode()
-            assert time.monotonic() < deadline, "the first run wrote no checkpoint within 180 s"
+            assert run.poll() is None, run.stderr.read().decode()
+            assert time.monotonic() < deadline, "the run wrote no checkpoint within 180 s"
             time.sleep(0.05)
+    except BaseException:
+        run.kill()
+        run.wait()
+        raise
+    return run, argv
+
+
+def test_a_second_run_is_refused_while_the_first_runs_and_a_killed_run_resumes(tmp_path, capsys, one_thread):
+    out = tmp_path / "run"
+    first, argv = running_past_a_checkpoint(tmp_path, out)
+    try:
         for extra in ([], ["--resume"], ["--overwrite"]):
             assert main(argv + extra) == 2
             assert capsys.readouterr().err == (f"shardmoe train: --out {out}: another run (pid {first.pid}) is writing "
@@ -490,16 +502,8 @@ def test_ctrl_c_is_one_line_naming_the_last_checkpoint_and_the_command_that_resu
     line on stderr naming the newest checkpoint and its step and the command that continues the
     run, exit status 130; that command resumes from it (here to its own step: nothing left to train)."""
     out = tmp_path / "run"
-    config = write_config(tmp_path, steps=100_000, checkpoint_every=1, eval_batches=0, sample_tokens=0)
-    env = {**os.environ, "PYTHONPATH": str(Path(shardmoe.__file__).parents[1])}
-    run = subprocess.Popen([sys.executable, "-m", "shardmoe", "train", "--config", config, "--out", str(out),
-                            "--no-progress"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    run, _ = running_past_a_checkpoint(tmp_path, out)
     try:
-        deadline = time.monotonic() + 180  # generous: a loaded machine starts python slowly
-        while not (out / "checkpoint.safetensors").exists():
-            assert run.poll() is None, run.stderr.read().decode()
-            assert time.monotonic() < deadline, "the run wrote no checkpoint within 180 s"
-            time.sleep(0.05)
         run.send_signal(signal.SIGINT)
         err = run.communicate(timeout=120)[1].decode()
     finally:
