@@ -19,11 +19,12 @@ is not a special token (a directory holding only a model's config.json gives Aut
 tokenizer of special tokens alone, which encodes every text to nothing). The data is checked as it
 is tokenized (shardmoe/train/token_cache.py).
 
-Long texts are encoded in pieces of about PIECE_CHARS characters, so that memory follows the piece
-and not the text (a 28 MB line took a tokenizer.json to 6 GB). A piece ends before a space that
-precedes a non-space, at the first such place at or after PIECE_CHARS where the tokenizer gives
-the CUT_CONTEXT characters either side, encoded together, the ids it gives the two sides encoded
-apart: no token spans the cut and neither side's ids depend on the other. The pieces' ids are
+Long texts are encoded in pieces of about PIECE_CHARS characters, so that the tokenizer's memory
+follows the piece and not the text (a 28 MB line took a tokenizer.json to 6.6 GB whole, 0.87 GB in
+pieces: benchmarks/tokenize_long_line.py). A piece ends before a space that precedes a non-space,
+at the first such place at or after PIECE_CHARS where the tokenizer gives the CUT_CONTEXT
+characters either side, encoded together, the ids it gives the two sides encoded apart: no token
+spans the cut and neither side's ids depend on the other. The pieces' ids are
 then the text's wherever a token depends on the text within CUT_CONTEXT characters of it (the
 pre-tokenized BPE, WordPiece and Unigram tokenizers do: their tokens never cross a word); where no
 such place is found among CUT_TRIES, the rest of the text is encoded whole.
