@@ -102,8 +102,8 @@ def save_checkpoint(out_dir: str | Path, model: Transformer, optimizer: AdamW, s
     try:
         save_file(tensors, str(tmp), metadata=metadata)
     except SafetensorError as err:  # a full disk, say: safetensors' own error type, which names no file
-        raise OSError(f"cannot write the checkpoint {tmp}: {str(err).strip().splitlines()[0]}; {path} keeps the "
-                      "previous one") from None
+        kept = f"{path} keeps the previous one" if path.exists() else "no earlier checkpoint"
+        raise OSError(f"cannot write the checkpoint {tmp}: {str(err).strip().splitlines()[0]}; {kept}") from None
     os.replace(tmp, path)
 
 
