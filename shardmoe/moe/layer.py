@@ -120,6 +120,7 @@ class MoE(nn.Module):
         # state dicts describe the whole logical expert tensors, whatever the mesh (moe/composition.py)
         self.register_state_dict_post_hook(composition.state_entries)
         self.register_load_state_dict_pre_hook(composition.shard_entries)
+        self.register_load_state_dict_post_hook(composition.mark_assigned)
 
     def _parameter(self, name: str, shape: tuple[int, ...], grad_sync: tuple[str, ...], kw: dict) -> nn.Parameter:
         """Parameter `name` of whole shape `shape`, uninitialised: this rank's shard, as a DTensor of
