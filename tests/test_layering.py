@@ -19,7 +19,7 @@ LAYERS = [
     ("shardmoe",),  # the package's own __init__: MoE, Mesh, and parallel's registration
     ("model",),
     ("check", "arguments"),
-    ("tasks", "hf"),
+    ("tasks", "hf", "torchtitan"),
     ("train", "simulate"),
     ("tools",),  # the measurement tools
     ("cli", "__main__"),

@@ -170,8 +170,8 @@ class ExpertParallel:
         return global_counts(routing, step.plan), step.plan.global_tokens, step.plan.global_sequences
 
     def stats(self, config, routing, step, num_tokens):
-        return {**step.plan.stats(), "rows": _row_stats(routing, step.plan, self.exchange),
-                "seconds": step.clock.seconds}
+        return {**step.plan.stats(), "rank_selected_per_expert": routing.selected_per_expert,
+                "rows": _row_stats(routing, step.plan, self.exchange), "seconds": step.clock.seconds}
 
     def reduce_shared(self, what):
         """Wsd contracts Fs/t: the shared expert's z, dx and gate dot are psummed over 't' like the
