@@ -203,7 +203,7 @@ def test_the_first_expert_gemm_is_six_frames_from_the_module_on_the_kernel_path(
     kernel is launched six shardmoe frames below MoE.forward."""
     import torch
 
-    from shardmoe import kernels
+    from shardmoe import kernels, settings
 
     if not kernels.triton_importable():
         pytest.skip("triton cannot be imported")
@@ -212,7 +212,7 @@ def test_the_first_expert_gemm_is_six_frames_from_the_module_on_the_kernel_path(
     if not interpreting():
         pytest.skip("compiled mode: the kernel path of a CPU tensor runs only in Triton's interpreter")
     layer, x = _layer_and_input(torch.float32)
-    with kernels.force_kernel_path():
+    with settings.override(force_kernels=True):
         frames = _frames_to_first_expert_gemm(lambda: layer(x))
     assert frames[0] == "shardmoe.moe.layer.MoE.forward"
     assert frames[-1] == "shardmoe.kernels.forward_gemm.forward_gemm", frames

@@ -14,7 +14,7 @@ every stage of the step runs on:
              layer's workspace)
   TritonOps  moe/triton_ops.py: the routed experts' stages and the combine on the Triton kernels of
              shardmoe/kernels, for CUDA tensors of a kernel dtype and experts the kernels take
-             (kernels.fused_path); torch's primitives for the rest (the shared expert)
+             (kernels.kernel_path); torch's primitives for the rest (the shared expert)
 
 A new device is a subclass of TorchOps overriding what it runs its own way, and one condition in
 select().
@@ -52,12 +52,13 @@ from shardmoe.moe.cpu import CpuOps, Workspace
 from shardmoe.moe.experts import TORCH_OPS, TorchOps
 from shardmoe.moe.routing import Routing
 from shardmoe.rows import Groups, accumulation_dtype
+from shardmoe.settings import SETTINGS
 
 
 def select(config: MoEConfig, x: torch.Tensor, workspace: Workspace | None = None,
            expert_width: int | None = None) -> TorchOps:
     """The ops for one forward (or its backward) of a layer with `config` on input x [S, H]:
-    TritonOps when kernels.fused_path(config, x, expert_width) (a CUDA tensor of a kernel dtype, or
+    TritonOps when kernels.kernel_path(config, x, expert_width) (a CUDA tensor of a kernel dtype, or
     any under the test switch shardmoe.settings force_kernels; triton importable; kernels not
     switched off in shardmoe.settings; experts at most kernels.KERNEL_MAX_FFN wide, `expert_width`
     being the width this rank computes); else on CPU CpuOps.decide(x, workspace) (the C++ passes
@@ -67,7 +68,7 @@ def select(config: MoEConfig, x: torch.Tensor, workspace: Workspace | None = Non
     own. A CPU step does not consult the kernels unless that test switch is on (their interpreter
     is a test vehicle)."""
     on_cpu = x.device.type == "cpu"
-    if (not on_cpu or kernels.FORCED) and kernels.fused_path(config, x, expert_width):
+    if (not on_cpu or SETTINGS.force_kernels) and kernels.kernel_path(config, x, expert_width):
         from shardmoe.moe.triton_ops import TRITON_OPS  # imports triton: only when it runs
 
         return TRITON_OPS

@@ -39,6 +39,7 @@ import torch
 from shardmoe import kernels
 from shardmoe.moe.config import MoEConfig
 from shardmoe.rows import accumulation_dtype
+from shardmoe.settings import SETTINGS
 
 
 def scores_from_logits(logits: torch.Tensor, logsumexp: torch.Tensor, config: MoEConfig) -> torch.Tensor:
@@ -383,13 +384,13 @@ def narrow_router(x: torch.Tensor, num_experts: int) -> bool:
 # tensor cores (tf32x3) where cuBLAS's float32 GEMM with TF32 off runs on the CUDA cores, and a
 # bfloat16 x read as it is, widened in registers, with no [S, H] float32 copy. Their results are
 # float32, so they are taken only where float32 is the dtype asked for. CPU tensors ask the kernels
-# only under the test switch kernels.force_kernel_path() (as backends.select does): a CPU step never
-# enters shardmoe.kernels.
+# only under the test switch shardmoe.settings force_kernels (as dispatch.select does): a CPU step
+# never enters shardmoe.kernels.
 
 
 def router_kernel(*tensors: torch.Tensor) -> bool:
     """Whether the router GEMM of these operands runs on kernels/router_gemm.py (kernels.router_path)."""
-    return (tensors[0].device.type != "cpu" or kernels.FORCED) and kernels.router_path(*tensors)
+    return (tensors[0].device.type != "cpu" or SETTINGS.force_kernels) and kernels.router_path(*tensors)
 
 
 def gate_logits(x: torch.Tensor, gate_weight: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """TritonOps: the stages the MoE operators and dispatchers call, on the Triton kernels of shardmoe/kernels.
 
-dispatch.select() picks it when kernels.fused_path(config, x). The local dispatcher calls its expert
+dispatch.select() picks it when kernels.kernel_path(config, x). The local dispatcher calls its expert
 entry points with row_index = row_token, so the first GEMM reads x (and the backward's GEMMs read
 grad_out and x) through it in the kernel; expert parallelism's expert side calls them on
 dispatched rows. The router (its balance losses and stage 6 in torch; its three GEMMs on

@@ -11,7 +11,7 @@ import importlib
 import pytest
 import torch
 
-from shardmoe import kernels
+from shardmoe import kernels, settings
 
 pytestmark = pytest.mark.skipif(not kernels.triton_importable(),
                                 reason="triton cannot be imported; install triton==3.9.0 to run the kernel tests")
@@ -73,7 +73,7 @@ def test_seam_takes_the_kernel_path(monkeypatch, family, options):
     expected = _loss_and_grads(_model(family, torch.float64, **options), ids)
     assert calls["torch.expert_forward"] == calls["torch.expert_backward"] == NUM_LAYERS  # float64: torch
     model = _model(family, torch.float32, **options)
-    with kernels.force_kernel_path():
+    with settings.override(force_kernels=True):
         logits, loss, grads = _loss_and_grads(model, ids)
     assert calls == {"triton.expert_forward": NUM_LAYERS, "triton.expert_backward": NUM_LAYERS,
                      "torch.expert_forward": NUM_LAYERS, "torch.expert_backward": NUM_LAYERS}

@@ -16,7 +16,7 @@ if not triton_importable():
 
 from triton.runtime.autotuner import Autotuner  # noqa: E402
 
-from shardmoe import kernels  # noqa: E402
+from shardmoe import kernels, settings  # noqa: E402
 from shardmoe.moe.config import MoEConfig  # noqa: E402
 from shardmoe.moe.dispatch import LOCAL  # noqa: E402
 from shardmoe.moe import function  # noqa: E402
@@ -66,7 +66,7 @@ def step(config: MoEConfig, launched: list):
     context = MoEContext(config, GateRouter(config), LOCAL, stats=stats.append, loss_scale=1.0)
     x = torch.empty(S, H, **META)
     tensors = (torch.empty(H, E, **META), None, None, None, *params)
-    with kernels.force_kernel_path():
+    with settings.override(force_kernels=True):
         out, loss, grads = _run(context, x, tensors)
     return out, loss, grads, stats
 
@@ -104,7 +104,7 @@ def test_a_step_through_the_transformers_seam_reads_nothing_from_the_device(laun
     context = MoEContext(config, GivenRouting(E), LOCAL)
     x = torch.empty(S, H, **META)
     tensors = (torch.empty(S, K, device="meta", dtype=torch.int64), torch.empty(S, K, **META), *params)
-    with kernels.force_kernel_path():
+    with settings.override(force_kernels=True):
         out, loss, grads = _run(context, x, tensors)
     assert launched == GLU_LAUNCHES[1:-2]  # no router GEMMs: the routing is given
     # dx, top_k_index's (zeros: an index has none), top_k_weights' (the gate dots)

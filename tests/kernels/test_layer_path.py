@@ -1,6 +1,6 @@
 """The layer's kernel path (moe/triton_ops.py, its expert stages reading token-order tensors through
 row_index), wired into the MoE operators and expert parallelism's expert stages, run on CPU in
-Triton's interpreter by force_kernel_path().
+Triton's interpreter by the force_kernels setting.
 
 Each case runs shardmoe.MoE in float32 through the kernel path and compares the output, the aux
 loss and every gradient with the independent float64 reference (moe/reference.py), 1e-5
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import shardmoe
-from shardmoe import kernels
+from shardmoe import kernels, settings
 from shardmoe.mesh import Mesh
 from shardmoe.moe import dispatch
 from shardmoe.moe import experts as ex
@@ -96,7 +96,7 @@ def test_kernel_path_matches_float64_reference(spy, name):
             layer64.correction_bias.copy_(layer.correction_bias)
     x, grad_out = _inputs(25)
     x32 = x.float().requires_grad_()
-    with kernels.force_kernel_path():
+    with settings.override(force_kernels=True):
         out = layer(x32)
         out.backward(grad_out.float())  # the aux loss's gradient rides on out's backward
     assert spy == {"forward_gathered": 1, "backward_gathered": 1, "torch_forward": 0, "torch_backward": 0}
@@ -147,7 +147,7 @@ def test_every_expert_kind_on_the_kernel_path(spy, name):
     layer, layer64 = _layers(KINDS[name], empty_expert=4)
     x, grad_out = _inputs(25)
     x32 = x.float().requires_grad_()
-    with kernels.force_kernel_path():
+    with settings.override(force_kernels=True):
         out = layer(x32)
         out.backward(grad_out.float())
     assert spy == {"forward_gathered": 1, "backward_gathered": 1, "torch_forward": 0, "torch_backward": 0}
@@ -178,7 +178,7 @@ def test_expert_parallel_dispatcher_takes_the_kernel_path(spy, monkeypatch):
     layer.placement.dispatcher = ExpertParallel(layer.config, layer.mesh)
     x, grad_out = _inputs(25)
     x32 = x.float().requires_grad_()
-    with kernels.force_kernel_path():
+    with settings.override(force_kernels=True):
         out = layer(x32)
         out.backward(grad_out.float())
     assert calls == {"forward": 1, "backward": 1}
@@ -191,7 +191,7 @@ def test_expert_parallel_dispatcher_takes_the_kernel_path(spy, monkeypatch):
 def test_kernel_path_with_no_tokens(spy, expert):
     layer, _ = _layers(dict(expert=expert, bias=expert == "mlp"))
     x = torch.zeros(0, H, requires_grad=True)
-    with kernels.force_kernel_path():
+    with settings.override(force_kernels=True):
         out = layer(x)
         out.sum().backward()
     assert out.shape == (0, H) and x.grad.shape == (0, H)
@@ -200,10 +200,10 @@ def test_kernel_path_with_no_tokens(spy, expert):
 
 
 def test_kernel_path_not_taken_for_float64(spy):
-    """fused_path refuses what the kernels do not take (float64); the layer then runs torch."""
+    """kernel_path refuses what the kernels do not take (float64); the layer then runs torch."""
     _, layer64 = _layers(dict(expert="glu", bias=True))
     x, grad_out = _inputs(9)
-    with kernels.force_kernel_path():
+    with settings.override(force_kernels=True):
         layer64(x).backward(grad_out)
     assert spy == {"forward_gathered": 0, "backward_gathered": 0, "torch_forward": 1, "torch_backward": 1}
 
@@ -227,7 +227,7 @@ def test_expert_parallel_backward_stage_equals_torch_stage(options):
     mesh = Mesh()
     _, saved = _experts_forward(ex.TORCH_OPS, layer.config, mesh, xs, params, groups)
     expected = _experts_backward(ex.TORCH_OPS, layer.config, mesh, grad_rows, weight_rows, xs, saved, params, groups)
-    with kernels.force_kernel_path():
+    with settings.override(force_kernels=True):
         triton = dispatch.select(layer.config, xs)
     assert triton.name == "triton"
     got = _experts_backward(triton, layer.config, mesh, grad_rows, weight_rows, xs, saved, params, groups)

@@ -175,8 +175,10 @@ def test_a_clamp_constant_without_the_clamp_is_refused_not_ignored(options, matc
         shardmoe.MoE(8, 6, 4, 2, **options)
 
 
-def test_kernels_fused_path_takes_the_clamp():
-    from shardmoe.kernels import force_kernel_path, fused_path
-    with force_kernel_path():
-        assert fused_path(MoEConfig(8, 16, 4, 2), torch.zeros(3, 8)) is True
-        assert fused_path(MoEConfig(8, 16, 4, 2, activation="clamped_swiglu"), torch.zeros(3, 8)) is True
+def test_the_kernel_path_takes_the_clamp():
+    from shardmoe.kernels import kernel_path
+    from shardmoe.settings import override
+
+    with override(force_kernels=True):
+        assert kernel_path(MoEConfig(8, 16, 4, 2), torch.zeros(3, 8)) is True
+        assert kernel_path(MoEConfig(8, 16, 4, 2, activation="clamped_swiglu"), torch.zeros(3, 8)) is True

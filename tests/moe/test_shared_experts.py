@@ -5,9 +5,10 @@ import pytest
 import torch
 
 import shardmoe
-from shardmoe.kernels import force_kernel_path, fused_path
+from shardmoe.kernels import kernel_path
 from shardmoe.moe.config import MoEConfig
 from shardmoe.moe.reference import reference_forward_backward
+from shardmoe.settings import override
 
 H, F, E, K, FS = 8, 6, 8, 3, 10
 
@@ -144,11 +145,11 @@ def test_bad_shared_options_raise_value_error_naming_the_argument(options, match
 
 
 def test_kernel_path_takes_a_layer_with_a_shared_expert():
-    """kernels.fused_path: the routed experts take the Triton kernels; the shared expert, a dense
+    """kernels.kernel_path: the routed experts take the Triton kernels; the shared expert, a dense
     FFN over every token, runs on torch beside them (moe/function.py)."""
-    with force_kernel_path():
-        assert fused_path(MoEConfig(H, F, E, K), torch.zeros(3, H)) is True
-        assert fused_path(MoEConfig(H, F, E, K, shared_ffn_size=4), torch.zeros(3, H)) is True
+    with override(force_kernels=True):
+        assert kernel_path(MoEConfig(H, F, E, K), torch.zeros(3, H)) is True
+        assert kernel_path(MoEConfig(H, F, E, K, shared_ffn_size=4), torch.zeros(3, H)) is True
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=str)

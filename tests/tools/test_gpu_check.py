@@ -56,7 +56,7 @@ def test_tests_stage_ran_the_tiny_selection_in_the_interpreter(dry_run):
     result = dry_run[2]["stages"]["tests"]["result"]
     assert result["compiled"] is False
     [group] = result["groups"]
-    assert group["paths"] == ["tests/kernels/test_fused_path.py", "tests/kernels/test_activations.py"]
+    assert group["paths"] == ["tests/kernels/test_kernel_path.py", "tests/kernels/test_activations.py"]
     assert group["returncode"] == 0 and group["failures"] == 0 and group["errors"] == 0
     assert group["passed"] > 10 and result["totals"]["passed"] == group["passed"]
     assert (dry_run[4] / group["log"]).exists()
@@ -485,7 +485,7 @@ def test_compiled_switch_of_the_kernel_tests_refuses_what_it_cannot_do(value, me
     if value == "1" and torch.cuda.is_available():
         pytest.skip("a CUDA device is present: compiled mode is valid here")
     done = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--collect-only",
-                           "tests/kernels/test_fused_path.py"], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                           "tests/kernels/test_kernel_path.py"], cwd=ROOT, capture_output=True, text=True, timeout=120,
                           env=dict(ENV, SHARDMOE_TEST_COMPILED=value))
     assert done.returncode == 4, done.stdout + done.stderr
     assert message in done.stdout + done.stderr

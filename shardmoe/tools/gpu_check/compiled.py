@@ -195,8 +195,8 @@ def trace_layer_step(config, tokens: int) -> None:
     """One forward and backward of TritonOps for a layer of `config` over `tokens` tokens,
     dropless, on meta tensors in the layer's dtype (bf16): the calls the local dispatcher makes, and
     the router's three GEMMs as routing.py makes them on CUDA (x and gate_weight bf16, dlogits
-    float32; force_kernel_path() lets the meta tensors stand for CUDA ones)."""
-    from shardmoe import kernels
+    float32; the force_kernels setting lets the meta tensors stand for CUDA ones)."""
+    from shardmoe import settings
     from shardmoe.moe import routing
     from shardmoe.moe.triton_ops import TRITON_OPS
 
@@ -209,7 +209,7 @@ def trace_layer_step(config, tokens: int) -> None:
     x = torch.empty(tokens, hidden, **meta)
     gate_weight = torch.empty(hidden, config.num_experts, **meta)
     grad_logits = torch.empty(tokens, config.num_experts, dtype=torch.float32, device="meta")
-    with kernels.force_kernel_path():
+    with settings.override(force_kernels=True):
         routing.gate_logits(x, gate_weight, torch.float32)
         routing.gate_input_grad(grad_logits, gate_weight)
         routing.gate_weight_grad(x, grad_logits)
