@@ -43,9 +43,9 @@ def _part(module: str) -> str:
     return names[1] if len(names) > 1 else "shardmoe"
 
 
-def _imports() -> dict[tuple[str, str], list[str]]:
-    """(importing part, imported part) -> the 'module -> module' imports between them."""
-    edges = defaultdict(list)
+def _module_imports() -> dict[str, set[str]]:
+    """module -> the package's modules it imports (at module level or inside a function)."""
+    graph = defaultdict(set)
     for path in PACKAGE.rglob("*.py"):
         module = _module(path)
         for node in ast.walk(ast.parse(path.read_text())):
@@ -60,9 +60,17 @@ def _imports() -> dict[tuple[str, str], list[str]]:
                 targets = [f"{base}.{a.name}" for a in node.names if _is_module(f"{base}.{a.name}")] or [base]
             else:
                 continue
-            for target in targets:
-                if target.split(".")[0] == "shardmoe" and _part(target) != _part(module):
-                    edges[(_part(module), _part(target))].append(f"{module} -> {target}")
+            graph[module].update(t for t in targets if t.split(".")[0] == "shardmoe" and t != module)
+    return graph
+
+
+def _imports() -> dict[tuple[str, str], list[str]]:
+    """(importing part, imported part) -> the 'module -> module' imports between them."""
+    edges = defaultdict(list)
+    for module, targets in _module_imports().items():
+        for target in sorted(targets):
+            if _part(target) != _part(module):
+                edges[(_part(module), _part(target))].append(f"{module} -> {target}")
     return edges
 
 
@@ -80,6 +88,27 @@ def test_no_two_parts_import_each_other():
     edges = _imports()
     circles = {(a, b): edges[(a, b)] + edges[(b, a)] for a, b in edges if (b, a) in edges and a < b}
     assert not circles, circles
+
+
+def test_no_module_imports_itself_back_through_others():
+    """No circle of imports between modules either, inside a part too (a circle between two modules
+    makes each half of one concept: it was kernels/tuned.py and kernels/tuning.py)."""
+    graph = _module_imports()
+    circles, done = [], set()
+
+    def visit(module, path):
+        if module in path:
+            circles.append(path[path.index(module):] + [module])
+            return
+        if module in done:
+            return
+        for target in sorted(graph.get(module, ())):
+            visit(target, path + [module])
+        done.add(module)
+
+    for module in sorted(graph):
+        visit(module, [])
+    assert not circles, [" -> ".join(c) for c in circles]
 
 
 # the modules one warm CPU forward + backward of the default layer runs code in: the walk of x in
