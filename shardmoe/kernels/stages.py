@@ -1,9 +1,9 @@
 """The expert stages on the kernels: what shardmoe/moe/triton_ops.py's TritonOps runs.
 
-expert_forward has the semantics of TorchOps.expert_forward (shardmoe/moe/experts.py); glu_backward
-(stages 2-4 of the "glu" expert, SonicMoE's data flow) and mlp_backward (stages 1-4 of "mlp")
-fuse across stages and have no single torch counterpart. The keyword-only row_index switches on
-the fusion the torch path cannot express:
+expert_forward has the semantics of TorchOps.expert_forward (shardmoe/moe/experts.py);
+glu_expert_backward (stages 2-4 of the "glu" expert, SonicMoE's data flow) and mlp_expert_backward
+(stages 1-4 of "mlp") fuse across stages and have no single torch counterpart. The keyword-only
+row_index switches on the fusion the torch path cannot express:
 
   row_index   [N] int: the rows argument is the token-order matrix ([S, H]: x or
               grad_out) and row r reads row row_index[r] inside the kernel, so the
@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from shardmoe.expert_kinds import ExpertKind
-from shardmoe.kernels.combine import grad_combine_gate
+from shardmoe.kernels.combine import grad_combine_and_gate_dots
 from shardmoe.kernels.down_grad import down_grad
 from shardmoe.kernels.forward_gemm import forward_gemm
 from shardmoe.kernels.grad_gemm import grad_gemm
@@ -50,8 +50,8 @@ def expert_forward(kind: ExpertKind, activation, output_activation: str, xs: tor
     return y, kind.saved(pre, z2)
 
 
-def glu_backward(grad_rows: torch.Tensor, weight_rows: torch.Tensor, xs: torch.Tensor, h: torch.Tensor,
-                 params: dict[str, torch.Tensor | None], groups, activation, *, row_index=None):
+def glu_expert_backward(grad_rows: torch.Tensor, weight_rows: torch.Tensor, xs: torch.Tensor, h: torch.Tensor,
+                        params: dict[str, torch.Tensor | None], groups, activation, *, row_index=None):
     """Stages 2-4 for "glu": (dx rows [N, H], gate dots dw [N] float32, {parameter: gradient}).
 
       down_grad   dh = dSwiGLU(w g Wdown_e, h) [N, 2F], a' = w a [N, F], dw = (g Wdown_e) . a
@@ -78,12 +78,12 @@ def glu_backward(grad_rows: torch.Tensor, weight_rows: torch.Tensor, xs: torch.T
                                 "down_proj": grad_down, "down_proj_bias": grad_down_bias}
 
 
-def mlp_backward(grad_rows: torch.Tensor, weight_rows: torch.Tensor, xs: torch.Tensor, z1: torch.Tensor,
-                 z2: torch.Tensor, a1: torch.Tensor, params: dict[str, torch.Tensor | None], groups, activation: str,
-                 output_activation: str, *, row_index=None):
+def mlp_expert_backward(grad_rows: torch.Tensor, weight_rows: torch.Tensor, xs: torch.Tensor, z1: torch.Tensor,
+                        z2: torch.Tensor, a1: torch.Tensor, params: dict[str, torch.Tensor | None], groups,
+                        activation: str, output_activation: str, *, row_index=None):
     """Stages 1-4 for "mlp": (dx rows [N, H], gate dots dw [N] float32, {parameter: gradient}).
 
-      combine.grad_combine_gate   dz2 = w g act_out'(z2) [N, H], dw = g . act_out(z2): one pass
+      combine.grad_combine_and_gate_dots  dz2 = w g act_out'(z2) [N, H], dw = g . act_out(z2): one pass
       dz1      = (dz2 W2_e) act'(z1)  [N, P]   the derivative in the GEMM's epilogue (grad_gemm)
       dW2_e    = sum dz2^T a1, db2_e = sum dz2;  dW1_e = sum dz1^T x, db1_e = sum dz1   (weight_grad)
       dx       = dz1 W1_e  [N, H]
@@ -92,8 +92,8 @@ def mlp_backward(grad_rows: torch.Tensor, weight_rows: torch.Tensor, xs: torch.T
     a1 = act(z1) [N, P] is the caller's (the backend recomputes it in torch). With row_index [N],
     grad_rows and xs are the token-order [S, H] tensors, read through it."""
     has_bias = params["b1"] is not None
-    grad_z2, grad_dots = grad_combine_gate(grad_rows, z2, weight_rows, output_activation=output_activation,
-                                           row_index=row_index)
+    grad_z2, grad_dots = grad_combine_and_gate_dots(grad_rows, z2, weight_rows, output_activation=output_activation,
+                                                    row_index=row_index)
     w1, w2 = params["w1"], params["w2"]
     grad_z1 = grad_gemm(grad_z2, w2, groups, z=z1, activation=activation)
     grad_w2, grad_b2 = weight_grad(grad_z2, a1, groups, with_bias=has_bias)

@@ -18,14 +18,14 @@ backward reads the same context whichever path the forward took.
 
 Backward, same contract as TorchOps.expert_backward (dx rows [N, H], gate dots dw [N] in the acc
 dtype, {parameter: gradient}):
-  "glu"  SonicMoE's data flow (kernels.stages.glu_backward): the GEMM dA' = g Wdown_e forms, in
+  "glu"  SonicMoE's data flow (kernels.stages.glu_expert_backward): the GEMM dA' = g Wdown_e forms, in
          its epilogue, the gate dots dw = (g Wdown_e) . a (+ g . bdown_e), dh = dSwiGLU(w dA', h)
          and a' = w a; then plain grouped GEMMs: dWdown = sum g^T a', dWgu = sum dh^T x (both
          varlen-K: each expert's rows are the reduction), dx = dh Wgu; dbdown = sum w g and
          dbgu = sum dh come from the tiles of the weight-gradient GEMMs
   "mlp"  stages 1 + 2 in one pass over g (dz2 = w g act_out'(z2) and dw = g . act_out(z2)), then
          dz1 = (dz2 W2_e) act'(z1) with the derivative in that GEMM's epilogue, and plain grouped
-         GEMMs for dW2, dW1 (varlen-K) and dx (kernels.stages.mlp_backward)
+         GEMMs for dW2, dW1 (varlen-K) and dx (kernels.stages.mlp_expert_backward)
   then stage 5, dx_t = sum over the token's kept rows of dx_r, a gather-and-sum like the forward's.
 
 Every expert kind the torch path runs runs here: "glu" with or without biases and with any
@@ -68,11 +68,12 @@ class TritonOps(TorchOps):
         that term itself, after the psum over 't')."""
         if kind is MLP:
             z1, z2 = saved
-            return kernel_stages.mlp_backward(grad_rows, weight_rows, xs, z1, z2, activate(activation, z1), params,
-                                               groups, activation, output_activation, row_index=row_index)
+            return kernel_stages.mlp_expert_backward(grad_rows, weight_rows, xs, z1, z2, activate(activation, z1),
+                                                     params, groups, activation, output_activation,
+                                                     row_index=row_index)
         (h,) = saved
-        return kernel_stages.glu_backward(grad_rows, weight_rows, xs, h, params, groups, activation,
-                                          row_index=row_index)
+        return kernel_stages.glu_expert_backward(grad_rows, weight_rows, xs, h, params, groups, activation,
+                                                 row_index=row_index)
 
     def combine(self, expert_out, weight_rows, row_pair, num_tokens, top_k):
         return kernel_combine.combine(expert_out, weight_rows, row_pair, num_tokens, top_k)

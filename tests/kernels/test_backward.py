@@ -70,7 +70,7 @@ def _glu_saved(routed, params, activation):
 @pytest.mark.parametrize("activation,bias", [(a, False) for a in ACTIVATIONS] + [("silu", True), (CLAMPED, False),
                                                                                   (CLAMPED, True)],
                          ids=[*ACTIVATIONS, "silu-bias", "clamped", "clamped-bias"])
-def test_glu_backward(routed, expert_params, rel_err, activation, bias):
+def test_glu_expert_backward(routed, expert_params, rel_err, activation, bias):
     """Stages 2-4 of "glu" (dx rows, gate dots, every gradient) against the torch path's stages in
     float64: every activation, the clamped SwiGLU's derivative (zero beyond its clamps), both
     biases, whose g . bdown_e term joins the gate dots; g and x read in token order."""
@@ -86,12 +86,12 @@ def test_glu_backward(routed, expert_params, rel_err, activation, bias):
         assert rel_err(without, dots) > 1e-2
     r32 = routed.cast(F32)
     params32 = {k: None if v is None else v.to(F32) for k, v in params.items()}
-    got_dx, got_dots, got = kex.glu_backward(r32.grad_out, r32.weight_rows, r32.x, h.to(F32), params32, groups,
+    got_dx, got_dots, got = kex.glu_expert_backward(r32.grad_out, r32.weight_rows, r32.x, h.to(F32), params32, groups,
                                              activation, row_index=r32.row_token)
     assert_all_close((got_dx, got_dots), (dx, dots), rel_err)
     assert set(got) == set(grads)
     assert_all_close([got[k] for k in grads], [grads[k] for k in grads], rel_err)
-    rows = kex.glu_backward(r32.grad_out[r32.row_token], r32.weight_rows, r32.x[r32.row_token], h.to(F32), params32,
+    rows = kex.glu_expert_backward(r32.grad_out[r32.row_token], r32.weight_rows, r32.x[r32.row_token], h.to(F32), params32,
                             groups, activation)
     assert_all_close(rows[:2], (dx, dots), rel_err)
 
@@ -114,7 +114,7 @@ def test_down_grad_epilogue(routed, expert_params, rel_err):
 
 @pytest.mark.parametrize("activation,output_activation,bias",
                          [(a, b, i % 2 == 0) for i, (a, b) in enumerate(zip(ACTIVATIONS, ACTIVATIONS[::-1]))])
-def test_mlp_backward(routed, expert_params, rel_err, activation, output_activation, bias):
+def test_mlp_expert_backward(routed, expert_params, rel_err, activation, output_activation, bias):
     """Stages 1-4 of "mlp" (dx rows, gate dots, every gradient) against the torch path's stages in
     float64: every activation in both places, act_out' formed in the combine pass and act' in the
     da1 GEMM's epilogue; g and x read in token order."""
@@ -128,7 +128,7 @@ def test_mlp_backward(routed, expert_params, rel_err, activation, output_activat
     r32 = routed.cast(F32)
     params32 = {k: None if v is None else v.to(F32) for k, v in params.items()}
     z1_32 = z1.to(F32)
-    got_dx, got_dots, got = kex.mlp_backward(r32.grad_out, r32.weight_rows, r32.x, z1_32, z2.to(F32),
+    got_dx, got_dots, got = kex.mlp_expert_backward(r32.grad_out, r32.weight_rows, r32.x, z1_32, z2.to(F32),
                                              activate(activation, z1_32), params32, groups, activation,
                                              output_activation, row_index=r32.row_token)
     assert_all_close((got_dx, got_dots), (dx, dots), rel_err)

@@ -31,7 +31,7 @@ GLU_LAUNCHES = [*ROUTER_FORWARD, "forward_gemm_kernel", "forward_gemm_kernel", "
                 "down_grad_kernel", "weight_grad_kernel", "weight_grad_kernel", "grad_gemm_kernel",  # stages 2-4
                 "token_combine_kernel", *ROUTER_BACKWARD]  # stages 5 and 6
 MLP_LAUNCHES = [*ROUTER_FORWARD, "forward_gemm_kernel", "forward_gemm_kernel", "token_combine_kernel",
-                "grad_combine_gate_kernel", "grad_gemm_kernel", "weight_grad_kernel", "weight_grad_kernel",
+                "gate_dots_kernel", "grad_gemm_kernel", "weight_grad_kernel", "weight_grad_kernel",
                 "grad_gemm_kernel", "token_combine_kernel", *ROUTER_BACKWARD]
 
 
