@@ -9,6 +9,7 @@ and saved such tensors, so the backward's GEMMs need the same casts (as torch.am
 """
 from __future__ import annotations
 
+import contextlib
 from typing import NamedTuple
 
 import torch
@@ -59,13 +60,15 @@ def autocast_state(device: str) -> tuple[str, bool, torch.dtype | None]:
     return device, enabled, torch.get_autocast_dtype(device) if enabled else None
 
 
-def restore_autocast(state: tuple[str, bool, torch.dtype | None]) -> torch.autocast:
-    """torch.autocast in an autocast_state."""
+def restore_autocast(state: tuple[str, bool, torch.dtype | None]):
+    """torch.autocast in an autocast_state (nothing on a device autocast does not know, such as meta)."""
     device, enabled, dtype = state
+    if not autocast_available(device):
+        return contextlib.nullcontext()
     return torch.autocast(device, dtype=dtype, enabled=enabled)
 
 
-def forward_autocast(ctx) -> torch.autocast:
+def forward_autocast(ctx):
     """The autocast state the forward ran under (save_residuals), for the backward to run under."""
     return restore_autocast(ctx.autocast)
 

@@ -7,6 +7,8 @@
     shardmoe train --steps 50 --out runs/short --seed 1
     shardmoe train --resume                          # continue runs/default with its settings
     shardmoe train --overwrite                       # start runs/default afresh, deleting the old run
+    shardmoe train --device cuda --arch mixtral      # one GPU (--device auto, the default, takes one when present)
+    torchrun --nproc-per-node 8 -m shardmoe train --mesh d=8   # 8 GPUs of a node: GPU LOCAL_RANK each, NCCL
     torchrun --nproc-per-node 4 -m shardmoe train --mesh d=2,e=2
     torchrun --nproc-per-node 4 -m shardmoe train --mesh p=2,e=2 --pipeline-schedule gpipe
 
@@ -33,16 +35,17 @@ from pathlib import Path
 
 from shardmoe.mesh import PIPELINE_MESH_AXES, parse_mesh
 from shardmoe.model.residuals import BACKWARD_MODES
-from shardmoe.model.transformer import check_layout
+from shardmoe.model.transformer import CHECKPOINTING, check_layout
 from shardmoe.parallel.pipeline import SCHEDULES, first_line, lost_peer
 from shardmoe.train.config import TrainConfig, read_config_file
+from shardmoe.train.device import DEVICES
 from shardmoe.train.presets import ARCH_PRESETS, DEFAULT_ARCH, check_arch
 
 DEFAULT_OUT = "runs/default"
 MESH_AXIS_NAMES = {"p": "pp", "d": "dp", "e": "ep", "t": "tp"}
 # the settings a flag of the same name (dashes for underscores) sets over the config file
 FLAG_SETTINGS = ("arch", "steps", "seed", "backward", "timeout_minutes", "data", "tokenizer", "pipeline_schedule",
-                 "stages_per_rank")
+                 "stages_per_rank", "device", "activation_checkpointing")
 SETTINGS_TABLE = 'docs/training.md, "Configuration"'
 
 
@@ -79,6 +82,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stages-per-rank", type=int, metavar="V",
                         help="pipeline stages per rank (interleaved-1f1b: at least 2; the others: 1)")
     parser.add_argument("--backward", choices=BACKWARD_MODES, help="dense-layer backward (default explicit)")
+    parser.add_argument("--device", choices=DEVICES,
+                        help="where the run computes (default auto: a GPU when torch sees one, else the CPU); under "
+                             "torchrun each rank takes GPU LOCAL_RANK and the ranks talk over NCCL (gloo on the CPU)")
+    parser.add_argument("--activation-checkpointing", choices=CHECKPOINTING,
+                        help="what the backward recomputes instead of keeping: none (default), moe (each block's MoE "
+                             "layer) or block (whole blocks); the gradients are the same bit for bit")
     parser.add_argument("--timeout-minutes", type=float, metavar="M",
                         help="how long a rank waits for a hung or dead peer before failing "
                              f"(default {TrainConfig.timeout_minutes:g})")
@@ -140,9 +149,12 @@ def check_memory(config: TrainConfig) -> None:
 
 def validate_setup(config: TrainConfig, sizes: dict[str, int], world_size: int, out_dir: str, resume: bool,
                    overwrite: bool = False, progress: bool = False) -> tuple[Path, int] | None:
-    """Every check that needs no process group; raises ValueError with one clear message. Tokenizes
-    the data into the token cache if it is not there yet (a progress bar when `progress`). Returns
+    """Every check that needs no process group; raises ValueError with one clear message (the
+    device among them: cuda without a GPU, a LOCAL_RANK past the node's GPUs). Tokenizes the data
+    into the token cache if it is not there yet (a progress bar when `progress`). Returns
     (checkpoint, step) a resume continues from, else None."""
+    from shardmoe.train.device import resolve_device
+
     from shardmoe.train.checkpoint import check_resumable, latest_checkpoint
     from shardmoe.train.loop import build_streams
     from shardmoe.train.rundir import check_claimable
@@ -151,6 +163,7 @@ def validate_setup(config: TrainConfig, sizes: dict[str, int], world_size: int, 
     from shardmoe.parallel.pipeline import check_schedule
 
     check_layout(config.model, sizes["d"], sizes["e"], sizes["t"])
+    resolve_device(config.device)
     token_shards = sizes["d"] * sizes["e"]
     if config.batch_size % token_shards:
         raise ValueError(f"batch_size: expected a multiple of d*e = {token_shards} (rows are split over d and e), "
@@ -199,7 +212,7 @@ def run(args: argparse.Namespace) -> int:
     if config.threads:
         torch.set_num_threads(config.threads)
     try:
-        mesh = _init_mesh(sizes, world_size, config.timeout_minutes)
+        mesh = _init_mesh(sizes, world_size, config.timeout_minutes, config.device)
         try:
             lock = _claim_out(args, rank, mesh is not None)
             if lock is None:
@@ -233,15 +246,23 @@ def run(args: argparse.Namespace) -> int:
         return 1
 
 
-def _init_mesh(sizes: dict[str, int], world_size: int, timeout_minutes: float):
+def _init_mesh(sizes: dict[str, int], world_size: int, timeout_minutes: float, device_setting: str):
+    """None on one process; else the Mesh of the world's process group: NCCL with this rank's GPU
+    (LOCAL_RANK) set as the current device when the run computes on GPUs, gloo on the CPU."""
     if world_size == 1:
         return None
+    import torch
     import torch.distributed as dist
 
     from shardmoe.mesh import Mesh
     from shardmoe.parallel.pipeline import check_agreement
+    from shardmoe.train.device import process_group_backend, resolve_device
 
-    dist.init_process_group("gloo", timeout=datetime.timedelta(minutes=timeout_minutes))
+    device = resolve_device(device_setting)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # NCCL, and every tensor made without an index, use this rank's GPU
+    dist.init_process_group(process_group_backend(device), timeout=datetime.timedelta(minutes=timeout_minutes),
+                            device_id=device if device.type == "cuda" else None)
     try:
         check_agreement({"--mesh": sizes}, "mesh layouts")  # before any rank builds its groups from them
         return Mesh(**{MESH_AXIS_NAMES[a]: n for a, n in sizes.items()})
@@ -318,8 +339,7 @@ def _train_and_report(config: TrainConfig, args: argparse.Namespace, mesh) -> in
     final = rows[-1]
     held_out = f", held-out {final['val_loss']:.3f}" if "val_loss" in final else ""
     print(f"steps {new[0]['step']}..{final['step']}: loss {new[0]['loss']:.3f} -> {final['loss']:.3f}{held_out}; "
-          f"{wall:.0f} s wall, {tokens_per_s:.0f} tokens/s, mean MFU {mean_mfu:.1%} of a measured "
-          f"{result.peak_flops / 1e9:.1f} GFLOP/s matmul peak per rank")
+          f"{wall:.0f} s wall, {tokens_per_s:.0f} tokens/s, mean MFU {mean_mfu:.1%} of {result.peak_source}")
     print(f"wrote {Path(args.out) / 'metrics.jsonl'}, {curve}, {load} and {Path(args.out) / 'checkpoint.safetensors'}")
     print(f"expert load, max/mean over the experts of the worst layer: step {new[0]['step']} "
           f"{new[0]['worst_load_max_over_mean']:.2f} -> step {final['step']} {final['worst_load_max_over_mean']:.2f}")
