@@ -121,12 +121,13 @@ def resolve_config(args: argparse.Namespace) -> tuple[TrainConfig, list[str]]:
     return resume_settings(stored_settings(args.out), given.to_dict() if args.config else flags, args.out)
 
 
-def check_memory(config: TrainConfig) -> None:
-    """Raise ValueError when the model cannot fit in this machine's memory: its parameters, their
-    gradients and AdamW's two moments, each element stored once however the mesh shards it (a lower
-    bound of a step's need; activations come on top). The parameters are counted from their shapes
-    (full_shapes of one and two layers, the difference per layer), so nothing is built or allocated,
-    however large the settings (model.vocab_size 1e8 was an out-of-memory traceback)."""
+def check_memory(config: TrainConfig, device=None) -> None:
+    """Raise ValueError when the model cannot fit in the memory of where it runs (this machine's, or
+    the GPU's of a run on `device` a GPU): its parameters, their gradients and AdamW's two moments,
+    each element stored once however the mesh shards it (a lower bound of a step's need; activations
+    come on top). The parameters are counted from their shapes (full_shapes of one and two layers,
+    the difference per layer), so nothing is built or allocated, however large the settings
+    (model.vocab_size 1e8 was an out-of-memory traceback)."""
     import dataclasses
 
     import torch
@@ -140,9 +141,12 @@ def check_memory(config: TrainConfig) -> None:
     params = count(1) + (config.model.n_layers - 1) * (count(2) - count(1))
     dtype = config.param_dtype
     need = params * 4 * torch.empty((), dtype=dtype).element_size()  # weights, gradients, two moments
-    have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if device is not None and device.type == "cuda":
+        have, where = torch.cuda.get_device_properties(device).total_memory, f"GPU {device.index}'s"
+    else:
+        have, where = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "this machine's"
     if need > have:
-        raise ValueError(f"model: expected a model that fits in this machine's {have / 2**30:.1f} GiB, got "
+        raise ValueError(f"model: expected a model that fits in {where} {have / 2**30:.1f} GiB, got "
                          f"{params:,} parameters needing at least {need / 2**30:.1f} GiB for weights, gradients and "
                          f"AdamW's two moments in {dtype}")
 
@@ -163,7 +167,7 @@ def validate_setup(config: TrainConfig, sizes: dict[str, int], world_size: int, 
     from shardmoe.parallel.pipeline import check_schedule
 
     check_layout(config.model, sizes["d"], sizes["e"], sizes["t"])
-    resolve_device(config.device)
+    device = resolve_device(config.device)
     token_shards = sizes["d"] * sizes["e"]
     if config.batch_size % token_shards:
         raise ValueError(f"batch_size: expected a multiple of d*e = {token_shards} (rows are split over d and e), "
@@ -174,7 +178,7 @@ def validate_setup(config: TrainConfig, sizes: dict[str, int], world_size: int, 
     if sizes["p"] > 1:
         check_schedule(config.pipeline_schedule, sizes["p"], config.stages_per_rank, config.grad_accum_steps)
         stage_layers(config.model.n_layers, sizes["p"] * config.stages_per_rank)
-    check_memory(config)
+    check_memory(config, device)
     ranks = math.prod(sizes.values())
     if ranks != world_size:
         launch = f"torchrun --nproc-per-node {ranks} -m shardmoe train ..." if ranks > 1 else "one process"
