@@ -4,11 +4,14 @@ activation_checkpointing option.
     python benchmarks/activation_memory.py attention [--length 4096]
     python benchmarks/activation_memory.py checkpointing [--length 1024 --batch 8 --layers 4]
 
-Each figure is measured in a fresh process (one per variant): after one warm-up forward and
-backward, the process's peak resident set is reset (Linux: /proc/self/clear_refs), the measured
-forward and backward run, and the peak above the resident set before them is the figure. Beside
-it, "saved" is what the forward leaves for the backward: the bytes of the distinct storages that
-pass torch's saved-tensor hooks (the fused core's kernel graph included).
+Each figure is measured in a fresh process (one per variant), with glibc told to hand freed
+memory back to the system at once (MALLOC_MMAP_THRESHOLD_, MALLOC_TRIM_THRESHOLD_), so that the
+resident set follows what is allocated: the process's peak resident set is reset (Linux:
+/proc/self/clear_refs) once the inputs and weights exist, the forward and backward run, and the
+peak above the resident set before them is the figure ("peak"; it includes what the first call
+of a kernel allocates for good, the same for every variant). Beside it, "saved" is what the
+forward leaves for the backward: the bytes of the distinct storages that pass torch's saved-tensor
+hooks during the forward (the fused core's kernel graph included).
 
 attention: one attention layer of the default model's heads (d_model 96, 4 query heads over 2 kv
 heads of 24), fp32, one row of `length` tokens holding documents of 512 tokens, forward and
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 
@@ -42,9 +46,9 @@ def _status(field: str) -> int:
     raise RuntimeError(f"/proc/self/status has no {field}")
 
 
-def _measured(step) -> dict:
-    """{"peak": bytes above the resident set before, "saved": bytes saved for backward} of step()."""
-    step()  # warm-up: the kernels' first-call allocations
+def _measured(forward) -> dict:
+    """{"peak": bytes above the resident set before, "saved": bytes the forward saved for the
+    backward} of forward() (which returns the tensor to backpropagate from) and its backward."""
     saved: dict[int, int] = {}
 
     def pack(t):
@@ -54,7 +58,8 @@ def _measured(step) -> dict:
 
     base = _reset_peak()
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        step()
+        out = forward()
+    out.backward()
     return {"peak": _status("VmHWM") - base, "saved": sum(saved.values())}
 
 
@@ -74,11 +79,10 @@ def attention_child(core: str, length: int) -> dict:
                ((M, Q, K, D), (2, M, K, D), (M, Q, K, D))]
     grad = torch.randn(1, length, M, generator=gen)
 
-    def step():
-        out = attention(nx, *weights, layout.segment_ids, rope, core=core)
-        out.backward(grad)
+    def forward():
+        return (attention(nx, *weights, layout.segment_ids, rope, core=core) * grad).sum()
 
-    return _measured(step)
+    return _measured(forward)
 
 
 def checkpointing_child(option: str, length: int, batch: int, layers: int) -> dict:
@@ -90,15 +94,13 @@ def checkpointing_child(option: str, length: int, batch: int, layers: int) -> di
     starts = torch.zeros(batch, length, dtype=torch.bool)
     starts[:, ::256] = True
 
-    def step():
-        model.zero_grad(set_to_none=True)
-        model(ids, starts, ids).total.backward()
-
-    return _measured(step)
+    return _measured(lambda: model(ids, starts, ids).total)
 
 
 def run_child(args: list[str]) -> dict:
-    done = subprocess.run([sys.executable, __file__, "--child", *args], capture_output=True, text=True, check=True)
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="0")
+    done = subprocess.run([sys.executable, __file__, "--child", *args], capture_output=True, text=True, check=True,
+                          env=env)
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 

@@ -142,13 +142,15 @@ def attention_bias(segment_ids: Tensor, dtype: torch.dtype) -> Tensor:
 def fused_core(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, scale: float) -> Tensor:
     """o[B L Q K D] by torch's scaled_dot_product_attention (differentiable by its fused backward);
     bias[B 1 Lq Lk] additive in q's dtype, or a bool mask (allowed). Query head h = k Q + q of the
-    kernel's [B (K Q) L D] layout reads kv head h // Q, which enable_gqa gives without repeating k, v."""
+    kernel's [B (K Q) L D] layout reads kv head h // Q: k and v are repeated Q times to that layout
+    (a copy of q's size; their gradients sum back over the Q), which every fused kernel takes (CUDA's
+    memory-efficient one has no grouped-query form)."""
     batch, length, per_kv, kv_heads, head_dim = q.shape
     heads = q.permute(0, 3, 2, 1, 4).reshape(batch, kv_heads * per_kv, length, head_dim)
+    keys, values = (t.transpose(1, 2).repeat_interleave(per_kv, dim=1) for t in (k, v))
     if bias.dtype not in (torch.bool, q.dtype):  # another autocast state than the one it was made for
         bias = bias.to(q.dtype)
-    o = F.scaled_dot_product_attention(heads, k.transpose(1, 2), v.transpose(1, 2), attn_mask=bias, scale=scale,
-                                       enable_gqa=per_kv > 1)
+    o = F.scaled_dot_product_attention(heads, keys, values, attn_mask=bias, scale=scale)
     return o.view(batch, kv_heads, per_kv, length, head_dim).permute(0, 3, 2, 1, 4)
 
 

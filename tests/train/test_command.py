@@ -397,3 +397,21 @@ def test_device_cpu_keeps_every_parameter_moment_and_batch_on_the_cpu(tmp_path, 
     assert capsys.readouterr().err == ("shardmoe train: device: expected a machine with a GPU torch can use for "
                                        "'cuda' (torch.cuda.is_available() is False); use cpu or auto\n")
     assert not (tmp_path / "gpu").exists()
+
+
+def test_a_gpu_runs_memory_check_is_against_the_gpus_memory(monkeypatch):
+    """mixtral-1gpu needs 21.8 GiB for its fp32 weights, gradients and moments: a GPU run is checked
+    against the GPU's memory (torch's view of it monkeypatched), not the host's."""
+    import types
+
+    from shardmoe.train.command import check_memory
+    from shardmoe.train.config import TrainConfig
+
+    config = TrainConfig.from_dict({"arch": "mixtral-1gpu"})
+    sizes = {0: 80 * 2 ** 30, 1: 16 * 2 ** 30}
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: types.SimpleNamespace(total_memory=sizes[d.index]))
+    check_memory(config, torch.device("cuda", 0))
+    with pytest.raises(ValueError, match=r"^model: expected a model that fits in GPU 1's 16.0 GiB, got 1,461,012,480 "
+                                         r"parameters needing at least 21.8 GiB for weights, gradients and AdamW's two "
+                                         r"moments in torch.float32$"):
+        check_memory(config, torch.device("cuda", 1))
