@@ -101,7 +101,8 @@ def build_streams(config: TrainConfig, dp_rank: int = 0, dp_size: int = 1, *,
     tokenizer = load_tokenizer(config.tokenizer)
     check_vocab(config.model.vocab_size, tokenizer)
     tokens = open_tokens(config.data, tokenizer, config.val_fraction, config.token_cache, progress=progress)
-    common = dict(bos=tokenizer.bos, dp_rank=dp_rank, dp_size=dp_size, source=tokens.key)
+    common = dict(bos=tokenizer.bos, dp_rank=dp_rank, dp_size=dp_size, source=tokens.key,
+                  tokenizer_digest=tokenizer.digest)
 
     def stream(split: str, split_tokens, documents: int, remedy: str, **options) -> PackedBatches:
         try:
@@ -223,6 +224,7 @@ def train(config: TrainConfig, out_dir: str | Path | None, *, mesh=None, resume:
     metrics_log = MetricsLog(out_dir) if out_dir is not None and rank0 else None
     sample_log = SampleLog(out_dir) if out_dir is not None and rank0 and config.sample_tokens else None
     pending: list[StepRecord] = []
+    held_out = next((r["val_loss"] for r in reversed(history) if "val_loss" in r), None)  # the bar's latest
     try:
         interval_started = time.perf_counter()
         for step in range(start + 1, last + 1):
@@ -254,8 +256,10 @@ def train(config: TrainConfig, out_dir: str | Path | None, *, mesh=None, resume:
                 for row in rows:
                     metrics_log.append(row)
             if bar is not None:
-                bar.set_postfix(loss=f"{rows[-1]['loss']:.3f}", tok_s=f"{rows[-1]['tokens_per_s']:.0f}",
-                                mfu=f"{rows[-1]['mfu']:.1%}")
+                held_out = rows[-1].get("val_loss", held_out)
+                bar.set_postfix(loss=f"{rows[-1]['loss']:.3f}", **({"val": f"{held_out:.3f}"} if held_out is not None
+                                                                  else {}),
+                                tok_s=f"{rows[-1]['tokens_per_s']:.0f}", mfu=f"{rows[-1]['mfu']:.1%}")
                 bar.update(len(rows))
             for row in rows:
                 if not math.isfinite(row["loss"]) or not math.isfinite(row["grad_norm"]):

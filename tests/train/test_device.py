@@ -68,7 +68,7 @@ def test_each_rank_sets_its_gpu_and_the_group_is_nccl_on_gpus_gloo_on_the_cpu(gp
     monkeypatch.setattr(torch.cuda, "set_device", lambda d: calls.append(("set_device", d)))
     monkeypatch.setattr(torch.distributed, "init_process_group", init_process_group)
     with pytest.raises(Started):
-        command._init_mesh({"p": 1, "d": 2, "e": 1, "t": 1}, 2, 1.5, setting)
+        command._init_mesh({"p": 1, "d": 2, "e": 1, "t": 1}, 2, 1.5, {"--mesh": "d=2"}, setting)
     gpu = None if index is None else torch.device("cuda", index)
     expected = [("init", backend, datetime.timedelta(minutes=1.5), gpu)]
     assert calls == ([("set_device", gpu)] if gpu is not None else []) + expected
