@@ -286,7 +286,7 @@ def moe_forward(handle: int, x: torch.Tensor, present: list[torch.Tensor],
     context = _context(handle, tokens, inputs)
     config, router, dispatcher = context.config, context.router, context.dispatcher
     router_tensors, params, shared = split_inputs(context, inputs)
-    with precision.no_autocast(x.device.type), dispatcher.guard():
+    with precision.autocast_off(x.device.type), dispatcher.guard():
         dispatcher.prepare(config, tokens, router_tensors, shared)
         ops = dispatch.select(config, tokens, context.workspace, local_width(config, params))
         routing, state = dispatcher.route(router, tokens, router_tensors)
@@ -346,7 +346,7 @@ def moe_backward(handle: int, grad_out: torch.Tensor, grad_loss: torch.Tensor, x
     router_tensors, params, shared = split_inputs(context, inputs)
     record = SavedForBackward.restore(config, saved, _routing_inputs(context, inputs))
     routing = record.routing
-    with precision.no_autocast(x.device.type):
+    with precision.autocast_off(x.device.type):
         ops = dispatch.select(config, tokens, context.workspace, local_width(config, params))
         grad_out = grad_out.reshape(tokens.shape).contiguous()
         if context.loss_scale:

@@ -12,7 +12,7 @@ Inside torch.autocast(device_type, dtype=D), D bf16 or fp16, with parameters of 
                operator, so the expert GEMMs and elementwise passes run in D with float32
                accumulation, and the output [S, H] is D (as an autocast nn.Linear's is)
   gradients    land in P: the casts are autograd ops, whose backward casts D back to P
-The MoE operators themselves run with autocast off (moe/function.py, no_autocast): autocast would otherwise cast
+The MoE operators themselves run with autocast off (moe/function.py, autocast_off): autocast would otherwise cast
 the router's GEMM, inside the operator, to D.
 This mirrors torchtitan's float32 gate under autocast and Megatron's --moe-router-dtype fp32.
 """
@@ -36,10 +36,12 @@ def autocast_available(device_type: str) -> bool:
     return torch.amp.is_autocast_available(device_type)
 
 
-def no_autocast(device_type: str) -> contextlib.AbstractContextManager:
-    """Autocast off for `device_type` inside the block (a device without autocast, such as meta,
-    has none to turn off)."""
-    return torch.autocast(device_type, enabled=False) if autocast_available(device_type) else contextlib.nullcontext()
+def autocast_off(device_type: str):
+    """torch.autocast(device_type, enabled=False); nothing on a device autocast does not know (meta,
+    whose tensors run a step's shapes without data: torch.autocast refuses it)."""
+    if not autocast_available(device_type):
+        return contextlib.nullcontext()
+    return torch.autocast(device_type, enabled=False)
 
 
 def autocast_dtype(x: torch.Tensor, param_dtype: torch.dtype) -> torch.dtype | None:

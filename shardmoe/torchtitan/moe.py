@@ -1,4 +1,4 @@
-"""MoE: torchtitan's MoE module whose forward is shardmoe's fused MoE operator.
+"""MoE: torchtitan's MoE module whose forward is shardmoe's MoE operator.
 
   moe = shardmoe.torchtitan.MoE.Config(**fields of torchtitan's MoE.Config).build()
   out_BLD = moe(x_BLD)                    x [B, L, D] -> [B, L, D]
@@ -10,7 +10,7 @@ the same Config, load_balance_coeff, init (init_states through torchtitan's Modu
 _init_self_buffers) and sharding configs. Only forward differs, and what forward needs:
 
   shardmoe's options      read from the module (moe_config), refused before anything runs when
-                          the fused layer cannot compute what torchtitan's does
+                          the MoE layer cannot compute what torchtitan's does
   the weights it runs on  gate_weight = gate.weight^T [D, E] (a view), gate_up_proj =
                           cat(w1_EFD, w3_EFD) [E, 2F, D], down_proj = w2_EDF [E, D, F]; the shared
                           expert's cat(w1, w3) [2Fs, D] and w2 [D, Fs]; each the local tensor of a
@@ -71,7 +71,7 @@ def _check_linear(name: str, linear, bias_allowed: bool) -> None:
 def moe_config(moe: titan_moe.MoE) -> MoEConfig:
     """The MoEConfig computing what the built torchtitan MoE `moe` computes (any device, meta too).
 
-    Refuses (ValueError naming the part and what it has) what the fused layer does not compute:
+    Refuses (ValueError naming the part and what it has) what the MoE layer does not compute:
     another experts class (GPT-OSS's, a quantized or fused one), router or shared-expert class, a
     token dispatcher other than the local and the all-to-all one, biases in the shared expert, the
     debug round-robin routing, a group-limited router with fewer than two experts per group."""
@@ -114,7 +114,7 @@ def moe_config(moe: titan_moe.MoE) -> MoEConfig:
 
 
 class MoE(titan_moe.MoE):
-    """torchtitan's MoE computed by shardmoe's fused MoE operator (module docstring)."""
+    """torchtitan's MoE computed by shardmoe's MoE operator (module docstring)."""
 
     @dataclass(kw_only=True, slots=True)
     class Config(titan_moe.MoE.Config):
@@ -125,7 +125,7 @@ class MoE(titan_moe.MoE):
         self._attach()
 
     def _attach(self) -> None:
-        """What the fused operator needs beside torchtitan's state: the options, the handle the
+        """What the MoE operator needs beside torchtitan's state: the options, the handle the
         operator names this module by, the row-buffer pool, the dispatcher (local until parallelize
         gives an 'ep' mesh)."""
         self.moe_config = moe_config(self)

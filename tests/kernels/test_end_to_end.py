@@ -1,7 +1,7 @@
 """A whole MoE layer, forward and backward, assembled from the kernels in float32, against
-the fused layer (the MoE operators of shardmoe/moe/ops.py) in float64.
+the layer (the MoE operators of shardmoe/moe/function.py) in float64.
 
-The expert side is the Triton backend's fused entry points, which the MoE operators run on the kernel path: rows are
+The expert side is TritonOps' stages, which the MoE operators run on the kernel path: rows are
 gathered inside the kernels (no x[row_token] or grad_out[row_token] copies), each token gathers
 and sums its rows, stages 1 + 2 (mlp) run as one kernel and glu's stages 2-4 as one GEMM with its
 epilogue and three plain GEMMs. Routing and stage 6 run in routing.py: on torch for the interpreter's
