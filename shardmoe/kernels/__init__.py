@@ -23,12 +23,12 @@ KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 # test holds the two equal), and for "glu" the clamped SwiGLU besides (activations.glu)
 KERNEL_ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "silu", "identity")
 
-# The widest expert (F) the kernels take by default. Measured on an H100 with earlier kernels (bf16,
-# forward + backward, docs/kernels.md): at F=256 (E=128, k=8) the kernels were 2.2x the torch path,
-# at F=14336 (E=8, k=2) the torch path (cuBLAS GEMMs) was 2.1x the kernels; with dh formed once they
-# led up to F=2048 (1.08x), wider widths not reached. The lease's sweep (gpu_check --only lease)
-# measures the crossover of these kernels; until it has, 4096 keeps DeepSeek-V3 (2048), GPT-OSS
-# (2880) and Qwen3 (768, 1536) on the kernels and sends Mixtral-sized experts to cuBLAS.
+# The widest expert (F) the kernels take by default: a value kept until the lease's sweep
+# (python -m shardmoe.tools.gpu_check --only lease) measures where these kernels stop winning. What
+# it rests on, H100 runs of earlier kernels (ahead of the torch path up to F = 2048, behind
+# cuBLAS at F = 14336), is in docs/kernels.md ("Which layers take the kernels") with its command.
+# 4096 keeps DeepSeek-V3 (2048), GPT-OSS (2880) and Qwen3 (768, 1536) on the kernels and sends
+# Mixtral-sized experts to cuBLAS.
 KERNEL_MAX_FFN = 4096
 
 

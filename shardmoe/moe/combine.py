@@ -21,9 +21,9 @@ import torch
 from shardmoe.rows import accumulation_dtype
 
 
-# Row chunks whose float32 temporaries stay in cache (about 1 MiB each). Forming a bf16
-# product in fp32 over a whole [N, F] tensor writes fresh 4-byte-per-element buffers and
-# takes mixed-dtype slow paths: 5-6x the time of the same math chunk by chunk.
+# Row chunks whose float32 temporaries stay in cache (_CHUNK_BYTES each). Forming a bf16 product
+# in fp32 over a whole [N, F] tensor writes fresh 4-byte-per-element buffers and takes mixed-dtype
+# slow paths; chunk by chunk the same math stays in cache.
 _CHUNK_BYTES = 1 << 20
 
 
@@ -96,7 +96,7 @@ def combine(ops, expert_out: torch.Tensor, weight_rows: torch.Tensor, row_pair: 
 def grad_combine(ops, grad_rows: torch.Tensor, weight_rows: torch.Tensor) -> torch.Tensor:
     """Stage 1: ge_r = w_r g_r, the gradient each kept pair's expert receives. [N, D] -> [N, D],
     formed in the acc dtype and rounded once to grad_rows' dtype, into a buffer of ops.empty (on CPU
-    a workspace buffer: a fresh [N, H] page-faults, and scaling into one took 5x as long)."""
+    a workspace buffer: a fresh [N, H] page-faults, moe/cpu.py "Workspace")."""
     return ops.scale_rows(grad_rows, weight_rows, out=ops.empty(tuple(grad_rows.shape), grad_rows))
 
 

@@ -1,95 +1,85 @@
 """The CPU's own machinery for the MoE layer's stages, in three parts:
 
-  C++ passes        fused elementwise passes, one vectorised pass per stage (csrc/elementwise.cpp)
+  C++ passes          fused elementwise passes, one vectorised pass per stage (csrc/elementwise.cpp)
   side-by-side GEMMs  the per-expert GEMMs, one expert per intra-op thread (csrc/experts_mm.cpp)
-  Workspace         the pool of the large row buffers a step uses, kept across steps
+  Workspace           the pool of the large row buffers a step uses, kept across steps
 
-CpuOps puts them together as the row primitives the stage math (moe/experts.py, moe/combine.py)
-runs on: it is experts.TorchOps with the first two where the forward allows them and the operands
-fit, and the row buffers from the third; everything else runs TorchOps' torch code. On other
-devices none of this runs (moe/dispatch.py select()).
+CpuOps puts them together: it is experts.TorchOps with the C++ passes where the forward allows
+them and the operands fit, the side-by-side GEMMs allowed (TorchOps.linear and weight_grad hold
+every form of the experts' GEMMs and take these where gemm_fits), and the row buffers from the
+workspace; everything else runs TorchOps' torch code. On other devices none of this runs
+(moe/dispatch.py select()). Why each part, and the measurement behind it with its command:
+docs/benchmarks.md, "What the figures settle on the CPU".
 
 ## C++ passes
-Fused elementwise passes of the MoE layer on CPU: one vectorised pass per stage, in C++.
+CpuOps calls these for float32 and bfloat16 CPU tensors where `elementwise_fits(...)` says so,
+and TorchOps' torch code for everything else (float64, other devices, activations not listed in
+ACTIVATION_CODES, tensors under autograd):
 
-CpuOps calls these for float32 and bfloat16 CPU tensors where `elementwise_fits(...)` says so
-(the forward allows them and the operands fit), and TorchOps' torch code for everything else
-(float64, other devices, activations not listed in ACTIVATION_CODES, tensors under autograd):
+  glu_forward            a = act(hg) * hu, and act(hg) when asked     h [N, 2F] -> [N, F]
+  glu_backward           dh = [dA * hu * act'(hg) | dA * act(hg)]     dA, act(hg) [N, F], h -> [N, 2F]
+  glu_backward_one_pass  the glu expert's backward passes in one: a, dh and the gate dots from h,
+                         g Wdown and w
+  scale_rows             out_r = w_r * rows_r                         [N, D], [N] -> [N, D]
+  rowwise_dot            out_r = sum_d rows[r, d] f1[r, d] (f2[r, d])  [N, D] -> [N] float32
+  index_add_rows         out_i = sum of (w_r *) rows_r over the rows r with index r = i
+                                                                     [N, D] -> [M, D] float32
+  combine_pairs          the combine's sum as a gather over each token's rows
+                                                                     [N, D], [S, k] -> [S, D] float32
 
-  glu_forward    a = act(hg) * hu, and act(hg) when asked           h [N, 2F] -> [N, F]
-  glu_backward   dh = [dA * hu * act'(hg) | dA * act(hg)]           dA, act(hg) [N, F], h -> [N, 2F]
-  glu_backward_one_pass  the glu expert's backward passes in one: a, dh and the gate dots from h, g Wdown, w
-  scale_rows     out_r = w_r * rows_r                               [N, D], [N] -> [N, D]
-  rowwise_dot    out_r = sum_d rows[r, d] * f1[r, d] (* f2[r, d])   [N, D] -> [N] float32
-  index_add_rows out_i = sum over rows r with index r = i of (w_r *) rows_r   [N, D] -> [S, D] float32
-  combine_pairs  the same sum as a gather over each token's rows    [N, D], [S, k] -> [S, D] float32
-
-Each reads every input element once, forms the math in float32 registers (bf16 is widened on load,
+Each reads every input element once, forms the math in float32 registers (bf16 widened on load,
 as aten's own bf16 kernels do) and rounds into the output. Where the torch path rounds a bf16
-intermediate (act(hg) before the GLU product, dA * hu before act'), the kernels round it too: a
-single rounding measured more accurate on average (relative error 1.6e-3 against 2.3e-3 for the
-GLU product), but it moved individual results enough to push one bf16 check case past its bar
-(output error 0.011 -> 0.024 against 2e-2), and the bars hold the torch path's rounding. So the
-results are the torch path's bits in bf16 and float32 (tests/moe/test_cpu_elementwise.py), except the row dots,
-which add their float32 products in a different order (round-off only), and the activation
-closed forms, which follow aten's kernels but may differ in the last bit.
-docs/benchmarks.md ("What the figures settle on the CPU") has the measurements that chose C++ with
-ATen's vectorised types over torch.compile (Inductor) and oneDNN post-ops.
+intermediate (act(hg) before the GLU product, dA * hu before act'), the passes round it too, so
+that the results are the torch path's bits in bf16 and float32 (tests/moe/test_cpu_elementwise.py)
+and the precision bars (docs/checking.md) hold one rounding behaviour; except the row dots, which
+add their float32 products in a different order (round-off only), and the activation closed
+forms, which follow aten's kernels but may differ in the last bit.
 
-Building: csrc/elementwise.cpp, with csrc/experts_mm.cpp (the side-by-side GEMMs) in the same
-library, is compiled once per machine, on first use, with the C++ compiler
-($CXX, else c++) against the installed torch, for the CPU capability torch runs at (AVX512, AVX2
-or the portable default), into $SHARDMOE_CACHE_DIR (default ~/.cache/shardmoe); the file name
-carries a hash of the source, flags and torch version, so a changed source rebuilds and a finished
-build is reused by every later process (once, announced by one line on stderr: about 40 s of the
-compiler's CPU time, so on a busy machine minutes; loading takes milliseconds). If the
+Building: csrc/elementwise.cpp and csrc/experts_mm.cpp are one library (shardmoe_cpu), compiled
+once per machine, on first use, with the C++ compiler ($CXX, else c++) against the installed
+torch, for the CPU capability torch runs at (AVX512, AVX2 or the portable default), into
+$SHARDMOE_CACHE_DIR (default ~/.cache/shardmoe); the file name carries a hash of the sources,
+flags and torch version, so a changed source rebuilds and a finished build is reused by every
+later process (the build is announced by one line on stderr; loading takes milliseconds). If the
 build or load fails (no compiler, no headers), one RuntimeWarning line says why and where the
 compiler's output went, and every stage keeps the torch path for the rest of the process.
-SHARDMOE_FUSED_ELEMENTWISE=0 (shardmoe.settings) keeps the torch path for these passes (to compare
+SHARDMOE_FUSED_ELEMENTWISE=0 (shardmoe.settings) keeps the torch path for the passes (to compare
 the two); the library is still built when the side-by-side GEMMs (SHARDMOE_EXPERTS_MM) use it.
 
-The passes are torch operators (torch.ops.shardmoe_elementwise, and torch.ops.shardmoe_gemm for
-the side-by-side GEMMs): each schema marks the buffers the op writes (Tensor(a!) out) and the op returns
-nothing, the wrappers below return those buffers, and a Meta kernel in the library (nothing to
-compute: the outputs are the caller's buffers) lets FakeTensorMode and torch.compile(fullgraph=True)
-trace them without running them (torch.library.opcheck passes for each: tests/moe/).
+The passes are torch operators (torch.ops.shardmoe_elementwise; the GEMMs torch.ops.shardmoe_gemm):
+each schema marks the buffers the op writes (Tensor(a!) out) and the op returns nothing, the
+wrappers below return those buffers, and a Meta kernel (nothing to compute: the outputs are the
+caller's buffers) lets FakeTensorMode and torch.compile(fullgraph=True) trace them without
+running them (torch.library.opcheck passes for each: tests/moe/).
 
 ## Side-by-side GEMMs
-The per-expert GEMMs on CPU side by side: one expert per intra-op thread (csrc/experts_mm.cpp).
-
   experts_mm           out[rows of e] = rows[rows of e] @ W_e    rows [N, K], W [E, K, O] -> [N, O]
   experts_weight_grad  dW_e = grad[rows of e]^T @ in[rows of e]  [N, O], [N, K] -> [E, O, K]
 
 Run one after another, each small GEMM splits its rows over every thread and pays their start and
-join; side by side, each on one thread, the experts' GEMMs ran 1.04-1.32x faster on 2 threads
-(docs/history/cpu-layer-choices.md). Experts holding a thread's share of the rows or more still run one at a time
-on all threads, so a skewed routing does not leave the work to one thread. Each GEMM is ATen's
-single-thread one; each output is written by one GEMM.
+join; side by side each expert's GEMM is ATen's single-thread one, on one thread, and each output
+is written by one GEMM. Experts holding a thread's share of the rows or more still run one at a
+time on all threads, so a skewed routing does not leave the work to one thread.
 
 In bf16 every GEMM here runs over a whole number of 32-row blocks or fewer than 32 rows: oneDNN,
-which runs torch's bf16 GEMMs on CPU, builds a kernel per shape and keeps only the last 1,024
-(~0.65 MiB each), and exact row counts that change every step kept it rebuilding them.
-experts_mm splits an expert's rows into the blocks and the rest; experts_weight_grad, whose
-reduction runs over the rows (a split would round dW_e twice), pads them to a block instead: the
-narrower operand copied with zero rows after its own, the wider read in place over the next
-experts' rows where those exist and are finite, copied zero-padded too where not
-(docs/benchmarks.md, "What the figures settle on the CPU").
+which runs torch's bf16 GEMMs on CPU, builds a kernel per shape and keeps a bounded cache of them,
+so exact row counts that change every step kept it rebuilding them. experts_mm splits an expert's
+rows into the blocks and the rest; experts_weight_grad, whose reduction runs over the rows (a
+split would round dW_e twice), pads them to a block instead: the narrower operand copied with
+zero rows after its own, the wider read in place over the next experts' rows where those exist
+and are finite, copied zero-padded too where not.
 
-The library is the C++ passes' (one build, one fallback): where it cannot be built, and for what
-it does not take (one thread, one expert, float64, other devices, tensors under autograd), CpuOps
-runs a per-expert loop of torch.mm into its row buffer (grouped_mm, which allocates its output,
-runs the same products on CPU, bit for bit). SHARDMOE_EXPERTS_MM=0 (shardmoe.settings) keeps the
-loop too (to compare the two). The GEMMs are torch operators (torch.ops.shardmoe_gemm: out
-annotated as written, a Meta kernel) that the wrappers call directly, so
-torch.compile(fullgraph=True) traces them, as for the passes.
+Where the library is not built, and for what it does not take (one thread, one expert, float64,
+other devices, tensors under autograd), TorchOps runs one torch.mm per expert into the row buffer.
+SHARDMOE_EXPERTS_MM=0 (shardmoe.settings) keeps that loop too (to compare the two).
 
 ## Workspace
 Workspace: a per-layer pool of the large row buffers of the MoE layer's forward and backward.
 
-Fresh CPU allocations of 32 MiB and more page-fault on every first touch (glibc maps them anew:
-docs/history/cpu-layer-choices.md), and a GEMM writing into such a buffer ran at a third of its speed. The row
-buffers of one step ([N, 2F] h and its gradient, [N, F] a, act(hg), g Wdown, dA; [N, H] expert
-outputs) are therefore taken from blocks this pool keeps across steps.
+Fresh CPU allocations of 32 MiB and more page-fault on every first touch (glibc maps them anew),
+and a GEMM writing into such a buffer pays those faults inside the step. The row buffers of one
+step ([N, 2F] h and its gradient, [N, F] a, act(hg), g Wdown, dA; [N, H] expert outputs) are
+therefore taken from blocks this pool keeps across steps.
 
 Ownership. A block is lent by empty() and free again only when nothing but the pool refers to
 its storage (the storage's use count is 1): a tensor saved for backward keeps its block until
@@ -107,11 +97,12 @@ stats['workspace_bytes'] then reports the shared pool.
 
 Size. A request that no free block fits allocates a new block and drops the free blocks of that
 device (all smaller than the request): of the request's size the first time, and of at least
-1.25x the largest block it replaces after that, so steps that keep growing a little (a batch of
-more tokens, fewer drops) do not allocate every time. A block is never larger than needed by
-more than that factor, which matters: a saved tensor's block counts whole in the saved bytes. release() forgets every block (blocks still lent stay alive with
-their tensors and are freed with them); MoE.to() / _apply call it, since blocks never move.
-resident_bytes counts every block the pool holds, lent or free.
+GROWTH times the largest block it replaces after that, so steps that keep growing a little (a
+batch of more tokens, fewer drops) do not allocate every time. A block is never larger than
+needed by more than that factor, which matters: a saved tensor's block counts whole in the saved
+bytes. release() forgets every block (blocks still lent stay alive with their tensors and are
+freed with them); MoE.to() / _apply call it, since blocks never move. resident_bytes counts every
+block the pool holds, lent or free.
 """
 from __future__ import annotations
 
@@ -438,9 +429,8 @@ def combine_pairs(rows: torch.Tensor, token_rows: torch.Tensor, weight_rows: tor
 
 # -- workspace -------------------------------------------------------------------------------
 
-# Below this a request is served by the allocator: glibc recycles small blocks itself, and a pool
-# block per small tensor would only add resident bytes (4 MiB: the size the per-expert outputs
-# that glibc reused were, docs/history/cpu-layer-choices.md).
+# Below this a request is served by the allocator: glibc recycles small blocks itself (below its
+# mmap threshold), and a pool block per small tensor would only add resident bytes.
 MIN_POOLED_BYTES = 4 << 20
 GROWTH = 1.25
 

@@ -60,7 +60,8 @@ ACTIVATION_OPTIONS = ("swiglu_limit", "swiglu_alpha")
 # MoEConfig's shared-expert fields, also keyword options
 SHARED_OPTIONS = ("shared_ffn_size", "shared_gate")
 
-# the dtypes the layer computes in (float16 runs, but fp16 matmul ran at ~1 GFLOP/s on the CPUs measured)
+# the dtypes the layer computes in (float16 runs too, but torch's CPU float16 matmul has no fast kernel:
+# the tests and benchmarks use float32, bfloat16 and float64)
 DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 

@@ -58,8 +58,7 @@ def top_indices(values: torch.Tensor, k: int) -> torch.Tensor:
     a host read of the device every step. The key is the value's bits made monotonic (negative
     floats' magnitude bits flipped; -0 taken as +0 and every NaN as one NaN first) times 2^16, plus
     65535 - index. float64 (the CPU checks) has no room for the index in 64 bits: torch.topk of k + 1
-    first (faster than a full sort: measured 2.2x at E = 64 and k = 8, 4.1x at E = 256, at d1719a6),
-    and the rows with equal neighbours among those (a tie inside the top k or at its edge) or a NaN
+    first (a partial selection, cheaper than the full sort), and the rows with equal neighbours among those (a tie inside the top k or at its edge) or a NaN
     take the stable descending sort."""
     width = values.shape[-1]
     if k >= width:
@@ -366,12 +365,11 @@ def grad_gate_gemm(
 
 
 # On CPU, MKL runs the router's two GEMMs with a narrow expert dim slowly in their plain layouts:
-# x Wg with Wg [H, E] row-major and x^T dlogits (the [S, H] operand transposed) measured 2.0-4.8x
-# and 3.6-6.6x slower at E = 2..10 (S=4096 H=512, 2 threads) than with the weight column-major and
-# as (dlogits^T x)^T; from E = 12 the logits' plain layout is as fast and dWg's gain shrinks (1.46x
-# at 12, 0.85x at 64) (benchmarks/router_gemms.py, docs/benchmarks.md). The switch sits at 8, the
-# widths models use, short of the measured edge (MKL's, which another MKL or CPU may move). At tiny
-# shapes (S H of a few thousand) the narrow forms lose a few microseconds; nothing that counts.
+# x Wg with Wg [H, E] row-major and x^T dlogits (the [S, H] operand transposed) ran slower up to
+# E = 10 than with the weight column-major and as (dlogits^T x)^T, and from E = 12 the plain
+# layouts were as fast (docs/benchmarks.md, "The router's GEMMs in a narrow layout for E <= 8",
+# measured by benchmarks/router_gemms.py). The switch sits at 8, the widths models use, short of
+# the measured edge (MKL's, which another MKL or CPU may move).
 NARROW_ROUTER = 8
 
 
