@@ -17,6 +17,13 @@ import functools
 import torch
 import triton
 
+# The program axis each kernel's launch takes its output column tile from (the static stage's
+# column_axis: python -m shardmoe.tools.gpu_check --only static); None where a program covers every
+# column. The hardware starts programs in the order of axis 0 first, so with the column tile on axis 1
+# the programs running together share one column tile and each reads a different row tile.
+COLUMN_AXIS = {"forward_gemm_kernel": 1, "down_grad_kernel": 1, "grad_gemm_kernel": 1, "weight_grad_kernel": 0,
+               "router_gemm_kernel": 1, "token_combine_kernel": 1, "grad_combine_gate_kernel": None}
+
 MIN_BLOCK_M = 16  # tl.dot needs every tile dim >= 16
 MAX_BLOCK_M = 128
 INTERPRETER_PROGRAMS = 3  # persistent programs under the interpreter: more than one, so the tile loop strides
