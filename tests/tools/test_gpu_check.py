@@ -228,27 +228,39 @@ def static_run(tmp_path_factory):
             (out / "report.md").read_text())
 
 
-def test_static_every_gemm_kernel_has_tensor_core_mma_and_no_spills(static_run):
+def test_static_every_gemm_kernel_is_pipelined_on_tensor_cores_under_both_tritons(static_run):
     """Every GEMM kernel of the bench's layer steps (and an mlp and a biased clamped glu), the router's
-    three float32 GEMMs (tf32x3) included, at the config an H100 runs, compiled for sm_90a: HGMMA
-    (wgmma) in its machine code and no spilled registers."""
+    three float32 GEMMs (tf32x3) included, at the config an H100 runs, compiled for sm_90a by the
+    installed triton and by the lent GPU machine's (tritons.py): HGMMA (wgmma) in its machine code, no
+    spilled registers, at least three shared-memory buffers, a main-loop cp.async wait above 0 (the next
+    tiles' copies in flight during the MMA) and the column tile on program axis 0."""
+    from shardmoe.tools.gpu_check import tritons
+
     code, output, report, md = static_run
     entry = report["stages"]["static"]
     if entry["status"] == "skipped":
         pytest.skip(f"static stage skipped: {entry['note']}")
     assert code == 0 and entry["status"] == "ok", output + str(entry["result"].get("problems"))
-    rows = entry["result"]["kernels"]
-    assert set(compiled_gemms()) <= {r["name"] for r in rows} and "router_gemm_kernel" in compiled_gemms()
-    assert {w.name for w in static.WORKLOADS} == {w for r in rows for w in r["workloads"]}
+    result = entry["result"]
+    assert set(result["tritons"]) == set(tritons.VERSIONS) and not result["skipped_tritons"], result["skipped_tritons"]
+    rows = result["kernels"]
+    for version in tritons.VERSIONS:
+        mine = [r for r in rows if r["triton"] == version]
+        assert set(compiled_gemms()) <= {r["name"] for r in mine} and "router_gemm_kernel" in compiled_gemms()
+        assert {w.name for w in static.WORKLOADS} == {w for r in mine for w in r["workloads"]}
     for r in rows:
-        assert {"name", "config", "registers", "spill_bytes", "shared_bytes", "mma_instructions",
-                "tma_instructions"} <= set(r), r
+        assert {"name", "triton", "config", "registers", "spill_bytes", "shared_bytes", "mma_instructions",
+                "tma_instructions", "async_buffers", "async_wait", "wgmma", "wgmma_wait", "tma_loads", "tma_stores",
+                "column_axis"} <= set(r), r
         assert 0 < r["registers"] <= 255 and r["shared_bytes"] >= 0 and "num_warps" in r["config"], r
         if r["gemm"]:
-            assert r["mma_instructions"] > 0 and r["spill_bytes"] == 0, r
+            assert r["mma_instructions"] > 0 and r["spill_bytes"] == 0 and r["wgmma"].startswith("m64n"), r
+            assert r["async_buffers"] >= static.MIN_BUFFERS and r["async_wait"] > 0 and r["column_axis"] == 0, r
+            assert r["program_axes"][0] == 0, r
         else:
-            assert r["mma_instructions"] == 0, r
-    assert "| kernel | config | variant | workloads | registers | spill bytes | shared bytes | HGMMA |" in md
+            assert r["mma_instructions"] == 0 and r["wgmma"] is None, r
+    assert ("| kernel | triton | config | variant | workloads | registers | spill bytes | shared bytes | HGMMA | HMMA "
+            "| wgmma | buffers | cp.async wait | wgmma wait | TMA loads | TMA stores | column axis |") in md
 
 
 def compiled_gemms():
@@ -257,14 +269,54 @@ def compiled_gemms():
     return GEMM_KERNELS
 
 
-def test_static_problems_name_a_kernel_without_mma_or_with_spills():
-    row = {"name": "weight_grad_kernel", "config": {"BLOCK_O": 128}, "workloads": ["w"], "gemm": True,
-           "registers": 255, "spill_bytes": 64, "mma_instructions": 0, "mma_sync_instructions": 2}
-    found = static.problems({"kernels": [row]})
-    assert found[0].startswith("GEMM kernels not compiled: down_grad_kernel, forward_gemm_kernel, grad_gemm_kernel")
-    assert found[1] == ("weight_grad_kernel {'BLOCK_O': 128} (w): expected tensor-core MMA (HGMMA), got none "
-                        "(2 HMMA)")
-    assert found[2] == "weight_grad_kernel {'BLOCK_O': 128} (w): expected no spills, got 64 bytes (255 registers)"
+def test_static_problems_name_what_a_gemm_kernel_lacks():
+    row = {"name": "weight_grad_kernel", "triton": "3.6.0", "config": {"BLOCK_O": 128}, "workloads": ["w"],
+           "gemm": True, "registers": 255, "spill_bytes": 64, "mma_instructions": 0, "mma_sync_instructions": 2,
+           "async_buffers": 2, "async_wait": 0, "tma_loads": 0, "column_axis": 1, "program_axes": [0, 1]}
+    found = static.problems({"tritons": ["3.6.0"], "kernels": [row]})
+    where = "weight_grad_kernel {'BLOCK_O': 128} (triton 3.6.0; w)"
+    assert found == ["triton 3.6.0: GEMM kernels not compiled: down_grad_kernel, forward_gemm_kernel, grad_gemm_kernel, "
+                     "router_gemm_kernel",
+                     f"{where}: expected tensor-core MMA (HGMMA), got none (2 HMMA)",
+                     f"{where}: expected no spills, got 64 bytes (255 registers)",
+                     f"{where}: expected at least 3 shared-memory buffers, got 2",
+                     f"{where}: expected a main-loop cp.async wait above 0 (or TMA loads), got 0",
+                     f"{where}: expected the column tile on program axis 0 (walked fastest), got 1"]
+    fed_by_tma = dict(row, spill_bytes=0, mma_instructions=4, async_buffers=3, async_wait=None, tma_loads=2,
+                      column_axis=0, program_axes=[0])
+    assert static.row_problems(fed_by_tma) == []
+    assert static.row_problems(dict(fed_by_tma, tma_loads=0))[0].endswith("(or TMA loads), got None")
+
+
+def test_pipeline_reads_the_main_loop_of_a_ttgir_module():
+    """compiled.pipeline on a hand-written TTGIR outline: the buffers of the [buffers, rows, columns]
+    allocations, the waits of the innermost loop holding the MMA (not those after it or of an outer
+    loop), and the program axes."""
+    from shardmoe.tools.gpu_check import compiled
+
+    ttgir = "\n".join([
+        "%0 = tt.get_program_id x : i32",
+        "%a = ttg.local_alloc : () -> !ttg.memdesc<3x128x64xbf16, #shared, #smem, mutable>",
+        "%b = ttg.local_alloc : () -> !ttg.memdesc<4x64x256xbf16, #shared, #smem, mutable>",
+        "%i = ttg.local_alloc : () -> !ttg.memdesc<1x64xi64, #shared, #smem, mutable>",
+        "scf.for %t = %0 to %1 step %2 : i32 {",
+        "  %w0 = ttg.async_wait %x {num = 0 : i32}",
+        "  %r:2 = scf.for %k = %3 to %4 step %5 iter_args(%acc = %c) -> (tensor<128x256xf32>) {",
+        "    %w1 = ttg.async_wait %a0, %b0 {num = 2 : i32}",
+        "    scf.if %p {",
+        "      %w2 = ttg.async_wait %a1 {num = 1 : i32}",
+        "    } else {",
+        "    }",
+        "    %d = ttng.warp_group_dot %a2, %b2, %acc {inputPrecision = 0 : i32, isAsync = true}",
+        "    %dw = ttng.warp_group_dot_wait %d {pendings = 1 : i32}",
+        "    scf.yield %dw",
+        "  } loc(#loc1)",
+        "  %w3 = ttg.async_wait {num = 0 : i32}",
+        "} loc(#loc2)",
+    ])
+    assert compiled.pipeline(ttgir) == {"async_buffers": 3, "async_wait": 1, "wgmma_wait": 1, "program_axes": [0]}
+    assert compiled.wgmma_shapes("wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 ...\n"
+                                 "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16") == "m64n16k16,m64n256k16"
 
 
 @pytest.fixture(scope="module")
