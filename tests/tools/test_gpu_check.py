@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from shardmoe.tools import gpu_check
-from shardmoe.tools.gpu_check import bench, model, parity, pytest_stage, runner, sanitize, sanitizer, static, sweep
+from shardmoe.tools.gpu_check import (bench, model, parity, pytest_stage, runner, sanitize, sanitizer, static, sweep,
+                                      traffic)
 
 ROOT = Path(__file__).resolve().parents[2]
 ENV = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
@@ -37,7 +38,7 @@ def test_dry_run_passes_every_stage_and_skips_only_the_sanitizer_and_static(dry_
     assert code == 0, output
     assert list(report["stages"]) == list(gpu_check.STAGE_NAMES)
     statuses = {name: entry["status"] for name, entry in report["stages"].items()}
-    assert statuses == {"env": "ok", "static": "skipped", "tests": "ok", "sanitizer": "skipped", "parity": "ok",
+    assert statuses == {"env": "ok", "static": "skipped", "traffic": "ok", "tests": "ok", "sanitizer": "skipped", "parity": "ok",
                         "bench": "ok", "sweep": "ok", "model": "ok", "calibrate": "ok"}, output
     assert "--only static" in report["stages"]["static"]["note"]
     assert report["runs"][0]["dry_run"] is True and report["runs"][0]["device"] == "cpu"
@@ -211,6 +212,56 @@ def test_model_stage_steps_both_implementations_on_the_triton_path(dry_run):
     # (grouped_mm routes in bf16: 8.7e-2 apart at these tiny sizes)
     assert result["loss_rel_diff"] < 1e-2 and 0 < result["grad_rel_error"] < math.inf
     assert "grouped_mm / shardmoe:" in dry_run[3]
+
+
+def test_traffic_model_rows_calibration_and_the_fine_step(dry_run):
+    """The traffic stage's model at the bench's full shapes (it needs no GPU): a step row per shape and
+    device with the issue's fields, a calibration row per kernel and shape against the stored 206ae40
+    per-kernel times with its error, and the fine step as the grouped tile order leaves it: at most
+    4.0 ms modelled on an H100 with DRAM traffic at most 1.5x the compulsory bytes (the model with the
+    row tile fastest gives 6.8 ms and 3.2x)."""
+    from shardmoe.tools.gpu_check.lease_profiles import PROFILES_206AE40
+
+    result = dry_run[2]["stages"]["traffic"]["result"]
+    steps = {(r["shape"], r["device"]): r for r in result["steps"]}
+    assert set(steps) == {(s, d.name) for s in traffic.SHAPE_NAMES for d in traffic.DEVICES}
+    for r in steps.values():
+        assert {"shape", "device", "modelled_ms", "dram_bytes", "compulsory_bytes"} <= set(r)
+        assert 0 < r["roofline_ms"] <= r["modelled_ms"] and r["dram_bytes"] >= r["compulsory_bytes"] > 0
+    assert steps[("fine", "H200")]["modelled_ms"] <= steps[("fine", "H100")]["modelled_ms"]
+    fine = steps[("fine", "H100")]
+    assert fine["modelled_ms"] <= 4.0 and fine["dram_bytes"] <= 1.5 * fine["compulsory_bytes"], fine
+    rows = result["calibration"]
+    assert {(r["kernel"], r["shape"]) for r in rows} == {(k, s) for s, ks in PROFILES_206AE40.items() for k in ks}
+    for r in rows:
+        assert {"kernel", "shape", "measured_ms", "modelled_ms"} <= set(r)
+        assert r["error"] == pytest.approx(r["modelled_ms"] / r["measured_ms"] - 1)
+    assert 0 < result["efficiency"]["flops"] <= 1 and 0 < result["efficiency"]["bytes"] <= 1
+    assert "measured" not in result  # no GPU: nothing measured
+    assert "A model, not a measurement" in dry_run[3] and "| kernel | shape | measured ms | modelled ms | error |" in dry_run[3]
+
+
+def test_wave_bytes_reads_a_tile_once_per_wave_that_needs_it():
+    programs = [(((("A", 0), 10), (("W", 0), 1)), 2)] * 3 + [(((("A", 1), 10), (("W", 0), 1)), 2)]
+    assert traffic.wave_bytes(programs, 4) == 10 + 1 + 10 + 4 * 2  # one wave: W once, A0 once
+    assert traffic.wave_bytes(programs, 2) == (10 + 1) * 2 + 10 + 4 * 2  # A0 and W again in the second wave
+    h100 = traffic.DEVICES[0]
+    # registers: 65536 / (136 x 256) = 1 program an SM; 128 registers and 96 KB of shared memory: 2
+    assert traffic.resident(h100, 130, 1024, 8) == 132 and traffic.resident(h100, 128, 96 * 1024, 8) == 264
+
+
+def test_grouped_order_reads_fewer_bytes_than_the_row_tile_fastest():
+    """400 row tiles of 4 experts by 24 column tiles, 132 programs a wave: with the row tile fastest a
+    wave is 132 row tiles of one column tile, so every row tile is read 24 times; grouped by 8 rows a
+    wave is 8 row tiles by 16.5 column tiles (3.2x the row operand's bytes in all, weights included)."""
+    sizes, private = [12800] * 4, (lambda rows, cols: 0)
+
+    def dram(order):
+        return traffic.wave_bytes(traffic.row_tiled(sizes, 128, 64, 1536, 400, order, 1024, 512, private), 132)
+
+    grouped, rows = dram(traffic.grouped_order(8)), dram(traffic.row_fastest)
+    a_once = 400 * 128 * 1024
+    assert rows >= 24 * a_once and grouped < 4 * a_once
 
 
 def test_bench_reports_host_syncs_only_on_cuda(dry_run):
@@ -393,7 +444,7 @@ def test_calibrate_writes_constants_the_simulator_reads(dry_run):
 
 def test_report_markdown_has_every_stage_section_and_table(dry_run):
     md = dry_run[3]
-    for name, status in (("env", "ok"), ("static", "skipped"), ("tests", "ok"), ("sanitizer", "skipped"),
+    for name, status in (("env", "ok"), ("static", "skipped"), ("traffic", "ok"), ("tests", "ok"), ("sanitizer", "skipped"),
                          ("parity", "ok"), ("bench", "ok"), ("sweep", "ok"), ("model", "ok"), ("calibrate", "ok")):
         assert f"## {name}: {status}" in md
     assert "| glu-deepseek-router | bfloat16 | 3 | triton |" in md
@@ -406,7 +457,7 @@ def test_report_markdown_has_every_stage_section_and_table(dry_run):
 
 @pytest.mark.parametrize("argv, message", [
     (["--out", "{tmp}", "--only", "parity,bogus"],
-     "--only: expected comma-separated stage names among env, static, tests, sanitizer, parity, bench, sweep, "
+     "--only: expected comma-separated stage names among env, static, traffic, tests, sanitizer, parity, bench, sweep, "
      "model, calibrate (or lease), got 'bogus' in 'parity,bogus'"),
     (["--only", "parity"], "--out: expected a directory for report.md and report.json, got None"),
     (["--out", "{tmp}", "--budget", "0"], "--budget: expected a number >= 1, got 0.0"),
@@ -434,13 +485,13 @@ def test_a_full_run_without_cuda_is_refused(tmp_path, capsys):
         pytest.skip("a CUDA device is present: a full run is valid here")
     assert gpu_check.main(["--out", str(tmp_path), "--only", "parity"]) == 2
     assert ("--dry-run: expected it on a machine without CUDA (torch.cuda.is_available() is False), got a full run "
-            "of env,parity (only env, static run without it)") in capsys.readouterr().err
+            "of env,parity (only env, static, traffic run without it)") in capsys.readouterr().err
 
 
 def test_only_runs_env_first_and_stages_in_their_order():
     assert gpu_check.parse_only("bench,parity", merging=False) == ["env", "parity", "bench"]
-    assert gpu_check.parse_only("lease", merging=False) == ["env", "static", "parity", "bench", "sweep", "model",
-                                                              "calibrate"]
+    assert gpu_check.parse_only("lease", merging=False) == ["env", "static", "traffic", "parity", "bench", "sweep",
+                                                              "model", "calibrate"]
     assert gpu_check.parse_only(None, merging=False) == list(gpu_check.STAGE_NAMES)
     assert gpu_check.parse_only(None, merging=True) == []
     assert tuple(runner.STAGES) == gpu_check.STAGE_NAMES

@@ -123,7 +123,10 @@ def run_config(device_name: str):
 def compile_only(choose=None):
     """Inside it, a launch of any autotuned kernel of shardmoe.kernels compiles for sm_90 (once per
     variant and config) instead of running; yields ({key: Compiled}, which fills as the launchers run,
-    and {"name": the workload's name, set by the caller}). `choose(tuner, kernel name, named args)`
+    and {"name": the workload's name, set by the caller, "launches": every launch in order, each
+    {"workload", "name", "key" (into the first dict), "args": the scalar arguments and the config's,
+    "shapes": {tensor argument: its shape}, "dtypes": {tensor argument: bytes per element}}}).
+    `choose(tuner, kernel name, named args)`
     gives the configs to compile for a launch: by default run_config(H100), the one an H100 runs.
     Each compile runs in a fresh triton cache, so ptxas always runs and its log is the kernel's."""
     from triton import knobs
@@ -135,7 +138,7 @@ def compile_only(choose=None):
     choose = choose or run_config(H100)
     target = GPUTarget("cuda", CAPABILITY, WARP_SIZE)
     found: dict = {}
-    workload = {"name": None}
+    workload = {"name": None, "launches": []}
     tiles = {name: set().union(*(c.kwargs for c in tuner.configs)) for name, tuner in AUTOTUNED.items()}
 
     def run(self, *args, grid=None, warmup=False, **kwargs):
@@ -151,6 +154,13 @@ def compile_only(choose=None):
                                              "num_stages": config.num_stages}, shown, kernel, log.getvalue())
             if workload["name"] not in found[key].workloads:
                 found[key].workloads.append(workload["name"])
+            named = {**dict(zip(self.arg_names, args)), **kwargs, **config.all_kwargs()}
+            tensors = {k: v for k, v in named.items() if isinstance(v, torch.Tensor)}
+            workload["launches"].append({
+                "workload": workload["name"], "name": name, "key": key,
+                "args": {k: v for k, v in named.items() if isinstance(v, (bool, int, float, str)) or v is None},
+                "shapes": {k: tuple(v.shape) for k, v in tensors.items()},
+                "dtypes": {k: v.element_size() for k, v in tensors.items()}})
 
     previous_run, previous_log, previous_cache = Autotuner.run, knobs.nvidia.dump_ptxas_log, knobs.cache.dir
     with tempfile.TemporaryDirectory(prefix="shardmoe-compiled-") as cache:

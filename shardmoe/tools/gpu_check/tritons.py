@@ -55,7 +55,8 @@ def unpacked(version: str) -> tuple[Path | None, str | None]:
     with tempfile.TemporaryDirectory(prefix=f"triton-{version}-", dir=target.parent) as work:
         try:
             done = subprocess.run([sys.executable, "-m", "pip", "download", f"triton=={version}", "--no-deps",
-                                   "--only-binary=:all:", "--disable-pip-version-check", "-q", "-d", work],
+                                   "--only-binary=:all:", "--disable-pip-version-check", "-q", "--retries", "0",
+                                   "--timeout", "15", "-d", work],
                                   capture_output=True, text=True, timeout=FETCH_TIMEOUT_S)
         except subprocess.TimeoutExpired:
             return None, f"pip download triton=={version} took over {FETCH_TIMEOUT_S} s"
