@@ -241,6 +241,23 @@ def test_traffic_model_rows_calibration_and_the_fine_step(dry_run):
     assert "A model, not a measurement" in dry_run[3] and "| kernel | shape | measured ms | modelled ms | error |" in dry_run[3]
 
 
+def test_traffic_on_a_lease_puts_measured_beside_modelled_and_refits(dry_run):
+    """What a lease adds (the kernels measured per kernel and step, here given): a row per measured
+    kernel and shape with its modelled time, the efficiencies refitted to them, and a measured kernel the
+    model has no launch of left out."""
+    traced = json.loads((dry_run[4] / "traffic.json").read_text())
+    measured = {"fine": {"forward_gemm_kernel": 1.2, "weight_grad_kernel": 0.9, "grad_combine_gate_kernel": 0.1},
+                "mixtral": {"grad_gemm_kernel": 8.0}}
+    result = traffic.model(traced, measured)
+    rows = result["lease_calibration"]["rows"]
+    assert [(r["kernel"], r["shape"], r["measured_ms"]) for r in rows] == [
+        ("forward_gemm_kernel", "fine", 1.2), ("weight_grad_kernel", "fine", 0.9), ("grad_gemm_kernel", "mixtral", 8.0)]
+    assert all(r["modelled_ms"] > 0 for r in rows) and result["measured"] == measured
+    assert 0 < result["lease_calibration"]["efficiency"]["flops"] <= 1
+    assert any(line.startswith("This lease's kernels, measured and modelled side by side")
+               for line in traffic.markdown(result))
+
+
 def test_wave_bytes_reads_a_tile_once_per_wave_that_needs_it():
     programs = [(((("A", 0), 10), (("W", 0), 1)), 2)] * 3 + [(((("A", 1), 10), (("W", 0), 1)), 2)]
     assert traffic.wave_bytes(programs, 4) == 10 + 1 + 10 + 4 * 2  # one wave: W once, A0 once

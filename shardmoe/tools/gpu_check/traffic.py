@@ -293,6 +293,8 @@ def calibration_rows(modelled: dict, measured: dict, device: Device, eta) -> lis
     for shape_name, kernels in measured.items():
         model = per_kernel(modelled[shape_name], device, eta)
         for kernel, ms in kernels.items():
+            if kernel not in model:  # measured, but not among the modelled launches
+                continue
             rows.append({"kernel": kernel, "shape": shape_name, "measured_ms": ms, "modelled_ms": model[kernel],
                          "error": model[kernel] / ms - 1})
     return rows
@@ -300,7 +302,8 @@ def calibration_rows(modelled: dict, measured: dict, device: Device, eta) -> lis
 
 def fitted(modelled: dict, measured: dict, device: Device) -> tuple[float, float]:
     pairs = [([x for x in modelled[s] if x.kernel == kernel], ms)
-             for s, kernels in measured.items() for kernel, ms in kernels.items()]
+             for s, kernels in measured.items() for kernel, ms in kernels.items()
+             if any(x.kernel == kernel for x in modelled[s])]
     return fit(pairs, device)
 
 
@@ -443,19 +446,19 @@ def markdown(result: dict) -> list[str]:
     lines += table(["kernel", "shape", "measured ms", "modelled ms", "error"],
                    [[r["kernel"], r["shape"], fmt(r["measured_ms"], ".3f"), fmt(r["modelled_ms"], ".3f"),
                      fmt(100 * r["error"], "+.0f") + " %"] for r in result["calibration"]])
-    measured = result.get("measured", {})
-    lines += ["", "Per launch (H100" + (", measured beside the modelled, per kernel" if measured else "") + "):", ""]
+    lines += ["", "Per launch, in launch order:", ""]
     lines += table(["shape", "kernel", "config", "GFLOP", "DRAM MB", "compulsory MB", "modelled ms H100",
-                    "modelled ms H200", "measured ms (kernel, a step)"],
+                    "modelled ms H200"],
                    [[r["shape"], r["kernel"], " ".join(f"{k}={v}" for k, v in r["config"].items()),
                      fmt(r["flops"] / 1e9, ".1f"), fmt(r["dram_bytes"] / 1e6, ".0f"),
                      fmt(r["compulsory_bytes"] / 1e6, ".0f"), fmt(r["modelled_ms"]["H100"], ".3f"),
-                     fmt(r["modelled_ms"]["H200"], ".3f"), fmt(measured.get(r["shape"], {}).get(r["kernel"]), ".3f")]
+                     fmt(r["modelled_ms"]["H200"], ".3f")]
                     for r in result["launches"]])
     if "lease_calibration" in result:
         lease = result["lease_calibration"]
-        lines += ["", f"This lease's kernels (measured vs modelled at the 206ae40 fit; refitted: "
-                      f"{lease['efficiency']['flops']:.2f} FLOP/s, {lease['efficiency']['bytes']:.2f} bandwidth):", ""]
+        lines += ["", f"This lease's kernels, measured and modelled side by side (ms a step, the model at the 206ae40 "
+                      f"fit; refitted to these: {lease['efficiency']['flops']:.2f} of peak FLOP/s, "
+                      f"{lease['efficiency']['bytes']:.2f} of peak bandwidth):", ""]
         lines += table(["kernel", "shape", "measured ms", "modelled ms", "error"],
                        [[r["kernel"], r["shape"], fmt(r["measured_ms"], ".3f"), fmt(r["modelled_ms"], ".3f"),
                          fmt(100 * r["error"], "+.0f") + " %"] for r in lease["rows"]])
