@@ -55,7 +55,10 @@ def _measure(args) -> dict:
         layer.dispatcher.check_agreement(x.dtype, gate_weight.detach(), gate_bias, layer.correction_bias)
         check_replicas(layer, mesh)
 
-    work = {"step": step, "handshake": lambda: consistency.handshake(mesh, "sync_grads"), "checks": checks}
+    def handshake():  # sync_grads', naming the layer
+        consistency.handshake(mesh, "sync_grads", [layer.dispatcher.number])
+
+    work = {"step": step, "handshake": handshake, "checks": checks}
     for fn in work.values():  # warm-up
         fn()
     times = {name: [] for name in work}

@@ -313,6 +313,12 @@ class Mesh:
             raise ValueError(f"{argument} {rank} is not a rank of this mesh; its ranks are "
                              f"{', '.join(map(str, sorted(self._table)))}")
 
+    def __deepcopy__(self, memo) -> "Mesh":
+        """The mesh itself: it names the job's process groups, which a copy of a module on the mesh
+        (copy.deepcopy, torch.optim.swa_utils.AveragedModel) runs on as the original does (a
+        ProcessGroup cannot be copied)."""
+        return self
+
     def __repr__(self) -> str:
         dp, ep, tp = (self.axis_sizes[a] for a in MESH_AXES)
         pipeline = f", pp={self.pipeline_size} (stage {self.stage})" if self.pipeline_size > 1 else ""

@@ -17,7 +17,7 @@ LAYERS = [
     ("shardmoe",),  # the package's own __init__: MoE, Mesh, and parallel's registration
     ("model",),
     ("check", "arguments"),
-    ("tasks", "hf"),
+    ("tasks", "hf", "torchtitan"),
     ("train", "simulate"),
     ("tools", "gpu_check"),  # the measurement tools; gpu_check: their old command name, forwarding
     ("cli", "__main__"),

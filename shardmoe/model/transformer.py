@@ -333,7 +333,7 @@ class Transformer(nn.Module):
         if any(not 0 <= i < config.n_layers for i in part.layers) or list(part.layers) != sorted(set(part.layers)):
             raise ValueError(f"part: expected ascending distinct block indices in 0..{config.n_layers - 1}, "
                              f"got {part.layers}")
-        self.config, self.mesh, self.dtype, self.part = config, mesh, dtype, part
+        self.config, self.mesh, self.dtype, self.part, self.seed = config, mesh, dtype, part, seed
         backward = check_backward_mode(backward)
         kw = dict(mesh=mesh, backward=backward, dtype=dtype)
         self.embedding = Embedding(config.vocab_size, config.d_model, **kw) if part.embedding else None
@@ -351,8 +351,16 @@ class Transformer(nn.Module):
         dtensors.prepare(self.specs.values(), mesh)  # a collective: the DeviceMeshes state_dict() needs
         self.register_state_dict_post_hook(_whole_dense_entries)
         self.register_load_state_dict_pre_hook(_local_dense_entries)
-        weights = init_full_weights(config, seed, dtype)  # all of them: a part's values are the whole model's
-        self.load_full_state_dict({name: w for name, w in weights.items() if part.holds(name)})
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Every parameter and buffer this rank holds drawn again from the model's seed
+        (init_full_weights): built on the meta device and materialised with to_empty(), the model
+        then holds what one built eagerly with the same seed holds, the MoE layers' correction
+        biases included. It sets the blocks' MoE layers too, so call it on the model, after any
+        per-module MoE.reset_parameters (module.apply's order is right: children first)."""
+        weights = init_full_weights(self.config, self.seed, self.dtype)  # all of them: a part's values are the whole model's
+        self.load_full_state_dict({name: w for name, w in weights.items() if self.part.holds(name)})
 
     # -- layout ------------------------------------------------------------------------------
 

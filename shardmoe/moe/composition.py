@@ -11,6 +11,8 @@
                                 over 'e', every gradient divided by e
   state_entries / shard_entries the state-dict hooks: whole logical tensors (DTensors over the
                                 mesh) out, this rank's shards (FSDP's DTensors under FSDP) in
+  mark_assigned                 the load hook after them: parameters load_state_dict(assign=True)
+                                put in place get the layer's grad-sync marks
   local_tokens(layer, x)        a DTensor input's local tokens, when its blocks are the layer's
 
 docs/parallel.md ("A torch DeviceMesh as the mesh", "Distributed checkpoints", "FSDP2") has the
@@ -21,7 +23,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from shardmoe.mesh import DEVICE_MESH_NAMES, GRAD_SYNC_ATTRIBUTE
+from shardmoe.mesh import DEVICE_MESH_NAMES, EXPERT, GRAD_SYNC_ATTRIBUTE, REPLICATED, mark_grad_sync
 from shardmoe.moe import shared_experts as shared_ex
 
 # DTensor, or nothing isinstance matches where torch has no distributed package (the layer's
@@ -180,6 +182,25 @@ def shard_entries(layer, state_dict: dict, prefix: str, *args) -> None:
                                               _gathered_over_fsdp(param, layer), run_check=False,
                                               shape=param.shape, stride=param.stride())
             state_dict[prefix + name] = whole_over_d.redistribute(placements=param.placements)
+
+
+def mark_assigned(layer, incompatible_keys) -> None:
+    """load_state_dict post-hook: a parameter that load_state_dict(assign=True) put in place (the
+    state dict's tensor, laid out by shard_entries as the parameter it replaces) has lost the
+    grad-sync mark of the layer's own (layer.py _parameter): it gets it back, EXPERT for the routed
+    experts and REPLICATED for the router and the shared expert, when it is laid out as the layer
+    lays that parameter out. A parameter of another layout keeps its missing mark, so that
+    check_own_shards still refuses what fully_shard over a module holding the layer put in place."""
+    from torch.distributed.tensor import DTensor
+
+    for name, param in layer.named_parameters(recurse=False):
+        if hasattr(param, GRAD_SYNC_ATTRIBUTE):
+            continue
+        layout = layer.placement.layout(name)
+        own = (not isinstance(param, DTensor) if layout is None else isinstance(param, DTensor) and
+               (param.device_mesh, tuple(param.placements)) == (layout[0], tuple(layout[1])))
+        if own:
+            mark_grad_sync(param, EXPERT if name in layer.config.expert_param_names else REPLICATED)
 
 
 def _gathered_over_fsdp(param, layer) -> list:

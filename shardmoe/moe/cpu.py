@@ -41,8 +41,8 @@ library, is compiled once per machine, on first use, with the C++ compiler
 ($CXX, else c++) against the installed torch, for the CPU capability torch runs at (AVX512, AVX2
 or the portable default), into $SHARDMOE_CACHE_DIR (default ~/.cache/shardmoe); the file name
 carries a hash of the source, flags and torch version, so a changed source rebuilds and a finished
-build is reused by every later process (about 15-20 s once, announced by one line on stderr;
-loading takes milliseconds). If the
+build is reused by every later process (once, announced by one line on stderr: about 40 s of the
+compiler's CPU time, so on a busy machine minutes; loading takes milliseconds). If the
 build or load fails (no compiler, no headers), one RuntimeWarning line says why and where the
 compiler's output went, and every stage keeps the torch path for the rest of the process.
 SHARDMOE_FUSED_ELEMENTWISE=0 (shardmoe.settings) keeps the torch path for these passes (to compare
@@ -182,8 +182,8 @@ def build_library() -> Path:
     cache.mkdir(parents=True, exist_ok=True)
     log = cache / f"{_LIBRARY}_{key}.log"
     # the first forward on a machine waits for the compiler; say why before it starts
-    print(f"shardmoe: building the C++ CPU passes for this torch and CPU, once (about 20 s; cached in {cache})",
-          file=sys.stderr, flush=True)
+    print(f"shardmoe: building the C++ CPU passes for this torch and CPU, once (about 40 s of compiler CPU time, "
+          f"longer on a busy machine; cached in {cache})", file=sys.stderr, flush=True)
     with tempfile.TemporaryDirectory(dir=cache) as scratch:
         partial = Path(scratch) / library.name
         result = subprocess.run(_compile_command(SOURCES, partial), capture_output=True, text=True)

@@ -131,7 +131,8 @@ class LocalDispatcher:
 
     def stats(self, config, routing, state, num_tokens):
         return dict(tokens_per_expert=routing.kept_per_expert, selected_per_expert=routing.selected_per_expert,
-                    dropped_tokens=routing.dropped_pairs, capacity=config.capacity(num_tokens))
+                    rank_selected_per_expert=routing.selected_per_expert, dropped_tokens=routing.dropped_pairs,
+                    capacity=config.capacity(num_tokens))
 
     def reduce_shared(self, what):
         return _identity

@@ -8,8 +8,9 @@
                                  accumulation); None: aux_loss is a graph node the caller adds
   layer.balance_scope            None, or the whole batch the balance losses average over when a
                                  forward sees a micro-batch of it (moe/function.py BalanceScope)
-  layer.stats                    tokens_per_expert, selected_per_expert, dropped_tokens, capacity,
-                                 workspace_bytes (resident bytes of the workspace)
+  layer.stats                    tokens_per_expert, selected_per_expert (both summed over the mesh),
+                                 rank_selected_per_expert (this rank's tokens' choices), dropped_tokens,
+                                 capacity, workspace_bytes (resident bytes of the workspace)
   layer.workspace                the pool of large row buffers reused across steps
                                  (shardmoe/moe/cpu.py); None allocates them fresh every step;
                                  workspace.release() frees it, and .to() does
@@ -43,7 +44,7 @@ import torch
 from torch import nn
 
 from shardmoe.moe import shared_experts as shared_ex
-from shardmoe.moe.config import MoEConfig
+from shardmoe.moe.config import MoEConfig, check_bool
 from shardmoe.mesh import EXPERT, GRAD_SYNC_ATTRIBUTE, REPLICATED, as_mesh, mark_grad_sync
 from shardmoe.moe import composition, ops, precision
 from shardmoe.moe.placement import placement
@@ -119,6 +120,7 @@ class MoE(nn.Module):
         # state dicts describe the whole logical expert tensors, whatever the mesh (moe/composition.py)
         self.register_state_dict_post_hook(composition.state_entries)
         self.register_load_state_dict_pre_hook(composition.shard_entries)
+        self.register_load_state_dict_post_hook(composition.mark_assigned)
 
     def _parameter(self, name: str, shape: tuple[int, ...], grad_sync: tuple[str, ...], kw: dict) -> nn.Parameter:
         """Parameter `name` of whole shape `shape`, uninitialised: this rank's shard, as a DTensor of
@@ -138,12 +140,17 @@ class MoE(nn.Module):
         return range(first, first + per_rank)
 
     def reset_parameters(self) -> None:
-        """Uniform(+-1/sqrt(fan_in)) for every matrix, as nn.Linear; zero biases.
+        """Uniform(+-1/sqrt(fan_in)) for every matrix, as nn.Linear; zero biases and correction bias.
 
-        With a sharded mesh each whole parameter is drawn (one at a time) and this rank keeps its
-        shard, so ranks seeded alike hold exactly the shards of the single-process layer."""
+        Every parameter and buffer gets its value here, so a layer built on the meta device and
+        materialised with to_empty() holds after reset_parameters() what one built eagerly holds
+        under the same seed. With a sharded mesh each whole parameter is drawn (one at a time) and
+        this rank keeps its shard, so ranks seeded alike hold exactly the shards of the
+        single-process layer."""
         sharded = self.placement.sharded
         with torch.no_grad():
+            if self.correction_bias is not None:
+                self.correction_bias.zero_()
             if self.gate_bias is not None:
                 nn.init.zeros_(self.gate_bias)  # as GPT-OSS: routing starts from the weights alone
             for name in ("gate_weight", *self.config.expert_param_names, *self.config.shared_param_names):
@@ -265,11 +272,13 @@ class MoE(nn.Module):
     def _keep_stats(self, stats: dict) -> None:
         self.stats = stats
 
-    def update_correction_bias(self, load: torch.Tensor) -> None:
-        """b_e += bias_update_rate * sign(mean load - load_e) (DeepSeek-V3 aux-loss-free balancing);
+    def update_correction_bias(self, load: torch.Tensor, centred: bool = False) -> None:
+        """b_e += u_e, u_e = bias_update_rate * sign(mean load - load_e) (DeepSeek-V3 aux-loss-free
+        balancing); centred: u_e - mean u_e, torchtitan's rule, bit for bit (routing.corrected_bias);
         a no-op when correction_bias is off. load [E]: this step's tokens per expert summed over the
         mesh (stats['selected_per_expert'] is that for one forward), the same on every rank, so the
         replicas stay identical. Call it after the optimizer step."""
+        check_bool("centred", centred)
         E = self.config.num_experts
         if not isinstance(load, torch.Tensor) or tuple(load.shape) != (E,):
             raise ValueError(f"load: expected a tensor of shape [{E}] (num_experts), got "
@@ -285,7 +294,7 @@ class MoE(nn.Module):
             return
         with torch.no_grad():
             self.correction_bias.copy_(corrected_bias(self.correction_bias, load.to(self.correction_bias.device),
-                                                              self.config.bias_update_rate))
+                                                      self.config.bias_update_rate, centred))
 
     def _apply(self, fn, recurse=True):
         """As nn.Module._apply (.to(), .cuda(), .float(), ...), and the workspace's blocks are released:

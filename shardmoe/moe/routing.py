@@ -154,11 +154,21 @@ def check_mixtral_router(config, what: str) -> None:
                          f"shared_ffn_size={config.shared_ffn_size}")
 
 
-def corrected_bias(correction_bias: torch.Tensor, load: torch.Tensor, rate: float) -> torch.Tensor:
-    """DeepSeek-V3's aux-loss-free update: b_e + rate * sign(mean_e load_e - load_e), [E] -> [E]
-    in correction_bias's dtype. load [E] is a step's tokens per expert, summed over the mesh."""
+def corrected_bias(correction_bias: torch.Tensor, load: torch.Tensor, rate: float,
+                   centred: bool = False) -> torch.Tensor:
+    """DeepSeek-V3's aux-loss-free update: b_e + u_e, u_e = rate * sign(mean_e load_e - load_e), [E] -> [E]
+    in correction_bias's dtype. load [E] is a step's tokens per expert, summed over the mesh.
+
+    centred: u_e - mean_e u_e instead (torchtitan's rule, register_moe_load_balancing_hook): the
+    biases' mean stays put rather than drifting by the imbalance of signs. Selection compares
+    s + b across experts, so a constant shift routes alike; the state differs. u and its mean are
+    taken in correction_bias's dtype, as torchtitan's hook takes them in float32, so the update is
+    the hook's to the bit."""
     load = load.to(torch.float64)
-    return correction_bias + (rate * torch.sign(load.mean() - load)).to(correction_bias.dtype)
+    update = (rate * torch.sign(load.mean() - load)).to(correction_bias.dtype)
+    if centred:
+        update = update - update.mean()
+    return correction_bias + update
 
 
 @dataclass

@@ -21,10 +21,15 @@ names the setting and the ranks:
               module's first sync_grads and every REPLICA_CHECK_EVERY-th after; the router (and
               the shared expert) also at each layer's first forward and every
               REPLICA_CHECK_EVERY-th after, so that replicas that drift apart are caught.
-  calls       every rank of the mesh enters the same collective call: handshake, one all-gather
-              of a word naming the call before its payload, so that a rank in sync_grads while
-              another runs a forward raises, naming both calls and their ranks, where the payloads'
-              different sizes would abort the process inside gloo.
+  calls       every rank of the mesh enters the same collective call of the same layer: handshake,
+              one all-gather of a row naming the call and its MoE layers before its payload, so
+              that a rank in sync_grads while another runs a forward raises, naming both calls and
+              their ranks, where the payloads' different sizes would abort the process inside
+              gloo; and so that two layers of the same settings called in another order on one
+              rank raise, naming both layers, where their payloads would fit and the outputs and
+              gradients come out silently wrong. A layer is named by its number (layer_number):
+              the order in which a rank built it among the layers on the mesh's ranks, the same on
+              every rank that builds the same model.
 
 checksum is exact and order-sensitive: sum_i (i mod 65521 + 1) * word_i over the tensor's bytes
 read as int16 words (uint8 for 1-byte dtypes), in int64 (no overflow below 2^32 words). Bitwise
@@ -32,6 +37,7 @@ equal tensors give equal sums on any thread count, unlike a floating-point sum.
 """
 from __future__ import annotations
 
+import itertools
 import struct
 
 import torch
@@ -53,9 +59,12 @@ _CHECKSUM_PERIOD = 65521  # weights cycle through 1..65521: |int16 word * weight
 # few hundredths of a percent of a step at this interval (docs/parallel.md).
 REPLICA_CHECK_EVERY = 100
 
-# The collective calls whose ranks handshake first, by the code the handshake sends.
-CALLS = ("the forward of a MoE layer", "the backward of a MoE layer", "sync_grads",
-         "the gather of a sharded MoE parameter")
+# The collective calls whose ranks handshake first, by the code the handshake sends: a MoE layer's
+# forward, its backward, sync_grads of a module, the gather of a sharded parameter of a layer.
+CALLS = ("forward", "backward", "sync_grads", "gather")
+
+# per mesh (its global ranks in mesh order): the number the next MoE layer built on it gets
+_LAYERS_BUILT: dict[tuple[int, ...], "itertools.count[int]"] = {}
 
 
 class RankMismatchError(ValueError):
@@ -63,21 +72,48 @@ class RankMismatchError(ValueError):
     collective call they are in) do not."""
 
 
-def handshake(mesh, call: str) -> None:
-    """Before the collectives of `call` (one of CALLS): an all-gather of one int64 word, its code,
-    over the whole mesh; RankMismatchError on every rank unless every rank sent the same, e.g.
-    'ranks are in different collective calls: rank 0 has 'sync_grads', rank 1 has 'the forward of
-    a MoE layer''. A rank that never arrives ends in gather_table's ExchangeError at the timeout."""
+def layer_number(mesh) -> int:
+    """The number of a MoE layer being built on `mesh`: how many layers this process built on the
+    same ranks before it (0, 1, ...). Ranks that build the same model build its layers in the same
+    order, so a number names the same layer on every rank; a deep copy of a layer is a layer of its
+    own, built when copied (the next number)."""
+    return next(_LAYERS_BUILT.setdefault(tuple(mesh.ranks_along(MESH_AXES)), itertools.count()))
+
+
+def handshake(mesh, call: str, layers=()) -> None:
+    """Before the collectives of `call` (one of CALLS) of the MoE layers numbered `layers` (one for a
+    layer's forward, backward or gather; those the module holds for sync_grads): an all-gather of
+    one int64 row (the call's code, the number of layers, the first and last number) over the whole
+    mesh; RankMismatchError on every rank unless every rank sent the same, e.g. 'ranks are in
+    different collective calls: rank 0 has 'the forward of MoE layer 1', rank 1 has 'the forward of
+    MoE layer 0''. A rank that never arrives ends in gather_table's ExchangeError at the timeout."""
     if mesh.size() == 1:
         return
+    numbers = sorted(layers)
+    row = [CALLS.index(call), len(numbers), numbers[0] if numbers else -1, numbers[-1] if numbers else -1]
     device = "cuda" if mesh.device_mesh is not None and mesh.device_mesh.device_type == "cuda" else "cpu"
-    code = torch.tensor([CALLS.index(call)], dtype=torch.int64, device=device)
-    codes = gather_table(code, mesh, f"{call} (its handshake)")[:, 0].tolist()
-    if any(c != codes[0] for c in codes):
-        names = [repr(CALLS[c]) if 0 <= c < len(CALLS) else f"unknown call {c}" for c in codes]
-        raise RankMismatchError(f"ranks are in different collective calls: {by_value(names, mesh.ranks_along(MESH_AXES))}: "
-                                "every rank of the mesh must make the same shardmoe calls in the same order (every "
-                                "layer's forward and backward; sync_grads on every rank after the same backward)")
+    table = gather_table(torch.tensor(row, dtype=torch.int64, device=device), mesh,
+                         f"{describe_call(*row)} (its handshake)").tolist()
+    if any(r != table[0] for r in table):
+        names = [repr(describe_call(*r)) for r in table]
+        raise RankMismatchError(
+            f"ranks are in different collective calls: {by_value(names, mesh.ranks_along(MESH_AXES))}: every rank "
+            "of the mesh must make the same shardmoe calls in the same order (the forward and backward of the same "
+            "layers, in the same order; sync_grads of the same module on every rank after the same backward). A "
+            "MoE layer's number is the order in which the rank built it among the layers on these ranks, from 0: "
+            "every rank must build the same layers in the same order")
+
+
+def describe_call(code: int, count: int, first: int, last: int) -> str:
+    """A handshake row in words: 'the forward of MoE layer 3', 'sync_grads of a module holding MoE
+    layers 0 to 3 (4 layers)'."""
+    if not 0 <= code < len(CALLS):
+        return f"unknown call {code}"
+    layers = ("no MoE layer" if count == 0 else f"MoE layer {first}" if count == 1 else
+              f"MoE layers {first} to {last} ({count} layers)")
+    return {"forward": f"the forward of {layers}", "backward": f"the backward of {layers}",
+            "sync_grads": f"sync_grads of a module holding {layers}",
+            "gather": f"the gather of a sharded parameter of {layers}"}[CALLS[code]]
 
 
 def checksum(t: torch.Tensor) -> int:

@@ -16,12 +16,18 @@ A dim split over two axes ('M/t/d': t major, d minor) is cut by DTensor in the o
 DeviceMesh's dims, so it needs a DeviceMesh with 'tp' before 'dp'; Mesh.ordered_device_mesh gives
 one over the same ranks (its groups are built when it is first asked for, a collective, so
 `prepare` asks for every order a model's specs need while the model is built on every rank).
+
+A user's model holding sharded MoE layers beside plain modules (an nn.Linear before the layer) has
+two kinds of parameters, which torch's tools that take them all at once refuse ("mixed
+torch.Tensor and DTensor": clip_grad_norm_, foreach optimizers): `replicate_plain_parameters`
+makes the plain ones DTensors, Replicate() on the layers' DeviceMesh, their modules computing on
+`compute_view` of them.
 """
 from __future__ import annotations
 
 import torch
 
-from shardmoe.mesh import DEVICE_MESH_NAMES
+from shardmoe.mesh import DEVICE_MESH_NAMES, GRAD_SYNC_ATTRIBUTE, REPLICATED, mark_grad_sync
 from shardmoe.notation import global_shape, parse_spec
 
 AXIS_OF = {name: axis for axis, name in DEVICE_MESH_NAMES.items()}
@@ -122,3 +128,96 @@ def compute_view(param: torch.Tensor) -> torch.Tensor:
     grad = [Partial() if name in ("dp", "ep") and p.is_replicate() else p
             for name, p in zip(param.device_mesh.mesh_dim_names, param.placements)]
     return param.to_local(grad_placements=grad)
+
+
+def replicate_plain_parameters(model: torch.nn.Module) -> torch.nn.Module:
+    """Make every plain parameter of `model` a DTensor, Replicate() on the DeviceMesh of its DTensor
+    parameters (a sharded MoE layer's mesh.parameter_mesh), so that torch's tools that take all
+    parameters at once (torch.nn.utils.clip_grad_norm_, an optimizer with foreach=True) see one kind
+    of tensor, on one mesh. Returns model, changed in place; a model without DTensor parameters (no
+    mesh, or one whose only axis of more than one rank is 'dp') is left as it is.
+
+    Each module owning such a parameter computes on its local tensor: a forward pre-hook puts
+    compute_view(param) in the parameter's place for the forward (its gradient reaches the parameter
+    as a DTensor, Partial() on 'ep', as the router's), and a forward hook puts the parameter back,
+    also when the forward raises. So outside a forward, model.parameters(), state_dict() and the
+    optimizer see DTensors; sync_grads sums their gradients over 'd' and 'e' as the router's, and
+    load_state_dict takes a plain entry (the whole tensor) as well as a DTensor. A
+    parameter read by another module's forward than its owner's stays a DTensor there, and torch
+    refuses it ("mixed torch.Tensor and DTensor"). A parameter shared by several modules (tied
+    weights) stays one parameter. Call it before the optimizer is built (it holds the parameters)
+    and before the first backward; ValueError for a model with DTensor parameters on another mesh
+    than its layers' parameter mesh (FSDP2's: shardmoe.parallel.clip_grad_norm_ takes those), with
+    layers on several, or with a plain parameter that has a gradient."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    from shardmoe.moe.layer import MoE
+
+    meshes = list(dict.fromkeys(p.device_mesh for p in model.parameters() if isinstance(p, DTensor)))
+    if not meshes:
+        return model
+    layers = list(dict.fromkeys(m.mesh.parameter_mesh for m in model.modules()
+                                if isinstance(m, MoE) and m.mesh is not None and m.mesh.parameter_mesh is not None))
+    if len(layers) != 1 or meshes != layers:
+        raise ValueError(f"model: expected every DTensor parameter on the DeviceMesh of its sharded MoE layers' "
+                         f"parameters (one mesh.parameter_mesh), got DTensor parameters on mesh dims "
+                         f"{', '.join(str(m.mesh_dim_names) for m in meshes)} and layers' parameter meshes on "
+                         f"{', '.join(str(m.mesh_dim_names) for m in layers) or 'none'}: a model that FSDP2 "
+                         "(fully_shard) or another tool made DTensors is not for this call (fully_shard its plain "
+                         "modules too; shardmoe.parallel.clip_grad_norm_ takes the norm over several meshes)")
+    device_mesh = meshes[0]
+    owners = [(module, [n for n, p in module._parameters.items() if p is not None and not isinstance(p, DTensor)])
+              for module in model.modules()]
+    for name, param in model.named_parameters():
+        if not isinstance(param, DTensor) and param.grad is not None:
+            raise ValueError(f"{name}: expected a parameter without a gradient (call replicate_plain_parameters "
+                             "before the first backward), got one with a gradient")
+    replicated: dict[int, torch.nn.Parameter] = {}  # by id of the plain parameter: tied weights stay one
+    for module, names in owners:
+        for name in names:
+            param = module._parameters[name]
+            if id(param) not in replicated:
+                whole = DTensor.from_local(param.detach(), device_mesh, [Replicate()] * device_mesh.ndim,
+                                           run_check=False)
+                replicated[id(param)] = torch.nn.Parameter(whole, requires_grad=param.requires_grad)
+                # marked, as sync_grads sums only the DTensors shardmoe made (an unmarked one is FSDP's)
+                mark_grad_sync(replicated[id(param)], getattr(param, GRAD_SYNC_ATTRIBUTE, REPLICATED))
+            setattr(module, name, replicated[id(param)])
+        if names:
+            hooks = _ReplicatedHooks(tuple(names))
+            module.register_forward_pre_hook(hooks.put_views)
+            module.register_forward_hook(hooks.put_back, always_call=True)
+            module.register_load_state_dict_pre_hook(hooks.replicate_entries)
+    return model
+
+
+class _ReplicatedHooks:
+    """The hooks of a module whose parameters `names` replicate_plain_parameters made DTensors:
+    compute_view of each for the forward and the parameter back after it (a stack, so that a module
+    whose forward calls itself gets its own back at each level); a plain state-dict entry, the
+    whole tensor on every rank, taken as the Replicate() DTensor it stands for (torch's copy_ into
+    a DTensor refuses a plain tensor)."""
+
+    def __init__(self, names: tuple[str, ...]):
+        self.names, self.stack = names, []
+
+    def put_views(self, module, args) -> None:
+        from torch.distributed.tensor import DTensor
+
+        own = {n: module._parameters[n] for n in self.names if isinstance(module._parameters.get(n), DTensor)}
+        self.stack.append(own)
+        for name, param in own.items():
+            module._parameters[name] = compute_view(param)  # a tensor, not a Parameter: only for this forward
+
+    def put_back(self, module, args, output) -> None:
+        for name, param in self.stack.pop().items():
+            module._parameters[name] = param
+
+    def replicate_entries(self, module, state_dict, prefix, *args) -> None:
+        from torch.distributed.tensor import DTensor
+
+        for name in self.names:
+            param, value = module._parameters.get(name), state_dict.get(prefix + name)
+            if isinstance(param, DTensor) and isinstance(value, torch.Tensor) and not isinstance(value, DTensor):
+                state_dict[prefix + name] = DTensor.from_local(value, param.device_mesh, param.placements,
+                                                               run_check=False)

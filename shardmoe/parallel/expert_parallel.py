@@ -37,6 +37,7 @@ the backward of every layer, in the same order (they exchange rows with each oth
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import time
 
@@ -67,6 +68,8 @@ class ExpertParallel:
         etp.check_layout(config, mesh)
         self.config, self.mesh = config, mesh
         self.exchange = shared_exchange(mesh, "e")
+        # the layer's name in the handshakes, the same on every rank that builds the same model
+        self.number = consistency.layer_number(mesh)
         self.forwards = 0  # forwards run: the settings and replicas are compared at the first and every
         # consistency.REPLICA_CHECK_EVERY-th after
         self.seconds = dict.fromkeys(PHASES, 0.0)  # the last forward's phase times (forward and backward)
@@ -80,9 +83,9 @@ class ExpertParallel:
         step.clock.lap(phase)
 
     def prepare(self, config: MoEConfig, x: torch.Tensor, router_tensors: tuple, shared: dict) -> None:
-        """The handshake of the forward's collectives, then, at the first forward and every
-        consistency.REPLICA_CHECK_EVERY-th after, the agreement check."""
-        consistency.handshake(self.mesh, "the forward of a MoE layer")
+        """The handshake of the forward's collectives (naming this layer), then, at the first forward
+        and every consistency.REPLICA_CHECK_EVERY-th after, the agreement check."""
+        consistency.handshake(self.mesh, "forward", [self.number])
         if self.forwards % consistency.REPLICA_CHECK_EVERY == 0:
             gate_weight, gate_bias, correction_bias, _ = router_tensors
             self.check_agreement(x.dtype, gate_weight, gate_bias, correction_bias, shared)
@@ -121,7 +124,7 @@ class ExpertParallel:
         """The forward's state from what it saved, after the handshake of the backward's collectives:
         the plan from the counts table (no communication), the received rows' order, a clock for the
         backward's phases."""
-        consistency.handshake(self.mesh, "the backward of a MoE layer")
+        consistency.handshake(self.mesh, "backward", [self.number])
         table, order = saved[:2]
         return _Step(plan_from_table(table, config, self.mesh), order, _Clock(self.seconds))
 
@@ -167,8 +170,8 @@ class ExpertParallel:
         return global_counts(routing, step.plan), step.plan.global_tokens, step.plan.global_sequences
 
     def stats(self, config, routing, step, num_tokens):
-        return {**step.plan.stats(), "rows": _row_stats(routing, step.plan, self.exchange),
-                "seconds": step.clock.seconds}
+        return {**step.plan.stats(), "rank_selected_per_expert": routing.selected_per_expert,
+                "rows": _row_stats(routing, step.plan, self.exchange), "seconds": step.clock.seconds}
 
     def reduce_shared(self, what):
         """Wsd contracts Fs/t: the shared expert's z, dx and gate dot are psummed over 't' like the
@@ -188,8 +191,14 @@ class MeshPlacement:
 
     def __init__(self, config: MoEConfig, mesh):
         etp.check_layout(config, mesh)
-        self.mesh, self.sharded = mesh, etp.is_sharded(mesh)
+        self.config, self.mesh, self.sharded = config, mesh, etp.is_sharded(mesh)
         self.dispatcher = ExpertParallel(config, mesh) if mesh.size() > 1 else LOCAL
+
+    def __deepcopy__(self, memo) -> "MeshPlacement":
+        """The placement of a copied layer (copy.deepcopy, torch.optim.swa_utils.AveragedModel): on the
+        same mesh, sharing its process groups and exchange, with a dispatcher of its own (the copy's
+        layer number and forward count)."""
+        return MeshPlacement(copy.deepcopy(self.config, memo), self.mesh)
 
     def shard_shape(self, name, shape):
         return etp.shard_shape(name, shape, self.mesh)
@@ -221,7 +230,7 @@ class MeshPlacement:
 
     def gather(self, name, local):
         if etp.is_sharded(self.mesh):
-            consistency.handshake(self.mesh, "the gather of a sharded MoE parameter")
+            consistency.handshake(self.mesh, "gather", [self.dispatcher.number])
         return etp.gather_expert_param(name, local, self.mesh)
 
     def state_entry(self, name, local):

@@ -106,11 +106,12 @@ def forward_schedule(stages: list, microbatches: int):
     return ScheduleLoopedBFS(stages, microbatches)
 
 
-def check_agreement(settings: dict, what: str = "pipeline settings") -> None:
+def check_agreement(settings: dict, what: str = "pipeline settings",
+                    rule: str = "every rank must run the same model, schedule and batch settings") -> None:
     """All-gather every rank's `settings` (name -> a picklable value) over the world; raise
     RankMismatchError on every rank, naming each setting on which ranks differ and their values,
-    e.g. "pipeline settings differ across ranks: pipeline_schedule: ranks 0, 1 have '1f1b', ranks
-    2, 3 have 'gpipe'". Collective over the default group; waits at most its timeout."""
+    e.g. "pipeline settings differ across ranks (RULE): pipeline_schedule: ranks 0, 1 have '1f1b',
+    ranks 2, 3 have 'gpipe'". Collective over the default group; waits at most its timeout."""
     world = dist.get_world_size()
     gathered: list = [None] * world
     try:
@@ -124,8 +125,7 @@ def check_agreement(settings: dict, what: str = "pipeline settings") -> None:
         if any(v != values[0] for v in values):
             problems.append(f"{name}: {by_value([repr(v) for v in values], range(len(values)))}")
     if problems:
-        raise RankMismatchError(f"{what} differ across ranks (every rank must run the same model, schedule and "
-                                "batch settings): " + "; ".join(problems))
+        raise RankMismatchError(f"{what} differ across ranks ({rule}): " + "; ".join(problems))
 
 
 def run_step(step, *args, stage: int, **kwargs):

@@ -28,8 +28,10 @@ its first call on a module and every `check_every`-th call after: one all-gather
 names (as a CRC) and count, one of an exact checksum per parameter, and RankMismatchError on every
 rank naming the parameter and the ranks that differ (consistency.check_replicas).
 
-Every call starts with consistency.handshake, so that a rank calling sync_grads while another is
-elsewhere (its next forward, say) gets a RankMismatchError naming both calls, not a gloo abort.
+Every call starts with consistency.handshake, naming the MoE layers the module holds, so that a
+rank calling sync_grads while another is elsewhere (its next forward, say) gets a RankMismatchError
+naming both calls, not a gloo abort, and ranks syncing different layers get one, not each other's
+gradients summed.
 """
 from __future__ import annotations
 
@@ -47,6 +49,7 @@ from shardmoe.moe.composition import is_dtensor, local
 from shardmoe.parallel import consistency
 from shardmoe.parallel.dtensors import AXIS_OF
 from shardmoe.parallel.exchange import ExchangeError
+from shardmoe.parallel.expert_parallel import ExpertParallel
 
 _CALLS: "weakref.WeakKeyDictionary[torch.nn.Module, int]" = weakref.WeakKeyDictionary()
 
@@ -66,7 +69,7 @@ def sync_grads(module: torch.nn.Module, mesh, *, check_every: int = consistency.
                              "it did not make (torch.distributed.fsdp.fully_shard manages it and reduces its "
                              "gradient itself): call sync_grads only on modules FSDP does not manage "
                              "(docs/parallel.md)")
-    consistency.handshake(mesh, "sync_grads")
+    consistency.handshake(mesh, "sync_grads", _layer_numbers(module))
     calls = _CALLS.get(module, 0)
     _CALLS[module] = calls + 1
     if calls % check_every == 0:
@@ -94,6 +97,12 @@ def sync_grads(module: torch.nn.Module, mesh, *, check_every: int = consistency.
             if is_dtensor(p.grad):  # whole now: the parameter's own placements
                 p.grad = type(p.grad).from_local(local(p.grad), p.device_mesh, p.placements, run_check=False,
                                                  shape=p.shape, stride=p.stride())
+
+
+def _layer_numbers(module: torch.nn.Module) -> list[int]:
+    """The numbers of the expert-parallel MoE layers in module (consistency.layer_number)."""
+    dispatchers = (getattr(getattr(m, "placement", None), "dispatcher", None) for m in module.modules())
+    return [d.number for d in dispatchers if isinstance(d, ExpertParallel)]
 
 
 def _unsummed_axes(param, mesh) -> tuple[str, ...]:
@@ -142,8 +151,10 @@ def clip_grad_norm_(module: torch.nn.Module, max_norm: float) -> float:
     blocks: the product of the mesh dims on which its DTensor is split (Shard, _StridedShard); 1
     for a plain tensor, which counts as replicated on every rank. The sharded transformer's
     parameters (dense on the mesh, MoE on its 'ep' x 'tp' part) are counted so too. A gradient
-    still Partial() somewhere (before sync_grads) is summed for the norm first. One all-reduce
-    over the world sums them (float64). Collective: every rank calls it after the same backward."""
+    still Partial() somewhere (before sync_grads) is summed for the norm first, so the norm is
+    whole before sync_grads too when dp = 1 and every parameter is a DTensor (a plain gradient, and
+    any over 'd', is each rank's share until sync_grads). One all-reduce over the world sums them
+    (float64). Collective: every rank calls it after the same backward."""
     from torch.distributed.tensor import Replicate
 
     if not isinstance(max_norm, (int, float)) or isinstance(max_norm, bool) or not max_norm > 0:

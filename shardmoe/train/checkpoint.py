@@ -43,7 +43,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from shardmoe.model.transformer import Transformer, TransformerConfig, full_shapes
@@ -99,7 +99,11 @@ def save_checkpoint(out_dir: str | Path, model: Transformer, optimizer: AdamW, s
     path = checkpoint_path(out_dir)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    save_file(tensors, str(tmp), metadata=metadata)
+    try:
+        save_file(tensors, str(tmp), metadata=metadata)
+    except SafetensorError as err:  # a full disk, say: safetensors' own error type, which names no file
+        kept = f"{path} keeps the previous one" if path.exists() else "no earlier checkpoint"
+        raise OSError(f"cannot write the checkpoint {tmp}: {str(err).strip().splitlines()[0]}; {kept}") from None
     os.replace(tmp, path)
 
 
@@ -162,10 +166,22 @@ def read_verified(path: str | Path) -> tuple[dict[str, torch.Tensor], dict]:
     return tensors, metadata
 
 
-def check_resumable(path: str | Path, identity: dict) -> int:
-    """Raise ValueError unless the checkpoint at `path` is intact (every checksum) and was written
-    with the same identity settings; returns its step. Needs no process group, so a launcher calls
-    it before creating one."""
+def checkpoint_step(path: str | Path) -> int:
+    """The step of the checkpoint at `path`, either format (its header only)."""
+    path = Path(path)
+    return int((sharded_checkpoint.read_metadata(path) if path.is_dir() else read_metadata(path))["step"])
+
+
+def saved_data_state(path: str | Path) -> dict:
+    """The batch stream's state_dict the checkpoint at `path` saved, either format (its header only)."""
+    path = Path(path)
+    return sharded_checkpoint.read_metadata(path)["data"] if path.is_dir() else json.loads(read_metadata(path)["data"])
+
+
+def check_resumable(path: str | Path, identity: dict, option: str = "--resume") -> int:
+    """Raise ValueError (naming `option`, what gave the run) unless the checkpoint at `path` is
+    intact (every checksum) and was written with the same identity settings; returns its step.
+    Needs no process group, so a launcher calls it before creating one."""
     path = Path(path)
     if path.is_dir():  # a sharded checkpoint's step directory
         metadata = sharded_checkpoint.read_verified(path)
@@ -174,7 +190,7 @@ def check_resumable(path: str | Path, identity: dict) -> int:
         _, metadata = read_verified(path)
         saved = json.loads(metadata["identity"])
     else:
-        raise ValueError(f"--resume: no checkpoint at {path} (nor a sharded one in "
+        raise ValueError(f"{option}: no checkpoint at {path} (nor a sharded one in "
                          f"{sharded_checkpoint.checkpoint_root(path.parent)})")
     saved.setdefault("arch", DEFAULT_ARCH)  # written before presets existed: the defaults, i.e. mixtral
     saved = with_current_names(saved)
@@ -185,7 +201,7 @@ def check_resumable(path: str | Path, identity: dict) -> int:
         saved["model"] = TransformerConfig.from_dict(saved["model"]).to_dict()
     differences = setting_differences(saved, json.loads(json.dumps(identity)))
     if differences:
-        raise ValueError(f"--resume: checkpoint {path} was written with another config: "
+        raise ValueError(f"{option}: checkpoint {path} was written with another config: "
                          + "; ".join(differences))
     return int(metadata["step"])
 

@@ -7,19 +7,23 @@
     shardmoe train --steps 50 --out runs/short --seed 1
     shardmoe train --resume                          # continue runs/default with its settings
     shardmoe train --overwrite                       # start runs/default afresh, deleting the old run
-    torchrun --nproc-per-node 4 -m shardmoe train --mesh d=2,e=2
-    torchrun --nproc-per-node 4 -m shardmoe train --mesh p=2,e=2 --pipeline-schedule gpipe
+    torchrun --nproc-per-node 4 -m shardmoe train --mesh d=2,e=2 --out runs/d2e2
+    torchrun --nproc-per-node 4 -m shardmoe train --mesh p=2,e=2 --grad-accum-steps 2 --out runs/p2e2
 
 Every configuration error (a mesh that cannot split the model, missing data or config file, an
 unreadable tokenizer, a checkpoint written by another config or corrupt, a world size that is not
-the mesh's, a setting given to --resume that differs from the run's) is reported as one line,
-exit status 2, before any process group exists; the data is tokenized into the token cache last
-(shardmoe.train.token_cache). Rank 0 then claims the run directory (shardmoe.train.rundir:
-locked against a second run, empty unless --resume or --overwrite), tells the other ranks the
-outcome, and records the resolved settings in DIR/config.json (shardmoe.train.run_settings).
-A peer that hangs or dies makes the others fail within --timeout-minutes with one line and exit
-status 1, as does a failed write of the metrics. At the end rank 0 writes DIR/loss_curve.png and
-DIR/expert_load.png (tokens per expert over the steps) and prints a summary and the last samples.
+the mesh's, a setting given to --resume that differs from the run's, --steps below the
+checkpoint's, data edited since it) is reported as one line, exit status 2, before any process
+group exists; the data is tokenized into the token cache last (shardmoe.train.token_cache). On a
+mesh the ranks then compare what each was given (rank_settings), and differing ranks stop alike
+with one line, exit status 2. Rank 0 then claims the run directory (shardmoe.train.rundir: locked
+against a second run, empty unless --resume or --overwrite), tells the other ranks the outcome,
+and records the resolved settings in DIR/config.json (shardmoe.train.run_settings). A peer that
+hangs or dies makes the others fail within --timeout-minutes with one line and exit status 1, as
+does a failed write of the metrics or a checkpoint. Ctrl-C ends in one line naming the last
+checkpoint and the command that resumes it (exit status 130). At the end rank 0 writes
+DIR/loss_curve.png and DIR/expert_load.png (tokens per expert over the steps) and prints a
+summary (the mean loss of the last SUMMARY_STEPS steps) and the last samples.
 """
 from __future__ import annotations
 
@@ -37,13 +41,15 @@ from shardmoe.model.transformer import check_layout
 from shardmoe.parallel.pipeline import SCHEDULES, first_line, lost_peer
 from shardmoe.train.config import TrainConfig, read_config_file
 from shardmoe.train.presets import ARCH_PRESETS, DEFAULT_ARCH, check_arch
+from shardmoe.train.tokenizer import BYTE
 
 DEFAULT_OUT = "runs/default"
 MESH_AXIS_NAMES = {"p": "pp", "d": "dp", "e": "ep", "t": "tp"}
 # the settings a flag of the same name (dashes for underscores) sets over the config file
-FLAG_SETTINGS = ("arch", "steps", "seed", "backward", "timeout_minutes", "data", "tokenizer", "pipeline_schedule",
-                 "stages_per_rank")
+FLAG_SETTINGS = ("arch", "steps", "seed", "backward", "timeout_minutes", "data", "tokenizer", "grad_accum_steps",
+                 "pipeline_schedule", "stages_per_rank")
 SETTINGS_TABLE = 'docs/training.md, "Configuration"'
+SUMMARY_STEPS = 50  # the summary's loss is the mean of this many last steps: one step's loss is noisy
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -73,6 +79,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="start a new run in DIR even though it holds one (its files are deleted)")
     parser.add_argument("--mesh", default="", metavar="d=2,e=2",
                         help="mesh axis sizes (p pipeline, d data/FSDP, e expert, t tensor); launch with torchrun")
+    parser.add_argument("--grad-accum-steps", type=int, metavar="N",
+                        help="micro-batches per step, the update of the whole batch (default 1; a mesh with p > 1 "
+                             "needs at least p for 1f1b)")
     parser.add_argument("--pipeline-schedule", choices=SCHEDULES,
                         help="how a mesh with p > 1 runs its stages over the grad_accum_steps micro-batches "
                              "(default 1f1b)")
@@ -88,7 +97,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def resolve_config(args: argparse.Namespace) -> tuple[TrainConfig, list[str]]:
     """(the run's settings, lines to print about them). A new run: defaults < the preset (--arch,
     else the file's arch) < the config file < the other flags. --resume: the run's own settings
-    (run_settings), which what is given again must match, but for --steps."""
+    (run_settings), which what is given again must match, but for --steps: the settings the file
+    sets and the flags given, each as resolved (a path made absolute), and no setting the file
+    leaves at its default."""
     from shardmoe.train.run_settings import resume_settings, stored_settings
 
     if args.resume and args.overwrite:
@@ -109,7 +120,11 @@ def resolve_config(args: argparse.Namespace) -> tuple[TrainConfig, list[str]]:
     given = TrainConfig.from_dict({**values, **flags})
     if not args.resume:
         return given, []
-    return resume_settings(stored_settings(args.out), given.to_dict() if args.config else flags, args.out)
+    resolved = given.to_dict()
+    named = {key: resolved[key] for key in {**values, **flags} if key != "model"}
+    if isinstance(values.get("model"), dict):
+        named["model"] = {key: resolved["model"][key] for key in values["model"]}
+    return resume_settings(stored_settings(args.out), named, args.out)
 
 
 def check_memory(config: TrainConfig) -> None:
@@ -139,11 +154,11 @@ def check_memory(config: TrainConfig) -> None:
 
 
 def validate_setup(config: TrainConfig, sizes: dict[str, int], world_size: int, out_dir: str, resume: bool,
-                   overwrite: bool = False, progress: bool = False) -> tuple[Path, int] | None:
+                   overwrite: bool = False, progress: bool = False) -> tuple[tuple[Path, int] | None, str]:
     """Every check that needs no process group; raises ValueError with one clear message. Tokenizes
     the data into the token cache if it is not there yet (a progress bar when `progress`). Returns
-    (checkpoint, step) a resume continues from, else None."""
-    from shardmoe.train.checkpoint import check_resumable, latest_checkpoint
+    ((checkpoint, step) a resume continues from, else None; the token cache's key of the data)."""
+    from shardmoe.train.checkpoint import check_resumable, latest_checkpoint, saved_data_state
     from shardmoe.train.loop import build_streams
     from shardmoe.train.rundir import check_claimable
 
@@ -173,19 +188,38 @@ def validate_setup(config: TrainConfig, sizes: dict[str, int], world_size: int, 
     resume_from = None
     if resume:
         path = latest_checkpoint(out_dir)
-        resume_from = path, check_resumable(path, config.resume_identity())
-    build_streams(config, progress=progress)  # missing, empty or too small data; the tokenizer
-    return resume_from
+        step = check_resumable(path, config.resume_identity())
+        if config.steps < step:
+            raise ValueError(f"--steps {config.steps}: expected at least the run's {step} steps taken (checkpoint "
+                             f"{path}); a resumed run ends at or after its checkpoint")
+        resume_from = path, step
+    train_stream, _ = build_streams(config, progress=progress)  # missing, empty or too small data; the tokenizer
+    if resume_from is not None:
+        try:  # the data (or the tokenizer) edited under the same path since: another token stream
+            train_stream.load_state_dict(saved_data_state(resume_from[0]))
+        except ValueError as err:
+            raise ValueError(f"--resume: the run's data or tokenizer changed since checkpoint {resume_from[0]} was "
+                             f"written ({err}); resume on the data it trained on, or start a new run") from None
+    return resume_from, train_stream.source
 
 
 def run(args: argparse.Namespace) -> int:
     rank = int(os.environ.get("RANK", "0"))
     try:
+        return _run(args, rank)
+    except KeyboardInterrupt:  # Ctrl-C (torchrun passes it to every rank): one line, from rank 0
+        if rank == 0:
+            print(f"shardmoe train: interrupted; {interrupted_run(args)}", file=sys.stderr)
+        return 130
+
+
+def _run(args: argparse.Namespace, rank: int) -> int:
+    try:
         config, notes = resolve_config(args)
         sizes = parse_mesh(args.mesh, PIPELINE_MESH_AXES)
         world_size = int(os.environ.get("WORLD_SIZE", "1"))
-        resume_from = validate_setup(config, sizes, world_size, args.out, args.resume, args.overwrite,
-                                     progress=rank == 0 and not args.no_progress)
+        resume_from, data_key = validate_setup(config, sizes, world_size, args.out, args.resume, args.overwrite,
+                                               progress=rank == 0 and not args.no_progress)
     except ValueError as err:
         print(f"shardmoe train: {err}", file=sys.stderr)
         return 2
@@ -199,7 +233,7 @@ def run(args: argparse.Namespace) -> int:
     if config.threads:
         torch.set_num_threads(config.threads)
     try:
-        mesh = _init_mesh(sizes, world_size, config.timeout_minutes)
+        mesh = _init_mesh(sizes, world_size, config.timeout_minutes, rank_settings(config, args, data_key))
         try:
             lock = _claim_out(args, rank, mesh is not None)
             if lock is None:
@@ -233,7 +267,47 @@ def run(args: argparse.Namespace) -> int:
         return 1
 
 
-def _init_mesh(sizes: dict[str, int], world_size: int, timeout_minutes: float):
+def interrupted_run(args: argparse.Namespace) -> str:
+    """What an interrupted run leaves and how to go on: the newest checkpoint in --out and the
+    command that continues from it, or that there is none yet."""
+    import shlex
+
+    from shardmoe.train.checkpoint import checkpoint_step, latest_checkpoint
+
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    launch = f"torchrun --nproc-per-node {world_size} -m shardmoe train --mesh {shlex.quote(args.mesh)}" \
+        if world_size > 1 else "shardmoe train"
+    out = shlex.quote(args.out)
+    try:
+        path = latest_checkpoint(args.out)
+        step = checkpoint_step(path) if path.exists() else None
+    except ValueError as err:  # a checkpoint the interrupt left half-written is named by the resume
+        return f"the checkpoints in {args.out} do not read ({err})"
+    if step is None:
+        return f"{args.out} holds no checkpoint yet; start again with: {launch} --out {out} --overwrite ..."
+    return f"the last checkpoint is {path} at step {step}; continue with: {launch} --out {out} --resume"
+
+
+def rank_settings(config: TrainConfig, args: argparse.Namespace, data_key: str) -> dict:
+    """What every rank of a run must share, by name: its --mesh and --resume, every setting (the
+    model's as model.NAME) but threads, each rank's own, and the paths, which may differ between
+    nodes, and instead of them the token cache's key (the data's and the tokenizer's content)."""
+    from shardmoe.train.config import PATH_SETTINGS
+
+    settings = {"--mesh": parse_mesh(args.mesh, PIPELINE_MESH_AXES), "--resume": args.resume,
+                "the data and tokenizer (their token cache key)": data_key}
+    for name, value in config.to_dict().items():
+        if name == "model":
+            settings.update({f"model.{key}": v for key, v in value.items()})
+        elif name not in PATH_SETTINGS and name != "threads":
+            settings[name] = value
+    return settings
+
+
+def _init_mesh(sizes: dict[str, int], world_size: int, timeout_minutes: float, settings: dict):
+    """None on one process; else the gloo process group and the Mesh of `sizes`, once every rank
+    gave the same `settings` (rank_settings; RankMismatchError on every rank naming each that
+    differs, before any rank builds groups from them)."""
     if world_size == 1:
         return None
     import torch.distributed as dist
@@ -243,7 +317,7 @@ def _init_mesh(sizes: dict[str, int], world_size: int, timeout_minutes: float):
 
     dist.init_process_group("gloo", timeout=datetime.timedelta(minutes=timeout_minutes))
     try:
-        check_agreement({"--mesh": sizes}, "mesh layouts")  # before any rank builds its groups from them
+        check_agreement(settings, "the run's settings", "every rank must be given the same config file and flags")
         return Mesh(**{MESH_AXIS_NAMES[a]: n for a, n in sizes.items()})
     except BaseException:
         dist.destroy_process_group()
@@ -311,15 +385,17 @@ def _train_and_report(config: TrainConfig, args: argparse.Namespace, mesh) -> in
     model = config.model
     title = (f"shardmoe train --arch {config.arch}: {model.n_layers} layers, d_model {model.d_model}, "
              f"{model.moe.num_experts} experts (top {model.moe.top_k}), {config.steps} steps")
-    curve = plot_loss_curve(rows, Path(args.out) / CURVE_FILE, title=title)
+    unit = "byte" if config.tokenizer == BYTE else "token"
+    curve = plot_loss_curve(rows, Path(args.out) / CURVE_FILE, title=title, unit=unit)
     load = plot_expert_load(rows, Path(args.out) / LOAD_FILE, title=title)
     tokens_per_s = len(new) * config.batch_size * config.seq_len / sum(r["seconds"] for r in new)
     mean_mfu = sum(r["mfu"] for r in new) / len(new)
-    final = rows[-1]
-    held_out = f", held-out {final['val_loss']:.3f}" if "val_loss" in final else ""
-    print(f"steps {new[0]['step']}..{final['step']}: loss {new[0]['loss']:.3f} -> {final['loss']:.3f}{held_out}; "
-          f"{wall:.0f} s wall, {tokens_per_s:.0f} tokens/s, mean MFU {mean_mfu:.1%} of a measured "
-          f"{result.peak_flops / 1e9:.1f} GFLOP/s matmul peak per rank")
+    final, tail = rows[-1], new[-SUMMARY_STEPS:]
+    held_out = f"; held-out {final['val_loss']:.3f}" if "val_loss" in final else ""
+    print(f"steps {new[0]['step']}..{final['step']}: loss (nats / {unit}) {new[0]['loss']:.3f} at step "
+          f"{new[0]['step']}, mean {sum(r['loss'] for r in tail) / len(tail):.3f} over steps {tail[0]['step']}.."
+          f"{final['step']} (last step {final['loss']:.3f}){held_out}; {wall:.0f} s wall, {tokens_per_s:.0f} tokens/s, "
+          f"mean MFU {mean_mfu:.1%} of a measured {result.peak_flops / 1e9:.1f} GFLOP/s matmul peak per rank")
     print(f"wrote {Path(args.out) / 'metrics.jsonl'}, {curve}, {load} and {Path(args.out) / 'checkpoint.safetensors'}")
     print(f"expert load, max/mean over the experts of the worst layer: step {new[0]['step']} "
           f"{new[0]['worst_load_max_over_mean']:.2f} -> step {final['step']} {final['worst_load_max_over_mean']:.2f}")

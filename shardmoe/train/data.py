@@ -74,14 +74,15 @@ class PackedBatches:
 
     tokens: the stream [N] (see the module doc); bos: its document-start id. seq_len L and global
     batch_size B; seed fixes every epoch's row order (shuffle=False keeps stream order). dp_rank /
-    dp_size select this data-parallel rank's B/dp_size rows of each global batch. num_documents and
-    source (the token cache's key) describe the stream in state_dict, so that a resume on other data
-    is refused.
+    dp_size select this data-parallel rank's B/dp_size rows of each global batch. num_documents,
+    source (the token cache's key) and tokenizer_digest (what the ids mean) describe the stream in
+    state_dict, so that a resume on other data is refused, and `shardmoe sample` can tell that the
+    tokenizer at the run's path is still the one it trained with.
     """
 
     def __init__(self, tokens: np.ndarray, seq_len: int, batch_size: int, *, bos: int, seed: int = 0,
                  shuffle: bool = True, dp_rank: int = 0, dp_size: int = 1, num_documents: int = 0,
-                 source: str = ""):
+                 source: str = "", tokenizer_digest: str = ""):
         if seq_len < 1 or batch_size < 1:
             raise ValueError(f"seq_len, batch_size: expected ints >= 1, got {seq_len}, {batch_size}")
         if batch_size % dp_size or not 0 <= dp_rank < dp_size:
@@ -92,7 +93,7 @@ class PackedBatches:
         self.tokens, self.bos = tokens, bos
         self.seq_len, self.batch_size, self.seed, self.shuffle = seq_len, batch_size, seed, shuffle
         self.dp_rank, self.dp_size = dp_rank, dp_size
-        self.num_documents, self.source = num_documents, source
+        self.num_documents, self.source, self.tokenizer_digest = num_documents, source, tokenizer_digest
         self.num_tokens = int(tokens.shape[0])
         self.num_rows = max(self.num_tokens - 1, 0) // seq_len
         self.batches_per_epoch = self.num_rows // batch_size
@@ -141,17 +142,19 @@ class PackedBatches:
         """The position and the settings a resume must share (plain values: checkpoint friendly)."""
         return {"epoch": self.position.epoch, "batch": self.position.batch, "seed": self.seed,
                 "seq_len": self.seq_len, "batch_size": self.batch_size, "shuffle": self.shuffle,
-                "num_documents": self.num_documents, "num_tokens": self.num_tokens, "source": self.source}
+                "num_documents": self.num_documents, "num_tokens": self.num_tokens, "source": self.source,
+                "tokenizer_digest": self.tokenizer_digest}
 
     def load_state_dict(self, state: dict) -> None:
         """Resume at a saved position; raises if the saved settings differ from this stream's.
 
         dp_rank and dp_size are not part of the state: a resume may change the data-parallel size
         as long as the global batch size stays the same. A state saved without `source` (the token
-        cache's key) is compared on the rest.
+        cache's key) or `tokenizer_digest` is compared on the rest.
         """
         mine = self.state_dict()
-        for key in ("seed", "seq_len", "batch_size", "shuffle", "num_documents", "num_tokens", "source"):
+        for key in ("seed", "seq_len", "batch_size", "shuffle", "tokenizer_digest", "num_documents", "num_tokens",
+                    "source"):
             if key in state and state[key] != mine[key]:
                 raise ValueError(f"data state: {key} was {state[key]!r} when saved, this stream has {mine[key]!r}")
         if not 0 <= state["batch"] < self.batches_per_epoch or state["epoch"] < 0:

@@ -2,8 +2,9 @@
 
 `data` is None (the embedded KJV corpus, shardmoe/train/data/README.md), a file, a directory (every
 file under it, recursively, except hidden ones, whose name starts with a dot) or a glob pattern
-(`corpus/*.jsonl`, `**` included); the files are read in sorted path order. Each file's format
-follows its suffix, and so does the rule of where a document ends:
+(`corpus/*.jsonl`, `**` included); the files are read in sorted path order. A path that exists is
+read as itself, so `notes[1].txt` is that file, never the glob that matches `notes1.txt`. Each
+file's format follows its suffix, and so does the rule of where a document ends:
 
     .jsonl     one JSON object per line; the document is its "text" string (blank lines skipped)
     .parquet   one row per document, its "text" column (needs pyarrow)
@@ -13,7 +14,9 @@ follows its suffix, and so does the rule of where a document ends:
 
 A document whose text is empty or only whitespace is skipped: it holds nothing to train on.
 Files are streamed, so memory holds one document (one Parquet batch) at a time. Every error is a
-ValueError that names the `data` setting and the file (and line) at fault.
+ValueError that names the `data` setting and the file (and line) at fault: a file that cannot be
+read, text that is not UTF-8, a JSONL string holding a lone surrogate (`"\\ud800"`: JSON escapes
+it, no encoding can store it).
 """
 from __future__ import annotations
 
@@ -43,13 +46,13 @@ def data_files(data) -> list[Path]:
     if not isinstance(data, str) or not data:
         raise ValueError(f"data: expected a file, a directory or a glob pattern (or null for the embedded corpus), "
                          f"got {data!r}")
-    if glob.has_magic(data):
-        files = sorted(Path(p) for p in glob.glob(data, recursive=True) if Path(p).is_file())
-        if not files:
-            raise ValueError(f"data: no files match {data!r}")
-        return files
     path = Path(data)
-    if not path.exists():
+    if not path.exists():  # a path that exists is itself, even when its name holds [, ? or *
+        if glob.has_magic(data):
+            files = sorted(Path(p) for p in glob.glob(data, recursive=True) if Path(p).is_file())
+            if not files:
+                raise ValueError(f"data: no files match {data!r}")
+            return files
         raise ValueError(f"data: no such file or directory {data!r}")
     if path.is_dir():
         files = sorted(p for p in path.rglob("*")
@@ -74,9 +77,12 @@ def data_digest(files: list[Path]) -> str:
     digest = hashlib.sha256()
     for path in files:
         content = hashlib.sha256()
-        with open(path, "rb") as f:
-            for block in iter(lambda: f.read(1 << 20), b""):
-                content.update(block)
+        try:
+            with open(path, "rb") as f:
+                for block in iter(lambda: f.read(1 << 20), b""):
+                    content.update(block)
+        except OSError as err:
+            raise _unreadable(path, err) from None
         digest.update(f"{file_format(path)}\0".encode())
         digest.update(content.digest())
     return digest.hexdigest()
@@ -108,6 +114,8 @@ def _text_documents(path: Path) -> Iterator[str]:
                     lines = []
     except UnicodeDecodeError as err:
         raise ValueError(f"data: {path} is not UTF-8 text ({err.reason} at byte {err.start} of a block)") from None
+    except OSError as err:
+        raise _unreadable(path, err) from None
     if lines:
         yield _joined(lines)
 
@@ -131,9 +139,21 @@ def _jsonl_documents(path: Path) -> Iterator[str]:
                 if not isinstance(text, str):
                     raise ValueError(f"data: {path} line {number}: expected an object with a {TEXT_FIELD!r} "
                                      f"string, got {line.strip()[:80]!r}")
+                try:
+                    text.encode("utf-8")
+                except UnicodeEncodeError as err:
+                    raise ValueError(f"data: {path} line {number}: expected a {TEXT_FIELD!r} string of Unicode "
+                                     f"text, got the lone surrogate {text[err.start]!r} at character {err.start} "
+                                     "(a JSON escape no encoding can store)") from None
                 yield text
     except UnicodeDecodeError as err:
         raise ValueError(f"data: {path} is not UTF-8 text ({err.reason})") from None
+    except OSError as err:
+        raise _unreadable(path, err) from None
+
+
+def _unreadable(path: Path, err: OSError) -> ValueError:
+    return ValueError(f"data: cannot read {path} ({err.strerror or err})")
 
 
 def _parquet_documents(path: Path) -> Iterator[str]:

@@ -89,7 +89,8 @@ def build_streams(config: TrainConfig, dp_rank: int = 0, dp_size: int = 1, *,
     tokenizer = load_tokenizer(config.tokenizer)
     check_vocab(config.model.vocab_size, tokenizer)
     tokens = open_tokens(config.data, tokenizer, config.val_fraction, config.token_cache, progress=progress)
-    common = dict(bos=tokenizer.bos, dp_rank=dp_rank, dp_size=dp_size, source=tokens.key)
+    common = dict(bos=tokenizer.bos, dp_rank=dp_rank, dp_size=dp_size, source=tokens.key,
+                  tokenizer_digest=tokenizer.digest)
 
     def stream(split: str, split_tokens, documents: int, remedy: str, **options) -> PackedBatches:
         try:
@@ -154,6 +155,7 @@ def train(config: TrainConfig, out_dir: str | Path | None, *, mesh=None, resume:
     bar = _progress_bar(progress and rank0, start, last)
     metrics_log = MetricsLog(out_dir) if out_dir is not None and rank0 else None
     sample_log = SampleLog(out_dir) if out_dir is not None and rank0 and config.sample_tokens else None
+    held_out = next((r["val_loss"] for r in reversed(history) if "val_loss" in r), None)  # the bar's latest
     try:
         for step in range(start + 1, last + 1):
             started = time.perf_counter()
@@ -190,7 +192,9 @@ def train(config: TrainConfig, out_dir: str | Path | None, *, mesh=None, resume:
             if metrics_log is not None:
                 metrics_log.append(row)
             if bar is not None:
-                bar.set_postfix(loss=f"{ce:.3f}", tok_s=f"{row['tokens_per_s']:.0f}", mfu=f"{row['mfu']:.1%}")
+                held_out = row.get("val_loss", held_out)
+                bar.set_postfix(loss=f"{ce:.3f}", **({"val": f"{held_out:.3f}"} if held_out is not None else {}),
+                                tok_s=f"{row['tokens_per_s']:.0f}", mfu=f"{row['mfu']:.1%}")
                 bar.update(1)
             if not math.isfinite(ce) or not math.isfinite(grad_norm):
                 raise TrainingDiverged(f"training diverged at step {step}: loss {ce}, gradient norm {grad_norm}; "

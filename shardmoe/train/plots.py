@@ -18,9 +18,10 @@ def _pyplot():
     return plt
 
 
-def plot_loss_curve(metrics: list[dict], path: str | Path, title: str = "") -> Path:
+def plot_loss_curve(metrics: list[dict], path: str | Path, title: str = "", *, unit: str) -> Path:
     """PNG of the training cross-entropy per step (with held-out points where present) above the
-    learning rate; `metrics` are the rows of metrics.jsonl."""
+    learning rate; `metrics` are the rows of metrics.jsonl, their losses in nats per `unit` (the
+    tokenizer's: "byte" for bytes, "token" for any other)."""
     plt = _pyplot()
     steps = [m["step"] for m in metrics]
     fig, (ax_loss, ax_lr) = plt.subplots(2, 1, figsize=(7, 5.5), sharex=True,
@@ -30,7 +31,7 @@ def plot_loss_curve(metrics: list[dict], path: str | Path, title: str = "") -> P
     if evals:
         ax_loss.plot([m["step"] for m in evals], [m["val_loss"] for m in evals], "o", color="tab:red",
                      label="held-out cross-entropy")
-    ax_loss.set_ylabel("loss (nats / byte)")
+    ax_loss.set_ylabel(f"loss (nats / {unit})")
     ax_loss.grid(alpha=0.3)
     ax_loss.legend()
     if title:

@@ -57,15 +57,15 @@ def stored_settings(out_dir: str | Path, option: str = "--resume") -> TrainConfi
 
 def resume_settings(stored: TrainConfig, given: dict, out_dir: str | Path) -> tuple[TrainConfig, list[str]]:
     """The settings a resume of DIR runs with: `stored`, with `steps` and the layout settings
-    (LAYOUT_SETTINGS) from `given` (the settings given again, by name; "model" a table) and a line
-    that says so when it moves the end. ValueError naming every other setting of `given` that
-    differs from `stored`."""
+    (LAYOUT_SETTINGS) from `given` (the settings given again, by name; "model" a table of the model
+    settings given) and a line that says so when it moves the end. ValueError naming every other
+    setting of `given` that differs from `stored`; a setting `given` does not name is not compared."""
     have = stored.to_dict()
     layout = {key: given[key] for key in LAYOUT_SETTINGS if key in given}
     stored = stored.replace(**layout) if layout else stored
     wanted = json.loads(json.dumps({key: value for key, value in given.items()
                                     if key != "steps" and key not in LAYOUT_SETTINGS}))
-    differences = setting_differences({key: have[key] for key in wanted}, wanted)
+    differences = setting_differences(_the_same_keys(have, wanted), wanted)
     if differences:
         raise ValueError(f"--resume: the run in {out_dir} was set up with other settings ("
                          + "; ".join(d.replace(": saved ", ": the run has ").replace(", now ", ", given ")
@@ -78,3 +78,9 @@ def resume_settings(stored: TrainConfig, given: dict, out_dir: str | Path) -> tu
     verb = "extends" if steps > stored.steps else "shortens"
     return stored.replace(steps=steps), [f"--steps {steps} {verb} the run from {stored.steps} to {steps} steps "
                                          "(the learning-rate schedule follows the new length)"]
+
+
+def _the_same_keys(values: dict, like: dict) -> dict:
+    """values restricted to the keys of `like`, table by table."""
+    return {key: _the_same_keys(values[key], sub) if isinstance(sub, dict) and isinstance(values.get(key), dict)
+            else values.get(key) for key, sub in like.items()}

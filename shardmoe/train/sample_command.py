@@ -9,7 +9,9 @@ into one process). Each prompt is continued by shardmoe.train.sample.sample from
 seeded with --seed, so the same command prints the same text: the prompt and its continuation,
 one block per prompt, control characters but newline and tab shown as U+FFFD. Nothing in DIR is
 written or locked: a running training may be sampled (between its checkpoints). A missing run,
-an unreadable checkpoint or a bad option is one line, exit status 2.
+an unreadable checkpoint, a tokenizer at the run's path that is not the one it trained with (its
+sha256, which checkpoints keep with the data's position), a prompt that is not UTF-8 or another
+bad option is one line, exit status 2.
 """
 from __future__ import annotations
 
@@ -41,23 +43,36 @@ def check_arguments(args: argparse.Namespace) -> None:
     t = args.temperature
     if t is not None and not 0 < t < float("inf"):
         raise ValueError(f"--temperature: expected a finite number > 0, got {t}")
+    for prompt in args.prompt:
+        try:  # bytes that are not UTF-8 reach argv as lone surrogates (Python's surrogateescape)
+            prompt.encode("utf-8")
+        except UnicodeEncodeError as err:
+            raw = prompt[err.start].encode("utf-8", "surrogateescape")
+            raise ValueError(f"--prompt: expected UTF-8 text, got the byte {raw!r} at character {err.start} of "
+                             f"{prompt.encode('utf-8', 'surrogateescape')[:40]!r}") from None
 
 
 def run(args: argparse.Namespace) -> int:
     import torch
 
     from shardmoe.model.transformer import Transformer
-    from shardmoe.train.checkpoint import check_resumable, latest_checkpoint, load_checkpoint
+    from shardmoe.train.checkpoint import check_resumable, latest_checkpoint, load_checkpoint, saved_data_state
     from shardmoe.train.optim import AdamW
     from shardmoe.train.run_settings import stored_settings
     from shardmoe.train.sample import sample
-    from shardmoe.train.tokenizer import load_tokenizer
+    from shardmoe.train.tokenizer import check_vocab, load_tokenizer
 
     try:
         config = stored_settings(args.out, "--out")
         tokenizer = load_tokenizer(config.tokenizer)
         path = latest_checkpoint(args.out)
-        step = check_resumable(path, config.resume_identity())
+        step = check_resumable(path, config.resume_identity(), "--out")
+        trained_with = saved_data_state(path).get("tokenizer_digest", tokenizer.digest)  # older: not saved
+        if trained_with != tokenizer.digest:
+            raise ValueError(f"--out: the tokenizer {tokenizer.spec} is not the one the run trained with (its sha256 "
+                             f"was {trained_with[:16]}..., it is {tokenizer.digest[:16]}... now): the model's ids "
+                             "would be read as other tokens; put the run's tokenizer back at that path")
+        check_vocab(config.model.vocab_size, tokenizer)  # a checkpoint that predates the digest
     except ValueError as err:
         print(f"shardmoe sample: {err}", file=sys.stderr)
         return 2

@@ -22,7 +22,12 @@ writes, so memory holds one chunk of documents and never the corpus. The entry i
 scratch directory that is renamed into place once meta.json is written, so an entry that exists is
 complete; processes building the same key (the ranks of a torchrun job, each checking its setup
 before any process group exists) take turns on an flock of CACHE/<key>.lock, and those after the
-first find the entry built.
+first find the entry built. A write that fails (a full disk) removes the scratch directory and is a
+ValueError naming the cache. Each document's ids are checked as they are written
+(_check_encoding): some ids for a text that is not blank, every id a token's.
+
+Reuse is said: a process that finds its entry built prints one line naming it (when it shows
+progress), so that a run that does not tokenize says why.
 """
 from __future__ import annotations
 
@@ -88,18 +93,25 @@ def open_tokens(data, tokenizer: Tokenizer, val_fraction: float, root: str | Pat
                                      "vocab_size": tokenizer.vocab_size, "val_fraction": val_fraction,
                                      "split_seed": SPLIT_SEED}, sort_keys=True).encode()).hexdigest()[:24]
     entry = root / key
-    if not (entry / META_FILE).is_file():
-        try:
-            root.mkdir(parents=True, exist_ok=True)
-            lock = os.open(root / f"{key}.lock", os.O_RDWR | os.O_CREAT, 0o644)
-        except OSError as err:
-            raise ValueError(f"token_cache: cannot create the token cache in {str(root)!r} ({err.strerror})") from None
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX)  # another process may be building this entry: wait for it
-            if not (entry / META_FILE).is_file():
-                _build(entry, key, data, files, tokenizer, val_fraction, progress)
-        finally:
-            os.close(lock)
+    if (entry / META_FILE).is_file():
+        if progress:
+            print(f"token cache: reusing {entry} ({data or 'the embedded corpus'} tokenized by {tokenizer.spec} "
+                  "before)", file=sys.stderr)
+        return _open(entry)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        lock = os.open(root / f"{key}.lock", os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as err:
+        raise ValueError(f"token_cache: cannot create the token cache in {str(root)!r} ({err.strerror})") from None
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # another process may be building this entry: wait for it
+        if not (entry / META_FILE).is_file():
+            _build(entry, key, data, files, tokenizer, val_fraction, progress)
+    except OSError as err:  # the data's own read errors are ValueErrors (documents.py): a write failed
+        raise ValueError(f"token_cache: cannot write the token cache in {str(root)!r} "
+                         f"({err.strerror or err})") from None
+    finally:
+        os.close(lock)
     return _open(entry)
 
 
@@ -127,14 +139,16 @@ def _build(entry: Path, key: str, data, files: list[Path], tokenizer: Tokenizer,
         with open(scratch / "train.bin", "wb", buffering=1 << 20) as train, \
                 open(scratch / "val.bin", "wb", buffering=1 << 20) as val:
             def write(split: str, ids: np.ndarray) -> None:
-                tokens = np.concatenate([np.array([tokenizer.bos], dtype=np.int64), ids]).astype(dtype)
-                (train if split == "train" else val).write(tokens.tobytes())
-                counts[f"{split}_tokens"] += tokens.size
+                out = train if split == "train" else val
+                out.write(np.array([tokenizer.bos], dtype=dtype).tobytes())
+                out.write(ids.astype(dtype).tobytes())
+                counts[f"{split}_tokens"] += ids.size + 1
                 counts[f"{split}_documents"] += 1
 
             index = 0
-            for text in _chunks(iter_documents(files), ENCODE_CHUNK):
-                for ids in tokenizer.encode_batch(text):
+            for texts in _chunks(iter_documents(files), ENCODE_CHUNK):
+                for text, ids in zip(texts, tokenizer.encode_batch(texts)):
+                    _check_encoding(tokenizer, ids, text, f"document {index + 1} of {data or 'the embedded corpus'}")
                     if count == 1:  # one document: its tail is held out
                         if ids.size < 2:
                             raise ValueError(f"data: {data!r} holds one document of {ids.size} token(s); expected "
@@ -145,7 +159,7 @@ def _build(entry: Path, key: str, data, files: list[Path], tokenizer: Tokenizer,
                     else:
                         write("val" if index in held_out else "train", ids)
                     index += 1
-                bar.update(len(text))
+                bar.update(len(texts))
         meta = {"format": FORMAT, "key": key, "dtype": dtype.name, "vocab_size": tokenizer.vocab_size,
                 "bos": tokenizer.bos, "documents": count, **counts, "val_fraction": val_fraction,
                 "split_seed": SPLIT_SEED, "data": data, "files": len(files), "tokenizer": tokenizer.spec,
@@ -159,6 +173,19 @@ def _build(entry: Path, key: str, data, files: list[Path], tokenizer: Tokenizer,
         raise
     finally:
         bar.close()
+
+
+def _check_encoding(tokenizer: Tokenizer, ids: np.ndarray, text: str, what: str) -> None:
+    """ValueError naming the tokenizer and `what` (a document) unless the ids of `text` (not blank)
+    are some and every one is a token's (0..n-1, below BOS): a tokenizer that drops a text, or gives
+    an id without an embedding row, would lose the data silently."""
+    if not ids.size:
+        raise ValueError(f"tokenizer: {tokenizer.spec!r} encodes {what} ({len(text)} characters: {text[:40]!r}) to no "
+                         "tokens: expected a tokenizer that encodes the data")
+    low, high = int(ids.min()), int(ids.max())
+    if low < 0 or high >= tokenizer.bos:
+        raise ValueError(f"tokenizer: {tokenizer.spec!r} encodes {what} to the id {low if low < 0 else high}: expected "
+                         f"ids 0..{tokenizer.bos - 1} (its tokens)")
 
 
 def _chunks(items, size: int):

@@ -131,6 +131,26 @@ def test_initialisation_is_seeded_and_scaled():
     assert not torch.equal(Transformer(CONFIG, seed=8).embedding.weight, a.embedding.weight)
 
 
+def test_meta_device_build_then_to_empty_and_reset_parameters_equals_the_eager_model():
+    """The meta-device idiom: built on 'meta', materialised with to_empty() (memory of any content:
+    NaN here), reset_parameters() gives every parameter and buffer, the MoE layers' correction
+    biases included, the values of the model built eagerly with the same seed."""
+    config = dataclasses.replace(CONFIG, moe=dataclasses.replace(CONFIG.moe, score_func="sigmoid", correction_bias=True,
+                                                                 router_bias=True, shared_ffn_size=6))
+    eager = Transformer(config, dtype=torch.float64, seed=3)
+    with torch.device("meta"):
+        model = Transformer(config, dtype=torch.float64, seed=3)
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        for t in [*model.parameters(), *model.buffers()]:
+            t.fill_(float("nan"))
+    model.reset_parameters()
+    expected, got = eager.state_dict(), model.state_dict()
+    assert list(got) == list(expected) and any(name.endswith("correction_bias") for name in got)
+    for name, value in expected.items():
+        assert torch.equal(got[name], value), name
+
+
 def test_layout_and_config_errors_name_the_option():
     with pytest.raises(ValueError, match="n_kv_heads: expected a multiple of 4"):
         check_layout(CONFIG, tp=4)

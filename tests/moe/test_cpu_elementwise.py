@@ -301,8 +301,8 @@ def test_unbuildable_library_falls_back_with_one_warning(monkeypatch, tmp_path, 
 
 
 def test_a_build_on_first_use_says_so_once(monkeypatch, tmp_path, capsys):
-    """The first forward on a machine waited about 20 s for the compiler without a word; the build
-    announces itself in one line on stderr, and a cached build is silent."""
+    """The first forward on a machine waited for the compiler without a word; the build announces
+    itself in one line on stderr, and a cached build is silent."""
     monkeypatch.setenv("SHARDMOE_CACHE_DIR", str(tmp_path))
     compiled = []
 
@@ -314,7 +314,7 @@ def test_a_build_on_first_use_says_so_once(monkeypatch, tmp_path, capsys):
     monkeypatch.setattr(cpu.subprocess, "run", compiler)
     library = cpu.build_library()
     assert capsys.readouterr().err == ("shardmoe: building the C++ CPU passes for this torch and CPU, once (about "
-                                       f"20 s; cached in {tmp_path})\n")
+                                       f"40 s of compiler CPU time, longer on a busy machine; cached in {tmp_path})\n")
     assert library.parent == tmp_path and library.is_file() and len(compiled) == 1
     assert cpu.build_library() == library
     assert capsys.readouterr().err == "" and len(compiled) == 1

@@ -156,3 +156,27 @@ def test_capacity_factor_keeping_every_pair_caps_capacity_at_the_token_count(fac
     assert torch.equal(layer(x), dropless(x))
     assert layer.stats["capacity"] == 7 and layer.stats["dropped_tokens"] == 0
     assert layer.config.capacity(0) == 0
+
+
+@pytest.mark.parametrize("options", [
+    dict(score_func="sigmoid", correction_bias=True, router_bias=True, shared_ffn_size=12, shared_gate=True),
+    dict(expert="mlp", bias=True, activation="gelu"),
+])
+def test_meta_device_build_then_to_empty_and_reset_parameters_equals_the_eager_layer(options):
+    """Built on 'meta', materialised with to_empty() (memory of any content: NaN here), the
+    layer's reset_parameters() under the seed of an eager build gives every parameter and buffer
+    (the correction bias too) the eager layer's value."""
+    torch.manual_seed(11)
+    eager = shardmoe.MoE(16, 24, 4, 2, **options)
+    with torch.device("meta"):
+        layer = shardmoe.MoE(16, 24, 4, 2, **options)
+    layer.to_empty(device="cpu")
+    with torch.no_grad():
+        for t in [*layer.parameters(), *layer.buffers()]:
+            t.fill_(float("nan"))
+    torch.manual_seed(11)
+    layer.reset_parameters()
+    expected, got = eager.state_dict(), layer.state_dict()
+    assert list(got) == list(expected)
+    for name, value in expected.items():
+        assert torch.equal(got[name], value), name

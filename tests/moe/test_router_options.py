@@ -266,6 +266,23 @@ def test_update_correction_bias_moves_against_the_load_and_rides_in_the_state_di
     assert torch.equal(layer.correction_bias, before)  # a NaN load was a silent no-op (sign(NaN) = 0)
 
 
+def test_centred_update_keeps_the_biases_mean_and_moves_them_as_the_plain_one_less_its_mean():
+    """centred=True (torchtitan's rule): u_e = rate * sign(mean load - load_e), minus mean_e u_e, in
+    float32. With four experts below the mean and two above, the plain update drifts the mean by
+    2 rate / 8 a step; the centred one keeps it at 0 and differs from the plain one by that mean."""
+    kw = dict(score_func="sigmoid", correction_bias=True, bias_update_rate=0.01)
+    plain, centred = shardmoe.MoE(H, F, E, K, **kw), shardmoe.MoE(H, F, E, K, **kw)
+    load = torch.tensor([10, 1, 5, 5, 3, 2, 2, 12])  # mean 5: four below, two above, two at
+    for _ in range(3):
+        plain.update_correction_bias(load)
+        centred.update_correction_bias(load, centred=True)
+    assert abs(float(centred.correction_bias.mean())) < 1e-9
+    assert abs(float(plain.correction_bias.mean()) - 3 * 0.01 * 2 / 8) < 1e-8
+    assert torch.allclose(centred.correction_bias, plain.correction_bias - plain.correction_bias.mean(), atol=1e-8)
+    with pytest.raises(ValueError, match="centred: expected a bool, got 'yes'"):
+        centred.update_correction_bias(load, centred="yes")
+
+
 def test_correction_bias_steers_selection_without_gradient():
     """A large bias on expert 0 puts it in every token's choice, its weight still comes from the
     uncorrected score, and the bias gets no gradient (it is a buffer)."""

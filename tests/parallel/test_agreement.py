@@ -162,6 +162,44 @@ def _modules_differ_at_sync() -> str:
     return _error(lambda: sync_grads(model, mesh))
 
 
+def _refusal(run) -> str | None:
+    """The message of the RankMismatchError that run raises, or None when it runs through (the
+    parent's assertion then fails, not this world)."""
+    start = time.monotonic()
+    try:
+        run()
+    except RankMismatchError as err:
+        _ERROR_SECONDS.append(time.monotonic() - start)
+        return str(err)
+    return None
+
+
+def _layers_called_in_other_orders() -> dict:
+    """Two layers of the same settings whose routers are equal (so that every payload of the two
+    fits the other's and, unchecked, nothing fails: the outputs and gradients come out silently
+    wrong) and whose experts are not; rank 1 calls them in the other order: in the forward, in the
+    backward through separate losses (on a fresh mesh: a refusal inside a layer breaks its mesh's
+    exchange), and in sync_grads of one layer each. Each call must be refused on both ranks,
+    naming both layers by number."""
+    swapped = dist.get_rank() == 1
+    x = torch.randn(6, H, generator=torch.Generator().manual_seed(dist.get_rank()))
+    out = {}
+    for call in ("forward", "backward"):
+        mesh = Mesh(ep=2)
+        first, second = _moe(mesh, seed=0), _moe(mesh, seed=1)
+        with torch.no_grad():
+            second.gate_weight.to_local().copy_(first.gate_weight.to_local())
+        out[f"{call} numbers"] = [first.placement.dispatcher.number, second.placement.dispatcher.number]
+        if call == "forward":
+            out[call] = _refusal(lambda: [layer(x) for layer in ((second, first) if swapped else (first, second))])
+        else:
+            losses = [layer(x).sum() for layer in (first, second)]  # the same order on both ranks
+            out[call] = _refusal(lambda: [loss.backward() for loss in (losses[::-1] if swapped else losses)])
+    out["sync_grads numbers"] = out["backward numbers"]
+    out["sync_grads"] = _refusal(lambda: sync_grads(second if swapped else first, mesh))
+    return out
+
+
 def _agreement_world() -> dict:
     rank = dist.get_rank()
     out = {f"settings {name}": _settings_differ(name) for name in SETTINGS}
@@ -178,6 +216,7 @@ def _agreement_world() -> dict:
     out["dense per rank"] = _replicas_differ_at_sync("proj.weight", dp=1, ep=2)
     out["experts per d rank"] = _replicas_differ_at_sync("moe.gate_up_proj", dp=2, ep=1)
     out["modules differ"] = _modules_differ_at_sync()
+    out["layer order"] = _layers_called_in_other_orders()
     # A layer whose ranks agree (a zero-token rank included) still runs, and syncs, after all that.
     mesh = Mesh(ep=2)
     model = _Model(mesh)
@@ -251,3 +290,18 @@ def test_a_correction_bias_that_drifts_apart_is_refused_at_the_next_forward(mess
 def test_agreeing_ranks_with_a_zero_token_rank_still_train(messages):
     grads = [m["agreeing model gate grad"] for m in messages]
     assert torch.equal(grads[0], grads[1]) and grads[0].abs().sum() > 0
+
+
+@pytest.mark.parametrize("call", ["forward", "backward", "sync_grads"])
+def test_layers_called_in_another_order_on_one_rank_are_refused_naming_both(messages, call):
+    """Unchecked, the forward's outputs were off by tenths and the gradients by more, with no error:
+    the handshake named the kind of call, not the layer."""
+    first, second = messages[0]["layer order"][f"{call} numbers"]
+    assert messages[1]["layer order"][f"{call} numbers"] == [first, second] and first != second
+    text = messages[0]["layer order"][call]
+    kind = {"forward": "the forward of", "backward": "the backward of", "sync_grads": "sync_grads of a module holding"}
+    assert text is not None, f"the {call} of two layers in another order on rank 1 ran through"
+    assert text.startswith(f"ranks are in different collective calls: rank 0 has '{kind[call]} MoE layer {first}', "
+                           f"rank 1 has '{kind[call]} MoE layer {second}'"), text
+    assert "every rank must build the same layers in the same order" in text, text
+    assert messages[1]["layer order"][call] == text

@@ -22,10 +22,27 @@ router bias, gated shared expert) and every balance loss, against one process on
                          optimizer's gate_up_proj moments by key (two blocks per rank).
   calls                  one rank in sync_grads while the others run the next forward: the same
                          RankMismatchError on every rank, naming both calls and their ranks.
+  plain beside           an nn.Linear before the layer, its parameters made DTensors by
+                         replicate_plain_parameters: torch's clip_grad_norm_ (foreach on and off)
+                         and AdamW (foreach on and off) on dp2 x ep2 and ep2 x tp2 as one process
+                         (torch refused the mix: "mixed torch.Tensor and DTensor"); a plain state
+                         dict loads; a raising forward leaves the parameters in place; a layer
+                         under fully_shard and a gradient already there are refused.
+  partial gradients      ep2 x tp2: shardmoe's clip_grad_norm_ before sync_grads (the router's and
+                         the Linear's gradients Partial over 'ep') gives the one-process norm, and
+                         a second sync_grads leaves the gradients of the first bit for bit.
+  copies                 copy.deepcopy and AveragedModel of a model on dp2 x ep2 and ep2 x tp2 (it
+                         raised "cannot pickle ProcessGroup"): the same mesh, the original's forward
+                         bit for bit, gradients of its own, update_parameters averaging.
+  assign                 load_state_dict(assign=True): the loaded model trains as the one it came
+                         from (its forward blamed fully_shard, never called).
 """
+import copy
+
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 import shardmoe
 from shardmoe.mesh import Mesh
@@ -276,8 +293,9 @@ def _drift() -> dict:
     return out
 
 
-def _one_rank_syncs() -> str | None:
-    """After a step, rank 0 alone calls sync_grads; the others run their next forward."""
+def _one_rank_syncs() -> tuple[int, str | None]:
+    """After a step, rank 0 alone calls sync_grads; the others run their next forward. Returns the
+    layer's number and the message."""
     mesh = Mesh(dp=2, ep=2)
     model = Model(mesh, 0)
     x = torch.randn(TOKENS, H, dtype=torch.float64)
@@ -287,13 +305,182 @@ def _one_rank_syncs() -> str | None:
             sync_grads(model, mesh)
         model(x).sum().backward()
     except consistency.RankMismatchError as err:
-        return str(err)
-    return None
+        return model.moe.placement.dispatcher.number, str(err)
+    return model.moe.placement.dispatcher.number, None
+
+
+class PlainBeside(torch.nn.Module):
+    """A plain nn.Linear before the layer, as a user's model holds one; with a mesh its parameters
+    are made DTensors by replicate_plain_parameters."""
+
+    def __init__(self, mesh, seed: int):
+        super().__init__()
+        torch.manual_seed(seed)  # every rank and the one process draw the same whole tensors
+        self.proj = torch.nn.Linear(H, H, dtype=torch.float64)
+        self.moe = shardmoe.MoE(H, F, E, K, mesh=mesh, **OPTIONS)
+        if mesh is not None:
+            shardmoe.parallel.replicate_plain_parameters(self)
+
+    def forward(self, x):
+        return self.moe(self.proj(x))
+
+
+LAYOUTS = {"dp2 x ep2": dict(dp=2, ep=2), "ep2 x tp2": dict(ep=2, tp=2)}
+
+
+def _rows(mesh) -> slice:
+    """This rank's tokens of the batch: its (d, e) coordinate's (the t-peers share them)."""
+    return slice(mesh.coord(("d", "e")) * TOKENS, (mesh.coord(("d", "e")) + 1) * TOKENS)
+
+
+def _plain_beside() -> dict:
+    """Row 'plain beside' of the module docstring: two clipped AdamW steps per layout and foreach."""
+    out = {}
+    for label, layout in LAYOUTS.items():
+        mesh = Mesh(**layout)
+        x_all, g_all = _batch(mesh.size(("d", "e")))
+        for foreach in (True, False):
+            results, models = {}, {"mesh": PlainBeside(mesh, 0), "one process": PlainBeside(None, 0)}
+            for name, model, x, g in (("mesh", models["mesh"], x_all[_rows(mesh)], g_all[_rows(mesh)]),
+                                      ("one process", models["one process"], x_all, g_all)):
+                optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=foreach)
+                norms = []
+                for _ in range(2):
+                    optimizer.zero_grad()
+                    ((model(x) * g).sum() + model.moe.aux_loss).backward()
+                    if name == "mesh":
+                        sync_grads(model, mesh)
+                    norms.append(float(_whole(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM,
+                                                                              foreach=foreach))))
+                    optimizer.step()
+                results[name] = (norms, {n: _whole(p) for n, p in model.named_parameters()})
+            (norms, params), (ref_norms, ref_params) = results["mesh"], results["one process"]
+            out[f"{label}, foreach={foreach}"] = {
+                "norms": (norms, ref_norms), "parameters": {n: _rel(params[n], ref_params[n]) for n in ref_params},
+                "kinds": sorted({type(p).__name__ for p in PlainBeside(mesh, 0).parameters()})}
+        # a forward that raises inside the module leaves its parameter in place, not the local view
+        weight = models["mesh"].proj.weight
+        try:
+            models["mesh"].proj(torch.zeros(2, H + 1, dtype=torch.float64))
+        except RuntimeError:
+            pass
+        out[f"{label}, restored"] = isinstance(weight, DTensor) and models["mesh"].proj.weight is weight
+        # the one process's plain state dict (every entry whole) loads into a replicated model
+        loaded = PlainBeside(mesh, 7)
+        loaded.load_state_dict({n: p.detach() for n, p in models["one process"].state_dict().items()})
+        out[f"{label}, loaded"] = _differ({n: _whole(p) for n, p in loaded.named_parameters()}, ref_params)
+    return out
+
+
+def _replicate_refusals() -> dict:
+    """replicate_plain_parameters refuses, before changing anything, a model whose layer FSDP2
+    manages (its DTensors on FSDP's mesh) and a plain parameter that already has a gradient."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    out = {}
+    job = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "ep"))
+    layer = shardmoe.MoE(H, F, E, K, mesh=job, **OPTIONS)
+    fully_shard(layer, mesh=job["dp"])
+    for label, model in (("fsdp", torch.nn.Sequential(torch.nn.Linear(H, H), layer)),
+                         ("gradient", torch.nn.Sequential(torch.nn.Linear(H, H),
+                                                          shardmoe.MoE(H, F, E, K, mesh=Mesh(ep=4), **OPTIONS)))):
+        if label == "gradient":
+            model[0].bias.grad = torch.zeros(H)
+        try:
+            shardmoe.parallel.replicate_plain_parameters(model)
+            out[label] = None
+        except ValueError as err:
+            out[label] = (str(err), sorted({type(p).__name__ for p in model[0].parameters()}))
+    return out
+
+
+def _partial_gradients() -> dict:
+    """Row 'partial gradients': ep2 x tp2 (dp = 1, so that sync_grads sums over 'e' only)."""
+    mesh = Mesh(ep=2, tp=2)
+    x_all, g_all = _batch(2)
+    model, reference = PlainBeside(mesh, 0), PlainBeside(None, 0)
+    ((model(x_all[_rows(mesh)]) * g_all[_rows(mesh)]).sum() + model.moe.aux_loss).backward()
+    ((reference(x_all) * g_all).sum() + reference.moe.aux_loss).backward()
+    partial = sorted(n for n, p in model.named_parameters() if any(q.is_partial() for q in p.grad.placements))
+    norm = shardmoe.parallel.clip_grad_norm_(model, MAX_NORM)  # on the Partial gradients, scaling them
+    ref_norm = float(torch.nn.utils.clip_grad_norm_(reference.parameters(), MAX_NORM))
+    sync_grads(model, mesh)
+    once = {n: _whole(p.grad) for n, p in model.named_parameters()}
+    sync_grads(model, mesh)
+    twice = {n: _whole(p.grad) for n, p in model.named_parameters()}
+    return {"partial": partial, "norms": (norm, ref_norm), "twice": _differ(once, twice),
+            "clipped": {n: _rel(once[n], p.grad) for n, p in reference.named_parameters()}}
+
+
+def _copies() -> dict:
+    """Row 'copies': after a step, deepcopy and AveragedModel of the model; each copy's forward and
+    gradients against the original's, then the original steps and the average takes it."""
+    from torch.optim.swa_utils import AveragedModel
+
+    out = {}
+    for label, layout in LAYOUTS.items():
+        mesh = Mesh(**layout)
+        x_all, g_all = _batch(mesh.size(("d", "e")))
+        x, g = x_all[_rows(mesh)], g_all[_rows(mesh)]
+        model = Model(mesh, 0)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        _step(model, optimizer, x, g, mean=False, sync=True)
+        twin, averaged = copy.deepcopy(model), AveragedModel(model)
+        result = {"same mesh": twin.moe.mesh is mesh and averaged.module.moe.mesh is mesh,
+                  "numbers": [m.moe.placement.dispatcher.number for m in (model, twin, averaged.module)]}
+        grads = {}
+        for name, m in (("original", model), ("deepcopy", twin), ("averaged", averaged.module)):
+            m.zero_grad()
+            y = m(x)
+            (y * g).sum().backward()
+            sync_grads(m, mesh)
+            grads[name] = (y.detach(), {n: _whole(p.grad) for n, p in m.named_parameters()})
+        result["forward"] = {n: torch.equal(grads[n][0], grads["original"][0]) for n in ("deepcopy", "averaged")}
+        result["gradients"] = {n: _differ(grads[n][1], grads["original"][1]) for n in ("deepcopy", "averaged")}
+        before = {n: _whole(p) for n, p in model.named_parameters()}
+        optimizer.step()  # the original's parameters move, the copies' do not
+        result["copies untouched"] = _differ({n: _whole(p) for n, p in twin.named_parameters()}, before)
+        averaged.update_parameters(model)  # the first update takes the model's parameters as they are
+        first = {n: _whole(p) for n, p in model.named_parameters()}
+        optimizer.step()
+        averaged.update_parameters(model)  # the running mean of the two
+        result["average"] = {n: _rel(_whole(p), (first[n] + _whole(model.get_parameter(n))) / 2)
+                             for n, p in averaged.module.named_parameters()}
+        out[label] = result
+    return out
+
+
+def _assign() -> dict:
+    """Row 'assign': a model loads another's state dict with assign=True, then both take a step."""
+    mesh = Mesh(dp=2, ep=2)
+    x_all, g_all = _batch(4)
+    x, g = x_all[_rows(mesh)], g_all[_rows(mesh)]
+    model, source = Model(mesh, 0), Model(mesh, 7)
+    model.load_state_dict(source.state_dict(), assign=True)
+    out = {"placements": [(n, list(p.placements)) for n, p in model.named_parameters()] ==
+                         [(n, list(p.placements)) for n, p in source.named_parameters()]}
+    results = []
+    try:
+        for m in (model, source):
+            y = m(x)
+            (y * g).sum().backward()
+            sync_grads(m, mesh)
+            results.append((y.detach(), {n: _whole(p.grad) for n, p in m.named_parameters()}))
+    except ValueError as err:  # the world lives on: the parent's assertion names it
+        out["error"] = str(err)
+        return out
+    out["forward"] = torch.equal(results[0][0], results[1][0])
+    out["gradients"] = _differ(results[0][1], results[1][1])
+    return out
 
 
 def _world(tmp: str) -> dict:
     out = {"checkpoints": _checkpoints(tmp), "tensor parallel": _tensor_parallel(tmp),
-           "transformer": _transformer(tmp), "drift": _drift(), "one rank syncs": _one_rank_syncs()}
+           "transformer": _transformer(tmp), "drift": _drift(), "one rank syncs": _one_rank_syncs(),
+           "plain beside": _plain_beside(), "replicate refusals": _replicate_refusals(),
+           "partial gradients": _partial_gradients(), "copies": _copies(),
+           "assign": _assign()}
     dist.barrier()
     return out
 
@@ -369,6 +556,71 @@ def test_replicas_that_drift_are_caught_within_the_interval(world):
 def test_a_collective_only_some_ranks_call_is_named_on_every_rank(world):
     texts = {out["one rank syncs"] for out in world}
     assert len(texts) == 1, texts
-    assert texts == {"ranks are in different collective calls: rank 0 has 'sync_grads', ranks 1, 2, 3 have 'the "
-                     "forward of a MoE layer': every rank of the mesh must make the same shardmoe calls in the same "
-                     "order (every layer's forward and backward; sync_grads on every rank after the same backward)"}
+    (number, text), = texts
+    assert text.startswith(f"ranks are in different collective calls: rank 0 has 'sync_grads of a module holding MoE "
+                           f"layer {number}', ranks 1, 2, 3 have 'the forward of MoE layer {number}': every rank of "
+                           "the mesh must make the same shardmoe calls in the same order"), text
+
+
+@pytest.mark.parametrize("label", [f"{layout}, foreach={foreach}" for layout in LAYOUTS for foreach in (True, False)])
+def test_torch_tools_take_a_plain_linear_beside_the_layer_once_replicated(world, label):
+    """torch's clip_grad_norm_ and AdamW (foreach=True is CUDA's default) raised 'mixed torch.Tensor
+    and DTensor' on this model; replicate_plain_parameters makes every parameter a DTensor."""
+    for out in world:
+        result = out["plain beside"][label]
+        assert result["kinds"] == ["DTensor"], result["kinds"]
+        norms, ref_norms = result["norms"]
+        assert all(abs(a - b) <= 1e-12 * b and b > MAX_NORM for a, b in zip(norms, ref_norms)), (norms, ref_norms)
+        bad = {k: v for k, v in result["parameters"].items() if not v <= TOL}
+        assert not bad and len(result["parameters"]) == 11, bad
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_a_replicated_model_loads_a_plain_state_dict_and_keeps_its_parameters_when_a_forward_raises(world, layout):
+    for out in world:
+        assert out["plain beside"][f"{layout}, loaded"] == [], out["plain beside"][f"{layout}, loaded"]
+        assert out["plain beside"][f"{layout}, restored"]
+
+
+def test_replicating_refuses_a_model_fsdp_manages_and_a_parameter_with_a_gradient(world):
+    for out in world:
+        result = out["replicate refusals"]
+        text, kinds = result["fsdp"]
+        assert text.startswith("model: expected every DTensor parameter on the DeviceMesh of its sharded MoE layers' "
+                               "parameters (one mesh.parameter_mesh), got DTensor parameters on mesh dims "), text
+        assert "fully_shard its plain modules too" in text and kinds == ["Parameter"], result
+        text, kinds = result["gradient"]
+        assert text.startswith("0.bias: expected a parameter without a gradient (call replicate_plain_parameters "
+                               "before the first backward)"), text
+
+
+def test_clipping_before_sync_sums_the_partial_gradients_and_a_second_sync_changes_nothing(world):
+    for out in world:
+        result = out["partial gradients"]
+        # the router's, the shared expert's and the Linear's gradients are each rank's tokens' share
+        assert {"proj.weight", "proj.bias", "moe.gate_weight"} <= set(result["partial"]), result["partial"]
+        norm, ref_norm = result["norms"]
+        assert abs(norm - ref_norm) <= 1e-12 * ref_norm and ref_norm > MAX_NORM, result["norms"]
+        bad = {k: v for k, v in result["clipped"].items() if not v <= TOL}
+        assert not bad and len(result["clipped"]) == 11, bad
+        assert result["twice"] == [], result["twice"]
+
+
+@pytest.mark.parametrize("label", list(LAYOUTS))
+def test_deep_copies_of_a_sharded_model_share_its_mesh_and_compute_as_it_does(world, label):
+    for out in world:
+        result = out["copies"][label]
+        assert result["same mesh"]
+        assert len(set(result["numbers"])) == 3, result["numbers"]  # each copy is a layer of its own
+        assert result["forward"] == {"deepcopy": True, "averaged": True}, result["forward"]
+        assert result["gradients"] == {"deepcopy": [], "averaged": []}, result["gradients"]
+        assert result["copies untouched"] == []
+        bad = {k: v for k, v in result["average"].items() if not v <= 1e-15}
+        assert not bad and len(result["average"]) == 9, bad
+
+
+def test_a_state_dict_loaded_with_assign_trains_as_its_source(world):
+    for out in world:
+        result = out["assign"]
+        assert "error" not in result, result.get("error")
+        assert result["placements"] and result["forward"] and result["gradients"] == [], result

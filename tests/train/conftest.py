@@ -1,6 +1,6 @@
 """Shared fixtures of the training tests: a tiny config, single-threaded torch, a generated corpus,
-BPE tokenizers trained offline with the `tokenizers` package, and the plumbing of spawned worlds
-that run `shardmoe train` on process groups of its own (free ports, a file barrier)."""
+BPE and word-level tokenizers built offline with the `tokenizers` package, and the plumbing of
+spawned worlds that run `shardmoe train` on process groups of its own (free ports, a file barrier)."""
 import dataclasses
 import os
 import random
@@ -62,6 +62,17 @@ def train_bpe(path, vocab_size: int) -> str:
                                   show_progress=False)
     tokenizer.train_from_iterator(load_corpus()[:10], trainer)
     assert tokenizer.get_vocab_size() == vocab_size
+    tokenizer.save(str(path))
+    return str(path)
+
+
+def word_level(path, vocab: dict[str, int], added=()) -> str:
+    """A tokenizer.json of whitespace-split words with the ids `vocab` gives (and `added` tokens)."""
+    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
+
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.add_tokens([AddedToken(token, special=False) for token in added])
     tokenizer.save(str(path))
     return str(path)
 

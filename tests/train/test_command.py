@@ -2,6 +2,7 @@
 import functools
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -16,7 +17,7 @@ from shardmoe.train import checkpoint as ckpt
 from shardmoe.train import loop
 from shardmoe.train.optim import learning_rate
 
-from .conftest import generated_documents, tiny_train_config
+from .conftest import generated_documents, tiny_train_config, word_level
 
 
 def read_rows(out):
@@ -76,6 +77,11 @@ def test_training_on_your_own_text_and_jsonl(tmp_path, capsys, monkeypatch, one_
     assert stored["model"]["vocab_size"] == 320  # 257 or 301 ids, padded to a multiple of 64
     capsys.readouterr()
 
+    from shardmoe.train import plots
+
+    units, real_plot = [], plots.plot_loss_curve
+    monkeypatch.setattr(plots, "plot_loss_curve", lambda *a, unit, **k: units.append(unit) or real_plot(*a, unit=unit,
+                                                                                                        **k))
     assert main(["train", "--out", str(out), "--resume", "--no-progress"]) == 0
     printed = capsys.readouterr().out
     assert f"resuming {out} from {out / 'checkpoint.safetensors'} at step 4 of 8\n" in printed
@@ -83,6 +89,13 @@ def test_training_on_your_own_text_and_jsonl(tmp_path, capsys, monkeypatch, one_
     assert [r["step"] for r in rows] == list(range(1, 9))
     assert rows[-1]["lr"] == learning_rate(8, 0.01, 2, 8, 0.1)  # the end of its own schedule
     assert rows[-1]["loss"] < rows[0]["loss"] - 1.0, [r["loss"] for r in rows]
+    # the losses' unit is the tokenizer's (the plot said nats / byte under BPE), and the summary's
+    # figure is the mean of this run's last steps, said as such (it was the last step's alone)
+    unit = "byte" if tokenizer == "byte" else "token"
+    assert units == [unit]
+    mean = sum(r["loss"] for r in rows[4:]) / 4
+    assert (f"steps 5..8: loss (nats / {unit}) {rows[4]['loss']:.3f} at step 5, mean {mean:.3f} over steps 5..8 "
+            f"(last step {rows[-1]['loss']:.3f}); held-out {rows[-1]['val_loss']:.3f};") in printed, printed
     assert "samples at step 8" in printed
 
     def sampled(*options):
@@ -103,7 +116,7 @@ def test_training_on_your_own_text_and_jsonl(tmp_path, capsys, monkeypatch, one_
     ({"data": "/dev/null"}, "", "data: expected a file, a directory or a glob pattern, got '/dev/null' (a device or"),
     ({"data": "TMP/empty"}, "", "data: the directory 'TMP/empty' holds no files"),
     ({"data": "TMP/blank.txt"}, "", "data: no documents in 'TMP/blank.txt' (every file is empty or whitespace)"),
-    ({"data": "TMP/*.jsonl"}, "", "data: no files match 'TMP/*.jsonl'"),
+    ({"data": "TMP/*.csv"}, "", "data: no files match 'TMP/*.csv'"),
     ({"data": "TMP/small.txt"}, "", "data: the training documents are too small for batch_size=4, seq_len=16: the "
                                     "documents hold 2 tokens, fewer than one batch of 4 rows of 16 tokens; lower "
                                     "batch_size or seq_len"),
@@ -140,12 +153,26 @@ def test_training_on_your_own_text_and_jsonl(tmp_path, capsys, monkeypatch, one_
     # unchecked, these crash after the run has begun (step 1; an out-of-memory traceback)
     ({"val_fraction": 0.999}, "", "val_fraction: expected a fraction that leaves documents to train on"),
     ({"model": {"vocab_size": 10 ** 12}}, "", "model: expected a model that fits in this machine's"),
+    # silent wrongs: an id past the model's vocabulary, a token read as BOS, every document a lone BOS
+    ({"tokenizer": "TMP/sparse.json"}, "", "tokenizer: 'TMP/sparse.json': expected the ids 0..4 of its 5 tokens, got "
+                                           "id 5 ('c') past them"),
+    ({"tokenizer": "TMP/config-only"}, "", "tokenizer: 'TMP/config-only': expected a vocabulary, got 1 special "
+                                           "token(s) and no other"),
+    # tracebacks: a TypeError (tokenizers), a UnicodeEncodeError naming neither file nor line (bytes)
+    ({"data": "TMP/surrogate.jsonl"}, "", "data: TMP/surrogate.jsonl line 2: expected a 'text' string of Unicode "
+                                          "text, got the lone surrogate '\\ud800' at character 0"),
+    ({"data": "TMP/surrogate.jsonl", "tokenizer": "BPE400", "model": {"vocab_size": 448}}, "",
+     "data: TMP/surrogate.jsonl line 2: expected a 'text' string of Unicode text, got the lone surrogate"),
 ])
 def test_bad_input_stops_with_one_message_before_any_process_group(tmp_path, capsys, changes, mesh, message,
                                                                     bpe_tokenizer):
     (tmp_path / "empty").mkdir()
     (tmp_path / "blank.txt").write_text("\n  \n\t\n")
     (tmp_path / "small.txt").write_text("a\n\nb\n")
+    word_level(tmp_path / "sparse.json", {"a": 0, "b": 1, "[UNK]": 2, "d": 3, "c": 5})
+    (tmp_path / "config-only").mkdir()
+    (tmp_path / "config-only" / "config.json").write_text('{"model_type": "gpt2"}')
+    (tmp_path / "surrogate.jsonl").write_text('{"text": "fine"}\n{"text": "\\ud800"}\n')
     placeholders = {"TMP": str(tmp_path), "BPE400": bpe_tokenizer(400)}
 
     def filled(value):
@@ -220,19 +247,31 @@ def test_a_bad_out_path_is_one_line(tmp_path, capsys):
                                        "(Not a directory)\n")
 
 
-def test_a_second_run_is_refused_while_the_first_runs_and_a_killed_run_resumes(tmp_path, capsys, one_thread):
-    out = tmp_path / "run"
+def running_past_a_checkpoint(tmp_path, out) -> tuple[subprocess.Popen, list[str]]:
+    """(`shardmoe train` into `out` in a process of its own, endless, a checkpoint every step, once
+    it has written its first; its argv). The caller ends the process."""
     config = write_config(tmp_path, steps=100_000, checkpoint_every=1, eval_batches=0, sample_tokens=0)
     argv = ["train", "--config", config, "--out", str(out), "--no-progress"]
     env = {**os.environ, "PYTHONPATH": str(Path(shardmoe.__file__).parents[1])}
-    first = subprocess.Popen([sys.executable, "-m", "shardmoe", *argv], env=env,
-                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    run = subprocess.Popen([sys.executable, "-m", "shardmoe", *argv], env=env, stdout=subprocess.DEVNULL,
+                           stderr=subprocess.PIPE)
     try:
         deadline = time.monotonic() + 180  # generous: a loaded machine starts python slowly
         while not (out / "checkpoint.safetensors").exists():
-            assert first.poll() is None, first.stderr.read().decode()
-            assert time.monotonic() < deadline, "the first run wrote no checkpoint within 180 s"
+            assert run.poll() is None, run.stderr.read().decode()
+            assert time.monotonic() < deadline, "the run wrote no checkpoint within 180 s"
             time.sleep(0.05)
+    except BaseException:
+        run.kill()
+        run.wait()
+        raise
+    return run, argv
+
+
+def test_a_second_run_is_refused_while_the_first_runs_and_a_killed_run_resumes(tmp_path, capsys, one_thread):
+    out = tmp_path / "run"
+    first, argv = running_past_a_checkpoint(tmp_path, out)
+    try:
         for extra in ([], ["--resume"], ["--overwrite"]):
             assert main(argv + extra) == 2
             assert capsys.readouterr().err == (f"shardmoe train: --out {out}: another run (pid {first.pid}) is writing "
@@ -362,3 +401,178 @@ def test_a_resume_may_change_the_pipeline_schedule_as_it_may_change_the_mesh(tmp
     assert main(["train", "--out", str(out), "--resume", "--seed", "5", "--pipeline-schedule", "gpipe",
                  "--stages-per-rank", "1", "--no-progress"]) == 2
     assert "other settings (seed: the run has 0, given 5)" in capsys.readouterr().err
+
+
+def test_a_config_file_given_again_to_resume_compares_only_the_settings_it_sets(tmp_path, capsys, one_thread):
+    """A file that sets neither steps nor seed, given again to --resume a run of --steps 2 --seed 3:
+    the run is neither extended to the default 600 steps nor refused as seed 0 (their defaults were
+    compared); a setting the file does set, at another value than the run's, is refused by name."""
+    tiny = tiny_train_config(sample_tokens=0).to_dict()
+    settings = {key: tiny[key] for key in ("batch_size", "seq_len", "eval_batches", "checkpoint_every",
+                                           "sample_tokens", "health_every")}
+    settings["model"] = {key: tiny["model"][key] for key in ("vocab_size", "d_model", "n_layers", "n_q_heads",
+                                                             "n_kv_heads", "head_dim", "ffn_size", "num_experts")}
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps(settings))
+    out = tmp_path / "run"
+    assert main(["train", "--config", str(path), "--steps", "2", "--seed", "3", "--out", str(out),
+                 "--no-progress"]) == 0
+    capsys.readouterr()
+    assert main(["train", "--config", str(path), "--out", str(out), "--resume", "--no-progress"]) == 0
+    assert capsys.readouterr().out.endswith(f"nothing to train: {out} is already at step 2 of 2\n")
+    assert json.loads((out / "config.json").read_text())["steps"] == 2
+
+    path.write_text(json.dumps({**settings, "lr": 0.5, "model": {**settings["model"], "ffn_size": 16}}))
+    assert main(["train", "--config", str(path), "--out", str(out), "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert "other settings (lr: the run has 0.006, given 0.5; model.ffn_size: the run has 8, given 16)" in err, err
+
+
+def test_a_resume_that_cannot_continue_is_refused_before_the_run_directory_is_touched(tmp_path, capsys, one_thread):
+    """A run at step 4: --resume --steps 2 ("at step 4 of 2", exit 0, config.json rewritten to 2
+    before), and its data edited since (a ValueError traceback once the directory was claimed and
+    config.json rewritten): one line each, exit 2, every file of the run as it was."""
+    data = tmp_path / "data.txt"
+    data.write_text("\n\n".join(generated_documents(60)) + "\n")
+    config = write_config(tmp_path, sample_tokens=0, data=str(data), token_cache=str(tmp_path / "cache"))
+    out = tmp_path / "run"
+    assert main(["train", "--config", config, "--steps", "4", "--out", str(out), "--no-progress"]) == 0
+    capsys.readouterr()
+    files = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
+
+    assert main(["train", "--out", str(out), "--resume", "--steps", "2", "--no-progress"]) == 2
+    assert capsys.readouterr().err == (f"shardmoe train: --steps 2: expected at least the run's 4 steps taken "
+                                       f"(checkpoint {out / 'checkpoint.safetensors'}); a resumed run ends at or "
+                                       "after its checkpoint\n")
+    data.write_text(data.read_text() + "\nOne more document.\n")
+    assert main(["train", "--out", str(out), "--resume", "--steps", "6", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"shardmoe train: --resume: the run's data or tokenizer changed since checkpoint "
+                          f"{out / 'checkpoint.safetensors'} was written (data state: num_documents was ") and \
+        err.endswith("; resume on the data it trained on, or start a new run\n") and err.count("\n") == 1, err
+    assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == files
+
+
+def test_a_full_disk_ends_the_run_with_one_line(tmp_path, capsys, monkeypatch, one_thread):
+    """A checkpoint write that fails as on a full disk (safetensors raises its own SafetensorError):
+    one line naming the file, exit 1, and the previous checkpoint resumes; the token cache's files
+    on /dev/full (ENOSPC, an OSError): one line naming the cache, exit 2, no run directory."""
+    from safetensors import SafetensorError
+
+    from shardmoe.train import token_cache
+
+    real_save, calls = ckpt.save_file, []
+
+    def second_write_fails(tensors, filename, metadata=None):
+        calls.append(filename)
+        if len(calls) == 2:
+            raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+        real_save(tensors, filename, metadata=metadata)
+
+    out = tmp_path / "run"
+    argv = ["train", "--config", write_config(tmp_path, sample_tokens=0, checkpoint_every=1, steps=3), "--out",
+            str(out), "--no-progress"]
+    with monkeypatch.context() as m:
+        m.setattr(ckpt, "save_file", second_write_fails)
+        assert main(argv) == 1
+    path = out / "checkpoint.safetensors"
+    assert capsys.readouterr().err == (f"shardmoe train: rank 0: cannot write the checkpoint {path}.tmp: Error while "
+                                       "serializing: I/O error: No space left on device (os error 28); "
+                                       f"{path} keeps the previous one\n")
+    assert ckpt.read_metadata(path)["step"] == "1"
+    assert main(argv + ["--resume"]) == 0
+    assert [r["step"] for r in read_rows(out)] == [1, 2, 3]
+
+    real_open = open
+
+    def full_disk(file, mode="r", *args, **kwargs):
+        return real_open("/dev/full" if str(file).endswith(".bin") else file, mode, *args, **kwargs)
+
+    monkeypatch.setattr(token_cache, "open", full_disk, raising=False)
+    cache = tmp_path / "cache"
+    config = write_config(tmp_path, token_cache=str(cache))
+    assert main(["train", "--config", config, "--out", str(tmp_path / "run2"), "--no-progress"]) == 2
+    assert capsys.readouterr().err == (f"shardmoe train: token_cache: cannot write the token cache in '{cache}' (No "
+                                       "space left on device)\n")
+    assert not (tmp_path / "run2").exists()
+
+
+def test_ctrl_c_is_one_line_naming_the_last_checkpoint_and_the_command_that_resumes(tmp_path, capsys, one_thread):
+    """SIGINT to a running `shardmoe train` (a 20-line KeyboardInterrupt traceback before): one
+    line on stderr naming the newest checkpoint and its step and the command that continues the
+    run, exit status 130; that command resumes from it (here to its own step: nothing left to train)."""
+    out = tmp_path / "run"
+    run, _ = running_past_a_checkpoint(tmp_path, out)
+    try:
+        run.send_signal(signal.SIGINT)
+        err = run.communicate(timeout=120)[1].decode()
+    finally:
+        run.kill()
+        run.wait()
+    step = int(ckpt.read_metadata(out / "checkpoint.safetensors")["step"])
+    assert run.returncode == 130 and err == (
+        f"shardmoe train: interrupted; the last checkpoint is {out / 'checkpoint.safetensors'} at step {step}; "
+        f"continue with: shardmoe train --out {out} --resume\n"), (run.returncode, err)
+    command = err.split("continue with: ")[1].split()
+    assert command[:2] == ["shardmoe", "train"]
+    assert main(command[1:] + ["--steps", str(step), "--no-progress"]) == 0
+    assert capsys.readouterr().out.endswith(f"nothing to train: {out} is already at step {step} of {step}\n")
+
+
+def test_grad_accum_steps_is_a_flag_over_the_config_file(tmp_path):
+    """The pipelined example needs grad_accum_steps >= p without a config file to write."""
+    import argparse
+
+    from shardmoe.train.command import add_arguments, resolve_config
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert resolve_config(parser.parse_args(["--grad-accum-steps", "2"]))[0].grad_accum_steps == 2
+    path = write_config(tmp_path, grad_accum_steps=4)
+    assert resolve_config(parser.parse_args(["--config", path]))[0].grad_accum_steps == 4
+    assert resolve_config(parser.parse_args(["--config", path, "--grad-accum-steps", "2"]))[0].grad_accum_steps == 2
+
+
+def test_sample_refuses_what_it_cannot_continue_with_one_line(tmp_path, capsys, one_thread, bpe_tokenizer):
+    """`shardmoe sample` on a run without a checkpoint yet (it named --resume, an option sample
+    lacks); with a prompt of bytes that are not UTF-8 (a TypeError traceback); with the tokenizer at
+    the run's path replaced by one of the same size whose ids mean other tokens (text printed, exit
+    0) or by a larger one (an IndexError traceback): one line each, exit 2."""
+    import dataclasses
+    import shutil
+
+    from shardmoe.train.run_settings import write_settings
+
+    from .conftest import TINY_MODEL
+
+    tokenizer = tmp_path / "tokenizer.json"
+    shutil.copy(bpe_tokenizer(300), tokenizer)
+    config = tiny_train_config(model=dataclasses.replace(TINY_MODEL, vocab_size=320), tokenizer=str(tokenizer),
+                               steps=1, sample_tokens=0)
+    out = tmp_path / "run"
+    out.mkdir()
+    write_settings(out, config)
+    sample = ["sample", "--out", str(out), "--prompt", "The quiet river", "--max-tokens", "4"]
+    assert main(sample) == 2
+    assert capsys.readouterr().err == (f"shardmoe sample: --out: no checkpoint at {out / 'checkpoint.safetensors'} "
+                                       f"(nor a sharded one in {out / 'checkpoint.dcp'})\n")
+    path = tmp_path / "tiny.json"
+    path.write_text(json.dumps(config.to_dict()))
+    assert main(["train", "--config", str(path), "--out", str(out), "--overwrite", "--no-progress"]) == 0
+    assert main(sample) == 0
+    capsys.readouterr()
+
+    assert main(sample[:3] + ["--prompt", "caf\udce9 au lait"]) == 2  # b"caf\xe9 au lait" as argv decodes it
+    assert capsys.readouterr().err == ("shardmoe sample: --prompt: expected UTF-8 text, got the byte b'\\xe9' at "
+                                       "character 3 of b'caf\\xe9 au lait'\n")
+    table = json.loads(tokenizer.read_text())
+    vocab = table["model"]["vocab"]
+    vocab["a"], vocab["b"] = vocab["b"], vocab["a"]  # the same 300 ids; 'a' and 'b' swapped
+    tokenizer.write_text(json.dumps(table))
+    for replaced in ("swapped", "larger"):
+        if replaced == "larger":
+            shutil.copy(bpe_tokenizer(400), tokenizer)
+        assert main(sample) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"shardmoe sample: --out: the tokenizer {tokenizer} is not the one the run trained with "
+                              "(its sha256 was ") and err.count("\n") == 1, (replaced, err)

@@ -58,6 +58,18 @@ def test_files_of_a_directory_and_of_a_glob_in_sorted_order(tmp_path):
     assert data_files(str(tmp_path / "a.jsonl")) == [tmp_path / "a.jsonl"]
 
 
+def test_a_path_that_exists_is_itself_even_when_its_name_is_a_glob(tmp_path):
+    """notes[1].txt beside notes1.txt is the file notes[1].txt (read as a glob, it was notes1.txt),
+    and the directory corpus[v2] its files (as a glob it matched nothing); a name that does not
+    exist is still a glob."""
+    for name in ("notes[1].txt", "notes1.txt", "corpus[v2]/a.txt", "corpusv/a.txt"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(name)
+    assert data_files(str(tmp_path / "notes[1].txt")) == [tmp_path / "notes[1].txt"]
+    assert data_files(str(tmp_path / "corpus[v2]")) == [tmp_path / "corpus[v2]" / "a.txt"]
+    assert data_files(str(tmp_path / "notes[0-9].txt")) == [tmp_path / "notes1.txt"]
+
+
 @pytest.mark.parametrize("data, message", [
     ("TMP/absent.txt", "data: no such file or directory 'TMP/absent.txt'"),
     ("TMP/empty", "data: the directory 'TMP/empty' holds no files"),
@@ -78,6 +90,24 @@ def test_a_file_that_is_not_utf8_is_named(tmp_path):
     path.write_bytes("caf\u00e9\n".encode("latin-1"))
     with pytest.raises(ValueError, match=rf"data: {path} is not UTF-8 text"):
         list(iter_documents([path]))
+
+
+def test_a_jsonl_string_holding_a_lone_surrogate_is_named_with_its_line(tmp_path):
+    """JSON escapes a surrogate that no encoding stores; the tokenizers raised a TypeError (a
+    tokenizer.json) or a UnicodeEncodeError naming neither file nor line (bytes)."""
+    path = tmp_path / "d.jsonl"
+    path.write_text('{"text": "fine"}\n{"text": "ab\\ud800cd"}\n')
+    with pytest.raises(ValueError, match=rf"^data: {path} line 2: expected a 'text' string of Unicode text, got the "
+                                         r"lone surrogate '\\ud800' at character 2"):
+        list(iter_documents([path]))
+
+
+def test_a_file_that_cannot_be_read_is_named(tmp_path):
+    (tmp_path / "dir.txt").mkdir()
+    with pytest.raises(ValueError, match=rf"^data: cannot read {tmp_path / 'dir.txt'} \(Is a directory\)"):
+        list(iter_documents([tmp_path / "dir.txt"]))
+    with pytest.raises(ValueError, match=rf"^data: cannot read {tmp_path / 'dir.txt'} \(Is a directory\)"):
+        data_digest([tmp_path / "dir.txt"])
 
 
 def test_the_digest_follows_content_format_and_order_not_place(tmp_path):

@@ -43,13 +43,15 @@ def test_resumed_run_reproduces_the_uninterrupted_losses_bitwise(tmp_path, tiny_
     assert losses[-1] < losses[0]
 
 
-def test_metrics_rows_and_checkpoint_contents(tmp_path, tiny_config, one_thread):
-    config = tiny_config(steps=4, checkpoint_every=2)
-    result = train(config, tmp_path, progress=False)
+def test_metrics_rows_and_checkpoint_contents(tmp_path, tiny_config, one_thread, capsys):
+    config = tiny_config(steps=4, checkpoint_every=2, eval_every=2)
+    result = train(config, tmp_path, progress=True)
     rows = read_rows(tmp_path)
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     assert all(ROW_KEYS <= set(r) for r in rows)
-    assert "val_loss" in rows[-1]
+    assert "val_loss" in rows[1] and "val_loss" in rows[-1]
+    bar = capsys.readouterr().err  # the held-out loss on the progress bar, from its first evaluation on
+    assert f"val={rows[1]['val_loss']:.3f}" in bar and f"val={rows[3]['val_loss']:.3f}" in bar, bar
     assert rows[0]["lr"] == pytest.approx(config.lr / config.warmup_steps)
     assert all(r["dropped_tokens"] == 0 for r in rows)  # dropless routing
 
@@ -63,6 +65,7 @@ def test_metrics_rows_and_checkpoint_contents(tmp_path, tiny_config, one_thread)
                      | {f"optim.exp_avg_sq.{n}" for n in params} | {"rng.torch"})
     assert metadata["step"] == "4"
     assert json.loads(metadata["data"])["batch"] == 4  # the next batch to read
+    assert json.loads(metadata["data"])["tokenizer_digest"] == "byte"  # what `shardmoe sample` checks
     assert json.loads(metadata["config"])["model"]["d_model"] == config.model.d_model
 
 

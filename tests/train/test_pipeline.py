@@ -2,14 +2,15 @@
 
 One spawned world of 4 ranks trains a 4-block float64 model for 4 steps of 2 micro-batches
 (balance_over = "global") on p=2 x e=2, p=2 x d=2 and p=2 x t=2 with each schedule (gpipe, 1f1b,
-interleaved-1f1b with 2 stages per rank), and on p=4 with balance_over = "microbatch"; every step's
+interleaved-1f1b with 2 stages per rank), and on p=4 with balance_over = "microbatch" and capacity
+drops in every micro-batch (dropped_tokens sums them over the micro-batches); every step's
 loss, aux loss, gradient norm and expert loads (and, in one run, the held-out loss, the health
 flags and the samples) must equal the one-process run's (computed here) to float64 round-off. The same world resumes across pipeline
 layouts: single-file checkpoints through train() (p=2 -> p=1, p=1 -> p=2) and sharded (DCP)
 checkpoints through `shardmoe train --mesh p=2,e=2` (p=2 -> p=1, p=1 -> p=2), each continuing the
 uninterrupted losses. A second world ends each failure with a message on every rank within the
-timeout: ranks set up with another schedule, ranks given another --mesh, a stage that raises, a
-rank that dies.
+timeout: ranks set up with another schedule, ranks given another --mesh, ranks given another lr
+and --steps on a mesh without p, a stage that raises, a rank that dies.
 """
 import contextlib
 import dataclasses
@@ -31,9 +32,11 @@ from shardmoe.testing.distributed import RankFailed
 from shardmoe.train.checkpoint import latest_checkpoint
 from shardmoe.train.loop import train
 
-from .conftest import TINY_MODEL, all_ranks_at, free_ports, losses, single_threaded, tiny_train_config
+from .conftest import TINY_MODEL, all_ranks_at, free_ports, losses, single_threaded, tiny_train_config, with_moe
 
 MODEL = dataclasses.replace(TINY_MODEL, n_layers=4)  # interleaved-1f1b on p=2 runs 4 stages of one block
+# capacity ceil(64 tokens / 4 experts * 0.5 * top-2) = 16 of each micro-batch's 128 pairs per expert: drops in each
+DROPPING = with_moe(MODEL, capacity_factor=0.5)
 SCHEDULES = (("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2))
 LAYOUTS = {"p=2,e=2": dict(pp=2, ep=2), "p=2,d=2": dict(pp=2, dp=2), "p=2,t=2": dict(pp=2, tp=2)}
 COLUMNS = ("loss", "aux_loss", "grad_norm", "val_loss")
@@ -74,7 +77,8 @@ def _training_world(tmp: str) -> dict:
             run = train(config(pipeline_schedule=schedule, stages_per_rank=per_rank, **extras), None,
                         mesh=Mesh(**layout), progress=False)
             out[(name, schedule)] = (rows(run.metrics), run.samples)
-    run = train(config(balance_over="microbatch", pipeline_schedule="gpipe"), None, mesh=Mesh(pp=4), progress=False)
+    run = train(config(balance_over="microbatch", pipeline_schedule="gpipe", model=DROPPING), None, mesh=Mesh(pp=4),
+                progress=False)
     out[("p=4", "gpipe")] = (rows(run.metrics), run.samples)
     # single-file checkpoints, through the API: written at p=2 (rank 0 gathers every stage), read at p=2
     p2e2 = Mesh(pp=2, ep=2)
@@ -101,7 +105,7 @@ def _training_world(tmp: str) -> dict:
 def golden():
     with single_threaded():
         whole = train(config(**EXTRAS), None, progress=False)
-        microbatch = train(config(balance_over="microbatch"), None, progress=False)
+        microbatch = train(config(balance_over="microbatch", model=DROPPING), None, progress=False)
     return {"global": (rows(whole.metrics), whole.samples), "microbatch": (rows(microbatch.metrics),
                                                                           microbatch.samples)}
 
@@ -140,6 +144,7 @@ def test_pipelined_training_equals_one_process_and_resumes_across_layouts(golden
         for schedule, _ in SCHEDULES:
             for out in ranks:  # every rank holds the same rows
                 assert_equal_run(out[(layout, schedule)], golden["global"], (layout, schedule))
+    assert all(r["dropped_tokens"] > 0 for r in golden["microbatch"][0])
     assert_equal_run(rank0[("p=4", "gpipe")], golden["microbatch"], "p=4")
 
     gold = [r["loss"] for r in golden["global"][0]][2:]
@@ -194,10 +199,12 @@ def _planted(tmp: Path, event: str, action):
 def _failures_world(tmp: str) -> dict:
     tmp = Path(tmp)
     rank = dist.get_rank()
-    ports = free_ports(4)
+    ports = free_ports(5)
     dist.destroy_process_group()
     out = {"schedule": _command(tmp, "schedule", ports[0], pipeline_schedule="gpipe" if rank >= 2 else "1f1b"),
-           "mesh": _command(tmp, "mesh", ports[1], mesh="p=2,e=2" if rank >= 2 else "p=2,d=2")}
+           "mesh": _command(tmp, "mesh", ports[1], mesh="p=2,e=2" if rank >= 2 else "p=2,d=2"),
+           "settings": _command(tmp, "settings", ports[4], mesh="d=2,e=2", lr=0.02 if rank >= 2 else 0.01,
+                                steps=6 if rank >= 2 else 4)}
     forward = StageModule.forward
 
     def raise_error():
@@ -222,13 +229,17 @@ def test_failures_end_with_a_message_on_every_rank_within_the_timeout(tmp_path):
     timeout = TIMEOUT_MINUTES * 60
     raised, died = (float((tmp_path / name).read_text()) for name in ("raised", "died"))
     for rank, out in ranks.items():
+        agreement = f"shardmoe train: rank {rank}: the run's settings differ across ranks (every rank must be given " \
+            "the same config file and flags): "
         schedule = out["schedule"]
         assert schedule["code"] == 2 and schedule["stderr"] == (
-            f"shardmoe train: rank {rank}: pipeline settings differ across ranks (every rank must run the same model, "
-            "schedule and batch settings): pipeline_schedule: ranks 0, 1 have '1f1b', ranks 2, 3 have 'gpipe'\n")
+            f"{agreement}pipeline_schedule: ranks 0, 1 have '1f1b', ranks 2, 3 have 'gpipe'\n")
+        # a mesh without p: the ranks' lr drifted the replicas apart, their steps ended in a timeout
+        settings = out["settings"]
+        assert settings["code"] == 2 and settings["stderr"] == (
+            f"{agreement}lr: ranks 0, 1 have 0.01, ranks 2, 3 have 0.02; steps: ranks 0, 1 have 4, ranks 2, 3 have 6\n")
         mesh = out["mesh"]
-        assert mesh["code"] == 2 and mesh["stderr"].startswith(
-            f"shardmoe train: rank {rank}: mesh layouts differ across ranks") and \
+        assert mesh["code"] == 2 and mesh["stderr"].startswith(agreement) and \
             "--mesh: ranks 0, 1 have {'p': 2, 'd': 2, 'e': 1, 't': 1}, ranks 2, 3 have {'p': 2, 'd': 1, 'e': 2, " \
             "'t': 1}" in mesh["stderr"], mesh
         raises = out["raises"]

@@ -61,6 +61,8 @@ def test_a_second_open_reuses_the_entry_and_other_inputs_make_other_entries(tmp_
     data.write_text("".join(json.dumps({"text": d}) + "\n" for d in generated_documents(40)))
     first = open_tokens(str(data), BYTES, 0.1, tmp_path / "cache", progress=True)
     assert "tokenizing (byte)" in capsys.readouterr().err  # the progress bar
+    assert open_tokens(str(data), BYTES, 0.1, tmp_path / "cache", progress=True).path == first.path
+    assert capsys.readouterr().err == f"token cache: reusing {first.path} ({data} tokenized by byte before)\n"
     copy = tmp_path / "copy" / "data.jsonl"
     copy.parent.mkdir()
     copy.write_bytes(data.read_bytes())
@@ -112,6 +114,36 @@ def test_an_unwritable_cache_is_named(tmp_path):
     with pytest.raises(ValueError, match=r"token_cache: cannot create the token cache in '.*file/cache' \(Not a "
                                          r"directory\)"):
         open_tokens(None, BYTES, 0.05, tmp_path / "file" / "cache")
+
+
+def test_a_full_disk_while_building_is_one_error_naming_the_cache(tmp_path, monkeypatch):
+    """The token files opened on /dev/full, whose writes fail with ENOSPC as a full disk's do: a
+    ValueError naming the cache (an OSError traceback before), no entry and no scratch left."""
+    real_open = open
+
+    def full_disk(path, mode="r", *args, **kwargs):
+        return real_open("/dev/full", mode, *args, **kwargs) if str(path).endswith(".bin") else \
+            real_open(path, mode, *args, **kwargs)
+
+    monkeypatch.setattr(token_cache, "open", full_disk, raising=False)
+    with pytest.raises(ValueError, match=rf"^token_cache: cannot write the token cache in '{tmp_path}' \(No space "
+                                         r"left on device\)$"):
+        open_tokens(None, BYTES, 0.05, tmp_path)
+    assert [p.name for p in tmp_path.iterdir() if p.is_dir()] == []
+
+
+def test_a_tokenizer_that_encodes_a_document_to_nothing_is_refused(tmp_path):
+    """A BPE without an unknown token drops what its vocabulary lacks: a document of such text only
+    became a lone BOS."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tokenizer = Tokenizer(models.BPE({"a": 0, "b": 1, "ab": 2}, [("a", "b")]))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.save(str(tmp_path / "ab.json"))
+    (tmp_path / "data.txt").write_text("ab ba\n\nxyz\n\nabab\n")
+    with pytest.raises(ValueError, match=r"^tokenizer: '.*ab.json' encodes document 2 of .*data.txt \(3 characters: "
+                                         r"'xyz'\) to no tokens: expected a tokenizer that encodes the data$"):
+        open_tokens(str(tmp_path / "data.txt"), load_tokenizer(str(tmp_path / "ab.json")), 0.3, tmp_path / "cache")
 
 
 PEAK_RSS = """

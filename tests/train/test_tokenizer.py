@@ -8,6 +8,8 @@ import pytest
 from shardmoe.train.config import TrainConfig
 from shardmoe.train.tokenizer import BOS, VOCAB_SIZE, byte_tokenizer, check_vocab, load_tokenizer, padded_vocab_size
 
+from .conftest import word_level
+
 TEXT = "And it came to pass: ünïcode ✓\n\nnext"
 
 
@@ -82,3 +84,70 @@ def test_the_digest_is_the_content_not_the_place(bpe_tokenizer, tmp_path):
     copy = tmp_path / "elsewhere.json"
     shutil.copy(bpe_tokenizer(300), copy)
     assert load_tokenizer(str(copy)).digest == load_tokenizer(bpe_tokenizer(300)).digest
+
+
+def test_ids_that_are_not_0_to_n_minus_1_are_refused_by_name(tmp_path):
+    """Five tokens with the ids 0, 1, 2, 3, 5: 'c' (id 5) was past the 5 ids the model's vocabulary
+    covered, and a sixth token with the id 5 would have been read as BOS."""
+    spec = word_level(tmp_path / "sparse.json", {"a": 0, "b": 1, "[UNK]": 2, "d": 3, "c": 5})
+    with pytest.raises(ValueError, match=r"^tokenizer: '.*sparse.json': expected the ids 0..4 of its 5 tokens, got id 5 "
+                                         r"\('c'\) past them and 1 missing \(first 4\)"):
+        load_tokenizer(spec)
+
+
+def test_added_tokens_are_ids_of_their_own_below_bos(tmp_path):
+    """An added <|eot|> takes the id after the model's vocabulary: BOS comes after it, and the
+    text's <|eot|> encodes to its own id, never to BOS's (leaving the added tokens out of the count
+    made BOS the id of <|eot|>)."""
+    spec = word_level(tmp_path / "eot.json", {"[UNK]": 0, "a": 1, "b": 2}, added=["<|eot|>"])
+    tokenizer = load_tokenizer(spec)
+    assert (tokenizer.vocab_size, tokenizer.bos) == (5, 4)
+    assert list(tokenizer.encode("a <|eot|> b")) == [1, 3, 2]
+    assert tokenizer.decode([1, 3, 4, 2]) == "a <|eot|> b"  # BOS dropped, <|eot|> kept
+
+
+def test_a_directory_holding_only_a_models_config_is_refused(tmp_path):
+    """AutoTokenizer reads a directory holding only a GPT-2 config.json as a tokenizer of one
+    special token, which encodes every text to nothing: every document became a lone BOS."""
+    pytest.importorskip("transformers")
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text('{"model_type": "gpt2"}')
+    with pytest.raises(ValueError, match=r"^tokenizer: '.*model': expected a vocabulary, got 1 special token\(s\) and "
+                                         r"no other, which encode every text to nothing"):
+        load_tokenizer(str(tmp_path / "model"))
+
+
+def test_long_texts_are_encoded_in_pieces_to_the_ids_of_the_whole(bpe_tokenizer, tmp_path, monkeypatch):
+    """With pieces of 200 characters, a text of 60 documents on one line encodes in pieces to the ids
+    its whole encoding has (a cut at every 200th character gives other ids: the boundaries
+    matter), with a byte-level BPE (its words cut apart) and a BPE without a pre-tokenizer (its
+    merges cross spaces, so the first places tried are refused), and no call of the tokenizer
+    takes more than a piece and its check's context."""
+    from tokenizers import Tokenizer as HFTokenizer, models, trainers
+
+    from shardmoe.train import tokenizer as module
+
+    from .conftest import generated_documents
+
+    text = " ".join(d.replace("\n", " ") for d in generated_documents(60))
+    no_words = HFTokenizer(models.BPE())  # no pre-tokenizer: merges may cross spaces
+    no_words.train_from_iterator(generated_documents(200, seed=1),
+                                 trainers.BpeTrainer(vocab_size=400, show_progress=False))
+    no_words.save(str(tmp_path / "no-words.json"))
+    for spec in (bpe_tokenizer(300), str(tmp_path / "no-words.json")):
+        hf = HFTokenizer.from_file(spec)
+        whole = hf.encode(text, add_special_tokens=False).ids
+        tokenizer = load_tokenizer(spec)
+        calls = []
+        real = tokenizer._encode_batch
+        tokenizer._encode_batch = lambda texts: calls.append(max(map(len, texts))) or real(texts)
+        with monkeypatch.context() as m:
+            m.setattr(module, "PIECE_CHARS", 200)
+            m.setattr(module, "CUT_CONTEXT", 24)
+            assert list(tokenizer.encode(text)) == whole, spec
+            pieces = list(tokenizer._pieces(text))
+        assert "".join(pieces) == text and len(pieces) > len(text) // 400, (spec, len(pieces))
+        assert max(calls) <= 200 + 2 * 24 + 40, spec  # a piece runs to the next word's start
+        naive = [i for start in range(0, len(text), 200)
+                 for i in hf.encode(text[start: start + 200], add_special_tokens=False).ids]
+        assert naive != whole, spec
