@@ -258,6 +258,12 @@ def test_traffic_on_a_lease_puts_measured_beside_modelled_and_refits(dry_run):
                for line in traffic.markdown(result))
 
 
+def test_traffic_measure_runs_the_layer_on_the_kernel_path():
+    """The lease's measurement at a tiny shape in the interpreter: the layer's steps run under the
+    profiler (no kernel is a device event on a CPU, so nothing is timed)."""
+    assert traffic.measure("cpu", {"tiny": bench.DRY_RUN_SHAPES["fine"]}) == {"tiny": {}}
+
+
 def test_wave_bytes_reads_a_tile_once_per_wave_that_needs_it():
     programs = [(((("A", 0), 10), (("W", 0), 1)), 2)] * 3 + [(((("A", 1), 10), (("W", 0), 1)), 2)]
     assert traffic.wave_bytes(programs, 4) == 10 + 1 + 10 + 4 * 2  # one wave: W once, A0 once

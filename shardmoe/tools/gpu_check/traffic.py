@@ -375,9 +375,10 @@ def model(traced: dict, measured: dict | None = None) -> dict:
     return result
 
 
-def measure(device: str) -> dict:
-    """{shape: {kernel: CUDA ms a step}} of the current Triton kernels, one bf16 forward + backward of the
-    glu layer at each shape, torch.profiler over PROFILE_STEPS steps after PROFILE_WARMUP."""
+def measure(device: str, shapes: dict | None = None) -> dict:
+    """{shape: {kernel: device ms a step}} of the current Triton kernels, one bf16 forward + backward of
+    the glu layer at each of `shapes` (default bench.SHAPES' two), torch.profiler over PROFILE_STEPS
+    steps after PROFILE_WARMUP (on a CPU, in the interpreter, no kernel shows as a device event)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -387,23 +388,26 @@ def measure(device: str) -> dict:
     from .parity import triton_context
     from shardmoe.kernels.tuning import AUTOTUNED
 
+    shapes = shapes or {name: SHAPES[name] for name in SHAPE_NAMES}
+    activity = ProfilerActivity.CUDA if device == "cuda" else ProfilerActivity.CPU
     out = {}
-    for name in SHAPE_NAMES:
-        s = SHAPES[name]
+    for name, s in shapes.items():
         layer = shardmoe.MoE(s.hidden, s.ffn, s.experts, s.top_k, dtype=torch.bfloat16, device=device)
         x = torch.randn(1, s.tokens, s.hidden, device=device, dtype=torch.bfloat16, requires_grad=True)
         grad = torch.randn_like(x)
         with triton_context():
             for _ in range(PROFILE_WARMUP):
                 layer(x).backward(grad)
-            torch.cuda.synchronize()
-            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            if device == "cuda":
+                torch.cuda.synchronize()
+            with profile(activities=[activity]) as prof:
                 for _ in range(PROFILE_STEPS):
                     layer(x).backward(grad)
-                torch.cuda.synchronize()
+                if device == "cuda":
+                    torch.cuda.synchronize()
         kernels = {}
         for event in prof.key_averages():
-            if event.key in AUTOTUNED:
+            if event.key in AUTOTUNED and event.self_device_time_total > 0:
                 kernels[event.key] = event.self_device_time_total / 1e3 / PROFILE_STEPS
         out[name] = kernels
         del layer, x, grad
