@@ -9,6 +9,7 @@ and saved such tensors, so the backward's GEMMs need the same casts (as torch.am
 """
 from __future__ import annotations
 
+import contextlib
 from typing import NamedTuple
 
 import torch
@@ -36,9 +37,7 @@ def save_residuals(ctx, residuals: NamedTuple) -> None:
     fields = list(residuals)
     tensor_slots = [i for i, v in enumerate(fields) if isinstance(v, torch.Tensor)]
     ctx.save_for_backward(*(fields[i] for i in tensor_slots))
-    device = fields[tensor_slots[0]].device.type if tensor_slots else "cpu"
-    autocast = autocast_available(device) and torch.is_autocast_enabled(device)
-    ctx.autocast = (device, autocast, torch.get_autocast_dtype(device) if autocast else None)
+    ctx.autocast = autocast_state(fields[tensor_slots[0]].device.type if tensor_slots else "cpu")
     ctx.residual_type = type(residuals)
     ctx.tensor_slots = tensor_slots
     ctx.other_fields = [None if i in tensor_slots else v for i, v in enumerate(fields)]
@@ -55,10 +54,23 @@ def autograd_grads(function: str, *grads):
     return grads
 
 
-def forward_autocast(ctx) -> torch.autocast:
-    """The autocast state the forward ran under (save_residuals), for the backward to run under."""
-    device, enabled, dtype = ctx.autocast
+def autocast_state(device: str) -> tuple[str, bool, torch.dtype | None]:
+    """(device type, enabled, dtype) of autocast on `device` now (disabled where autocast has no such device)."""
+    enabled = autocast_available(device) and torch.is_autocast_enabled(device)
+    return device, enabled, torch.get_autocast_dtype(device) if enabled else None
+
+
+def restore_autocast(state: tuple[str, bool, torch.dtype | None]):
+    """torch.autocast in an autocast_state (nothing on a device autocast does not know, such as meta)."""
+    device, enabled, dtype = state
+    if not autocast_available(device):
+        return contextlib.nullcontext()
     return torch.autocast(device, dtype=dtype, enabled=enabled)
+
+
+def forward_autocast(ctx):
+    """The autocast state the forward ran under (save_residuals), for the backward to run under."""
+    return restore_autocast(ctx.autocast)
 
 
 def load_residuals(ctx) -> NamedTuple:

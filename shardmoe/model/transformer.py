@@ -37,6 +37,18 @@ only; and the MoE needs the whole output gradient, so `keep_block` all-gathers t
 Initialisation draws every FULL weight from `seed` (identically on every rank, in float64, then
 cast) and keeps this rank's shard, so a model's values do not depend on the mesh layout.
 
+Device: every parameter, buffer and tensor a forward makes lives on the model's `device` (the
+weights are drawn on the CPU, as the mesh layout does not change them, and copied there). The
+attention's fused core (attention.py) takes the packed documents' mask as one additive bias per
+forward (context()), shared by every block.
+
+Activation checkpointing (CHECKPOINTING): "none" keeps every block's residuals for the backward;
+"moe" keeps each block's MoE input only and runs its MoE layer again in the backward; "block"
+keeps each block's input only and runs the whole block again. The recomputation runs inside the
+backward (Recompute, an autograd.Function whose forward runs without a graph and whose backward
+runs the forward again with one, under the forward's autocast state) and computes bitwise what
+the first forward did, so the gradients are those of "none" bit for bit.
+
 A pipeline rank holds a Part of the model (its blocks by their global index, the embedding on the
 first stage's rank, the final norm and unembedding on the last's: shardmoe/model/stages.py cuts
 the layers): its parameters keep the whole model's names ("blocks.5.moe.gate_weight" on whichever
@@ -60,15 +72,16 @@ from shardmoe.moe import composition
 from shardmoe.moe.config import MoEConfig, check_bool
 from shardmoe.moe.layer import MoE
 from shardmoe.moe.cpu import share as share_workspace
+from shardmoe.moe.routing import corrected_bias
 from shardmoe.notation import MESH_AXES, global_shape, parse_spec
 from shardmoe.parallel import dtensors
 from shardmoe.parallel import expert_tensor as etp
 from shardmoe.parallel.sync import mark_grad_sync, sync_grads
 
-from .attention import Attention
+from .attention import Attention, KVCache, attention_bias, default_core
 from .config import DenseConfig, check_positive_int, check_positive_number
 from .embedding import Embedding
-from .residuals import check_backward_mode
+from .residuals import autocast_state, check_backward_mode, restore_autocast
 from .rmsnorm import RMSNorm
 from .rope import RopeTable, rope_table
 from .segments import packed_layout, sequence_starts
@@ -81,6 +94,7 @@ SHARED_PARAMS = ("shared_gate_up_proj", "shared_down_proj")  # laid out and shar
 GATE_SPEC = "H E"
 GATE_BIAS_SPEC = "E"
 ROUTER_STATE = ("gate_weight", "gate_bias", "correction_bias", "shared_gate_weight")  # replicated on every rank
+CHECKPOINTING = ("none", "moe", "block")  # what a block recomputes in the backward (module docstring)
 
 
 # The MoE layer every block holds, but for its options: it maps the d_model-wide residual stream
@@ -278,6 +292,41 @@ class BlockInputs(NamedTuple):
     segment_ids: Tensor
     rope: RopeTable
     sequence_starts: Tensor | None
+    attention_bias: Tensor | None  # the fused attention core's mask (None: the reference core's float64)
+
+
+def check_checkpointing(option: str) -> str:
+    if option not in CHECKPOINTING:
+        raise ValueError(f"activation_checkpointing: expected one of {', '.join(CHECKPOINTING)}, got {option!r}")
+    return option
+
+
+class Recompute(torch.autograd.Function):
+    """out = run(x), keeping only x for the backward: the forward runs without a graph, the backward
+    runs run(x) again with one, under the forward's autocast state, and backpropagates through it
+    (the parameters run() uses get their gradients there, x its own)."""
+
+    @staticmethod
+    def forward(ctx, run, x):
+        ctx.run, ctx.autocast = run, autocast_state(x.device.type)
+        ctx.save_for_backward(x)
+        return run(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x = ctx.saved_tensors[0].detach().requires_grad_()
+        with torch.enable_grad(), restore_autocast(ctx.autocast):
+            out = ctx.run(x)
+        torch.autograd.backward(out, grad)
+        return None, x.grad
+
+
+def recompute(run, x: Tensor) -> Tensor:
+    """run(x) through Recompute where a backward will reach x; else run(x) as it is (under no_grad,
+    or an x that needs no gradient: Recompute would leave run's parameters without theirs)."""
+    if torch.is_grad_enabled() and x.requires_grad:
+        return Recompute.apply(run, x)
+    return run(x)
 
 
 class Blocks(nn.Module):
@@ -300,21 +349,37 @@ class Blocks(nn.Module):
 
 
 class Block(nn.Module):
-    """x[B L M/t] -> x + Attention(RMSNorm(x)) -> x + MoE(RMSNorm(x)) sliced to M/t."""
+    """x[B L M/t] -> x + Attention(RMSNorm(x)) -> x + MoE(RMSNorm(x)) sliced to M/t; `checkpointing`
+    (CHECKPOINTING) says what the backward recomputes."""
 
-    def __init__(self, config: TransformerConfig, mesh, backward: str, dtype: torch.dtype):
+    def __init__(self, config: TransformerConfig, mesh, backward: str, dtype: torch.dtype, device=None,
+                 checkpointing: str = "none"):
         super().__init__()
-        kw = dict(mesh=mesh, backward=backward, dtype=dtype)
-        self.mesh = mesh
+        kw = dict(mesh=mesh, backward=backward, dtype=dtype, device=device)
+        self.mesh, self.checkpointing = mesh, check_checkpointing(checkpointing)
         self.attn_norm = RMSNorm(config.d_model, config.norm_eps, **kw)
         self.attention = Attention(config.d_model, config.n_q_heads, config.n_kv_heads, config.head_dim, **kw)
         self.ffn_norm = RMSNorm(config.d_model, config.norm_eps, **kw)
-        self.moe = MoE(**dataclasses.asdict(config.moe), mesh=mesh, dtype=dtype)  # MoE takes MoEConfig's fields
+        # MoE takes MoEConfig's fields
+        self.moe = MoE(**dataclasses.asdict(config.moe), mesh=mesh, dtype=dtype, device=device)
 
-    def forward(self, x: Tensor, segment_ids: Tensor, rope: RopeTable, sequence_starts: Tensor | None) -> Tensor:
-        x = x + self.attention(self.attn_norm(x), segment_ids, rope)
-        nx = whole_to_partial_grad(self.ffn_norm(x), self.mesh, "t")
-        return x + keep_block("B L M -> B L M/t", self.moe(nx, sequence_starts), self.mesh)
+    def forward(self, x: Tensor, segment_ids: Tensor, rope: RopeTable, sequence_starts: Tensor | None,
+                attention_bias: Tensor | None = None) -> Tensor:
+        def block(x):
+            x = x + self.attention(self.attn_norm(x), segment_ids, rope, attention_bias)
+            nx = whole_to_partial_grad(self.ffn_norm(x), self.mesh, "t")
+            if self.checkpointing == "moe":
+                y = recompute(lambda nx: self.moe(nx, sequence_starts), nx)
+            else:
+                y = self.moe(nx, sequence_starts)
+            return x + keep_block("B L M -> B L M/t", y, self.mesh)
+
+        return recompute(block, x) if self.checkpointing == "block" else block(x)
+
+    def decode(self, x: Tensor, rope: RopeTable, cache: KVCache) -> Tensor:
+        """x[B n M/t] of n new tokens after the cache's (one document) -> the block's output."""
+        x = x + self.attention.decode(self.attn_norm(x), rope, cache)
+        return x + keep_block("B L M -> B L M/t", self.moe(self.ffn_norm(x)), self.mesh)
 
 
 class Transformer(nn.Module):
@@ -322,10 +387,13 @@ class Transformer(nn.Module):
 
     backward: "explicit" (the dense layers' hand-written backward) or "autograd" (autograd through
     their forward and shardops' collectives); the MoE layer always runs its fused explicit backward.
+    device: where the parameters, buffers and every tensor of a forward live (None: torch's default).
+    activation_checkpointing: CHECKPOINTING (the module docstring).
     """
 
     def __init__(self, config: TransformerConfig, *, mesh=None, backward: str = "explicit",
-                 dtype: torch.dtype = torch.float32, seed: int = 0, part: Part | None = None):
+                 dtype: torch.dtype = torch.float32, seed: int = 0, part: Part | None = None, device=None,
+                 activation_checkpointing: str = "none"):
         super().__init__()
         sizes = [1 if mesh is None else mesh.size(a) for a in MESH_AXES]
         check_layout(config, *sizes)
@@ -335,9 +403,10 @@ class Transformer(nn.Module):
                              f"got {part.layers}")
         self.config, self.mesh, self.dtype, self.part, self.seed = config, mesh, dtype, part, seed
         backward = check_backward_mode(backward)
-        kw = dict(mesh=mesh, backward=backward, dtype=dtype)
+        checkpointing = check_checkpointing(activation_checkpointing)
+        kw = dict(mesh=mesh, backward=backward, dtype=dtype, device=device)
         self.embedding = Embedding(config.vocab_size, config.d_model, **kw) if part.embedding else None
-        self.blocks = Blocks({i: Block(config, mesh, backward, dtype) for i in part.layers})
+        self.blocks = Blocks({i: Block(config, mesh, backward, dtype, device, checkpointing) for i in part.layers})
         # One pool of row buffers for every MoE layer: each layer's saved blocks stay lent until its
         # backward, and one layer's scratch buffers serve the next, so the pool holds the layers'
         # saved blocks plus one layer's scratch rather than n_layers working sets (moe/cpu.py Workspace).
@@ -352,6 +421,11 @@ class Transformer(nn.Module):
         self.register_state_dict_post_hook(_whole_dense_entries)
         self.register_load_state_dict_pre_hook(_local_dense_entries)
         self.reset_parameters()
+
+    @property
+    def device(self) -> torch.device:
+        """Where the parameters live (the constructor's device, or where to_empty() put them)."""
+        return next(self.parameters()).device
 
     def reset_parameters(self) -> None:
         """Every parameter and buffer this rank holds drawn again from the model's seed
@@ -443,8 +517,10 @@ class Transformer(nn.Module):
         summed over the mesh, equal on every rank; with micro-batches, their sum); call it after the
         optimizer step."""
         for i, block in zip(self.part.layers, self.blocks):
-            if block.moe.correction_bias is not None:
-                block.moe.update_correction_bias(block.moe.stats["selected_per_expert"] if loads is None else loads[i])
+            bias = block.moe.correction_bias
+            if bias is not None:  # the layers' own counts: MoE.update_correction_bias's host checks of a caller's
+                load = block.moe.stats["selected_per_expert"] if loads is None else loads[i]  # loads would wait
+                bias.copy_(corrected_bias(bias, load.to(bias.device), block.moe.config.bias_update_rate))
 
     def moe_layers(self) -> list:
         """The MoE layers of the blocks this model holds, in order."""
@@ -472,12 +548,18 @@ class Transformer(nn.Module):
     # -- forward -----------------------------------------------------------------------------
 
     def context(self, is_seq_start: Tensor) -> BlockInputs:
-        """What every block reads from the rows' document starts: segment ids, RoPE table and the
-        sequence-wise loss's sequences (a pure function of is_seq_start: each stage computes it)."""
+        """What every block reads from the rows' document starts: segment ids, RoPE table, the
+        sequence-wise loss's sequences and the fused attention core's bias, in the dtype the
+        attention computes in (autocast's, when it is on) (a pure function of is_seq_start: each
+        stage computes it)."""
         layout = packed_layout(is_seq_start)
         rope = rope_table(layout.positions, self.config.head_dim, self.config.rope_theta, self.dtype)
         starts = sequence_starts(layout.segment_ids) if self.config.moe.seq_aux_loss_coef else None
-        return BlockInputs(layout.segment_ids, rope, starts)
+        bias = None
+        if default_core(self.dtype) == "fused":
+            _, autocast, dtype = autocast_state(is_seq_start.device.type)
+            bias = attention_bias(layout.segment_ids, dtype if autocast else self.dtype)
+        return BlockInputs(layout.segment_ids, rope, starts, bias)
 
     def embed(self, ids: Tensor) -> Tensor:
         """x[B L M/t] of the token ids (the first stage's)."""
@@ -524,6 +606,25 @@ class Transformer(nn.Module):
         """logits[B L V] (gathered over t) in the compute dtype, for evaluation and sampling."""
         return self.head_logits(self.head(self._trunk(ids, is_seq_start)))
 
+    def new_caches(self, capacity: int) -> list[KVCache]:
+        """One empty KVCache of `capacity` tokens per block, for decode."""
+        return [KVCache(capacity) for _ in self.blocks]
+
+    @torch.no_grad()
+    def decode(self, ids: Tensor, caches: list[KVCache]) -> Tensor:
+        """logits[B n V] (gathered over t) of n new tokens ids[B n] of one document after the tokens
+        the caches hold (new_caches; their RoPE positions follow on), whose keys and values join
+        the caches: each block's attention runs only the new queries, over the cached keys."""
+        if self.part != Part.whole(self.config.n_layers):
+            raise ValueError(f"decode: expected a model holding every part, got {self.part}")
+        start, new = caches[0].length, ids.shape[1]
+        positions = torch.arange(start, start + new, device=ids.device).expand(ids.shape[0], new)
+        rope = rope_table(positions, self.config.head_dim, self.config.rope_theta, self.dtype)
+        x = self.embed(ids)
+        for block, cache in zip(self.blocks, caches):
+            x = block.decode(x, rope, cache)
+        return self.head_logits(self.head(x))
+
     @torch.no_grad()
     def head_logits(self, nx: Tensor) -> Tensor:
         """logits[B L V] (gathered over t) of the final-normed rows."""
@@ -541,15 +642,16 @@ class Transformer(nn.Module):
         sync_grads(self, self.mesh)
 
     @torch.no_grad()
-    def global_losses(self, losses: Losses) -> tuple[float, float]:
-        """(cross-entropy, aux loss) of the whole global batch, equal on every rank. Collective."""
+    def global_losses(self, losses: Losses) -> tuple[Tensor, Tensor]:
+        """(cross-entropy, aux loss) [] of the whole global batch, equal on every rank, on the model's
+        device (nothing is read on the host). Collective."""
         ce, aux = losses.ce.detach().reshape(1), losses.aux.detach().reshape(1).to(losses.ce.dtype)
         if self.mesh is not None:
             if self.mesh.size("e") > 1:
                 ce = shardops.psum("1 -> 1", ce, self.mesh, axes="e")
             if self.mesh.size(("d", "e")) > 1:
                 aux = shardops.psum("1 -> 1", aux, self.mesh, axes=("d", "e"))
-        return ce.item(), aux.item()
+        return ce[0], aux[0]
 
 
 def _whole_dense_entries(model: Transformer, state_dict: dict, prefix: str, local_metadata) -> None:

@@ -36,6 +36,7 @@ import weakref
 import torch
 
 from shardmoe.moe.function import SavedForBackward, MoEContext, moe_backward, moe_fake_forward, moe_forward, not_twice_differentiable
+from shardmoe.moe.precision import autocast_off
 from shardmoe.rows import accumulation_dtype
 
 _OWNERS: dict[int, weakref.ref] = {}
@@ -102,7 +103,7 @@ def _moe_forward(handle: int, x: torch.Tensor, present: list[torch.Tensor],
     inputs = _inputs(present, absent)
     tokens = x.reshape(-1, x.shape[-1])
     call = _call(handle, tokens, inputs)
-    with torch.autocast(x.device.type, enabled=False):
+    with autocast_off(x.device.type):
         out, loss, made = moe_forward(call, tokens, inputs)
     return _shaped(out, x.shape), loss, _fresh(made.flat(_routing_inputs(call, inputs)), (x, *present))
 
@@ -141,7 +142,7 @@ def _moe_backward(handle: int, grad_out: torch.Tensor, grad_loss: torch.Tensor, 
     inputs = _inputs(present, absent)
     tokens = x.reshape(-1, x.shape[-1])
     call = _call(handle, tokens, inputs)
-    with torch.autocast(x.device.type, enabled=False):
+    with autocast_off(x.device.type):
         grad_x, *grads = moe_backward(call, tokens, inputs, SavedForBackward.restore(call.config, made, _routing_inputs(call, inputs)),
                                       grad_out.reshape(tokens.shape), grad_loss)
     mask = _gradient_mask(call, inputs)

@@ -18,6 +18,8 @@ This mirrors torchtitan's float32 gate under autocast and Megatron's --moe-route
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 # the dtypes autocast may ask the expert GEMMs to run in
@@ -32,6 +34,14 @@ def autocast_available(device_type: str) -> bool:
     device type: torch 2.11's Dynamo cannot trace that builtin (a graph break, an error under
     fullgraph=True)."""
     return torch.amp.is_autocast_available(device_type)
+
+
+def autocast_off(device_type: str):
+    """torch.autocast(device_type, enabled=False); nothing on a device autocast does not know (meta,
+    whose tensors run a step's shapes without data: torch.autocast refuses it)."""
+    if not autocast_available(device_type):
+        return contextlib.nullcontext()
+    return torch.autocast(device_type, enabled=False)
 
 
 def autocast_dtype(x: torch.Tensor, param_dtype: torch.dtype) -> torch.dtype | None:

@@ -166,7 +166,8 @@ def first_line(err: BaseException) -> str:
     return lines[0] if lines else type(err).__name__
 
 
-def example(shape: tuple[int, ...], dtype: torch.dtype, requires_grad: bool = False) -> torch.Tensor:
-    """A tensor of the shape and dtype a PipelineStage declares for an input or output (its values
-    are never read: only the metadata)."""
-    return torch.empty(shape, dtype=dtype, requires_grad=requires_grad)
+def example(shape: tuple[int, ...], dtype: torch.dtype, requires_grad: bool = False,
+            device: torch.device | str = "cpu") -> torch.Tensor:
+    """A tensor of the shape, dtype and device a PipelineStage declares for an input or output (its
+    values are never read: only the metadata)."""
+    return torch.empty(shape, dtype=dtype, device=device, requires_grad=requires_grad)

@@ -15,6 +15,7 @@ the one of the whole batch in one piece:
                   (MoE.balance_scope, moe/function.py BalanceScope). Routing is deterministic, so
                   the counting pass routes exactly as the training passes do.
 With N = 1 both settings are the plain step. Loads and dropped tokens are summed over the parts.
+Everything stays on the device: the loop reads a step's StepLosses once per logging interval.
 """
 from __future__ import annotations
 
@@ -32,14 +33,15 @@ BALANCE_OVER = ("microbatch", "global")
 
 @dataclass
 class StepLosses:
-    """What a step's micro-batches add up to: ce and aux of the global batch (equal on every rank),
-    per MoE layer the global tokens kept [E] and selections [E], and the dropped pairs."""
+    """What a step's micro-batches add up to, tensors on the model's device: ce and aux [] of the
+    global batch (equal on every rank), per MoE layer the global tokens kept [E] and selections
+    [E], and the dropped pairs []."""
 
-    ce: float
-    aux: float
+    ce: torch.Tensor
+    aux: torch.Tensor
     tokens_per_expert: list[torch.Tensor]
     selected_per_expert: list[torch.Tensor]
-    dropped_tokens: int
+    dropped_tokens: torch.Tensor
 
 
 def check_micro_batches(rows: int, count: int) -> None:
@@ -70,7 +72,7 @@ def accumulate_step(model: Transformer, batch: Batch, count: int, balance_over: 
                 model(part.ids, part.is_seq_start, part.targets, num_tokens)
                 counted.append([layer.stats["balance_scope"] for layer in layers])
         scopes = [functools.reduce(add_scopes, per_layer) for per_layer in zip(*counted)]
-    ce = aux = 0.0
+    ce = aux = torch.zeros((), dtype=torch.float64, device=batch.ids.device)
     stats = []  # [part][layer] each micro-batch's routing statistics
     try:
         for layer, scope in zip(layers, scopes):
@@ -80,15 +82,22 @@ def accumulate_step(model: Transformer, batch: Batch, count: int, balance_over: 
             stats.append(model.moe_stats())
             losses.total.backward()
             part_ce, part_aux = model.global_losses(losses)
-            ce += part_ce
-            aux += part_aux if share else part_aux / count
+            ce = ce + part_ce.double()
+            aux = aux + (part_aux.double() if share else part_aux.double() / count)
     finally:
         for layer in layers:
             layer.balance_scope, layer.aux_loss_scale = None, 1.0
     per_layer = list(zip(*stats))
     return StepLosses(ce, aux, [sum(s["tokens_per_expert"] for s in layer) for layer in per_layer],
                       [sum(s["selected_per_expert"] for s in layer) for layer in per_layer],
-                      sum(int(s.get("dropped_tokens", 0)) for part in stats for s in part))
+                      dropped_pairs(stats, ce.device))
+
+
+def dropped_pairs(stats, device: torch.device) -> torch.Tensor:
+    """The dropped (token, expert) pairs [] of routing statistics stats[part][layer] (a tensor or a
+    count each), summed on `device`."""
+    counts = [torch.as_tensor(s.get("dropped_tokens", 0), device=device) for part in stats for s in part]
+    return torch.stack(counts).sum() if counts else torch.zeros((), dtype=torch.int64, device=device)
 
 
 def add_scopes(a: BalanceScope, b: BalanceScope) -> BalanceScope:

@@ -9,6 +9,8 @@
                 buffer.<name>                  any other persistent buffer (state that is not trained
                                                by gradient); replicated, so rank 0's copy is every rank's
                 rng.torch                      torch's CPU generator state (uint8)
+                rng.cuda                       the CUDA generator state of the run's GPU (uint8),
+                                               when it ran on one
       metadata  format      "shardmoe-checkpoint/2"
                 checksums   {tensor name: sha256 of its bytes} as JSON
                 step        optimizer steps taken (the run resumes at step + 1)
@@ -16,6 +18,12 @@
                 identity    the settings a resume must share (TrainConfig.resume_identity) as JSON;
                             the architecture preset `arch` among them
                 data        the batch stream's state_dict as JSON
+
+Tensors are written from host memory whatever device the run computes on, and read into host
+memory (the map_location of a load is the CPU) and copied into the model's and the optimizer's
+tensors on their device: a run saved on a GPU resumes on the CPU and the reverse. The CUDA
+generator's state is restored when the resuming run computes on a GPU and the file has one (the
+samples draw from the CPU generator: on either device a resume samples the same text).
 
 Weights and moments are gathered whole, so a checkpoint does not depend on the mesh: a run saved
 on d=2 x e=2 resumes on one process and vice versa. On a pipelined mesh each stage gathers its
@@ -53,6 +61,7 @@ from shardmoe.train.tokenizer import BYTE
 
 from . import sharded_checkpoint
 from .config import with_current_names
+from .device import restore_rng_states, rng_states
 from .optim import AdamW
 
 FILE_NAME = "checkpoint.safetensors"
@@ -87,10 +96,14 @@ def save_checkpoint(out_dir: str | Path, model: Transformer, optimizer: AdamW, s
         for key in MOMENTS:
             for name, local in optimizer.state_dict()[key].items():
                 tensors[f"optim.{key}.{name}"] = model.gather_full(name, local).clone()
-    tensors = _from_every_stage(tensors, model.mesh, write)
+    mesh = model.mesh
+    sends = mesh is not None and mesh.pipeline_size > 1 and mesh.coord(MESH_AXES) == 0
+    if not (write or sends):
+        return
+    tensors = _from_every_stage({k: v.cpu() for k, v in tensors.items()}, mesh, write)  # host memory, pickled
     if not write:
         return
-    tensors["rng.torch"] = torch.get_rng_state()
+    tensors.update(rng_states(model.device))
     tensors = {k: v.contiguous() for k, v in tensors.items()}
     checksums = {name: tensor_checksum(t) for name, t in tensors.items()}
     metadata = {"format": FORMAT, "checksums": json.dumps(checksums, sort_keys=True), "step": str(step),
@@ -207,9 +220,10 @@ def check_resumable(path: str | Path, identity: dict, option: str = "--resume") 
 
 
 def load_checkpoint(path: str | Path, model: Transformer, optimizer: AdamW, mesh=None) -> tuple[int, dict]:
-    """Load weights and optimizer moments (keeping this rank's shards) and the RNG state;
-    returns (step, data state dict). The single file: every rank reads (and verifies) it itself, no
-    communication; a sharded checkpoint's step directory: sharded_checkpoint.load (collective)."""
+    """Load weights and optimizer moments (keeping this rank's shards, on the model's device) and the
+    RNG states; returns (step, data state dict). The single file: every rank reads (and verifies) it
+    into host memory itself, no communication; a sharded checkpoint's step directory:
+    sharded_checkpoint.load (collective)."""
     if Path(path).is_dir():
         return sharded_checkpoint.load(path, model, optimizer, mesh)
     tensors, metadata = read_verified(path)
@@ -229,7 +243,7 @@ def load_checkpoint(path: str | Path, model: Transformer, optimizer: AdamW, mesh
         prefix = f"optim.{key}."
         state[key] = {name: model.shard_full(name, tensors[prefix + name]) for name, _ in model.named_parameters()}
     optimizer.load_state_dict(state)
-    torch.set_rng_state(tensors["rng.torch"])
+    restore_rng_states(tensors, model.device)
     return int(metadata["step"]), json.loads(metadata["data"])
 
 

@@ -7,6 +7,8 @@
     shardmoe train --steps 50 --out runs/short --seed 1
     shardmoe train --resume                          # continue runs/default with its settings
     shardmoe train --overwrite                       # start runs/default afresh, deleting the old run
+    shardmoe train --device cuda --arch mixtral-1gpu # one GPU (--device auto, the default, takes one when present)
+    torchrun --nproc-per-node 4 -m shardmoe train --mesh d=4 --arch mixtral-1gpu   # 4 GPUs: GPU LOCAL_RANK each, NCCL
     torchrun --nproc-per-node 4 -m shardmoe train --mesh d=2,e=2 --out runs/d2e2
     torchrun --nproc-per-node 4 -m shardmoe train --mesh p=2,e=2 --grad-accum-steps 2 --out runs/p2e2
 
@@ -37,9 +39,10 @@ from pathlib import Path
 
 from shardmoe.mesh import PIPELINE_MESH_AXES, parse_mesh
 from shardmoe.model.residuals import BACKWARD_MODES
-from shardmoe.model.transformer import check_layout
+from shardmoe.model.transformer import CHECKPOINTING, check_layout
 from shardmoe.parallel.pipeline import SCHEDULES, first_line, lost_peer
 from shardmoe.train.config import TrainConfig, read_config_file
+from shardmoe.train.device import DEVICES
 from shardmoe.train.presets import ARCH_PRESETS, DEFAULT_ARCH, check_arch
 from shardmoe.train.tokenizer import BYTE
 
@@ -47,7 +50,7 @@ DEFAULT_OUT = "runs/default"
 MESH_AXIS_NAMES = {"p": "pp", "d": "dp", "e": "ep", "t": "tp"}
 # the settings a flag of the same name (dashes for underscores) sets over the config file
 FLAG_SETTINGS = ("arch", "steps", "seed", "backward", "timeout_minutes", "data", "tokenizer", "grad_accum_steps",
-                 "pipeline_schedule", "stages_per_rank")
+                 "pipeline_schedule", "stages_per_rank", "device", "activation_checkpointing")
 SETTINGS_TABLE = 'docs/training.md, "Configuration"'
 SUMMARY_STEPS = 50  # the summary's loss is the mean of this many last steps: one step's loss is noisy
 
@@ -88,6 +91,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stages-per-rank", type=int, metavar="V",
                         help="pipeline stages per rank (interleaved-1f1b: at least 2; the others: 1)")
     parser.add_argument("--backward", choices=BACKWARD_MODES, help="dense-layer backward (default explicit)")
+    parser.add_argument("--device", choices=DEVICES,
+                        help="where the run computes (default auto: a GPU when torch sees one, else the CPU); under "
+                             "torchrun each rank takes GPU LOCAL_RANK and the ranks talk over NCCL (gloo on the CPU)")
+    parser.add_argument("--activation-checkpointing", choices=CHECKPOINTING,
+                        help="what the backward recomputes instead of keeping: none (default), moe (each block's MoE "
+                             "layer) or block (whole blocks); the gradients are the same bit for bit")
     parser.add_argument("--timeout-minutes", type=float, metavar="M",
                         help="how long a rank waits for a hung or dead peer before failing "
                              f"(default {TrainConfig.timeout_minutes:g})")
@@ -127,12 +136,13 @@ def resolve_config(args: argparse.Namespace) -> tuple[TrainConfig, list[str]]:
     return resume_settings(stored_settings(args.out), named, args.out)
 
 
-def check_memory(config: TrainConfig) -> None:
-    """Raise ValueError when the model cannot fit in this machine's memory: its parameters, their
-    gradients and AdamW's two moments, each element stored once however the mesh shards it (a lower
-    bound of a step's need; activations come on top). The parameters are counted from their shapes
-    (full_shapes of one and two layers, the difference per layer), so nothing is built or allocated,
-    however large the settings (model.vocab_size 1e8 was an out-of-memory traceback)."""
+def check_memory(config: TrainConfig, device=None) -> None:
+    """Raise ValueError when the model cannot fit in the memory of where it runs (this machine's, or
+    the GPU's of a run on `device` a GPU): its parameters, their gradients and AdamW's two moments,
+    each element stored once however the mesh shards it (a lower bound of a step's need; activations
+    come on top). The parameters are counted from their shapes (full_shapes of one and two layers,
+    the difference per layer), so nothing is built or allocated, however large the settings
+    (model.vocab_size 1e8 was an out-of-memory traceback)."""
     import dataclasses
 
     import torch
@@ -146,19 +156,24 @@ def check_memory(config: TrainConfig) -> None:
     params = count(1) + (config.model.n_layers - 1) * (count(2) - count(1))
     dtype = config.param_dtype
     need = params * 4 * torch.empty((), dtype=dtype).element_size()  # weights, gradients, two moments
-    have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if device is not None and device.type == "cuda":
+        have, where = torch.cuda.get_device_properties(device).total_memory, f"GPU {device.index}'s"
+    else:
+        have, where = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "this machine's"
     if need > have:
-        raise ValueError(f"model: expected a model that fits in this machine's {have / 2**30:.1f} GiB, got "
+        raise ValueError(f"model: expected a model that fits in {where} {have / 2**30:.1f} GiB, got "
                          f"{params:,} parameters needing at least {need / 2**30:.1f} GiB for weights, gradients and "
                          f"AdamW's two moments in {dtype}")
 
 
 def validate_setup(config: TrainConfig, sizes: dict[str, int], world_size: int, out_dir: str, resume: bool,
                    overwrite: bool = False, progress: bool = False) -> tuple[tuple[Path, int] | None, str]:
-    """Every check that needs no process group; raises ValueError with one clear message. Tokenizes
-    the data into the token cache if it is not there yet (a progress bar when `progress`). Returns
+    """Every check that needs no process group; raises ValueError with one clear message (the
+    device among them: cuda without a GPU, a LOCAL_RANK past the node's GPUs). Tokenizes the data
+    into the token cache if it is not there yet (a progress bar when `progress`). Returns
     ((checkpoint, step) a resume continues from, else None; the token cache's key of the data)."""
     from shardmoe.train.checkpoint import check_resumable, latest_checkpoint, saved_data_state
+    from shardmoe.train.device import resolve_device
     from shardmoe.train.loop import build_streams
     from shardmoe.train.rundir import check_claimable
 
@@ -166,6 +181,7 @@ def validate_setup(config: TrainConfig, sizes: dict[str, int], world_size: int, 
     from shardmoe.parallel.pipeline import check_schedule
 
     check_layout(config.model, sizes["d"], sizes["e"], sizes["t"])
+    device = resolve_device(config.device)
     token_shards = sizes["d"] * sizes["e"]
     if config.batch_size % token_shards:
         raise ValueError(f"batch_size: expected a multiple of d*e = {token_shards} (rows are split over d and e), "
@@ -176,7 +192,7 @@ def validate_setup(config: TrainConfig, sizes: dict[str, int], world_size: int, 
     if sizes["p"] > 1:
         check_schedule(config.pipeline_schedule, sizes["p"], config.stages_per_rank, config.grad_accum_steps)
         stage_layers(config.model.n_layers, sizes["p"] * config.stages_per_rank)
-    check_memory(config)
+    check_memory(config, device)
     ranks = math.prod(sizes.values())
     if ranks != world_size:
         launch = f"torchrun --nproc-per-node {ranks} -m shardmoe train ..." if ranks > 1 else "one process"
@@ -233,7 +249,8 @@ def _run(args: argparse.Namespace, rank: int) -> int:
     if config.threads:
         torch.set_num_threads(config.threads)
     try:
-        mesh = _init_mesh(sizes, world_size, config.timeout_minutes, rank_settings(config, args, data_key))
+        mesh = _init_mesh(sizes, world_size, config.timeout_minutes, rank_settings(config, args, data_key),
+                          config.device)
         try:
             lock = _claim_out(args, rank, mesh is not None)
             if lock is None:
@@ -304,18 +321,25 @@ def rank_settings(config: TrainConfig, args: argparse.Namespace, data_key: str) 
     return settings
 
 
-def _init_mesh(sizes: dict[str, int], world_size: int, timeout_minutes: float, settings: dict):
-    """None on one process; else the gloo process group and the Mesh of `sizes`, once every rank
-    gave the same `settings` (rank_settings; RankMismatchError on every rank naming each that
-    differs, before any rank builds groups from them)."""
+def _init_mesh(sizes: dict[str, int], world_size: int, timeout_minutes: float, settings: dict, device_setting: str):
+    """None on one process; else the process group (NCCL with this rank's GPU, LOCAL_RANK, made the
+    current device when the run computes on GPUs; gloo on the CPU) and the Mesh of `sizes`, once
+    every rank gave the same `settings` (rank_settings; RankMismatchError on every rank naming each
+    that differs, before any rank builds groups from them)."""
     if world_size == 1:
         return None
+    import torch
     import torch.distributed as dist
 
     from shardmoe.mesh import Mesh
     from shardmoe.parallel.pipeline import check_agreement
+    from shardmoe.train.device import process_group_backend, resolve_device
 
-    dist.init_process_group("gloo", timeout=datetime.timedelta(minutes=timeout_minutes))
+    device = resolve_device(device_setting)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # NCCL, and every tensor made without an index, use this rank's GPU
+    dist.init_process_group(process_group_backend(device), timeout=datetime.timedelta(minutes=timeout_minutes),
+                            device_id=device if device.type == "cuda" else None)
     try:
         check_agreement(settings, "the run's settings", "every rank must be given the same config file and flags")
         return Mesh(**{MESH_AXIS_NAMES[a]: n for a, n in sizes.items()})
@@ -395,7 +419,7 @@ def _train_and_report(config: TrainConfig, args: argparse.Namespace, mesh) -> in
     print(f"steps {new[0]['step']}..{final['step']}: loss (nats / {unit}) {new[0]['loss']:.3f} at step "
           f"{new[0]['step']}, mean {sum(r['loss'] for r in tail) / len(tail):.3f} over steps {tail[0]['step']}.."
           f"{final['step']} (last step {final['loss']:.3f}){held_out}; {wall:.0f} s wall, {tokens_per_s:.0f} tokens/s, "
-          f"mean MFU {mean_mfu:.1%} of a measured {result.peak_flops / 1e9:.1f} GFLOP/s matmul peak per rank")
+          f"mean MFU {mean_mfu:.1%} of {result.peak_source}")
     print(f"wrote {Path(args.out) / 'metrics.jsonl'}, {curve}, {load} and {Path(args.out) / 'checkpoint.safetensors'}")
     print(f"expert load, max/mean over the experts of the worst layer: step {new[0]['step']} "
           f"{new[0]['worst_load_max_over_mean']:.2f} -> step {final['step']} {final['worst_load_max_over_mean']:.2f}")

@@ -27,10 +27,11 @@ from pathlib import Path
 
 from shardmoe.arguments import SEED_MAX
 from shardmoe.model.residuals import check_backward_mode
-from shardmoe.model.transformer import TransformerConfig
+from shardmoe.model.transformer import TransformerConfig, check_checkpointing
 from shardmoe.moe.config import FLOAT32_MAX, check_bool_fields, is_finite_number
 from shardmoe.parallel.pipeline import check_schedule_settings
 from shardmoe.train.accumulate import BALANCE_OVER
+from shardmoe.train.device import check_device
 from shardmoe.train.presets import DEFAULT_ARCH, check_arch, with_preset
 from shardmoe.train.tokenizer import (BYTE, VOCAB_MULTIPLE, byte_tokenizer, check_vocab, load_tokenizer,
                                       padded_vocab_size)
@@ -40,9 +41,10 @@ CHECKPOINT_FORMATS = ("auto", "safetensors", "dcp")
 # Settings a resumed run must share with the checkpoint: they fix the weights' shapes and the data
 # stream. Optimizer settings and `steps` may change on resume (docs/training.md).
 RESUME_IDENTITY = ("arch", "model", "dtype", "seq_len", "batch_size", "seed", "data", "tokenizer", "val_fraction")
-# Settings of the layout, not of the run: how a pipelined mesh schedules its stages. Like --mesh, a
-# resume may change them (the update is the same whichever schedule runs it).
-LAYOUT_SETTINGS = ("pipeline_schedule", "stages_per_rank")
+# Settings of the layout, not of the run: how a pipelined mesh schedules its stages, where the run
+# computes, what the backward recomputes, how often the log is read. Like --mesh, a resume may
+# change them (the update is the same whichever of them runs it).
+LAYOUT_SETTINGS = ("pipeline_schedule", "stages_per_rank", "device", "activation_checkpointing", "log_every")
 # Settings that are paths: a config file's relative ones are read from the file's folder.
 PATH_SETTINGS = ("data", "tokenizer", "token_cache")
 # Settings under the names checkpoints of earlier versions stored them with.
@@ -79,6 +81,14 @@ class TrainConfig:
     pipeline_schedule, stages_per_rank: how a mesh with p > 1 runs its stages (ignored without one):
     "gpipe", "1f1b" (one stage per rank) or "interleaved-1f1b" (stages_per_rank >= 2), torch's
     schedules over the grad_accum_steps micro-batches (shardmoe/parallel/pipeline.py).
+    device: where the run computes, "auto" (a GPU when torch sees one), "cpu" or "cuda"
+    (shardmoe/train/device.py; under torchrun on GPUs each rank takes GPU LOCAL_RANK and NCCL).
+    activation_checkpointing: what the backward recomputes instead of keeping, "none", "moe" (each
+    block's MoE layer) or "block" (whole blocks): less memory for about one more forward of what
+    it recomputes, the same gradients bit for bit (shardmoe/model/transformer.py).
+    log_every: the step's losses, gradient norm and loads stay on the device and are read (one
+    host wait) every log_every steps, and at evaluation, sample, health and checkpoint steps and
+    the last; metrics.jsonl still gets one row per step, timed by its interval.
     threads: torch intra-op threads per rank (0: torch's default). One, because on a shared CPU
     OpenMP threads spin-wait on each other: a step measured up to 10x slower with two threads here.
     timeout_minutes: how long a rank waits for its peers (process-group start-up and every
@@ -123,6 +133,9 @@ class TrainConfig:
     sample_tokens: int = 160
     sample_every: int = 200
     sample_temperature: float = 0.8
+    device: str = "auto"
+    activation_checkpointing: str = "none"
+    log_every: int = 10
     threads: int = 1
     timeout_minutes: float = 5.0
 
@@ -133,7 +146,7 @@ class TrainConfig:
             raise ValueError(f"model: expected a TransformerConfig, got {type(self.model).__name__}")
         if self.tokenizer == BYTE:  # another tokenizer is read (and checked) with the data
             check_vocab(self.model.vocab_size, byte_tokenizer())
-        for name in ("steps", "batch_size", "seq_len", "grad_accum_steps"):
+        for name in ("steps", "batch_size", "seq_len", "grad_accum_steps", "log_every"):
             _check_int(name, getattr(self, name), 1)
         for name in ("warmup_steps", "eval_every", "eval_batches", "checkpoint_every", "health_every",
                      "sample_tokens", "sample_every", "threads"):
@@ -168,6 +181,8 @@ class TrainConfig:
             raise ValueError(f"grad_accum_steps: expected a divisor of batch_size={self.batch_size}, "
                              f"got {self.grad_accum_steps}")
         check_backward_mode(self.backward)
+        check_device(self.device)
+        check_checkpointing(self.activation_checkpointing)
         check_schedule_settings(self.pipeline_schedule, self.stages_per_rank)
         for name in ("data", "token_cache"):
             value = getattr(self, name)

@@ -39,6 +39,14 @@ class Batch(NamedTuple):
     targets: Tensor       # B L int64: next tokens
     is_seq_start: Tensor  # B L bool:  a segment (document or row) starts here
 
+    def to(self, device: torch.device) -> "Batch":
+        """The batch on `device`: to a GPU from pinned memory by non_blocking copies (the host goes on
+        while they run), on the CPU as it is."""
+        if device.type == "cpu":
+            return self
+        pinned = device.type == "cuda"
+        return Batch(*((t.pin_memory() if pinned else t).to(device, non_blocking=pinned) for t in self))
+
 
 @dataclass(frozen=True)
 class DataPosition:

@@ -81,26 +81,29 @@ class AdamW:
 
 
 @torch.no_grad()
-def global_grad_norm(grads: list[tuple[Tensor, int]], group=None) -> float:
-    """sqrt(sum ||g||^2) of the full gradients from (local shard gradient, replicas) pairs.
+def global_grad_norm(grads: list[tuple[Tensor, int]], group=None) -> Tensor:
+    """sqrt(sum ||g||^2) [] of the full gradients from (local shard gradient, replicas) pairs, on
+    the gradients' device (float64; nothing is read on the host).
 
     Accumulated in float64. Collective over `group` (None: the default group, when initialised)."""
     if not grads:
-        return 0.0
+        return torch.zeros((), dtype=torch.float64)
     total = sum(local(g).double().square().sum() / replicas for g, replicas in grads)
     if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
         dist.all_reduce(total, group=group)
-    return math.sqrt(total.item())
+    return total.sqrt()
 
 
 @torch.no_grad()
-def clip_grads(grads: list[Tensor], norm: float, max_norm: float) -> float:
-    """Scale the gradients in place so their global norm is at most max_norm; returns the factor.
+def clip_grads(grads: list[Tensor], norm: Tensor, max_norm: float) -> Tensor:
+    """Scale the gradients in place so their global norm [] is at most max_norm; returns the factor
+    [] (on the device: every gradient is multiplied by it, 1 when the norm is within max_norm).
 
     max_norm 0 disables clipping. A non-finite norm is left alone (the step is then reported)."""
-    if max_norm <= 0 or not math.isfinite(norm) or norm <= max_norm:
-        return 1.0
+    if max_norm <= 0:
+        return torch.ones((), dtype=torch.float64)
     factor = max_norm / (norm + 1e-6)
+    factor = torch.where(torch.isfinite(norm) & (norm > max_norm), factor, torch.ones_like(factor))
     for g in grads:
         local(g).mul_(factor)
     return factor

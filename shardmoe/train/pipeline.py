@@ -37,7 +37,7 @@ from torch import Tensor
 from shardmoe.model.stages import StageModule, rank_stages, stage_layers
 from shardmoe.model.transformer import Losses, Transformer
 from shardmoe.parallel import pipeline as schedules
-from shardmoe.train.accumulate import StepLosses, add_scopes, check_micro_batches
+from shardmoe.train.accumulate import StepLosses, add_scopes, check_micro_batches, dropped_pairs
 from shardmoe.train.data import Batch
 
 
@@ -49,7 +49,7 @@ class Pipeline:
     def __init__(self, model: Transformer, mesh, *, schedule: str, stages_per_rank: int, microbatches: int,
                  rows: int, seq_len: int, balance_over: str):
         config = model.config
-        self.model, self.mesh, self.microbatches = model, mesh, microbatches
+        self.model, self.mesh, self.microbatches, self.device = model, mesh, microbatches, model.device
         self.count = mesh.pipeline_size * stages_per_rank
         check_micro_batches(rows, microbatches)  # torch's split of the rows would not refuse
         schedules.check_schedule(schedule, mesh.pipeline_size, stages_per_rank, microbatches)
@@ -74,15 +74,15 @@ class Pipeline:
         """This rank's PipelineStages for micro-batches of rows x length tokens, their shapes declared."""
         from torch.distributed.pipelining import PipelineStage
 
-        width, dtype = self.model.config.d_model, self.model.dtype
+        width, dtype, device = self.model.config.d_model, self.model.dtype, self.model.device
         tp = self.mesh.size("t")
         stages = []
         for module in self.modules:
-            inputs = schedules.example((rows, length), torch.int64) if module.first else \
-                schedules.example((rows, length, width // tp), dtype, grad)
-            outputs = schedules.example((rows, length, width if module.last else width // tp), dtype, grad)
+            inputs = schedules.example((rows, length), torch.int64, device=device) if module.first else \
+                schedules.example((rows, length, width // tp), dtype, grad, device)
+            outputs = schedules.example((rows, length, width if module.last else width // tp), dtype, grad, device)
             module.output = (tuple(outputs.shape[2:]), dtype)
-            stages.append(PipelineStage(module, module.index, self.count, torch.device("cpu"), input_args=inputs,
+            stages.append(PipelineStage(module, module.index, self.count, device, input_args=inputs,
                                         output_args=outputs, group=self.mesh.pipeline_group))
         return stages
 
@@ -138,44 +138,45 @@ class Pipeline:
         finally:
             for layer in layers:
                 layer.balance_scope, layer.aux_loss_scale = None, 1.0
-        ce = torch.stack(losses).sum() if losses else torch.zeros((), dtype=torch.float64)
-        aux = sum((entry[2].double() for part in records for entry in part), torch.zeros((), dtype=torch.float64))
+        device = batch.ids.device
+        zero = torch.zeros((), dtype=torch.float64, device=device)
+        ce = torch.stack(losses).sum() if losses else zero
+        aux = sum((entry[2].double() for part in records for entry in part), zero)
         ce, aux = self.model.global_losses(Losses(ce, ce, aux if share else aux / count))
-        totals = torch.tensor([ce if self.holds_last else 0.0, aux], dtype=torch.float64)
+        totals = torch.stack([ce.double() if self.holds_last else zero, aux.double()])
         dist.all_reduce(totals, group=self.mesh.pipeline_group)
-        return StepLosses(totals[0].item(), totals[1].item(), *self._loads(records))
+        return StepLosses(totals[0], totals[1], *self._loads(records, device))
 
-    def _loads(self, records) -> tuple[list[Tensor], list[Tensor], int]:
+    def _loads(self, records, device: torch.device) -> tuple[list[Tensor], list[Tensor], Tensor]:
         """(tokens kept [E], selections [E]) of every layer of the model, by global index, and the
-        dropped pairs, from this rank's layers' records and the other pipeline ranks' (gathered)."""
-        mine = {}
+        dropped pairs [], from this rank's layers' records summed with the other pipeline ranks'
+        (every layer is on one stage: the others add zeros). On the device: no host wait."""
+        n, E = self.model.config.n_layers, self.model.config.moe.num_experts
+        counts = torch.zeros(2, n, E, dtype=torch.int64, device=device)
         for part in records:
             for index, stats, _ in part:
-                kept, selected, dropped = mine.get(index, (0, 0, 0))
-                mine[index] = (kept + stats["tokens_per_expert"], selected + stats["selected_per_expert"],
-                               dropped + int(stats.get("dropped_tokens", 0)))
-        gathered: list = [None] * self.mesh.pipeline_size
-        dist.all_gather_object(gathered, mine, group=self.mesh.pipeline_group)
-        every = {index: entry for rank_layers in gathered for index, entry in rank_layers.items()}
-        order = sorted(every)
-        return ([every[i][0] for i in order], [every[i][1] for i in order], sum(every[i][2] for i in order))
+                counts[0, index] += stats["tokens_per_expert"].to(device)
+                counts[1, index] += stats["selected_per_expert"].to(device)
+        dropped = dropped_pairs([[stats for _, stats, _ in part] for part in records], device).reshape(1)
+        dist.all_reduce(counts, group=self.mesh.pipeline_group)
+        dist.all_reduce(dropped, group=self.mesh.pipeline_group)
+        return list(counts[0].unbind()), list(counts[1].unbind()), dropped[0]
 
     # -- forward only ------------------------------------------------------------------------
 
     @torch.no_grad()
-    def eval_loss(self, batch: Batch) -> float:
-        """The cross-entropy of `batch` (every rank's rows), forward only in one micro-batch, equal
-        on every rank. Collective over the world."""
+    def eval_loss(self, batch: Batch) -> Tensor:
+        """The cross-entropy [] of `batch` (every rank's rows), forward only in one micro-batch, equal
+        on every rank, on the device. Collective over the world."""
         rows, length = batch.ids.shape
         output = self._run(self._forward_schedule(rows, length, 1).step, batch.ids, batch.is_seq_start)
-        ce = 0.0
+        total = torch.zeros(1, dtype=torch.float64, device=batch.ids.device)
         if self.holds_last:
             num_tokens = batch.targets.numel() * self.mesh.size(("d", "e"))
             loss = self.model.loss(output, batch.targets, num_tokens)
-            ce = self.model.global_losses(Losses(loss, loss, torch.zeros((), dtype=loss.dtype)))[0]
-        total = torch.tensor([ce], dtype=torch.float64)
+            total[0] = self.model.global_losses(Losses(loss, loss, torch.zeros((), dtype=loss.dtype)))[0]
         dist.all_reduce(total, group=self.mesh.pipeline_group)
-        return total.item()
+        return total[0]
 
     @torch.no_grad()
     def logits(self, ids: Tensor, is_seq_start: Tensor) -> Tensor:
@@ -183,7 +184,7 @@ class Pipeline:
         pipeline ranks. Collective over the world; the sampler's model.logits."""
         rows, length = ids.shape
         output = self._run(self._forward_schedule(rows, length, 1).step, ids, is_seq_start)
-        logits = torch.empty(rows, length, self.model.config.vocab_size, dtype=torch.float64)
+        logits = torch.empty(rows, length, self.model.config.vocab_size, dtype=torch.float64, device=ids.device)
         if self.holds_last:
             logits.copy_(self.model.head_logits(output))
         dist.broadcast(logits, src=self.last_rank, group=self.mesh.pipeline_group)

@@ -19,6 +19,13 @@ instead of 4 of 192, top-4 instead of top-2, plus one always-on shared expert of
 Sigmoid scores, group-limited selection (4 groups of 4 experts, the best 2 groups; a group scores
 the sum of its two best), renormalised with V3's +1e-20; balance from the correction bias alone
 (V3's aux-loss-free update, rate 0.001 per step, V3's gamma), every auxiliary loss off.
+
+mixtral-1gpu: the Mixtral-like model sized for one 80 GB GPU (`--device cuda`): d_model 2048, 4
+blocks of 16 query heads over 8 kv heads of 128, 8 SwiGLU experts of 7168 (Mixtral's F / M of
+3.5), top-2; 1.46 B parameters, 21.8 GiB of fp32 weights, gradients and AdamW moments, then
+the activations of 4 rows of 4096 tokens in bf16 autocast. Learning rate and warm-up of a model
+of that size (3e-4 over 100 steps). The lease's train stage measures it
+(shardmoe/tools/gpu_check/train.py).
 """
 from __future__ import annotations
 
@@ -30,6 +37,10 @@ ARCH_PRESETS: dict[str, dict] = {
                            "score_func": "sigmoid", "n_group": 4, "topk_group": 2, "renormalize_epsilon": 1e-20,
                            "correction_bias": True, "bias_update_rate": 0.001, "aux_loss_coef": 0.0,
                            "z_loss_coef": 0.0}},
+    "mixtral-1gpu": {"dtype": "bfloat16", "seq_len": 4096, "batch_size": 4, "lr": 3e-4, "warmup_steps": 100,
+                     "steps": 2000, "eval_every": 200, "checkpoint_every": 500, "sample_every": 500,
+                     "model": {"d_model": 2048, "n_layers": 4, "n_q_heads": 16, "n_kv_heads": 8, "head_dim": 128,
+                               "num_experts": 8, "top_k": 2, "ffn_size": 7168}},
 }
 
 

@@ -5,8 +5,9 @@
 
 The run's settings (DIR/config.json, else its checkpoint's) give the model and the tokenizer; the
 weights are those of its newest checkpoint, of either format and any mesh (a sharded one loads
-into one process). Each prompt is continued by shardmoe.train.sample.sample from a generator
-seeded with --seed, so the same command prints the same text: the prompt and its continuation,
+into one process), on --device (default auto: a GPU when torch sees one). Each prompt is continued
+by shardmoe.train.sample.sample, with a KV cache, from a CPU generator seeded with --seed, so the
+same command prints the same text: the prompt and its continuation,
 one block per prompt, control characters but newline and tab shown as U+FFFD. Nothing in DIR is
 written or locked: a running training may be sampled (between its checkpoints). A missing run,
 an unreadable checkpoint, a tokenizer at the run's path that is not the one it trained with (its
@@ -17,6 +18,8 @@ from __future__ import annotations
 
 import argparse
 import sys
+
+from shardmoe.train.device import DEVICES
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -30,6 +33,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-k", type=int, default=0, metavar="K",
                         help="draw from the K most likely tokens only (default 0: from all)")
     parser.add_argument("--seed", type=int, default=0, metavar="S", help="seed of the draws (default 0)")
+    parser.add_argument("--device", choices=DEVICES, default="auto",
+                        help="where the model runs (default auto: a GPU when torch sees one, else the CPU)")
 
 
 def check_arguments(args: argparse.Namespace) -> None:
@@ -57,6 +62,7 @@ def run(args: argparse.Namespace) -> int:
 
     from shardmoe.model.transformer import Transformer
     from shardmoe.train.checkpoint import check_resumable, latest_checkpoint, load_checkpoint, saved_data_state
+    from shardmoe.train.device import resolve_device
     from shardmoe.train.optim import AdamW
     from shardmoe.train.run_settings import stored_settings
     from shardmoe.train.sample import sample
@@ -73,12 +79,13 @@ def run(args: argparse.Namespace) -> int:
                              f"was {trained_with[:16]}..., it is {tokenizer.digest[:16]}... now): the model's ids "
                              "would be read as other tokens; put the run's tokenizer back at that path")
         check_vocab(config.model.vocab_size, tokenizer)  # a checkpoint that predates the digest
+        device = resolve_device(args.device)
     except ValueError as err:
         print(f"shardmoe sample: {err}", file=sys.stderr)
         return 2
     if config.threads:
         torch.set_num_threads(config.threads)
-    model = Transformer(config.model, dtype=config.param_dtype, seed=config.seed)
+    model = Transformer(config.model, dtype=config.param_dtype, seed=config.seed, device=device)
     optimizer = AdamW(model.named_parameters(), betas=(config.beta1, config.beta2), eps=config.adam_eps,
                       weight_decay=config.weight_decay)  # load_checkpoint fills its moments; unused here
     load_checkpoint(path, model, optimizer)

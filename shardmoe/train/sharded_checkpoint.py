@@ -7,8 +7,9 @@
                                            DTensors over the mesh), persistent buffers as they are
           optim.exp_avg.<param>, optim.exp_avg_sq.<param>   AdamW's moments, laid out the same way
         shardmoe.json                      format, step, config, identity, the batch stream's
-                                           state, rank 0's torch RNG state, and the sha256 of every
-                                           DCP file of the directory
+                                           state, rank 0's torch RNG states (rng; rng_cuda of a
+                                           run on GPUs), and the sha256 of every DCP file of the
+                                           directory
 
 Nothing is gathered: a rank saves the blocks it holds and, on load, DCP reads the blocks that make
 up its own shards, whatever layout wrote them, so a checkpoint of d=2 x e=2 resumes on one process
@@ -41,6 +42,7 @@ import torch.distributed as dist
 from shardmoe.model.transformer import Transformer
 from shardmoe.notation import MESH_AXES
 
+from .device import restore_rng_states, rng_states
 from .optim import AdamW
 
 DIR_NAME = "checkpoint.dcp"
@@ -48,6 +50,7 @@ LATEST = "LATEST"
 META_FILE = "shardmoe.json"
 FORMAT = "shardmoe-dcp/1"
 MOMENTS = ("exp_avg", "exp_avg_sq")
+RNG_KEYS = {"rng.torch": "rng", "rng.cuda": "rng_cuda"}  # device.rng_states' names -> shardmoe.json's keys
 
 
 def checkpoint_root(out_dir: str | Path) -> Path:
@@ -101,7 +104,8 @@ def save(out_dir: str | Path, model: Transformer, optimizer: AdamW, step: int, c
     def complete():
         checksums.update({p.name: _file_checksum(p) for p in sorted(path.iterdir()) if p.name not in checksums})
         meta = {"format": FORMAT, "step": step, "config": config, "identity": identity, "data": data_state,
-                "rng": torch.get_rng_state().numpy().tobytes().hex(), "checksums": checksums}
+                "checksums": checksums, **{RNG_KEYS[name]: state.numpy().tobytes().hex()
+                                           for name, state in rng_states(model.device).items()}}
         _write_atomically(path / META_FILE, json.dumps(meta, sort_keys=True))
         _write_atomically(root / LATEST, path.name)
         for old in root.iterdir():
@@ -199,8 +203,8 @@ def load(path: str | Path, model: Transformer, optimizer: AdamW, mesh) -> tuple[
         dcp.load(state, storage_reader=dcp.FileSystemReader(str(path)), process_group=group, no_dist=group is None)
     model.load_state_dict(state["model"])  # in place already; this checks every key and shape
     optimizer.step_count = int(meta["step"])
-    rng = bytearray.fromhex(meta["rng"])
-    torch.set_rng_state(torch.frombuffer(rng, dtype=torch.uint8).clone())
+    restore_rng_states({name: torch.frombuffer(bytearray.fromhex(meta[key]), dtype=torch.uint8).clone()
+                        for name, key in RNG_KEYS.items() if key in meta}, model.device)
     return int(meta["step"]), meta["data"]
 
 

@@ -7,6 +7,7 @@ vector-Jacobian product per output element) and compares it column by column wit
 (shardmoe.check.gradcheck, where their error budget is derived). Every layer is smooth, so no
 input needs steering away from kinks; the sizes are the smallest that exercise each feature.
 """
+import pytest
 import torch
 from torch.autograd import gradcheck
 
@@ -56,10 +57,12 @@ def test_rope_backward_is_the_jacobian_at_packed_positions():
     _check(lambda x: RopeFunction.apply(x, table.cos, table.sin), _leaf(gen, 2, 6, 3, 4))
 
 
-def test_attention_backward_is_the_jacobian_with_rope_and_packed_masks():
+@pytest.mark.parametrize("core", ["reference", "fused"])
+def test_attention_backward_is_the_jacobian_with_rope_and_packed_masks(core):
     """GQA with 2 query heads per kv head, RoPE at per-document positions, the packed mask of
     _packed_rows; the Jacobian of every output wrt the input and all three weights (small dims
-    keep it to ~80 columns: each costs two forwards)."""
+    keep it to ~80 columns: each costs two forwards), through either core (the fused one's
+    backward is the kernel's fused backward, in float64 here)."""
     gen = torch.Generator().manual_seed(3)
     M, Q, K, D = 3, 2, 1, 4
     layout = _packed_rows()
@@ -68,7 +71,7 @@ def test_attention_backward_is_the_jacobian_with_rope_and_packed_masks():
               _leaf(gen, M, Q, K, D, std=0.5))
 
     def function(nx, w_q, w_kv, w_o):
-        return AttentionFunction.apply(nx, w_q, w_kv, w_o, layout.segment_ids, rope.cos, rope.sin, None)
+        return AttentionFunction.apply(nx, w_q, w_kv, w_o, layout.segment_ids, rope.cos, rope.sin, None, core, None, True)
 
     _check(function, *inputs)
 

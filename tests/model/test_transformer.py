@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from shardmoe.model.transformer import (Transformer, TransformerConfig, check_layout, full_shapes,
+from shardmoe.model.transformer import (CHECKPOINTING, Transformer, TransformerConfig, check_layout, full_shapes,
                                         init_full_weights)
 from shardmoe.moe.config import MoEConfig
 from shardmoe.moe.reference import reference_moe
@@ -215,3 +215,34 @@ def test_every_switch_of_the_model_is_a_bool_named_as_the_model_names_it(name, v
         TransformerConfig.from_dict({**options, name: value})
     switches = sorted(f for f, v in TransformerConfig().to_dict().items() if isinstance(v, bool))
     assert switches == ["correction_bias", "expert_bias", "router_bias", "shared_gate"]
+
+
+@pytest.mark.parametrize("autocast", [False, True], ids=["float32", "bf16-autocast"])
+def test_activation_checkpointing_gives_the_gradients_bit_for_bit(autocast):
+    """Each option recomputes in the backward what its forward dropped ("moe": each block's MoE
+    layer, "block": whole blocks) and gives the losses and every gradient of "none" bit for bit,
+    under autocast too (the recomputation runs under the forward's autocast state), with the
+    sequence-wise balance loss over packed documents; "block" keeps less for the backward than
+    "moe", which keeps less than "none"."""
+    config = dataclasses.replace(CONFIG, moe=dataclasses.replace(CONFIG.moe, seq_aux_loss_coef=0.02))
+    ids, is_seq_start, targets = packed_batch()
+    results = {}
+    for option in CHECKPOINTING:
+        model = Transformer(config, seed=3, activation_checkpointing=option)
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t, lambda t: t), \
+                torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            losses = model(ids, is_seq_start, targets)
+        losses.total.backward()
+        results[option] = (losses.ce.detach(), losses.aux.detach(), {n: p.grad for n, p in model.named_parameters()},
+                           sum(saved))
+    ce, aux, grads, _ = results["none"]
+    assert all(g is not None for g in grads.values())
+    for option in ("moe", "block"):
+        other_ce, other_aux, other_grads, _ = results[option]
+        assert torch.equal(other_ce, ce) and torch.equal(other_aux, aux), option
+        for name, g in grads.items():
+            assert torch.equal(other_grads[name], g), (option, name)
+    assert results["block"][3] < results["moe"][3] < results["none"][3]
+    with pytest.raises(ValueError, match="activation_checkpointing: expected one of none, moe, block, got 'all'"):
+        Transformer(CONFIG, activation_checkpointing="all")

@@ -17,7 +17,7 @@ import torch
 
 from shardmoe.tools import gpu_check
 from shardmoe.tools.gpu_check import (bench, model, parity, pytest_stage, runner, sanitize, sanitizer, static, sweep,
-                                      traffic)
+                                      traffic, train)
 
 ROOT = Path(__file__).resolve().parents[2]
 ENV = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
@@ -38,8 +38,8 @@ def test_dry_run_passes_every_stage_and_skips_only_the_sanitizer_and_static(dry_
     assert code == 0, output
     assert list(report["stages"]) == list(gpu_check.STAGE_NAMES)
     statuses = {name: entry["status"] for name, entry in report["stages"].items()}
-    assert statuses == {"env": "ok", "static": "skipped", "traffic": "ok", "tests": "ok", "sanitizer": "skipped", "parity": "ok",
-                        "bench": "ok", "sweep": "ok", "model": "ok", "calibrate": "ok"}, output
+    assert statuses == {"env": "ok", "static": "skipped", "traffic": "ok", "tests": "ok", "sanitizer": "skipped",
+                        "parity": "ok", "train": "ok", "bench": "ok", "sweep": "ok", "model": "ok", "calibrate": "ok"}, output
     assert "--only static" in report["stages"]["static"]["note"]
     assert report["runs"][0]["dry_run"] is True and report["runs"][0]["device"] == "cpu"
     assert all(entry["error"] is None for entry in report["stages"].values())
@@ -287,6 +287,55 @@ def test_grouped_order_reads_fewer_bytes_than_the_row_tile_fastest():
     assert rows >= 24 * a_once and grouped < 4 * a_once
 
 
+def test_train_stage_trains_both_presets_and_resumes_bitwise(dry_run):
+    """The dry run's train stage: both presets trained through the loop (the tiny model in their
+    place; mixtral-1gpu in bf16 autocast), each check made and holding: bf16 against fp32, the
+    device against the CPU (both the CPU here), the repeat and the resume bitwise."""
+    result = dry_run[2]["stages"]["train"]["result"]
+    assert [r["run"] for r in result["runs"]] == list(train.PRESETS)
+    assert [r["dtype"] for r in result["runs"]] == ["float32", "bfloat16"]
+    for r in result["runs"]:
+        assert r["steps"] == train.DRY_RUN["steps"] and r["tokens_per_s"] > 0 and 0 < r["mfu"] < 1, r
+        assert r["model"]["d_model"] == train.DRY_RUN["model"]["d_model"] and r["peak_gib"] is None
+    checks = result["checks"]
+    assert [c["check"].split(":")[0] for c in checks] == ["mixtral-1gpu", "default", "default", "default"]
+    assert all(c["passed"] for c in checks) and not result["left_out"] and result["passed"], checks
+    assert checks[1]["max_rel_diff"] == 0.0  # the CPU against itself
+    assert "- default: stopped at 2, resumed to 3, bitwise: bitwise: ok" in dry_run[3]
+
+
+def test_train_stage_names_a_failed_check_and_what_the_budget_left_out(monkeypatch, tmp_path):
+    """A resumed run whose loss differs at one step, a bf16 run 5 % off fp32: both named; once the
+    budget is spent the runs not started are listed, and the stage fails."""
+    def rows(steps, shift_at=None, scale=1.0):
+        return [{"step": s, "loss": (2.0 + (1e-9 if s == shift_at else 0)) * scale, "aux_loss": 0.0, "lr": 0.1,
+                 "grad_norm": 1.0, "dropped_tokens": 0, "expert_tokens": [[1]], "tokens_per_s": 10.0, "mfu": 0.5,
+                 "seconds": 1.0} for s in range(1, steps + 1)]
+
+    def fake_run(values, out=None, stop_after=None, resume=False):
+        steps = stop_after or values["steps"]
+        shifted = 3 if resume else None
+        made = rows(steps, shifted, 1.05 if values.get("dtype") == "float32" and values["arch"] != "mixtral" else 1.0)
+        return {"rows": made, "peak_gib": None, "peak_source": "a stand-in", "peak_flops": 1.0, "seconds": 1.0,
+                "log_every": 1, "dtype": values.get("dtype", "float32"), "tokens_per_step": 64, "model": {}}
+
+    monkeypatch.setattr(train, "train_run", fake_run)
+    progress = []
+    ctx = types.SimpleNamespace(dry_run=True, device="cpu", out=tmp_path, out_of_time=lambda: False,
+                                progress=lambda partial: progress.append(len(partial["runs"])))
+    result = train.run(ctx)
+    assert not result["passed"] and progress == [1, 2, 2, 2, 2]
+    assert result["problems"][0].startswith("mixtral-1gpu: bf16 against fp32 on cpu: relative loss difference 4.76e-02")
+    assert result["problems"][1:] == ["default: stopped at 2, resumed to 3, bitwise: first differs at step 3"]
+
+    spent = iter([False, True, True, True, True])
+    ctx.out_of_time = lambda: next(spent)
+    result = train.run(ctx)
+    assert result["left_out"] == ["mixtral-1gpu", "precision", "cpu", "resume"] and not result["passed"]
+    assert result["problems"] == ["not run (budget spent, or what it compares with was not run): mixtral-1gpu, "
+                                  "precision, cpu, resume"]
+
+
 def test_bench_reports_host_syncs_only_on_cuda(dry_run):
     assert all(c["host_sync"] is None for c in dry_run[2]["stages"]["bench"]["result"]["cases"])
 
@@ -467,8 +516,9 @@ def test_calibrate_writes_constants_the_simulator_reads(dry_run):
 
 def test_report_markdown_has_every_stage_section_and_table(dry_run):
     md = dry_run[3]
-    for name, status in (("env", "ok"), ("static", "skipped"), ("traffic", "ok"), ("tests", "ok"), ("sanitizer", "skipped"),
-                         ("parity", "ok"), ("bench", "ok"), ("sweep", "ok"), ("model", "ok"), ("calibrate", "ok")):
+    for name, status in (("env", "ok"), ("static", "skipped"), ("traffic", "ok"), ("tests", "ok"),
+                         ("sanitizer", "skipped"), ("parity", "ok"), ("train", "ok"), ("bench", "ok"), ("sweep", "ok"),
+                         ("model", "ok"), ("calibrate", "ok")):
         assert f"## {name}: {status}" in md
     assert "| glu-deepseek-router | bfloat16 | 3 | triton |" in md
     assert "SonicMoE, published (H100, S=24576 H=1536 F=256 E=128 k=8): forward 365, backward 405 TFLOP/s" in md
@@ -480,8 +530,8 @@ def test_report_markdown_has_every_stage_section_and_table(dry_run):
 
 @pytest.mark.parametrize("argv, message", [
     (["--out", "{tmp}", "--only", "parity,bogus"],
-     "--only: expected comma-separated stage names among env, static, traffic, tests, sanitizer, parity, bench, sweep, "
-     "model, calibrate (or lease), got 'bogus' in 'parity,bogus'"),
+     "--only: expected comma-separated stage names among env, static, traffic, tests, sanitizer, parity, train, "
+     "bench, sweep, model, calibrate (or lease), got 'bogus' in 'parity,bogus'"),
     (["--only", "parity"], "--out: expected a directory for report.md and report.json, got None"),
     (["--out", "{tmp}", "--budget", "0"], "--budget: expected a number >= 1, got 0.0"),
     (["--out", "{tmp}", "--merge", "{tmp}/missing.json"], "--merge: expected a report.json written by"),
@@ -513,8 +563,8 @@ def test_a_full_run_without_cuda_is_refused(tmp_path, capsys):
 
 def test_only_runs_env_first_and_stages_in_their_order():
     assert gpu_check.parse_only("bench,parity", merging=False) == ["env", "parity", "bench"]
-    assert gpu_check.parse_only("lease", merging=False) == ["env", "static", "traffic", "parity", "bench", "sweep",
-                                                              "model", "calibrate"]
+    assert gpu_check.parse_only("lease", merging=False) == ["env", "static", "traffic", "parity", "train", "bench",
+                                                              "sweep", "model", "calibrate"]
     assert gpu_check.parse_only(None, merging=False) == list(gpu_check.STAGE_NAMES)
     assert gpu_check.parse_only(None, merging=True) == []
     assert tuple(runner.STAGES) == gpu_check.STAGE_NAMES

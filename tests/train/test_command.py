@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 import torch.distributed as dist
 
 import shardmoe
@@ -285,17 +286,20 @@ def test_a_second_run_is_refused_while_the_first_runs_and_a_killed_run_resumes(t
     assert [r["step"] for r in rows] == list(range(1, step + 2))
 
 
-def test_a_diverged_run_stops_with_one_line_after_logging_the_step(tmp_path, capsys, monkeypatch, one_thread):
+def test_a_diverged_run_stops_with_one_line_after_logging_the_interval(tmp_path, capsys, monkeypatch, one_thread):
+    """The step's figures are read once per logging interval: the interval's rows are logged, then
+    the run stops naming the first step whose gradient norm (or loss) is not finite."""
     from shardmoe.train import loop
 
-    norms = iter([1.0, float("inf")])
-    monkeypatch.setattr(loop, "global_grad_norm", lambda grads: next(norms))
+    norms = iter([1.0] + [float("inf")] * 5)
+    monkeypatch.setattr(loop, "global_grad_norm", lambda grads: torch.tensor(next(norms), dtype=torch.float64))
     out = tmp_path / "run"
-    assert main(["train", "--config", write_config(tmp_path), "--out", str(out), "--no-progress"]) == 1
+    config = write_config(tmp_path, log_every=4, health_every=0)
+    assert main(["train", "--config", config, "--out", str(out), "--no-progress"]) == 1
     assert capsys.readouterr().err == ("shardmoe train: rank 0: training diverged at step 2: loss "
                                        f"{read_rows(out)[1]['loss']}, gradient norm inf; lower lr or raise "
                                        "warmup_steps\n")
-    assert [r["step"] for r in read_rows(out)] == [1, 2]
+    assert [r["step"] for r in read_rows(out)] == [1, 2, 3, 4]
 
 
 def test_a_checkpoint_with_settings_under_their_former_names_resumes(tmp_path, capsys, one_thread):
@@ -401,6 +405,55 @@ def test_a_resume_may_change_the_pipeline_schedule_as_it_may_change_the_mesh(tmp
     assert main(["train", "--out", str(out), "--resume", "--seed", "5", "--pipeline-schedule", "gpipe",
                  "--stages-per-rank", "1", "--no-progress"]) == 2
     assert "other settings (seed: the run has 0, given 5)" in capsys.readouterr().err
+
+
+def test_device_cpu_keeps_every_parameter_moment_and_batch_on_the_cpu(tmp_path, capsys, monkeypatch, one_thread):
+    """--device cpu: every step's batch, and after it every parameter, gradient, buffer and AdamW
+    moment, live on the chosen device; a GPU asked for on a machine without one is one line, exit
+    2, before the run directory exists."""
+    from shardmoe.train import loop
+
+    seen, real = [], loop.optimizer_step
+
+    def spy(model, optimizer, batch, *args, **kwargs):
+        record = real(model, optimizer, batch, *args, **kwargs)
+        tensors = [*batch, *model.parameters(), *(p.grad for p in model.parameters()), *model.buffers(),
+                   *optimizer.exp_avg.values(), *optimizer.exp_avg_sq.values(), record.grad_norm, record.losses.ce]
+        seen.append((model.device, {t.device for t in tensors}))
+        return record
+
+    monkeypatch.setattr(loop, "optimizer_step", spy)
+    out = tmp_path / "run"
+    assert main(["train", "--config", write_config(tmp_path), "--steps", "2", "--device", "cpu", "--out", str(out),
+                 "--no-progress"]) == 0
+    assert seen == [(torch.device("cpu"), {torch.device("cpu")})] * 2
+    assert json.loads((out / "config.json").read_text())["device"] == "cpu"
+    if torch.cuda.is_available():
+        return
+    capsys.readouterr()
+    assert main(["train", "--config", write_config(tmp_path), "--device", "cuda", "--out", str(tmp_path / "gpu"),
+                 "--no-progress"]) == 2
+    assert capsys.readouterr().err == ("shardmoe train: device: expected a machine with a GPU torch can use for "
+                                       "'cuda' (torch.cuda.is_available() is False); use cpu or auto\n")
+    assert not (tmp_path / "gpu").exists()
+
+
+def test_a_gpu_runs_memory_check_is_against_the_gpus_memory(monkeypatch):
+    """mixtral-1gpu needs 21.8 GiB for its fp32 weights, gradients and moments: a GPU run is checked
+    against the GPU's memory (torch's view of it monkeypatched), not the host's."""
+    import types
+
+    from shardmoe.train.command import check_memory
+    from shardmoe.train.config import TrainConfig
+
+    config = TrainConfig.from_dict({"arch": "mixtral-1gpu"})
+    sizes = {0: 80 * 2 ** 30, 1: 16 * 2 ** 30}
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: types.SimpleNamespace(total_memory=sizes[d.index]))
+    check_memory(config, torch.device("cuda", 0))
+    with pytest.raises(ValueError, match=r"^model: expected a model that fits in GPU 1's 16.0 GiB, got 1,461,012,480 "
+                                         r"parameters needing at least 21.8 GiB for weights, gradients and AdamW's two "
+                                         r"moments in torch.float32$"):
+        check_memory(config, torch.device("cuda", 1))
 
 
 def test_a_config_file_given_again_to_resume_compares_only_the_settings_it_sets(tmp_path, capsys, one_thread):

@@ -227,3 +227,45 @@ def test_weights_made_non_finite_by_a_step_stop_the_samples_with_the_divergence(
     with pytest.raises(TrainingDiverged, match="training diverged at step 2: sample: the model's next-token logits "
                                                "are not finite; lower lr or raise warmup_steps"):
         train(tiny_config(steps=2, eval_batches=0), tmp_path, progress=False)
+
+
+@pytest.mark.parametrize("accum, balance_over, checkpointing", [(1, "microbatch", "none"), (2, "global", "block")])
+def test_a_training_step_reads_nothing_from_the_device(monkeypatch, accum, balance_over, checkpointing):
+    """optimizer_step on the meta device, which holds shapes and no data, so any .item(),
+    .tolist(), .cpu(), bool(t), a boolean-mask index or a data-sized output raises: the forward and
+    backward (micro-batches and the counting pass of global balance, recomputed blocks), the
+    gradient sync, the global norm and the clipping, AdamW and the correction biases. The MoE layer
+    runs its Triton path's own code (kernels forced, their launches recorded, as
+    tests/kernels/test_host_reads.py does for the layer) in place of its meta shape function.
+    Everything the step leaves stays there, for the log to read once per interval."""
+    pytest.importorskip("triton")
+    from triton.runtime.autotuner import Autotuner
+
+    from shardmoe import kernels
+    from shardmoe.moe import ops
+    from shardmoe.train.data import Batch
+    from shardmoe.train.loop import optimizer_step
+    from shardmoe.train.optim import AdamW
+
+    from .conftest import tiny_train_config, with_moe
+
+    launched = []
+    monkeypatch.setattr(Autotuner, "run", lambda self, *args, **kwargs: launched.append(self.fn.__name__))
+    meta = torch.device("meta")
+    config = tiny_train_config(model=with_moe(TINY_MODEL, correction_bias=True), health_every=0,
+                               grad_accum_steps=accum, balance_over=balance_over,
+                               activation_checkpointing=checkpointing)
+    model = Transformer(config.model, device=meta, activation_checkpointing=checkpointing)
+    optimizer = AdamW(model.named_parameters(), betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    starts = torch.zeros(4, 16, dtype=torch.bool)
+    starts[:, [0, 9]] = True
+    batch = Batch(torch.zeros(4, 16, dtype=torch.int64), torch.zeros(4, 16, dtype=torch.int64), starts).to(meta)
+    with torch.library._scoped_library("shardmoe", "IMPL") as lib, kernels.force_kernel_path():
+        lib.impl("moe_forward", ops._moe_forward._init_fn, "Meta")
+        lib.impl("moe_backward", ops._moe_backward._init_fn, "Meta")
+        record = optimizer_step(model, optimizer, batch, config, 1)
+    assert launched.count("weight_grad_kernel") == 2 * TINY_MODEL.n_layers * accum  # every layer's backward ran
+    tensors = [record.losses.ce, record.losses.aux, record.grad_norm, record.losses.dropped_tokens,
+               *record.losses.tokens_per_expert, *(p.grad for p in model.parameters()), *model.buffers(),
+               *optimizer.exp_avg.values(), *optimizer.exp_avg_sq.values()]
+    assert {t.device for t in tensors} == {meta} and record.flagged == []

@@ -45,15 +45,17 @@ def test_clipping_matches_torch_clip_grad_norm():
         p.grad = g.clone()
     expected_norm = torch.nn.utils.clip_grad_norm_(params, max_norm=1.0).item()
     norm = global_grad_norm([(g, 1) for g in grads])
-    assert norm == pytest.approx(expected_norm, rel=1e-6)
+    assert norm.dtype == torch.float64 and norm.shape == () and norm.item() == pytest.approx(expected_norm, rel=1e-6)
     clip_grads(grads, norm, max_norm=1.0)
     for g, p in zip(grads, params):
         assert torch.allclose(g, p.grad, rtol=1e-5, atol=0)
-    assert clip_grads(grads, 0.5, max_norm=1.0) == 1.0  # under the limit: untouched
-    assert clip_grads(grads, float("nan"), max_norm=1.0) == 1.0
+    clipped = [g.clone() for g in grads]
+    for within in (0.5, 1.0, float("nan"), float("inf")):  # under the limit, or not finite: untouched, bit for bit
+        assert clip_grads(grads, torch.tensor(within, dtype=torch.float64), max_norm=1.0).item() == 1.0
+        assert all(torch.equal(g, c) for g, c in zip(grads, clipped))
 
 
 def test_replicated_shards_count_once_in_the_norm():
     # a 2-way replicated shard contributes half its square on each of its two ranks
     g = torch.tensor([3.0, 4.0])
-    assert global_grad_norm([(g, 2)]) == pytest.approx(5.0 / math.sqrt(2))
+    assert global_grad_norm([(g, 2)]).item() == pytest.approx(5.0 / math.sqrt(2))

@@ -16,6 +16,9 @@ Stages (docs/gpu.md; --only picks some, they always run in this order):
              racecheck (the workload is shardmoe/tools/gpu_check/sanitize.py)
   parity     the Triton path against the float64 reference and the torch path, fp32 and bf16, over
              every router option, both expert kinds, an empty expert, S = 0, capacity drops
+  train      `shardmoe train`'s loop on the GPU: the default preset and mixtral-1gpu (d_model 2048,
+             8 experts top-2, 4 x 4096 tokens, bf16), 50 steps each: tokens/s, MFU, peak memory;
+             the first losses against fp32 and against the CPU, a resume that continues bitwise
   bench      forward + backward at the Mixtral and a fine-grained shape, bf16, against dense
              matmuls of equal FLOPs, transformers' grouped_mm block and the layer's torch path
   sweep      the layer's Triton path against its torch path at F from 512 to 14336 (S=8192 H=4096
@@ -40,9 +43,10 @@ import sys
 from pathlib import Path
 
 # runner.STAGES, without its imports
-STAGE_NAMES = ("env", "static", "traffic", "tests", "sanitizer", "parity", "bench", "sweep", "model", "calibrate")
+STAGE_NAMES = ("env", "static", "traffic", "tests", "sanitizer", "parity", "train", "bench", "sweep", "model",
+               "calibrate")
 # --only lease: what one GPU lease runs in one command (docs/gpu.md: under 8 minutes on a bare H100)
-LEASE = ("static", "traffic", "parity", "bench", "sweep", "model", "calibrate")
+LEASE = ("static", "traffic", "parity", "train", "bench", "sweep", "model", "calibrate")
 NO_CUDA_STAGES = ("env", "static", "traffic")  # the stages a full run without CUDA may run
 
 
