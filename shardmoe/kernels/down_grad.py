@@ -14,10 +14,12 @@ the output gradient read in token order; w_r the routing weight; h_r = [hg_r | h
 Afterwards stage 4 is two plain GEMMs on dh (dx = dh Wgu_e, dWgu_e = sum dh^T x) and dWdown one
 on (g, a'): no elementwise pass over [N, F] or [N, 2F] runs in torch, g is never gathered into
 memory and u = g Wdown is never stored. The g . bdown_e term is summed in the K loop, which walks
-g along H, by the programs of the first column tile only, so it joins the dot once.
+g along H, by the programs of the first column tile only, so it joins the dot once; it is a product
+on the tensor cores (tiles.vector_operand), so g goes from its pipeline buffer to the MMA without a
+copy in registers.
 
-Tiling: one program per (row tile of one expert, BLOCK_N columns of F); tiles.row_tile finds the
-row tile on the device. The row dots' partial sums of each column tile go to dot[r, pid_n]
+Tiling: one program per (row tile of one expert, BLOCK_N columns of F), in grouped order on a 1-D
+grid (tiles.grouped_tile); tiles.row_tile finds the row tile on the device. The row dots' partial sums of each column tile go to dot[r, pid_n]
 ([N, ceil(F / smallest BLOCK_N)], zero-filled) and are summed afterwards: no atomics, and the
 result does not depend on the tuned BLOCK_N (reset_to_zero clears the buffer between autotune
 trials, so a trial with more column tiles leaves no stale partial behind). Autotuned over BLOCK_N,
@@ -30,8 +32,8 @@ import triton
 import triton.language as tl
 
 from shardmoe.kernels.activations import activation_args, glu, glu_grad
-from shardmoe.kernels.schedule import choose_block_m, experts_pad, row_tiles
-from shardmoe.kernels.tiles import dot_acc, row_tile, source_rows
+from shardmoe.kernels.schedule import GROUP_ROWS, choose_block_m, experts_pad, row_tiles
+from shardmoe.kernels.tiles import VECTOR_COLUMNS, dot_acc, grouped_tile, row_tile, source_rows, vector_operand
 from shardmoe.kernels.tuning import autotune, dot_settings, unit_columns
 
 # 64 columns only: the epilogue holds h's two halves, a and dh beside the accumulator, and at 128
@@ -69,7 +71,7 @@ def down_grad_kernel(
     w_ptr, stride_we, stride_wh, stride_wf,
     h_ptr, dh_ptr, stride_h,
     scale_ptr,
-    ends_ptr, num_experts,
+    ends_ptr, num_experts, num_row_tiles, group_rows,
     a_ptr, stride_a,
     dot_ptr, stride_dot,
     bias_ptr, stride_be,
@@ -78,11 +80,11 @@ def down_grad_kernel(
     DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, E_PAD: tl.constexpr,
 ):
-    expert, row_start, row_end = row_tile(tl.program_id(0), ends_ptr, num_experts, BLOCK_M, E_PAD)
+    tile, pid_n = grouped_tile(tl.program_id(0), num_row_tiles, tl.cdiv(F, BLOCK_N), group_rows)
+    expert, row_start, row_end = row_tile(tile, ends_ptr, num_experts, BLOCK_M, E_PAD)
     if expert >= num_experts:  # past the last row tile
         return
     expert = expert.to(tl.int64)
-    pid_n = tl.program_id(1)
     rows = row_start + tl.arange(0, BLOCK_M)
     row_mask = rows < row_end
     rows = rows.to(tl.int64)
@@ -95,7 +97,7 @@ def down_grad_kernel(
 
     acc = tl.zeros((BLOCK_M, BLOCK_N // 2), dtype=tl.float32)
     acc_hi = tl.zeros((BLOCK_M, BLOCK_N // 2), dtype=tl.float32)
-    bias_dot = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    bias_dot = tl.zeros((BLOCK_M, VECTOR_COLUMNS), dtype=tl.float32)
     for k0 in range(0, H, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_mask = ks < H
@@ -107,9 +109,9 @@ def down_grad_kernel(
         w_hi = tl.load(w_rows + cols_hi[None, :] * stride_wf, mask=k_mask[:, None] & (cols_hi < F)[None, :], other=0.0)
         acc_hi = dot_acc(g, w_hi, acc_hi, DOT_FP32, PRECISION)
         if DOT_BIAS:
-            if pid_n == 0:  # one column tile adds it, so the row dot gets it once
+            if pid_n == 0:  # one column tile adds it, so the row dot gets it once; g b_e on the MMA
                 b = tl.load(bias_ptr + expert * stride_be + ks, mask=k_mask, other=0.0).to(tl.float32)
-                bias_dot += tl.sum(g.to(tl.float32) * b[None, :], axis=1)
+                bias_dot = dot_acc(g, vector_operand(b, g.dtype), bias_dot, DOT_FP32, PRECISION)
 
     first = row_start.to(tl.int64)
     local = tl.arange(0, BLOCK_M)[:, None]
@@ -120,7 +122,7 @@ def down_grad_kernel(
     dot += _epilogue(acc_hi, cols_hi, row_mask, local, h_tile, dh_tile, a_tile, stride_h, stride_a, scale, F, limit,
                      alpha, ACT)
     if DOT_BIAS:
-        dot += bias_dot
+        dot += tl.sum(bias_dot, axis=1)
     tl.store(dot_ptr + rows * stride_dot + pid_n, dot, mask=row_mask)
 
 
@@ -144,13 +146,13 @@ def down_grad(grad: torch.Tensor, weight_rows: torch.Tensor, h: torch.Tensor, do
     dot_bias = None if dot_bias is None else unit_columns(dot_bias)
     block_m = choose_block_m(num_rows, num_experts)
     tiles = row_tiles(num_rows, num_experts, block_m)
-    grid = lambda meta: (tiles, triton.cdiv(ffn, meta["BLOCK_N"]))  # noqa: E731
+    grid = lambda meta: (tiles * triton.cdiv(ffn, meta["BLOCK_N"]),)  # noqa: E731
     down_grad_kernel[grid](
         grad, grad_index, grad.stride(0),
         down_proj, down_proj.stride(0), down_proj.stride(1), down_proj.stride(2),
         h, grad_h, grad_h.stride(0),
         weight_rows,
-        groups.offsets, num_experts,
+        groups.offsets, num_experts, tiles, GROUP_ROWS,
         a_scaled, a_scaled.stride(0),
         dots, dots.stride(0),
         dot_bias, 0 if dot_bias is None else dot_bias.stride(0),

@@ -12,9 +12,10 @@ For each dispatched row r of expert e (N rows, expert-sorted; W [E, O_total, K])
 Outputs: `pre` [N, O_total] = z (what backward saves: h for GLU, z1 or z2 for MLP, and the
 expert output y itself for an identity output activation) and `post` [N, O].
 
-Tiling: one program per (row tile of one expert, BLOCK_N output columns); the program finds its
-row tile from the groups' ends on the device (tiles.row_tile), so the launch reads nothing from
-the device; the K loop walks BLOCK_K columns of a and of W_e. GLU keeps two accumulators (gate
+Tiling: one program per (row tile of one expert, BLOCK_N output columns), in grouped order on a
+1-D grid (tiles.grouped_tile); the program finds its row tile from the groups' ends on the device
+(tiles.row_tile), so the launch reads nothing from the device; the K loop walks BLOCK_K columns of
+a and of W_e. GLU keeps two accumulators (gate
 and up columns n and O + n), so the epilogue has both halves of the product in registers.
 Autotuned over BLOCK_N, BLOCK_K, warps and stages, keyed on (O, K, BLOCK_M, GLU, ACT) and the
 dtypes.
@@ -26,8 +27,8 @@ import triton
 import triton.language as tl
 
 from shardmoe.kernels.activations import activation, activation_args, glu
-from shardmoe.kernels.schedule import choose_block_m, experts_pad, row_tiles
-from shardmoe.kernels.tiles import dot_acc, row_tile, source_rows
+from shardmoe.kernels.schedule import GROUP_ROWS, choose_block_m, experts_pad, row_tiles
+from shardmoe.kernels.tiles import dot_acc, grouped_tile, row_tile, source_rows
 from shardmoe.kernels.tuning import autotune, dot_settings, unit_columns
 
 # The first is the untuned default: 64 columns, as the GLU keeps two accumulators (gate and up), and
@@ -43,7 +44,7 @@ def forward_gemm_kernel(
     a_ptr, a_index_ptr, stride_a,
     w_ptr, stride_we, stride_wo, stride_wk,
     bias_ptr, stride_be,
-    ends_ptr, num_experts,
+    ends_ptr, num_experts, num_row_tiles, group_rows,
     pre_ptr, stride_pre,
     post_ptr, stride_post,
     O, K, limit, alpha,
@@ -52,7 +53,8 @@ def forward_gemm_kernel(
     DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, E_PAD: tl.constexpr,
 ):
-    expert, row_start, row_end = row_tile(tl.program_id(0), ends_ptr, num_experts, BLOCK_M, E_PAD)
+    tile, pid_n = grouped_tile(tl.program_id(0), num_row_tiles, tl.cdiv(O, BLOCK_N), group_rows)
+    expert, row_start, row_end = row_tile(tile, ends_ptr, num_experts, BLOCK_M, E_PAD)
     if expert >= num_experts:  # past the last row tile
         return
     expert = expert.to(tl.int64)
@@ -60,7 +62,7 @@ def forward_gemm_kernel(
     row_mask = rows < row_end
     rows = rows.to(tl.int64)  # row * stride can pass 2^31 elements
     a_rows = source_rows(a_index_ptr, rows, row_mask, GATHER)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < O
     w_expert = w_ptr + expert * stride_we
 
@@ -121,12 +123,12 @@ def forward_gemm(a: torch.Tensor, weight: torch.Tensor, groups, *, a_index: torc
     bias = None if bias is None else unit_columns(bias)
     block_m = choose_block_m(num_rows, num_experts)
     tiles = row_tiles(num_rows, num_experts, block_m)
-    grid = lambda meta: (tiles, triton.cdiv(width, meta["BLOCK_N"]))  # noqa: E731
+    grid = lambda meta: (tiles * triton.cdiv(width, meta["BLOCK_N"]),)  # noqa: E731
     forward_gemm_kernel[grid](
         a, a_index, a.stride(0),
         weight, weight.stride(0), weight.stride(1), weight.stride(2),
         bias, 0 if bias is None else bias.stride(0),
-        groups.offsets, num_experts,
+        groups.offsets, num_experts, tiles, GROUP_ROWS,
         pre, pre.stride(0),
         post, 0 if post is None else post.stride(0),
         width, a.shape[1],

@@ -10,7 +10,7 @@ after it read plain operands (as glu's dh comes out of down_grad.py). Used for d
 its activation), dx = dz1 W1 and dx = dh Wgu (identity).
 
 Tiling: one program per (row tile of one expert, found on the device by tiles.row_tile; BLOCK_N
-output columns), a K loop over C in BLOCK_K steps. Autotuned over BLOCK_N, BLOCK_K, warps and
+output columns), in grouped order on a 1-D grid (tiles.grouped_tile), a K loop over C in BLOCK_K steps. Autotuned over BLOCK_N, BLOCK_K, warps and
 stages, keyed on (N_OUT, C, BLOCK_M, ACT) and the dtypes.
 """
 from __future__ import annotations
@@ -19,9 +19,9 @@ import torch
 import triton
 import triton.language as tl
 
-from shardmoe.kernels.schedule import choose_block_m, experts_pad, row_tiles
+from shardmoe.kernels.schedule import GROUP_ROWS, choose_block_m, experts_pad, row_tiles
 from shardmoe.kernels.activations import activation_grad
-from shardmoe.kernels.tiles import dot_acc, row_tile
+from shardmoe.kernels.tiles import dot_acc, grouped_tile, row_tile
 from shardmoe.kernels.tuning import autotune, dot_settings, unit_columns
 
 # 64 columns first: with a derivative in the epilogue (gelu), 128 spill on an H100 (--only static)
@@ -35,20 +35,21 @@ def grad_gemm_kernel(
     g_ptr, stride_g,
     z_ptr, stride_z,
     w_ptr, stride_we, stride_wc, stride_wn,
-    ends_ptr, num_experts,
+    ends_ptr, num_experts, num_row_tiles, group_rows,
     out_ptr, stride_out,
     N_OUT, C,
     ACT: tl.constexpr, DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, E_PAD: tl.constexpr,
 ):
-    expert, row_start, row_end = row_tile(tl.program_id(0), ends_ptr, num_experts, BLOCK_M, E_PAD)
+    tile, pid_n = grouped_tile(tl.program_id(0), num_row_tiles, tl.cdiv(N_OUT, BLOCK_N), group_rows)
+    expert, row_start, row_end = row_tile(tile, ends_ptr, num_experts, BLOCK_M, E_PAD)
     if expert >= num_experts:  # past the last row tile
         return
     expert = expert.to(tl.int64)
     rows = row_start + tl.arange(0, BLOCK_M)
     row_mask = rows < row_end
     rows = rows.to(tl.int64)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < N_OUT
     w_expert = w_ptr + expert * stride_we
 
@@ -81,12 +82,12 @@ def grad_gemm(grad: torch.Tensor, weight: torch.Tensor, groups, *, z: torch.Tens
     z = None if z is None else unit_columns(z)
     block_m = choose_block_m(num_rows, num_experts)
     tiles = row_tiles(num_rows, num_experts, block_m)
-    grid = lambda meta: (tiles, triton.cdiv(width, meta["BLOCK_N"]))  # noqa: E731
+    grid = lambda meta: (tiles * triton.cdiv(width, meta["BLOCK_N"]),)  # noqa: E731
     grad_gemm_kernel[grid](
         grad, grad.stride(0),
         z, 0 if z is None else z.stride(0),
         weight, weight.stride(0), weight.stride(1), weight.stride(2),
-        groups.offsets, num_experts,
+        groups.offsets, num_experts, tiles, GROUP_ROWS,
         out, out.stride(0),
         width, weight.shape[1],
         ACT=activation, BLOCK_M=block_m, E_PAD=experts_pad(num_experts), **dot_settings(grad.dtype),

@@ -14,7 +14,8 @@ The router's three products (moe/routing.py), S tokens, H hidden, E experts:
 
 E (8..256) is N or K. Each program computes a BLOCK_M x BLOCK_N tile of C, BLOCK_N the power of two
 at or above N (at least 16, tl.dot's least), capped at MAX_BLOCK_N, so an E-wide output is one
-column tile. A long reduction over a short output (dWg: K = S tokens, C only H x E) is split into
+column tile; program axis 0 walks the column tiles of a row tile first (n fastest), so a row tile of A
+is read once however many column tiles there are. A long reduction over a short output (dWg: K = S tokens, C only H x E) is split into
 chunks of SPLIT_K_CHUNK: program (m, n, s) sums its chunk into partials [splits, M, N], which are
 summed in a fixed order afterwards (no atomics: the result is the same every run). Autotuned over
 BLOCK_M, BLOCK_K, warps and stages, keyed on N, the chunk length and A's row stride (which tells
@@ -44,7 +45,7 @@ _GPU_TILES = [{"BLOCK_M": m, "BLOCK_K": k} for m, k in ((64, 32), (128, 16), (12
 
 
 @autotune(_GPU_TILES, {"BLOCK_M": 16, "BLOCK_K": 16}, key=["N", "K_CHUNK", "stride_am"],
-          warps_stages=((8, 3), (8, 4)))
+          warps_stages=((8, 4), (8, 3)))
 @triton.jit
 def router_gemm_kernel(
     a_ptr, stride_am, stride_ak,
@@ -54,9 +55,10 @@ def router_gemm_kernel(
     BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """c[s, m, n] = sum over k in chunk s, [s K_CHUNK, (s + 1) K_CHUNK) within K, of a[m, k] b[k, n]."""
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    pid_s = tl.program_id(2)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    pid_m = tl.program_id(0) // tiles_n
+    pid_n = tl.program_id(0) % tiles_n
+    pid_s = tl.program_id(1)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = rows < M
@@ -117,7 +119,7 @@ def router_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     splits = triton.cdiv(K, chunk)
     c = torch.empty(splits, M, N, dtype=torch.float32, device=a.device)
     width = block_n(N)
-    grid = lambda meta: (triton.cdiv(M, meta["BLOCK_M"]), triton.cdiv(N, width), splits)  # noqa: E731
+    grid = lambda meta: (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, width), splits)  # noqa: E731
     router_gemm_kernel[grid](a, a.stride(0), a.stride(1), b, b.stride(0), b.stride(1), c, c.stride(0), c.stride(1),
                              M, N, K, chunk, BLOCK_N=width)
     return c[0] if splits == 1 else c.sum(0)

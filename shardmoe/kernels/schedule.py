@@ -4,9 +4,12 @@ Expert e owns rows [ends[e-1], ends[e]) of the dispatched matrix (Groups.offsets
 on the device). The kernels read those ends themselves (tiles.row_tile, tiles.expert_rows), so a
 launch needs only N (the rows, known without reading the counts in a dropless step: S k) and E:
 
-  row-tiled GEMMs    one program per (row tile, column tile); a row tile holds BLOCK_M rows of
-                     one expert, and there are at most ceil(N / BLOCK_M) + E of them (each expert
-                     adds at most one partial tile); programs past the last tile return at once
+  row-tiled GEMMs    one program per (row tile, column tile) on a 1-D grid, in grouped order
+                     (grouped_tile: GROUP_ROWS row tiles at a time, the row tile fastest within a
+                     group), so the programs running together share operand tiles; a row tile holds
+                     BLOCK_M rows of one expert, and there are at most ceil(N / BLOCK_M) + E of them
+                     (each expert adds at most one partial tile); programs past the last tile return
+                     at once
   weight gradients   persistent programs over the E x (output tiles) tiles, each reducing over
                      its expert's rows (the K dimension of that GEMM is the expert's row count)
 """
@@ -16,6 +19,19 @@ import functools
 
 import torch
 import triton
+
+# The program axis each kernel's launch takes its output column tile from (the static stage's
+# column_axis: python -m shardmoe.tools.gpu_check --only static); None where a program covers every
+# column. The hardware starts programs in the order of axis 0 first, so with the column tile on axis 1
+# the programs running together share one column tile and each reads a different row tile.
+COLUMN_AXIS = {"forward_gemm_kernel": 0, "down_grad_kernel": 0, "grad_gemm_kernel": 0, "weight_grad_kernel": 0,
+               "router_gemm_kernel": 0, "token_combine_kernel": 1, "gate_dots_kernel": None}
+
+# Row tiles per group of the row-tiled GEMMs' grouped order (Triton's matmul tutorial takes 8). A wave of
+# P programs then covers 8 row tiles by P / 8 column tiles (or, with fewer column tiles, P / col_tiles
+# whole row tiles), instead of P row tiles of one column tile; the traffic model (gpu_check --only
+# traffic) counts the bytes either way.
+GROUP_ROWS = 8
 
 MIN_BLOCK_M = 16  # tl.dot needs every tile dim >= 16
 MAX_BLOCK_M = 128
@@ -31,6 +47,16 @@ def choose_block_m(num_rows: int, num_experts: int) -> int:
     while block < mean and block < MAX_BLOCK_M:
         block *= 2
     return block
+
+
+def grouped_tile(pid: int, row_tiles: int, col_tiles: int, group_rows: int) -> tuple[int, int]:
+    """(row tile, column tile) of program `pid`: tiles.grouped_tile on the host (tl.swizzle2d)."""
+    i, j = divmod(pid, col_tiles)
+    index, per_group = i * col_tiles + j, group_rows * col_tiles
+    first = index // per_group * group_rows
+    rows_here = min(row_tiles - first, group_rows)
+    index %= per_group
+    return first + index % rows_here, index // rows_here
 
 
 def row_tiles(num_rows: int, num_experts: int, block_m: int) -> int:

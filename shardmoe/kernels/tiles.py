@@ -33,6 +33,23 @@ def row_tile(tile, ends_ptr, num_experts, BLOCK_M: tl.constexpr, E_PAD: tl.const
 
 
 @triton.jit
+def grouped_tile(pid, row_tiles, col_tiles, group_rows):
+    """(row tile, column tile) of program `pid` of a 1-D launch over row_tiles x col_tiles output
+    tiles, in the grouped order of Triton's matmul tutorial (tl.swizzle2d): groups of `group_rows`
+    row tiles, and within a group the row tile fastest, then the column tile:
+
+      group     = pid // (group_rows col_tiles),   first = group group_rows
+      rows_here = min(row_tiles - first, group_rows)
+      row tile  = first + (pid mod group_rows col_tiles) mod rows_here
+      col tile  = (pid mod group_rows col_tiles) // rows_here
+
+    The programs running side by side (consecutive pids) then share their row tiles and their
+    column tiles, each read from DRAM once per wave; group_rows = 1 walks the column tile fastest.
+    schedule.grouped_tile is its host twin."""
+    return tl.swizzle2d(pid // col_tiles, pid % col_tiles, row_tiles, col_tiles, group_rows)
+
+
+@triton.jit
 def source_rows(index_ptr, rows, row_mask, GATHER: tl.constexpr):
     """The rows [BLOCK] (int64) an operand is read from for the tile's rows `rows`: index[rows]
     with GATHER (the operand is in token order, read through the row -> token index), else rows."""
@@ -49,6 +66,22 @@ def expert_rows(expert, ends_ptr):
     start = tl.load(ends_ptr + expert - 1, mask=expert > 0, other=0)
     end = tl.load(ends_ptr + expert)
     return start, end
+
+
+VECTOR_COLUMNS = tl.constexpr(16)  # tl.dot's narrowest operand
+
+
+@triton.jit
+def vector_operand(v, dtype):
+    """v [n] as the right-hand MMA operand [n, 16] in `dtype`: column 0 holds hi = v rounded to dtype,
+    column 1 lo = (v - hi) rounded to dtype, the rest zeros; so sum(a @ vector_operand(v), axis=1) =
+    a v with v carried to about twice dtype's precision (exactly v for float32). A row sum or a
+    matrix-vector product inside a GEMM's K loop thus runs on the tensor cores from the operand tile
+    in shared memory, where a sum in registers would load that tile out of its pipeline buffers."""
+    column = tl.arange(0, VECTOR_COLUMNS)[None, :]
+    hi = v.to(dtype)
+    lo = (v - hi.to(tl.float32)).to(dtype)
+    return tl.where(column == 0, hi[:, None], tl.where(column == 1, lo[:, None], 0.0)).to(dtype)
 
 
 @triton.jit

@@ -17,7 +17,8 @@ per multiprocessor, schedule.persistent_programs), tile after tile, in expert-ma
 the programs running side by side read the same expert's rows; each tile walks its expert's rows
 BLOCK_R at a time, reading the expert's bounds from the groups' ends on the device. Each dW element
 has one owner, so there are no atomics and an empty expert stores zeros. The bias is summed from
-the same G tiles by the tiles of the first K column. Autotuned over BLOCK_O, BLOCK_K, BLOCK_R,
+the same G tiles by the tiles of the first K column, on the tensor cores (tiles.vector_operand), so G
+goes from its pipeline buffer to the MMA without a copy in registers. Autotuned over BLOCK_O, BLOCK_K, BLOCK_R,
 warps and stages, keyed on (O, K) and the dtypes.
 
 A very uneven routing leaves the tiles of one expert with most of the rows; splitting the row loop
@@ -30,7 +31,7 @@ import triton
 import triton.language as tl
 
 from shardmoe.kernels.schedule import persistent_programs
-from shardmoe.kernels.tiles import dot_acc, expert_rows, source_rows
+from shardmoe.kernels.tiles import VECTOR_COLUMNS, dot_acc, expert_rows, source_rows, vector_operand
 from shardmoe.kernels.tuning import autotune, dot_settings, unit_columns
 
 # SonicMoE's 128 x 256 output tiles with 64-row steps first
@@ -67,31 +68,41 @@ def weight_grad_kernel(
         k_mask = k_cols < K
 
         acc = tl.zeros((BLOCK_O, BLOCK_K), dtype=tl.float32)
-        bias = tl.zeros((BLOCK_O,), dtype=tl.float32)
+        bias = tl.zeros((BLOCK_O, VECTOR_COLUMNS), dtype=tl.float32)
+        rows = (start + tl.arange(0, BLOCK_R)).to(tl.int64)
+        g_rows = source_rows(g_index_ptr, rows, rows < end, GATHER_G)
+        x_rows = source_rows(x_index_ptr, rows, rows < end, GATHER_X)
         for r0 in range(start, end, BLOCK_R):
             rows = r0 + tl.arange(0, BLOCK_R)
             row_mask = rows < end
             rows = rows.to(tl.int64)
-            g_rows = source_rows(g_index_ptr, rows, row_mask, GATHER_G)
-            x_rows = source_rows(x_index_ptr, rows, row_mask, GATHER_X)
+            # the next step's source rows, read a step ahead: the tile loads' addresses are then carried
+            # by the loop instead of coming from a load of the same step, which the pipeliner would
+            # space out (one buffer fewer, and a wait for every copy each step)
+            next_rows = rows + BLOCK_R
+            next_g_rows = source_rows(g_index_ptr, next_rows, next_rows < end, GATHER_G)
+            next_x_rows = source_rows(x_index_ptr, next_rows, next_rows < end, GATHER_X)
             g = tl.load(g_ptr + g_rows[:, None] * stride_g + o_cols[None, :], mask=row_mask[:, None] & o_mask[None, :],
                         other=0.0)
             x = tl.load(x_ptr + x_rows[:, None] * stride_x + k_cols[None, :],
                         mask=row_mask[:, None] & k_mask[None, :], other=0.0)
             acc = dot_acc(tl.trans(g), x, acc, DOT_FP32, PRECISION)
             if HAS_BIAS:
-                if pid_k == 0:  # every K column sums the same bias; one of them does
-                    g32 = g.to(tl.float32)
+                if pid_k == 0:  # every K column sums the same bias; one of them does, as G^T s on the MMA
                     if BIAS_SCALE:
-                        g32 = g32 * tl.load(bias_scale_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)[:, None]
-                    bias += tl.sum(g32, axis=0)
+                        scale = tl.load(bias_scale_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
+                    else:
+                        scale = tl.where(row_mask, 1.0, 0.0)
+                    bias = dot_acc(tl.trans(g), vector_operand(scale, g.dtype), bias, DOT_FP32, PRECISION)
+            g_rows, x_rows = next_g_rows, next_x_rows
 
         expert = expert.to(tl.int64)
         dw = dw_ptr + expert * stride_de + o_cols[:, None] * stride_do + k_cols[None, :] * stride_dk
         tl.store(dw, acc.to(dw_ptr.dtype.element_ty), mask=o_mask[:, None] & k_mask[None, :])
         if HAS_BIAS:
             if pid_k == 0:
-                tl.store(db_ptr + expert * stride_dbe + o_cols, bias.to(db_ptr.dtype.element_ty), mask=o_mask)
+                tl.store(db_ptr + expert * stride_dbe + o_cols, tl.sum(bias, axis=1).to(db_ptr.dtype.element_ty),
+                         mask=o_mask)
 
 
 def weight_grad(grad: torch.Tensor, x: torch.Tensor, groups, *,

@@ -4,10 +4,12 @@ SHARDMOE_TEST_COMPILED=1 (python -m shardmoe.tools.gpu_check's tests stage sets 
 tests/conftest.py chooses the mode before any test module imports triton. In compiled mode
 test_layer_path.py and test_hf_path.py are skipped: they feed CPU tensors to the kernels through
 the force_kernels setting, which only the interpreter runs; the gpu_check parity stage runs such
-cases on CUDA tensors. Shapes are tiny but cover every masking path of the kernels' interpreter
-tiles (16-row tiles, 32-wide column and K tiles): uneven expert groups, empty experts (first and
-middle), a group spanning two row tiles, widths that are not multiples of 32, and a GLU gate/up
-boundary inside a tile.
+cases on CUDA tensors. Shapes are tiny but every kernel sees several tiles along each of its
+dimensions with its interpreter tiles (16-row tiles, 32-wide column and K tiles), each dimension's
+last tile partial: uneven expert groups, empty experts (first and middle), a group spanning three row tiles,
+two or three column and K tiles in every GEMM (F = H = 40, 2F = 80), and a GLU gate/up boundary
+inside a tile. A tile index or order bug (a column tile's result stored to another's place) thus
+changes values.
 """
 import math
 import os
@@ -22,11 +24,12 @@ COMPILED = os.environ.get("SHARDMOE_TEST_COMPILED", "0") == "1"  # checked by te
 INTERPRETER_ONLY = ("test_layer_path.py", "test_hf_path.py")
 
 HIDDEN = 40  # H: one full and one partial 32-wide tile
-FFN = 24  # F or P: 2F = 48 puts the gate/up boundary inside the first 32-wide K tile
+FFN = 40  # F or P: two 32-wide column tiles; 2F = 80, three K tiles with the gate/up boundary inside the second
 NUM_EXPERTS = 6
-NUM_TOKENS = 25
+NUM_TOKENS = 40
 TOP_K = 2
-# Routing odds per expert: 0 and 4 get nothing (empty groups), 3 gets over 16 rows (2 tiles).
+# Routing odds per expert: 0 and 4 get nothing (empty groups), 3 gets 33 rows (three 16-row tiles, the last
+# holding one row) with the default batch.
 EXPERT_ODDS = (0.0, 0.15, 0.1, 0.6, 0.0, 0.15)
 
 

@@ -139,12 +139,13 @@ def test_layer_forward_backward_bf16(device, routed, expert_params, cast, rel_er
         # the float64 layer's derivative differs by O(1) (the torch path in bfloat16 is ~3e-2 from it
         # on these shapes too). Its reference is the torch path in bfloat16, whose backward reads the
         # same saved bf16 h (the forward computes a from float32 in the kernel, from bf16 h in torch):
-        # two bf16 computations rounding in different places, measured 3.5e-3 (output) and 7.3e-3
-        # (gradients) apart, held to 1e-2.
+        # two bf16 computations rounding in different places. With three 16-row tiles in an expert and two
+        # column tiles (conftest), both are 2.6e-2 to 4.7e-2 from float64 on x and gate_up_proj(_bias),
+        # and measured 5.1e-3 (output) and at most 3.1e-2 (gate_up_proj_bias) apart, held to 4e-2.
         with settings.override(kernels=False):
             expected = fused_operator(*cast((x, gate_weight, params), bf16), config, grad_out, grad_loss.to(F32))
-        bound = 1e-2
-    else:  # measured at most 3.6e-3 (output) and 1.1e-2 (gradients) from float64
+        bound = 4e-2
+    else:  # measured at most 6.5e-3 (output) and 1.2e-2 (gradients) from float64
         expected = fused_operator(x, gate_weight, params, config, grad_out.to(F64), grad_loss)
         bound = 2e-2
     got = kernel_moe(*cast((x, gate_weight, params), bf16), config, grad_out, grad_loss.to(F32))

@@ -17,7 +17,7 @@ import torch
 
 from shardmoe.tools import gpu_check
 from shardmoe.tools.gpu_check import (bench, model, parity, pytest_stage, runner, sanitize, sanitizer, static, sweep,
-                                      train)
+                                      traffic, train)
 
 ROOT = Path(__file__).resolve().parents[2]
 ENV = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
@@ -38,8 +38,8 @@ def test_dry_run_passes_every_stage_and_skips_only_the_sanitizer_and_static(dry_
     assert code == 0, output
     assert list(report["stages"]) == list(gpu_check.STAGE_NAMES)
     statuses = {name: entry["status"] for name, entry in report["stages"].items()}
-    assert statuses == {"env": "ok", "static": "skipped", "tests": "ok", "sanitizer": "skipped", "parity": "ok",
-                        "train": "ok", "bench": "ok", "sweep": "ok", "model": "ok", "calibrate": "ok"}, output
+    assert statuses == {"env": "ok", "static": "skipped", "traffic": "ok", "tests": "ok", "sanitizer": "skipped",
+                        "parity": "ok", "train": "ok", "bench": "ok", "sweep": "ok", "model": "ok", "calibrate": "ok"}, output
     assert "--only static" in report["stages"]["static"]["note"]
     assert report["runs"][0]["dry_run"] is True and report["runs"][0]["device"] == "cpu"
     assert all(entry["error"] is None for entry in report["stages"].values())
@@ -214,6 +214,79 @@ def test_model_stage_steps_both_implementations_on_the_triton_path(dry_run):
     assert "grouped_mm / shardmoe:" in dry_run[3]
 
 
+def test_traffic_model_rows_calibration_and_the_fine_step(dry_run):
+    """The traffic stage's model at the bench's full shapes (it needs no GPU): a step row per shape and
+    device with the issue's fields, a calibration row per kernel and shape against the stored 206ae40
+    per-kernel times with its error, and the fine step as the grouped tile order leaves it: at most
+    4.0 ms modelled on an H100 with DRAM traffic at most 1.5x the compulsory bytes (the model with the
+    row tile fastest gives 6.8 ms and 3.2x)."""
+    from shardmoe.tools.gpu_check.lease_profiles import PROFILES_206AE40
+
+    result = dry_run[2]["stages"]["traffic"]["result"]
+    steps = {(r["shape"], r["device"]): r for r in result["steps"]}
+    assert set(steps) == {(s, d.name) for s in traffic.SHAPE_NAMES for d in traffic.DEVICES}
+    for r in steps.values():
+        assert {"shape", "device", "modelled_ms", "dram_bytes", "compulsory_bytes"} <= set(r)
+        assert 0 < r["roofline_ms"] <= r["modelled_ms"] and r["dram_bytes"] >= r["compulsory_bytes"] > 0
+    assert steps[("fine", "H200")]["modelled_ms"] <= steps[("fine", "H100")]["modelled_ms"]
+    fine = steps[("fine", "H100")]
+    assert fine["modelled_ms"] <= 4.0 and fine["dram_bytes"] <= 1.5 * fine["compulsory_bytes"], fine
+    rows = result["calibration"]
+    assert {(r["kernel"], r["shape"]) for r in rows} == {(k, s) for s, ks in PROFILES_206AE40.items() for k in ks}
+    for r in rows:
+        assert {"kernel", "shape", "measured_ms", "modelled_ms"} <= set(r)
+        assert r["error"] == pytest.approx(r["modelled_ms"] / r["measured_ms"] - 1)
+    assert 0 < result["efficiency"]["flops"] <= 1 and 0 < result["efficiency"]["bytes"] <= 1
+    assert "measured" not in result  # no GPU: nothing measured
+    assert "A model, not a measurement" in dry_run[3] and "| kernel | shape | measured ms | modelled ms | error |" in dry_run[3]
+
+
+def test_traffic_on_a_lease_puts_measured_beside_modelled_and_refits(dry_run):
+    """What a lease adds (the kernels measured per kernel and step, here given): a row per measured
+    kernel and shape with its modelled time, the efficiencies refitted to them, and a measured kernel the
+    model has no launch of left out."""
+    traced = json.loads((dry_run[4] / "traffic.json").read_text())
+    measured = {"fine": {"forward_gemm_kernel": 1.2, "weight_grad_kernel": 0.9, "gate_dots_kernel": 0.1},
+                "mixtral": {"grad_gemm_kernel": 8.0}}
+    result = traffic.model(traced, measured)
+    rows = result["lease_calibration"]["rows"]
+    assert [(r["kernel"], r["shape"], r["measured_ms"]) for r in rows] == [
+        ("forward_gemm_kernel", "fine", 1.2), ("weight_grad_kernel", "fine", 0.9), ("grad_gemm_kernel", "mixtral", 8.0)]
+    assert all(r["modelled_ms"] > 0 for r in rows) and result["measured"] == measured
+    assert 0 < result["lease_calibration"]["efficiency"]["flops"] <= 1
+    assert any(line.startswith("This lease's kernels, measured and modelled side by side")
+               for line in traffic.markdown(result))
+
+
+def test_traffic_measure_runs_the_layer_on_the_kernel_path():
+    """The lease's measurement at a tiny shape in the interpreter: the layer's steps run under the
+    profiler (no kernel is a device event on a CPU, so nothing is timed)."""
+    assert traffic.measure("cpu", {"tiny": bench.DRY_RUN_SHAPES["fine"]}) == {"tiny": {}}
+
+
+def test_wave_bytes_reads_a_tile_once_per_wave_that_needs_it():
+    programs = [(((("A", 0), 10), (("W", 0), 1)), 2)] * 3 + [(((("A", 1), 10), (("W", 0), 1)), 2)]
+    assert traffic.wave_bytes(programs, 4) == 10 + 1 + 10 + 4 * 2  # one wave: W once, A0 once
+    assert traffic.wave_bytes(programs, 2) == (10 + 1) * 2 + 10 + 4 * 2  # A0 and W again in the second wave
+    h100 = traffic.DEVICES[0]
+    # registers: 65536 / (136 x 256) = 1 program an SM; 128 registers and 96 KB of shared memory: 2
+    assert traffic.resident(h100, 130, 1024, 8) == 132 and traffic.resident(h100, 128, 96 * 1024, 8) == 264
+
+
+def test_grouped_order_reads_fewer_bytes_than_the_row_tile_fastest():
+    """400 row tiles of 4 experts by 24 column tiles, 132 programs a wave: with the row tile fastest a
+    wave is 132 row tiles of one column tile, so every row tile is read 24 times; grouped by 8 rows a
+    wave is 8 row tiles by 16.5 column tiles (3.2x the row operand's bytes in all, weights included)."""
+    sizes, private = [12800] * 4, (lambda rows, cols: 0)
+
+    def dram(order):
+        return traffic.wave_bytes(traffic.row_tiled(sizes, 128, 64, 1536, 400, order, 1024, 512, private), 132)
+
+    grouped, rows = dram(traffic.grouped_order(8)), dram(traffic.row_fastest)
+    a_once = 400 * 128 * 1024
+    assert rows >= 24 * a_once and grouped < 4 * a_once
+
+
 def test_train_stage_trains_both_presets_and_resumes_bitwise(dry_run):
     """The dry run's train stage: both presets trained through the loop (the tiny model in their
     place; mixtral-1gpu in bf16 autocast), each check made and holding: bf16 against fp32, the
@@ -278,27 +351,39 @@ def static_run(tmp_path_factory):
             (out / "report.md").read_text())
 
 
-def test_static_every_gemm_kernel_has_tensor_core_mma_and_no_spills(static_run):
+def test_static_every_gemm_kernel_is_pipelined_on_tensor_cores_under_both_tritons(static_run):
     """Every GEMM kernel of the bench's layer steps (and an mlp and a biased clamped glu), the router's
-    three float32 GEMMs (tf32x3) included, at the config an H100 runs, compiled for sm_90a: HGMMA
-    (wgmma) in its machine code and no spilled registers."""
+    three float32 GEMMs (tf32x3) included, at the config an H100 runs, compiled for sm_90a by the
+    installed triton and by the lent GPU machine's (tritons.py): HGMMA (wgmma) in its machine code, no
+    spilled registers, at least three shared-memory buffers, a main-loop cp.async wait above 0 (the next
+    tiles' copies in flight during the MMA) and the column tile on program axis 0."""
+    from shardmoe.tools.gpu_check import tritons
+
     code, output, report, md = static_run
     entry = report["stages"]["static"]
     if entry["status"] == "skipped":
         pytest.skip(f"static stage skipped: {entry['note']}")
     assert code == 0 and entry["status"] == "ok", output + str(entry["result"].get("problems"))
-    rows = entry["result"]["kernels"]
-    assert set(compiled_gemms()) <= {r["name"] for r in rows} and "router_gemm_kernel" in compiled_gemms()
-    assert {w.name for w in static.WORKLOADS} == {w for r in rows for w in r["workloads"]}
+    result = entry["result"]
+    assert set(result["tritons"]) == set(tritons.VERSIONS) and not result["skipped_tritons"], result["skipped_tritons"]
+    rows = result["kernels"]
+    for version in tritons.VERSIONS:
+        mine = [r for r in rows if r["triton"] == version]
+        assert set(compiled_gemms()) <= {r["name"] for r in mine} and "router_gemm_kernel" in compiled_gemms()
+        assert {w.name for w in static.WORKLOADS} == {w for r in mine for w in r["workloads"]}
     for r in rows:
-        assert {"name", "config", "registers", "spill_bytes", "shared_bytes", "mma_instructions",
-                "tma_instructions"} <= set(r), r
+        assert {"name", "triton", "config", "registers", "spill_bytes", "shared_bytes", "mma_instructions",
+                "tma_instructions", "async_buffers", "async_wait", "wgmma", "wgmma_wait", "tma_loads", "tma_stores",
+                "column_axis"} <= set(r), r
         assert 0 < r["registers"] <= 255 and r["shared_bytes"] >= 0 and "num_warps" in r["config"], r
         if r["gemm"]:
-            assert r["mma_instructions"] > 0 and r["spill_bytes"] == 0, r
+            assert r["mma_instructions"] > 0 and r["spill_bytes"] == 0 and r["wgmma"].startswith("m64n"), r
+            assert r["async_buffers"] >= static.MIN_BUFFERS and r["async_wait"] > 0 and r["column_axis"] == 0, r
+            assert r["program_axes"][0] == 0, r
         else:
-            assert r["mma_instructions"] == 0, r
-    assert "| kernel | config | variant | workloads | registers | spill bytes | shared bytes | HGMMA |" in md
+            assert r["mma_instructions"] == 0 and r["wgmma"] is None, r
+    assert ("| kernel | triton | config | variant | workloads | registers | spill bytes | shared bytes | HGMMA | HMMA "
+            "| wgmma | buffers | cp.async wait | wgmma wait | TMA loads | TMA stores | column axis |") in md
 
 
 def compiled_gemms():
@@ -307,14 +392,54 @@ def compiled_gemms():
     return GEMM_KERNELS
 
 
-def test_static_problems_name_a_kernel_without_mma_or_with_spills():
-    row = {"name": "weight_grad_kernel", "config": {"BLOCK_O": 128}, "workloads": ["w"], "gemm": True,
-           "registers": 255, "spill_bytes": 64, "mma_instructions": 0, "mma_sync_instructions": 2}
-    found = static.problems({"kernels": [row]})
-    assert found[0].startswith("GEMM kernels not compiled: down_grad_kernel, forward_gemm_kernel, grad_gemm_kernel")
-    assert found[1] == ("weight_grad_kernel {'BLOCK_O': 128} (w): expected tensor-core MMA (HGMMA), got none "
-                        "(2 HMMA)")
-    assert found[2] == "weight_grad_kernel {'BLOCK_O': 128} (w): expected no spills, got 64 bytes (255 registers)"
+def test_static_problems_name_what_a_gemm_kernel_lacks():
+    row = {"name": "weight_grad_kernel", "triton": "3.6.0", "config": {"BLOCK_O": 128}, "workloads": ["w"],
+           "gemm": True, "registers": 255, "spill_bytes": 64, "mma_instructions": 0, "mma_sync_instructions": 2,
+           "async_buffers": 2, "async_wait": 0, "tma_loads": 0, "column_axis": 1, "program_axes": [0, 1]}
+    found = static.problems({"tritons": ["3.6.0"], "kernels": [row]})
+    where = "weight_grad_kernel {'BLOCK_O': 128} (triton 3.6.0; w)"
+    assert found == ["triton 3.6.0: GEMM kernels not compiled: down_grad_kernel, forward_gemm_kernel, grad_gemm_kernel, "
+                     "router_gemm_kernel",
+                     f"{where}: expected tensor-core MMA (HGMMA), got none (2 HMMA)",
+                     f"{where}: expected no spills, got 64 bytes (255 registers)",
+                     f"{where}: expected at least 3 shared-memory buffers, got 2",
+                     f"{where}: expected a main-loop cp.async wait above 0 (or TMA loads), got 0",
+                     f"{where}: expected the column tile on program axis 0 (walked fastest), got 1"]
+    fed_by_tma = dict(row, spill_bytes=0, mma_instructions=4, async_buffers=3, async_wait=None, tma_loads=2,
+                      column_axis=0, program_axes=[0])
+    assert static.row_problems(fed_by_tma) == []
+    assert static.row_problems(dict(fed_by_tma, tma_loads=0))[0].endswith("(or TMA loads), got None")
+
+
+def test_pipeline_reads_the_main_loop_of_a_ttgir_module():
+    """compiled.pipeline on a hand-written TTGIR outline: the buffers of the [buffers, rows, columns]
+    allocations, the waits of the innermost loop holding the MMA (not those after it or of an outer
+    loop), and the program axes."""
+    from shardmoe.tools.gpu_check import compiled
+
+    ttgir = "\n".join([
+        "%0 = tt.get_program_id x : i32",
+        "%a = ttg.local_alloc : () -> !ttg.memdesc<3x128x64xbf16, #shared, #smem, mutable>",
+        "%b = ttg.local_alloc : () -> !ttg.memdesc<4x64x256xbf16, #shared, #smem, mutable>",
+        "%i = ttg.local_alloc : () -> !ttg.memdesc<1x64xi64, #shared, #smem, mutable>",
+        "scf.for %t = %0 to %1 step %2 : i32 {",
+        "  %w0 = ttg.async_wait %x {num = 0 : i32}",
+        "  %r:2 = scf.for %k = %3 to %4 step %5 iter_args(%acc = %c) -> (tensor<128x256xf32>) {",
+        "    %w1 = ttg.async_wait %a0, %b0 {num = 2 : i32}",
+        "    scf.if %p {",
+        "      %w2 = ttg.async_wait %a1 {num = 1 : i32}",
+        "    } else {",
+        "    }",
+        "    %d = ttng.warp_group_dot %a2, %b2, %acc {inputPrecision = 0 : i32, isAsync = true}",
+        "    %dw = ttng.warp_group_dot_wait %d {pendings = 1 : i32}",
+        "    scf.yield %dw",
+        "  } loc(#loc1)",
+        "  %w3 = ttg.async_wait {num = 0 : i32}",
+        "} loc(#loc2)",
+    ])
+    assert compiled.pipeline(ttgir) == {"async_buffers": 3, "async_wait": 1, "wgmma_wait": 1, "program_axes": [0]}
+    assert compiled.wgmma_shapes("wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16 ...\n"
+                                 "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16") == "m64n16k16,m64n256k16"
 
 
 @pytest.fixture(scope="module")
@@ -391,9 +516,9 @@ def test_calibrate_writes_constants_the_simulator_reads(dry_run):
 
 def test_report_markdown_has_every_stage_section_and_table(dry_run):
     md = dry_run[3]
-    for name, status in (("env", "ok"), ("static", "skipped"), ("tests", "ok"), ("sanitizer", "skipped"),
-                         ("parity", "ok"), ("train", "ok"), ("bench", "ok"), ("sweep", "ok"), ("model", "ok"),
-                         ("calibrate", "ok")):
+    for name, status in (("env", "ok"), ("static", "skipped"), ("traffic", "ok"), ("tests", "ok"),
+                         ("sanitizer", "skipped"), ("parity", "ok"), ("train", "ok"), ("bench", "ok"), ("sweep", "ok"),
+                         ("model", "ok"), ("calibrate", "ok")):
         assert f"## {name}: {status}" in md
     assert "| glu-deepseek-router | bfloat16 | 3 | triton |" in md
     assert "SonicMoE, published (H100, S=24576 H=1536 F=256 E=128 k=8): forward 365, backward 405 TFLOP/s" in md
@@ -405,8 +530,8 @@ def test_report_markdown_has_every_stage_section_and_table(dry_run):
 
 @pytest.mark.parametrize("argv, message", [
     (["--out", "{tmp}", "--only", "parity,bogus"],
-     "--only: expected comma-separated stage names among env, static, tests, sanitizer, parity, train, bench, "
-     "sweep, model, calibrate (or lease), got 'bogus' in 'parity,bogus'"),
+     "--only: expected comma-separated stage names among env, static, traffic, tests, sanitizer, parity, train, "
+     "bench, sweep, model, calibrate (or lease), got 'bogus' in 'parity,bogus'"),
     (["--only", "parity"], "--out: expected a directory for report.md and report.json, got None"),
     (["--out", "{tmp}", "--budget", "0"], "--budget: expected a number >= 1, got 0.0"),
     (["--out", "{tmp}", "--merge", "{tmp}/missing.json"], "--merge: expected a report.json written by"),
@@ -423,13 +548,13 @@ def test_a_full_run_without_cuda_is_refused(tmp_path, capsys):
         pytest.skip("a CUDA device is present: a full run is valid here")
     assert gpu_check.main(["--out", str(tmp_path), "--only", "parity"]) == 2
     assert ("--dry-run: expected it on a machine without CUDA (torch.cuda.is_available() is False), got a full run "
-            "of env,parity (only env, static run without it)") in capsys.readouterr().err
+            "of env,parity (only env, static, traffic run without it)") in capsys.readouterr().err
 
 
 def test_only_runs_env_first_and_stages_in_their_order():
     assert gpu_check.parse_only("bench,parity", merging=False) == ["env", "parity", "bench"]
-    assert gpu_check.parse_only("lease", merging=False) == ["env", "static", "parity", "train", "bench", "sweep",
-                                                              "model", "calibrate"]
+    assert gpu_check.parse_only("lease", merging=False) == ["env", "static", "traffic", "parity", "train", "bench",
+                                                              "sweep", "model", "calibrate"]
     assert gpu_check.parse_only(None, merging=False) == list(gpu_check.STAGE_NAMES)
     assert gpu_check.parse_only(None, merging=True) == []
     assert tuple(runner.STAGES) == gpu_check.STAGE_NAMES

@@ -3,8 +3,13 @@
 Stages (docs/gpu.md; --only picks some, they always run in this order):
   env        versions (python, torch, triton, transformers, CUDA, driver), the device, its memory
              and SMs; always runs, so every report says where it was measured
-  static     every kernel a layer step launches, compiled for an H100 without a GPU: registers,
-             spills, shared memory, HGMMA and TMA instructions (no CUDA needed: --only static)
+  static     every kernel a layer step launches, compiled for an H100 without a GPU by the installed
+             triton and the lent machine's: registers, spills, shared memory, HGMMA and TMA
+             instructions, pipeline buffers and waits, tile order (no CUDA needed: --only static)
+  traffic    a memory-traffic model of one forward + backward at the bench's two shapes: FLOPs, the
+             DRAM bytes the launch order implies, a roofline time for an H100 and an H200, calibrated
+             against measured per-kernel times (no CUDA needed: --only traffic; on CUDA it also
+             measures the kernels and shows measured and modelled side by side)
   tests      pytest on tests/kernels (compiled: SHARDMOE_TEST_COMPILED=1) and the layer's tests/moe
              files, one process per file, in parallel
   sanitizer  a small forward + backward of the layer on CUDA under compute-sanitizer memcheck and
@@ -38,10 +43,11 @@ import sys
 from pathlib import Path
 
 # runner.STAGES, without its imports
-STAGE_NAMES = ("env", "static", "tests", "sanitizer", "parity", "train", "bench", "sweep", "model", "calibrate")
+STAGE_NAMES = ("env", "static", "traffic", "tests", "sanitizer", "parity", "train", "bench", "sweep", "model",
+               "calibrate")
 # --only lease: what one GPU lease runs in one command (docs/gpu.md: under 8 minutes on a bare H100)
-LEASE = ("static", "parity", "train", "bench", "sweep", "model", "calibrate")
-NO_CUDA_STAGES = ("env", "static")  # the stages a full run without CUDA may run
+LEASE = ("static", "traffic", "parity", "train", "bench", "sweep", "model", "calibrate")
+NO_CUDA_STAGES = ("env", "static", "traffic")  # the stages a full run without CUDA may run
 
 
 def build_parser() -> argparse.ArgumentParser:

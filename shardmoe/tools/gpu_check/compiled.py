@@ -10,14 +10,27 @@ argument, constexpr variant and specialization is the one a real launch at those
 and a launcher that read device data would fail here (meta tensors hold none).
 
 Of each compiled kernel (analyse):
+  triton                     the version that compiled it
   registers, spill_bytes     ptxas -v (triton's own run of its bundled ptxas, its log kept):
                              registers per thread, spill stores + spill loads in bytes
   shared_bytes               the shared memory triton allocates for it (its pipeline buffers)
   mma_instructions           HGMMA (wgmma, Hopper's warpgroup tensor-core MMA) in the SASS
   mma_sync_instructions      HMMA (mma.sync, the pre-Hopper tensor-core MMA)
   tma_instructions           UTMA* / UBLK* (tensor-memory-accelerator copies) in the SASS
+  tma_loads, tma_stores      of those, UTMALDG (global -> shared tile loads) and UTMASTG (stores)
+  wgmma                      the wgmma instruction shapes in the PTX ("m64n256k16"; several joined by ",")
+  async_buffers              the pipeline depth: the fewest buffers of the multi-buffered shared-memory
+                             tiles (ttg.local_alloc of [buffers, rows, columns] in the TTGIR)
+  async_wait                 the smallest cp.async wait (ttg.async_wait num: commit groups left in flight)
+                             in the main loop, the innermost loop holding the MMA; 0 means each step waits
+                             for every copy it issued, so loads do not overlap the MMA; None when the
+                             main loop issues no cp.async (fed by TMA, or not pipelined)
+  wgmma_wait                 the smallest warp_group_dot_wait pendings in the main loop (MMAs left in flight)
+  program_axes               the program-id axes the kernel reads (0, 1, 2 for x, y, z)
+  column_axis                the program axis the launch takes the output column tile from
+                             (kernels.schedule.COLUMN_AXIS; 0 is the one the hardware walks fastest)
 The SASS comes from the cubin through cuobjdump -sass (triton's bundled one, else one on PATH,
-else nvdisasm).
+else nvdisasm); the TTGIR and PTX are triton's own stages of the compile.
 
 toolchain() says what is missing where it cannot run: triton without its NVIDIA backend, no
 cuobjdump or nvdisasm.
@@ -110,7 +123,10 @@ def run_config(device_name: str):
 def compile_only(choose=None):
     """Inside it, a launch of any autotuned kernel of shardmoe.kernels compiles for sm_90 (once per
     variant and config) instead of running; yields ({key: Compiled}, which fills as the launchers run,
-    and {"name": the workload's name, set by the caller}). `choose(tuner, kernel name, named args)`
+    and {"name": the workload's name, set by the caller, "launches": every launch in order, each
+    {"workload", "name", "key" (into the first dict), "args": the scalar arguments and the config's,
+    "shapes": {tensor argument: its shape}, "dtypes": {tensor argument: bytes per element}}}).
+    `choose(tuner, kernel name, named args)`
     gives the configs to compile for a launch: by default run_config(H100), the one an H100 runs.
     Each compile runs in a fresh triton cache, so ptxas always runs and its log is the kernel's."""
     from triton import knobs
@@ -122,7 +138,7 @@ def compile_only(choose=None):
     choose = choose or run_config(H100)
     target = GPUTarget("cuda", CAPABILITY, WARP_SIZE)
     found: dict = {}
-    workload = {"name": None}
+    workload = {"name": None, "launches": []}
     tiles = {name: set().union(*(c.kwargs for c in tuner.configs)) for name, tuner in AUTOTUNED.items()}
 
     def run(self, *args, grid=None, warmup=False, **kwargs):
@@ -138,6 +154,13 @@ def compile_only(choose=None):
                                              "num_stages": config.num_stages}, shown, kernel, log.getvalue())
             if workload["name"] not in found[key].workloads:
                 found[key].workloads.append(workload["name"])
+            named = {**dict(zip(self.arg_names, args)), **kwargs, **config.all_kwargs()}
+            tensors = {k: v for k, v in named.items() if isinstance(v, torch.Tensor)}
+            workload["launches"].append({
+                "workload": workload["name"], "name": name, "key": key,
+                "args": {k: v for k, v in named.items() if isinstance(v, (bool, int, float, str)) or v is None},
+                "shapes": {k: tuple(v.shape) for k, v in tensors.items()},
+                "dtypes": {k: v.element_size() for k, v in tensors.items()}})
 
     previous_run, previous_log, previous_cache = Autotuner.run, knobs.nvidia.dump_ptxas_log, knobs.cache.dir
     with tempfile.TemporaryDirectory(prefix="shardmoe-compiled-") as cache:
@@ -173,15 +196,73 @@ def ptxas_usage(log: str) -> tuple[int | None, int | None]:
             int(spills.group(1)) + int(spills.group(2)) if spills else None)
 
 
+_BUFFERED_TILE = re.compile(r"ttg\.local_alloc\s*:\s*\(\)\s*->\s*!ttg\.memdesc<(\d+)x\d+x\d+x[a-z]")
+_ASYNC_WAIT = re.compile(r"ttg\.async_wait\b.*\{num = (\d+) : i32\}")
+_DOT_WAIT = re.compile(r"warp_group_dot_wait\b.*\{pendings = (\d+) : i32\}")
+_DOT = re.compile(r"\b(?:ttng\.warp_group_dot|tt\.dot)\b(?!_)")
+_PROGRAM_ID = re.compile(r"tt\.get_program_id ([xyz])\b")
+_WGMMA = re.compile(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)\.")
+
+
+def main_loop(ttgir: str) -> list[str]:
+    """The lines of the main loop of a TTGIR module: the innermost scf.for whose own body (nested
+    ifs included, nested loops not) holds an MMA; [] when no loop does. A region opens on a line
+    ending in "{" and closes on a line starting with "}"."""
+    loops: list[list[str]] = []  # every loop's own lines, in order of opening
+    stack: list[int | None] = []  # per open region, its loop's index, None for another region
+    for line in ttgir.splitlines():
+        text = line.strip()
+        if text.startswith("}"):
+            stack.pop()
+        if text.endswith("{"):
+            if text.startswith("}"):  # "} else {": the same kind of region again
+                stack.append(None)
+            elif "scf.for" in text:
+                loops.append([])
+                stack.append(len(loops) - 1)
+                continue
+            else:
+                stack.append(None)
+        owner = next((i for i in reversed(stack) if i is not None), None)
+        if owner is not None:
+            loops[owner].append(text)
+    with_dot = [body for body in loops if any(_DOT.search(t) for t in body)]
+    return with_dot[-1] if with_dot else []
+
+
+def pipeline(ttgir: str) -> dict:
+    """async_buffers, async_wait, wgmma_wait and program_axes of a TTGIR module (module docstring)."""
+    buffers = [int(n) for n in _BUFFERED_TILE.findall(ttgir)]
+    loop = main_loop(ttgir)
+    waits = [int(m.group(1)) for t in loop if (m := _ASYNC_WAIT.search(t))]
+    dot_waits = [int(m.group(1)) for t in loop if (m := _DOT_WAIT.search(t))]
+    return {"async_buffers": min(buffers) if buffers else 1, "async_wait": min(waits) if waits else None,
+            "wgmma_wait": min(dot_waits) if dot_waits else None,
+            "program_axes": sorted({"xyz".index(a) for a in _PROGRAM_ID.findall(ttgir)})}
+
+
+def wgmma_shapes(ptx: str) -> str | None:
+    """The wgmma instruction shapes of a PTX module, sorted and joined by ","; None without wgmma."""
+    shapes = sorted(set(_WGMMA.findall(ptx)))
+    return ",".join(shapes) if shapes else None
+
+
 def analyse(compiled: Compiled, disassembler: list[str]) -> dict:
     """The report row of one compiled kernel (module docstring)."""
+    import triton
+
+    from shardmoe.kernels.schedule import COLUMN_AXIS
+
     ops = sass_opcodes(compiled.kernel.asm["cubin"], disassembler)
     registers, spills = ptxas_usage(compiled.ptxas_log)
-    return {"name": compiled.name, "config": compiled.config, "variant": compiled.variant,
-            "workloads": compiled.workloads, "gemm": compiled.name in GEMM_KERNELS,
+    return {"name": compiled.name, "triton": triton.__version__, "config": compiled.config,
+            "variant": compiled.variant, "workloads": compiled.workloads, "gemm": compiled.name in GEMM_KERNELS,
             "registers": registers, "spill_bytes": spills, "shared_bytes": compiled.kernel.metadata.shared,
             "mma_instructions": ops["HGMMA"], "mma_sync_instructions": ops["HMMA"],
-            "tma_instructions": sum(n for op, n in ops.items() if op.startswith(TMA_PREFIXES))}
+            "tma_instructions": sum(n for op, n in ops.items() if op.startswith(TMA_PREFIXES)),
+            "tma_loads": ops["UTMALDG"], "tma_stores": ops["UTMASTG"],
+            "wgmma": wgmma_shapes(compiled.kernel.asm["ptx"]), **pipeline(compiled.kernel.asm["ttgir"]),
+            "column_axis": COLUMN_AXIS.get(compiled.name)}
 
 
 def meta_groups(num_experts: int, num_rows: int):

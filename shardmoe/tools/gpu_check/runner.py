@@ -16,12 +16,12 @@ import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import bench, calibrate, env, model, parity, pytest_stage, sanitizer, static, sweep, train
+from . import bench, calibrate, env, model, parity, pytest_stage, sanitizer, static, sweep, traffic, train
 from .report import Report
 
 # the order they run in, whatever the order --only names them in (calibrate reads bench's rates)
-STAGES = {"env": env, "static": static, "tests": pytest_stage, "sanitizer": sanitizer, "parity": parity,
-          "train": train, "bench": bench, "sweep": sweep, "model": model, "calibrate": calibrate}
+STAGES = {"env": env, "static": static, "traffic": traffic, "tests": pytest_stage, "sanitizer": sanitizer,
+          "parity": parity, "train": train, "bench": bench, "sweep": sweep, "model": model, "calibrate": calibrate}
 MARKDOWN = {name: module.markdown for name, module in STAGES.items()}
 
 
