@@ -26,7 +26,7 @@ from shardmoe.kernels.combine import grad_combine_and_gate_dots
 from shardmoe.kernels.down_grad import down_grad
 from shardmoe.kernels.forward_gemm import forward_gemm
 from shardmoe.kernels.grad_gemm import grad_gemm
-from shardmoe.kernels.weight_grad import weight_grad
+from shardmoe.kernels.weight_grad import weight_and_bias_grad
 
 
 def expert_forward(kind: ExpertKind, activation, output_activation: str, xs: torch.Tensor,
@@ -56,8 +56,8 @@ def glu_expert_backward(grad_rows: torch.Tensor, weight_rows: torch.Tensor, xs: 
 
       down_grad   dh = dSwiGLU(w g Wdown_e, h) [N, 2F], a' = w a [N, F], dw = (g Wdown_e) . a
                   (+ g . bdown_e): one GEMM and its epilogue (down_grad.py)
-      dWdown_e  = sum g^T a'  [E, H, F]     dbdown_e = sum w g  [E, H]       (weight_grad)
-      dWgu_e    = sum dh^T x  [E, 2F, H]    dbgu_e   = sum dh   [E, 2F]      (weight_grad)
+      dWdown_e  = sum g^T a'  [E, H, F]     dbdown_e = sum w g  [E, H]       (weight_and_bias_grad)
+      dWgu_e    = sum dh^T x  [E, 2F, H]    dbgu_e   = sum dh   [E, 2F]      (weight_and_bias_grad)
       dx        = dh Wgu_e    [N, H]                                          (grad_gemm)
 
     With row_index [N], grad_rows and xs are the token-order [S, H] tensors, read through it. The
@@ -68,11 +68,12 @@ def glu_expert_backward(grad_rows: torch.Tensor, weight_rows: torch.Tensor, xs: 
     has_bias = params.get("gate_up_proj_bias") is not None
     grad_h, a_scaled, grad_dots = down_grad(grad_rows, weight_rows, h, down, groups, activation,
                                             grad_index=row_index, dot_bias=down_bias)
-    grad_down, grad_down_bias = weight_grad(grad_rows, a_scaled, groups, grad_index=row_index,
-                                            with_bias=has_bias, bias_scale=weight_rows if has_bias else None)
+    grad_down, grad_down_bias = weight_and_bias_grad(grad_rows, a_scaled, groups, grad_index=row_index,
+                                                     with_bias=has_bias, bias_scale=weight_rows if has_bias else None)
     del a_scaled
     gate_up = params["gate_up_proj"]
-    grad_gate_up, grad_gate_up_bias = weight_grad(grad_h, xs, groups, x_index=row_index, with_bias=has_bias)
+    grad_gate_up, grad_gate_up_bias = weight_and_bias_grad(grad_h, xs, groups, x_index=row_index,
+                                                           with_bias=has_bias)
     grad_xs = grad_gemm(grad_h, gate_up, groups)
     return grad_xs, grad_dots, {"gate_up_proj": grad_gate_up, "gate_up_proj_bias": grad_gate_up_bias,
                                 "down_proj": grad_down, "down_proj_bias": grad_down_bias}
@@ -85,7 +86,7 @@ def mlp_expert_backward(grad_rows: torch.Tensor, weight_rows: torch.Tensor, xs: 
 
       combine.grad_combine_and_gate_dots  dz2 = w g act_out'(z2) [N, H], dw = g . act_out(z2): one pass
       dz1      = (dz2 W2_e) act'(z1)  [N, P]   the derivative in the GEMM's epilogue (grad_gemm)
-      dW2_e    = sum dz2^T a1, db2_e = sum dz2;  dW1_e = sum dz1^T x, db1_e = sum dz1   (weight_grad)
+      dW2_e    = sum dz2^T a1, db2_e = sum dz2;  dW1_e = sum dz1^T x, db1_e = sum dz1   (weight_and_bias_grad)
       dx       = dz1 W1_e  [N, H]
 
     Every GEMM reads plain operands: each derivative is applied once, where its tensor is made.
@@ -96,8 +97,8 @@ def mlp_expert_backward(grad_rows: torch.Tensor, weight_rows: torch.Tensor, xs: 
                                                     row_index=row_index)
     w1, w2 = params["w1"], params["w2"]
     grad_z1 = grad_gemm(grad_z2, w2, groups, z=z1, activation=activation)
-    grad_w2, grad_b2 = weight_grad(grad_z2, a1, groups, with_bias=has_bias)
+    grad_w2, grad_b2 = weight_and_bias_grad(grad_z2, a1, groups, with_bias=has_bias)
     del grad_z2
-    grad_w1, grad_b1 = weight_grad(grad_z1, xs, groups, x_index=row_index, with_bias=has_bias)
+    grad_w1, grad_b1 = weight_and_bias_grad(grad_z1, xs, groups, x_index=row_index, with_bias=has_bias)
     grad_xs = grad_gemm(grad_z1, w1, groups)
     return grad_xs, grad_dots, {"w1": grad_w1, "b1": grad_b1, "w2": grad_w2, "b2": grad_b2}

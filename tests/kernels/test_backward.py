@@ -13,7 +13,7 @@ from shardmoe.expert_kinds import GLU, MLP  # noqa: E402
 from shardmoe.kernels import stages as kex  # noqa: E402
 from shardmoe.kernels.down_grad import down_grad  # noqa: E402
 from shardmoe.kernels.grad_gemm import grad_gemm  # noqa: E402
-from shardmoe.kernels.weight_grad import weight_grad  # noqa: E402
+from shardmoe.kernels.weight_grad import weight_and_bias_grad  # noqa: E402
 from shardmoe.moe import combine as comb  # noqa: E402
 from shardmoe.moe.experts import TORCH_OPS  # noqa: E402
 from shardmoe.moe import experts as ex  # noqa: E402
@@ -53,7 +53,7 @@ def test_grouped_gemms(routed, expert_params, rel_err):
     expected = (TORCH_OPS.linear_t(rows, down, groups), TORCH_OPS.weight_grad(rows, act, groups),
                 TORCH_OPS.bias_grad(rows, groups))
     r32, d32, a32 = rows.to(F32), down.to(F32), act.to(F32)
-    got = (grad_gemm(r32, d32, groups), *weight_grad(r32, a32, groups, with_bias=True))
+    got = (grad_gemm(r32, d32, groups), *weight_and_bias_grad(r32, a32, groups, with_bias=True))
     assert_all_close(got, expected, rel_err)
     empty = [e for e, size in enumerate(groups.sizes) if size == 0]
     assert empty and got[1][empty].abs().max() == 0 and got[2][empty].abs().max() == 0
