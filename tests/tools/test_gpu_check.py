@@ -231,6 +231,8 @@ def test_traffic_model_rows_calibration_and_the_fine_step(dry_run):
     assert steps[("fine", "H200")]["modelled_ms"] <= steps[("fine", "H100")]["modelled_ms"]
     fine = steps[("fine", "H100")]
     assert fine["modelled_ms"] <= 4.0 and fine["dram_bytes"] <= 1.5 * fine["compulsory_bytes"], fine
+    row_first = fine["row_tile_fastest"]
+    assert row_first["modelled_ms"] > 6.0 and row_first["dram_bytes"] > 3 * fine["compulsory_bytes"], row_first
     rows = result["calibration"]
     assert {(r["kernel"], r["shape"]) for r in rows} == {(k, s) for s, ks in PROFILES_206AE40.items() for k in ks}
     for r in rows:
