@@ -171,23 +171,21 @@ def _frames_to_first_expert_gemm(step) -> list[str]:
     found = []
 
     def note(frame, event, arg):
-        if found:
-            return
         if event == "c_call" and arg in (torch.mm, torch.addmm):
             found.append(_shardmoe_frames(frame))
-            return
-        if event != "call":
-            return
-        code, caller = frame.f_code, frame.f_back
-        if code.co_name == "grouped_mm" and frame.f_globals.get("__name__") == "torch.nn.functional":
-            found.append(_shardmoe_frames(caller))
-        elif code.co_name == "__call__" and frame.f_globals.get("__name__") == "torch._ops":
-            if str(getattr(frame.f_locals.get("self"), "_qualified_op_name", "")).startswith("shardmoe_gemm::"):
+        elif event == "call":
+            code, caller = frame.f_code, frame.f_back
+            if code.co_name == "grouped_mm" and frame.f_globals.get("__name__") == "torch.nn.functional":
                 found.append(_shardmoe_frames(caller))
-        elif code.co_name == "run" and frame.f_globals.get("__name__", "").startswith("triton.runtime"):
-            kernel = getattr(frame.f_locals.get("self"), "fn", None)
-            if getattr(kernel, "__name__", "") == "forward_gemm_kernel":
-                found.append(_shardmoe_frames(caller))
+            elif code.co_name == "__call__" and frame.f_globals.get("__name__") == "torch._ops":
+                if str(getattr(frame.f_locals.get("self"), "_qualified_op_name", "")).startswith("shardmoe_gemm::"):
+                    found.append(_shardmoe_frames(caller))
+            elif code.co_name == "run" and frame.f_globals.get("__name__", "").startswith("triton.runtime"):
+                kernel = getattr(frame.f_locals.get("self"), "fn", None)
+                if getattr(kernel, "__name__", "") == "forward_gemm_kernel":
+                    found.append(_shardmoe_frames(caller))
+        if found:
+            sys.setprofile(None)  # the rest of the step runs unprofiled (the interpreter's kernels are slow under it)
 
     sys.setprofile(note)
     try:
