@@ -65,7 +65,7 @@ def sample(fn, args):
 
 
 def passes(dtype, rows, ffn, hidden, tokens, top_k, runs):
-    ops = cpu._ops()
+    ops = torch.ops.shardmoe_elementwise
     g = torch.Generator().manual_seed(0)
     h = torch.randn(rows, 2 * ffn, generator=g).to(dtype)
     da = torch.randn(rows, ffn, generator=g).to(dtype)
@@ -86,7 +86,7 @@ def passes(dtype, rows, ffn, hidden, tokens, top_k, runs):
         "dot3 [N,F]": (combine.rowwise_dot, cpu.rowwise_dot, None, pure_dot,
                        (da, ag, h[:, ffn:])),
         "combine [N,H]": (combine.combine_rows,
-                          lambda y, rp, s, k, w: cpu.combine_rows(y, torch.div(rp, k, rounding_mode="floor"), s, w),
+                          lambda y, rp, s, k, w: cpu.index_add_rows(y, torch.div(rp, k, rounding_mode="floor"), s, w),
                           None, lambda y, rp, s, k, w: pure_combine(y, w, rp, s, k), (y, row_pair, tokens, top_k, w)),
     }
     compiled = {}
@@ -134,7 +134,7 @@ def main():
     parser.add_argument("--runs", type=int, default=3)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    if cpu._ops() is None:
+    if not cpu.library_loaded():
         raise SystemExit("the C++ extension did not build (see the warning above)")
     for dtype in (torch.bfloat16, torch.float32):
         for label, shape in [("e8: N=8192 F=1024 H=512", (8192, 1024, 512, 4096, 2)),

@@ -1,8 +1,8 @@
 """How fast the layer's expert GEMMs run inside a training step, and what share of the step they are.
 
 One shape of the layer bench (shardmoe bench), bf16 or fp32, fresh routing every step: the six
-side-by-side expert GEMM calls of a forward + backward (cpu.experts_mm for the forward and
-input-gradient GEMMs, cpu.experts_weight_grad for the weight gradients) are timed one by one
+side-by-side expert GEMM calls of a forward + backward (torch.ops.shardmoe_gemm.experts_mm for the
+forward and input-gradient GEMMs, experts_weight_grad for the weight gradients) are timed one by one
 (each call returns when its GEMMs are done), and their GFLOP/s printed beside the step time. The
 dense anchor of the layer bench runs the same FLOPs as whole-batch GEMMs; the difference between
 the step and the GEMMs is the routing, gathers, elementwise passes and combines.
@@ -28,24 +28,22 @@ from shardmoe.moe import cpu
 
 
 def timed_gemms(stats: dict):
-    """Wrappers of cpu_gemm's two entry points adding (seconds, FLOPs) per call kind to stats."""
-    experts_mm, experts_weight_grad = cpu.experts_mm, cpu.experts_weight_grad
+    """Wrappers of the two side-by-side GEMM operators adding (seconds, FLOPs) per call kind to stats."""
+    experts_mm, experts_weight_grad = torch.ops.shardmoe_gemm.experts_mm, torch.ops.shardmoe_gemm.experts_weight_grad
 
     def mm(rows, weight, sizes, out):
         start = time.perf_counter()
-        result = experts_mm(rows, weight, sizes, out)
+        experts_mm(rows, weight, sizes, out)
         key = f"experts_mm [N,{rows.shape[1]}] x [E,{weight.shape[1]},{weight.shape[2]}]"
         stats[key][0] += time.perf_counter() - start
         stats[key][1] += 2 * rows.shape[0] * weight.shape[1] * weight.shape[2]
-        return result
 
-    def weight_grad(grad_rows, in_rows, sizes):
+    def weight_grad(grad_rows, in_rows, sizes, out):
         start = time.perf_counter()
-        result = experts_weight_grad(grad_rows, in_rows, sizes)
+        experts_weight_grad(grad_rows, in_rows, sizes, out)
         key = f"experts_weight_grad [N,{grad_rows.shape[1]}]^T [N,{in_rows.shape[1]}]"
         stats[key][0] += time.perf_counter() - start
         stats[key][1] += 2 * grad_rows.shape[0] * grad_rows.shape[1] * in_rows.shape[1]
-        return result
 
     return mm, weight_grad
 
@@ -65,7 +63,10 @@ def main(argv=None) -> None:
     names = ["shardmoe", "dense"]
     cands = build_candidates(shape, dtype, "cpu", names, fresh_inputs=args.steps + 3)[0]
     stats = collections.defaultdict(lambda: [0.0, 0])
-    cpu.experts_mm, cpu.experts_weight_grad = timed_gemms(stats)
+    if not cpu.library_loaded():
+        raise SystemExit("layer_gemm_rates: the C++ library did not build: nothing to time")
+    # the layer looks the operators up on torch.ops.shardmoe_gemm at each call (experts.TorchOps.linear)
+    torch.ops.shardmoe_gemm.experts_mm, torch.ops.shardmoe_gemm.experts_weight_grad = timed_gemms(stats)
     seconds = {}
     for name in names:
         for _ in range(3):

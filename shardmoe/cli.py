@@ -18,8 +18,8 @@ import sys
 COMMANDS = {
     "train": ("shardmoe.train.command", "train the sharded MoE transformer (the main job)"),
     "sample": ("shardmoe.train.sample_command", "continue prompts with a trained run's model"),
-    "check": ("shardmoe.check.command", "check the fused MoE layer's gradients against float64 references"),
-    "bench": ("shardmoe.tools.bench", "benchmark the fused MoE layer against its anchors"),
+    "check": ("shardmoe.check.command", "check the MoE layer's gradients against float64 references"),
+    "bench": ("shardmoe.tools.bench", "benchmark the MoE layer against its anchors"),
     "trace": ("shardmoe.tasks.command", "run the tile-task schedule and export its trace"),
     "simulate": ("shardmoe.simulate.command", "simulate the tile schedule vs bulk-synchronous EP from 8 to 1024 GPUs"),
 }

@@ -15,8 +15,8 @@ MoEConfig.expert names the kind and config.kind is its object (GLU or MLP), whic
 functions take. A kind holds its names, whole and shard shapes, accepted activations and what its
 forward saves. The kernels (kernels/stages.py) need only these, and import nothing of moe/, so
 this module is a leaf; it therefore holds no stage function itself: where the computation differs,
-each backend has one function per kind beside its other stage functions (moe/experts.py,
-moe/triton_backend.py, the tile bodies of tasks/kernels.py), looked up by these two objects.
+each implementation has one function per kind beside its other stage functions (moe/experts.py,
+moe/triton_ops.py, the tile bodies of tasks/kernels.py), looked up by these two objects.
 """
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "silu", "identity")
 
 class ExpertKind(abc.ABC):
     """The parameter names, widths and saved tensors of one expert kind. GLU and MLP are its only
-    instances: backends key their per-kind stage functions by them."""
+    instances: the stage implementations key their per-kind functions by them."""
 
     name: str
     up: str  # [E, U, H]

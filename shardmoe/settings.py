@@ -1,10 +1,11 @@
 """The switches that choose between shardmoe's implementations, in one object.
 
 Each is read once from its environment variable when shardmoe is imported (a value of 0 turns it
-off) and may be changed for a block of code with override(). Each stays for the measurement named
-beside it, which needs the other side to compare against:
+off, any other on; unset, the default below) and may be changed for a block of code with
+override(). Each stays for the measurement named beside it, which needs the other side to compare
+against:
 
-  kernels            SHARDMOE_KERNELS            the Triton backend on CUDA (moe/backends.py); the GPU
+  kernels            SHARDMOE_KERNELS            the Triton kernels on CUDA (moe/dispatch.py); the GPU
                                                  check's bench and sweep time it against the torch path
                                                  (docs/gpu.md)
   experts_mm         SHARDMOE_EXPERTS_MM         the experts' GEMMs side by side on CPU (moe/cpu.py); the
@@ -17,6 +18,12 @@ beside it, which needs the other side to compare against:
                                                  off, each takes its first (kernels/tuning.py): for
                                                  checks at many small shapes, where compiling dominates;
                                                  a shape keeps its first choice for the process
+  force_kernels      SHARDMOE_FORCE_KERNELS      off by default; on, every layer the kernels implement
+                                                 takes them (kernels.kernel_path): past KERNEL_MAX_FFN,
+                                                 to time the kernels where the torch path is the
+                                                 default (the GPU check's bench), and for CPU tensors,
+                                                 which then run in Triton's interpreter (the kernel
+                                                 tests, tests/kernels/)
 
   with shardmoe.settings.override(fused_elementwise=False):
       layer(x).sum().backward()          # the torch code of the same stages
@@ -31,7 +38,8 @@ import dataclasses
 import os
 
 ENVIRONMENT = {"kernels": "SHARDMOE_KERNELS", "experts_mm": "SHARDMOE_EXPERTS_MM",
-               "fused_elementwise": "SHARDMOE_FUSED_ELEMENTWISE", "autotune": "SHARDMOE_AUTOTUNE"}
+               "fused_elementwise": "SHARDMOE_FUSED_ELEMENTWISE", "autotune": "SHARDMOE_AUTOTUNE",
+               "force_kernels": "SHARDMOE_FORCE_KERNELS"}
 
 
 @dataclasses.dataclass
@@ -40,10 +48,14 @@ class Settings:
     experts_mm: bool = True
     fused_elementwise: bool = True
     autotune: bool = True
+    force_kernels: bool = False
 
     @classmethod
     def from_environ(cls) -> "Settings":
-        return cls(**{name: os.environ.get(var, "1") != "0" for name, var in ENVIRONMENT.items()})
+        """Each switch from its variable: set to 0, off; set to anything else, on; unset, its default."""
+        defaults = cls()
+        return cls(**{name: os.environ[var] != "0" if var in os.environ else getattr(defaults, name)
+                      for name, var in ENVIRONMENT.items()})
 
 
 SETTINGS = Settings.from_environ()

@@ -4,7 +4,8 @@
 benchmarks/ has a row in its index and is cited by the docs that row names, and no doc, comment or
 test cites the tracker ("issue 9") or narrates history ("today's", "used to").
 
-docs/history/ is a dated record and is not held to the present."""
+docs/history/ is a dated record and is not held to the present; nor are the lease reports under
+docs/gpu/ (each a run's output, at the commit and with the command it records)."""
 from __future__ import annotations
 
 import re
@@ -27,9 +28,14 @@ FILES = _repository_files()
 NAMES = set(FILES) | {"/".join(f.split("/")[:i]) for f in FILES for i in range(1, f.count("/") + 1)}
 
 
+def _is_record(path: str) -> bool:
+    """A dated record: docs/history/, or a lease's report directory under docs/gpu/."""
+    return path.startswith("docs/history/") or (path.startswith("docs/gpu/") and path.count("/") >= 3)
+
+
 def _docs() -> list[str]:
-    """The present-tense docs: docs/ outside docs/history/, and the READMEs."""
-    return sorted(f for f in FILES if f.endswith(".md") and not f.startswith("docs/history/")
+    """The present-tense docs: docs/ outside its records, and the READMEs."""
+    return sorted(f for f in FILES if f.endswith(".md") and not _is_record(f)
                   and (f.startswith("docs/") or f in ("README.md", "benchmarks/README.md")))
 
 
@@ -86,7 +92,7 @@ def _titles(doc: str) -> list[str]:
 def test_every_section_cited_by_name_exists():
     """`docs/X.md, "Title"` (in docs, comments and tests) names a heading or bold lead of X.md."""
     missing = []
-    cited_in = [f for f in FILES if f.endswith((".md", ".py", ".sh")) and not f.startswith("docs/history/")]
+    cited_in = [f for f in FILES if f.endswith((".md", ".py", ".sh")) and not _is_record(f)]
     for source in cited_in:
         text = re.sub(r"\s*\n\s*(?:#\s*)?", " ", (ROOT / source).read_text(errors="replace"))
         for doc, title in re.findall(r"(?:docs/)?([a-z][\w-]*\.md)[,:]? \(?\"([^\"]+)\"", text):
@@ -150,10 +156,100 @@ def test_no_tracker_numbers_or_history_narration():
     """The tracker is not in the repository and history lives in git: a reason is given in the
     present tense ("without this check, X happens")."""
     checked = [f for f in FILES if f.endswith((".md", ".py", ".sh", ".cpp", ".toml"))
-               and not f.startswith("docs/history/") and f != "tests/test_docs.py"]
+               and not _is_record(f) and f != "tests/test_docs.py"]
     found = []
     for path in checked:
         for number, line in enumerate((ROOT / path).read_text(errors="replace").splitlines(), 1):
             if TRACKER.search(line) or NARRATION.search(line):
                 found.append(f"{path}:{number}: {line.strip()}")
     assert not found, "tracker numbers or history narration:\n" + "\n".join(found)
+
+
+# A figure: a measured quantity, a number with a unit of time, a speed ratio or a rate.
+FIGURE = re.compile(r"(?<![\w.])(\d+(?:\.\d+)?[x×](?!\w)|\d+(?:\.\d+)?\s?(?:ms|µs|us|ns|s|min)\b(?!/)"
+                    r"|\d+(?:\.\d+)?\s?(?:[GTMk]FLOP/s|[GTM]B/s|tokens/s|tok/s))")
+# What reproduces one: a command (a runner, after any VAR=value), as a doc writes it in a code span
+# or a fenced block
+COMMAND = re.compile(r"^(?:[A-Z_]+=\S*\s+)*(?:python3?|\.venv/bin/python|/usr/bin/time\b.*python|shardmoe|make|"
+                     r"pytest|torchrun|time\s+\S)")
+
+
+def _constants() -> set[str]:
+    """The package's module-level constants (UPPER_CASE = ..., private ones too): a number a doc quotes
+    from the code."""
+    found = set()
+    for path in (ROOT / "shardmoe").rglob("*.py"):
+        found.update(re.findall(r"^(_?[A-Z][A-Z0-9_]+)\s*(?::[^=\n]*)?=", path.read_text(), re.M))
+    return found
+
+
+def _blocks(text: str) -> list[tuple[str, int, list[str]]]:
+    """(kind, section, lines) of each paragraph, table, fenced block and heading, in order."""
+    blocks, lines, kind, fence, section = [], [], None, False, 0
+    for line in text.split("\n"):
+        if line.startswith("```"):
+            if fence:
+                blocks.append(("code", section, lines + [line]))
+                lines, fence = [], False
+                continue
+            if lines:
+                blocks.append((kind, section, lines))
+            lines, fence = [line], True
+            continue
+        if fence:
+            lines.append(line)
+            continue
+        if line.startswith("#") or not line.strip():
+            if lines:
+                blocks.append((kind, section, lines))
+            lines = []
+            if line.startswith("#"):
+                section += 1
+                blocks.append(("heading", section, [line]))
+            continue
+        line_kind = "table" if line.lstrip().startswith("|") else "text"
+        if lines and line_kind != kind:
+            blocks.append((kind, section, lines))
+            lines = []
+        kind = line_kind
+        lines.append(line)
+    if lines:
+        blocks.append((kind, section, lines))
+    return blocks
+
+
+def _cites_a_source(block, constants: set[str]) -> bool:
+    """Whether the block holds a command, a constant of the package or a dated record's path."""
+    kind, _, lines = block
+    if kind == "code":
+        return any(COMMAND.match(line.strip().lstrip("$ ")) for line in lines[1:-1])
+    for span in re.findall(r"`([^`]+)`", "\n".join(lines)):  # a code span may run over a line break
+        span = " ".join(span.split())
+        if COMMAND.match(span) or span.split(".")[-1] in constants or _is_record(span):
+            return True
+    return False
+
+
+def test_every_figure_cites_what_reproduces_it():
+    """Every paragraph or table of the README and the present-tense docs that quotes a figure (a time,
+    a speed ratio, a rate) has, in itself, the paragraph or table just before or after it in the
+    same section, or the caption of the table it follows, what reproduces it: the command that measured it (in a code span or a fenced
+    block), the package constant it quotes (`kernels.KERNEL_MAX_FFN`), or the dated record that
+    holds the run and its command (a lease report under docs/gpu/, docs/history/). The commands'
+    scripts and modules exist: the tests above hold every path and module a doc names."""
+    constants = _constants()
+    uncited = []
+    for doc in (d for d in _docs() if d != "benchmarks/README.md"):
+        blocks = _blocks((ROOT / doc).read_text())
+        for i, block in enumerate(blocks):
+            if block[0] in ("code", "heading"):
+                continue
+            figures = FIGURE.findall(re.sub(r"`[^`]*`", "", "\n".join(block[2])))
+            if not figures:
+                continue
+            # itself, its neighbours, and the caption of a table just before it (the runs it reads)
+            around = [i - 1, i, i + 1] + ([i - 2] if i >= 1 and blocks[i - 1][0] == "table" else [])
+            near = [blocks[j] for j in around if 0 <= j < len(blocks) and blocks[j][1] == block[1]]
+            if not any(_cites_a_source(b, constants) for b in near):
+                uncited.append(f"{doc}: {', '.join(figures[:3])} in: {block[2][0][:90]}")
+    assert not uncited, "figures without the command that measured them:\n" + "\n".join(uncited)

@@ -12,11 +12,17 @@ from shardmoe.moe import cpu
 
 
 def test_environment_is_read_at_import():
-    code = ("from shardmoe.settings import SETTINGS; "
-            "print(SETTINGS.kernels, SETTINGS.experts_mm, SETTINGS.fused_elementwise, SETTINGS.autotune)")
-    env = {"SHARDMOE_KERNELS": "0", "SHARDMOE_FUSED_ELEMENTWISE": "0", "SHARDMOE_AUTOTUNE": "0", "PATH": ""}
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
-    assert out.split() == ["False", "True", "False", "False"]
+    """A variable set to 0 turns its switch off, any other value on; an unset one keeps its default
+    (on for the implementations, off for the test switch force_kernels)."""
+    code = ("from shardmoe.settings import SETTINGS; print(SETTINGS.kernels, SETTINGS.experts_mm, "
+            "SETTINGS.fused_elementwise, SETTINGS.autotune, SETTINGS.force_kernels)")
+    for env, want in (({"SHARDMOE_KERNELS": "0", "SHARDMOE_FUSED_ELEMENTWISE": "0", "SHARDMOE_AUTOTUNE": "0"},
+                       ["False", "True", "False", "False", "False"]),
+                      ({"SHARDMOE_FORCE_KERNELS": "1", "SHARDMOE_EXPERTS_MM": ""},
+                       ["True", "True", "True", "True", "True"])):
+        out = subprocess.run([sys.executable, "-c", code], env={**env, "PATH": ""}, capture_output=True, text=True,
+                             check=True).stdout
+        assert out.split() == want, env
 
 
 def test_override_restores_on_error_and_names_bad_arguments():
@@ -27,7 +33,7 @@ def test_override_restores_on_error_and_names_bad_arguments():
             raise KeyError("inside")
     assert settings.SETTINGS.fused_elementwise is before
     with pytest.raises(ValueError, match=r"override: expected settings among kernels, experts_mm, fused_elementwise, "
-                                         r"autotune, got \['triton'\]"):
+                                         r"autotune, force_kernels, got \['triton'\]"):
         with settings.override(triton=False):
             pass
     with pytest.raises(ValueError, match="override: expected bool values, got {'kernels': 0}"):

@@ -2,14 +2,14 @@
 
   cases       the configurations checked: float64 matrix, quick subset, precision set
   inputs      random inputs kept clear of top-k ties and relu kinks
-  compare     fused layer vs the float64 reference: relative error per tensor, tolerances
-  gradcheck   finite differences on the fused layer (torch.autograd.gradcheck)
+  compare     the MoE layer vs the float64 reference: relative error per tensor, tolerances
+  gradcheck   finite differences on the MoE layer (torch.autograd.gradcheck)
   health      per-parameter gradient norms with exploding / vanishing flags
   command     the `shardmoe check` subcommand
 """
 from shardmoe.check.compare import TOLERANCES, compare_with_reference, relative_error
-from shardmoe.check.gradcheck import fused_gradcheck
+from shardmoe.check.gradcheck import layer_gradcheck
 from shardmoe.check.health import HealthReport, gradient_health
 
-__all__ = ["TOLERANCES", "HealthReport", "compare_with_reference", "fused_gradcheck", "gradient_health",
+__all__ = ["TOLERANCES", "HealthReport", "compare_with_reference", "layer_gradcheck", "gradient_health",
            "relative_error"]

@@ -267,7 +267,7 @@ def unit_size_cases() -> list[CheckCase]:
 
     "mlp" with H = F = 1 draws seed 1: on seed 0's draw b1's gradient is a sum of ~6 scalars that
     cancels, and a plain bf16 autograd run of the float64 reference itself errs by 3.9e-2 there
-    (the fused layer 4.8e-2), so that draw measures the sum's conditioning, not the layer."""
+    (shardmoe.MoE 4.8e-2), so that draw measures the sum's conditioning, not the layer."""
     cases = []
     for expert, act, out, bias in (("glu", "silu", "identity", False), ("mlp", "gelu", "silu", True)):
         for hidden, ffn in ((1, FFN), (HIDDEN, 1), (1, 1)):

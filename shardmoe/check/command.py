@@ -1,9 +1,9 @@
-"""`shardmoe check`: the fused MoE layer against its float64 references, as a table.
+"""`shardmoe check`: the MoE layer against its float64 references, as a table.
 
 Three parts, each selectable:
   float64    the configuration matrix (cases.full_matrix, or quick_matrix with --quick):
-             fused layer vs the plain-autograd reference, relative error <= 1e-10
-  float32,   the precision set (cases.precision_cases): fused layer in that dtype vs the
+             the layer vs the plain-autograd reference, relative error <= 1e-10
+  float32,   the precision set (cases.precision_cases): the layer in that dtype vs the
   bfloat16   float64 reference on the same rounded inputs, <= 1e-5 and <= 2e-2
   gradcheck  central finite differences on small float64 configs (skipped by --no-gradcheck)
 
@@ -34,7 +34,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-gradcheck", dest="gradcheck", action="store_false",
                         help="skip the finite-difference checks")
     parser.add_argument("--failures-only", action="store_true", help="print only the rows that fail")
-    parser.add_argument("--device", default="cpu", help="device the fused layer runs on (default: cpu)")
+    parser.add_argument("--device", default="cpu", help="device the MoE layer runs on (default: cpu)")
 
 
 def _format_error(value: float | None) -> str:
@@ -57,7 +57,7 @@ def _compare_section(title: str, cases, dtype, args) -> tuple[int, int]:
     """Print one dtype's comparison table; return (checks, failures)."""
     from shardmoe.check.compare import TOLERANCES, compare_with_reference
 
-    print(f"\n{title}: fused vs float64 reference, {len(cases)} configs, "
+    print(f"\n{title}: layer vs float64 reference, {len(cases)} configs, "
           f"tolerance {TOLERANCES[dtype]:g} (max|a-b| / max|b| per tensor)")
     width = max(len(c.name) for c in cases)
     print(_header(width))
@@ -78,13 +78,13 @@ def _compare_section(title: str, cases, dtype, args) -> tuple[int, int]:
 
 
 def _gradcheck_section(cases, args) -> tuple[int, int]:
-    from shardmoe.check.gradcheck import ATOL, EPS, RTOL, fused_gradcheck
+    from shardmoe.check.gradcheck import ATOL, EPS, RTOL, layer_gradcheck
 
     print(f"\ngradcheck: float64 central differences, eps {EPS:g}, atol {ATOL:g}, rtol {RTOL:g}")
     failures = 0
     for case in cases:
         try:
-            result = fused_gradcheck(case)
+            result = layer_gradcheck(case)
             passed, message = result.passed, result.message
         except Exception as err:
             passed, message = False, f"{type(err).__name__}: {err}"

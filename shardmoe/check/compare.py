@@ -1,4 +1,4 @@
-"""Fused layer versus the float64 reference: output, aux loss, stats and every gradient.
+"""The MoE layer versus the float64 reference: output, aux loss, stats and every gradient.
 
 Relative error of a tensor a against its reference b:
 
@@ -36,7 +36,7 @@ from shardmoe.moe.reference import reference_forward_backward, reference_routing
 # 1e-10 leaves room for error growth yet catches any missing term, which is O(1).
 # float32 (eps 1.2e-7) and bfloat16 (eps 7.8e-3) are measured against float64: a few
 # GEMMs and activations in a row, each rounding once, then sums that cancel (the gate
-# gradient). Measured over the matrix: the fused layer in fp32 stays below 9.3e-7, and
+# gradient). Measured over the matrix: the layer in fp32 stays below 9.3e-7, and
 # a plain bf16 autograd run of the reference below 1.64e-2 (docs/checking.md gives the
 # script). The bounds are ~80 and ~2.5 epsilons.
 TOLERANCES = {torch.float64: 1e-10, torch.float32: 1e-5, torch.bfloat16: 2e-2}
@@ -81,7 +81,7 @@ class CaseResult:
         return not self.problems and all(err <= self.tolerance for err in self.errors.values())
 
 
-def fused_layer(config: MoEConfig, dtype: torch.dtype, device="cpu"):
+def build_layer(config: MoEConfig, dtype: torch.dtype, device="cpu"):
     """A shardmoe.MoE built from `config` (looked up at call time, so tests can substitute it)."""
     import shardmoe
 
@@ -97,11 +97,11 @@ def fused_layer(config: MoEConfig, dtype: torch.dtype, device="cpu"):
     )
 
 
-def run_fused(config: MoEConfig, inputs: CaseInputs, device="cpu"):
-    """Forward and backward of the fused layer on `inputs`: (layer, y, x.grad).
+def run_layer(config: MoEConfig, inputs: CaseInputs, device="cpu"):
+    """Forward and backward of the MoE layer on `inputs`: (layer, y, x.grad).
 
     The layer holds the parameter gradients of L = sum(y * grad_out) + aux_loss."""
-    layer = fused_layer(config, inputs.x.dtype, device)
+    layer = build_layer(config, inputs.x.dtype, device)
     with torch.no_grad():
         for name, value in inputs.params.items():
             getattr(layer, name).copy_(value)
@@ -137,16 +137,16 @@ def compare_with_reference(case: CheckCase, dtype: torch.dtype = torch.float64, 
     inputs64 = inputs.to(torch.float64)
     ref_out, ref_aux, ref_grads = reference_forward_backward(inputs64.x, inputs64.params, case.config,
                                                              inputs64.grad_out, inputs64.correction_bias)
-    layer, y, x_grad = run_fused(case.config, inputs, device)
+    layer, y, x_grad = run_layer(case.config, inputs, device)
 
     if y.shape != inputs.x.shape or y.dtype != dtype:
         result.problems.append(f"output is {tuple(y.shape)} {y.dtype}, expected {tuple(inputs.x.shape)} {dtype}")
     result.errors["output"] = relative_error(y, ref_out)
     result.errors["aux_loss"] = relative_error(layer.aux_loss, ref_aux)
     # A gradient autograd never produced (None) is a zero gradient.
-    fused_grads = {"x": x_grad, **{name: getattr(layer, name).grad for name in inputs.params}}
+    layer_grads = {"x": x_grad, **{name: getattr(layer, name).grad for name in inputs.params}}
     for name, ref in ref_grads.items():
-        got = fused_grads[name]
+        got = layer_grads[name]
         result.errors[name] = relative_error(torch.zeros_like(ref) if got is None else got, ref)
     result.problems += _stats_problems(layer, case, inputs64)
     return result

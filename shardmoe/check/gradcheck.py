@@ -1,4 +1,4 @@
-"""Finite-difference check of the fused layer's explicit backward (torch.autograd.gradcheck).
+"""Finite-difference check of the MoE layer's explicit backward (torch.autograd.gradcheck).
 
 The layer is viewed as a function of all its inputs,
 
@@ -22,7 +22,7 @@ import torch
 from torch.autograd.gradcheck import GradcheckError, gradcheck
 
 from shardmoe.check.cases import CheckCase
-from shardmoe.check.compare import fused_layer
+from shardmoe.check.compare import build_layer
 from shardmoe.check.inputs import make_inputs
 
 EPS, ATOL, RTOL = 1e-6, 1e-7, 1e-6
@@ -35,9 +35,9 @@ class GradcheckResult:
     message: str  # gradcheck's explanation when it failed, "" otherwise
 
 
-def fused_gradcheck(case: CheckCase) -> GradcheckResult:
+def layer_gradcheck(case: CheckCase) -> GradcheckResult:
     """gradcheck of shardmoe.MoE (float64) on the case's inputs, wrt x and every parameter."""
-    layer = fused_layer(case.config, torch.float64)
+    layer = build_layer(case.config, torch.float64)
     # the Jacobian of each output on its own: the aux loss as an output, not riding on y's backward
     layer.aux_loss_scale = None
     inputs = make_inputs(case, torch.float64)

@@ -3,7 +3,7 @@
   shardmoe.hf.convert(model)   in place; returns model
 
 Each block (a module with an `experts` child decorated by use_experts_implementation) becomes a
-ConvertedBlock holding MoE.from_hf(block): routing and experts run in the fused layer, forward and
+ConvertedBlock holding from_block(block): routing and experts run in the MoE layer, forward and
 backward. The model's own loss is kept, router aux loss included with the family's coefficient:
 transformers computes that loss from the router logits it records with a hook on modules of the
 family's router class (OutputRecorder), summed over all layers before the balance product
@@ -12,11 +12,11 @@ ConvertedBlock therefore keeps a RouterLogits child, an instance of a subclass o
 router class with no parameters, returning (x Wg,) with the layer's own gate weight: the hook
 records it and the model's aux loss differentiates through it into the layer's gate_weight. The
 layer's own aux_loss_coef stays 0, so nothing is counted twice. Costs one [S, H] x [H, E] GEMM
-per block beyond the fused layer.
+per block beyond the MoE layer.
 
-Every block is read (MoE.from_hf's refusals: shared experts, GPT-OSS, ...) before any is swapped.
+Every block is read (from_block's refusals) before any is swapped.
 
-Saving. A ConvertedBlock's state_dict holds the family's own entries (layer.to_hf_state_dict:
+Saving. A ConvertedBlock's state_dict holds the family's own entries (block_state_dict(layer):
 'gate.weight', 'experts.gate_up_proj', ...), not the layer's, so save_pretrained writes a
 checkpoint that plain transformers loads (it had written '...moe.gate_up_proj', which
 from_pretrained reported missing and initialised at random). load_state_dict takes either: family
@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from shardmoe.moe.hf_convert import read_block
+from shardmoe.hf.block_layer import block_state_dict, from_block, read_block
 from shardmoe.moe.layer import MoE
 from shardmoe.moe.routing import gate_logits
 from shardmoe.moe.cpu import share as share_workspace
@@ -44,8 +44,7 @@ class RouterLogits(nn.Module):
     def forward(self, hidden_states: torch.Tensor, gate_weight: torch.Tensor,
                 gate_bias: torch.Tensor | None = None) -> tuple[torch.Tensor]:
         # gate_logits: on CPU a narrow router's GEMM (and, under autograd, its weight gradient) in the
-        # layouts MKL runs fast (fp32 E=8, forward + backward: 2.1 -> 0.8 ms at S=2048 H=512,
-        # benchmarks/router_gemms.py; bf16 1.1x)
+        # layouts MKL runs fast (docs/benchmarks.md, "The router's GEMMs in a narrow layout for E <= 8")
         logits = gate_logits(hidden_states.reshape(-1, gate_weight.shape[0]), gate_weight)
         return (logits if gate_bias is None else logits + gate_bias,)
 
@@ -79,16 +78,16 @@ class ConvertedBlock(nn.Module):
 
 
 def _family_entries(module: "ConvertedBlock", state_dict: dict, prefix: str, local_metadata) -> None:
-    """state_dict hook: the layer's entries replaced by the family's (to_hf_state_dict)."""
+    """state_dict hook: the layer's entries replaced by the family's (block_state_dict)."""
     for key in [k for k in state_dict if k.startswith(prefix + "moe.")]:
         del state_dict[key]
-    for key, value in module.moe.to_hf_state_dict().items():
+    for key, value in block_state_dict(module.moe).items():
         state_dict[prefix + key] = value
 
 
 def _layer_entries(module: "ConvertedBlock", state_dict: dict, prefix: str, *args) -> None:
     """load_state_dict pre-hook: the family's entries under `prefix`, if any, read into the layer's
-    through the original block's structure (from_hf on the template, filled with them)."""
+    through the original block's structure (from_block on the template, filled with them)."""
     family = [k for k in state_dict if k.startswith(prefix) and not k.startswith((prefix + "moe.",
                                                                                  prefix + "router_logits."))]
     if not family:
@@ -98,7 +97,7 @@ def _layer_entries(module: "ConvertedBlock", state_dict: dict, prefix: str, *arg
         # assign: the entries themselves, in their dtype (a family may keep its router in float32,
         # and copying a float64 gate into that would round it)
         block.load_state_dict({k[len(prefix):]: state_dict.pop(k) for k in family}, assign=True)
-        for key, value in MoE.from_hf(block).state_dict().items():
+        for key, value in from_block(block).state_dict().items():
             state_dict[prefix + "moe." + key] = value
     finally:
         block.to("meta")
@@ -129,7 +128,7 @@ def convert(model: nn.Module) -> nn.Module:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         router = getattr(block, "gate", None) or getattr(block, "router")
-        layers.append(MoE.from_hf(block))  # copies the block's weights
+        layers.append(from_block(block))  # copies the block's weights
         setattr(parent, child, ConvertedBlock(layers[-1], router_logits_module(router), block.to("meta"),
                                               returns_pair=type(block).__name__ == "GptOssMLP"))
     share_workspace(layers)  # one pool for all converted layers, as shardmoe.Transformer's

@@ -7,8 +7,8 @@ to ALL_EXPERTS_FUNCTIONS[config._experts_implementation] as
   out_t = sum_j w_tj y_{e_tj}(x_t),   w = top_k_weights, e = top_k_index
 
 with the family's own router upstream. `experts_forward` runs that through the layer's own
-MoE operators (moe/ops.py, moe/function.py) with the routing given (routing.GivenRouting) and the
-local dispatcher: the same backend choice, workspace pool, one-pass glu backward and Triton path as
+MoE operators (moe/function.py) with the routing given (routing.GivenRouting) and the
+local dispatcher: the same device choice, workspace pool, one-pass glu backward and Triton path as
 shardmoe.MoE. Backward is the explicit one: stages 1-5, and stage 2's dots
 dw_tj = g_t . y_{e_tj}(x_t) are exactly dL/dtop_k_weights, through which the family's router gets
 its gradient (stage 6 is the family's own, by autograd).
@@ -41,10 +41,10 @@ import torch
 from shardmoe.expert_kinds import expert_kind
 from shardmoe.moe.activations import ClampedSwiGLU
 from shardmoe.moe.config import MoEConfig
-from shardmoe.moe import ops, precision
+from shardmoe.moe import function, precision
 from shardmoe.moe.dispatch import LOCAL
 from shardmoe.moe.function import MoEContext
-from shardmoe.moe.hf_blocks import experts_activation, family_name, gate_up_halves, unknown_activation
+from shardmoe.hf.blocks import experts_activation, family_name, gate_up_halves, unknown_activation
 from shardmoe.moe.routing import GivenRouting
 from shardmoe.moe.cpu import Workspace
 
@@ -92,7 +92,7 @@ def read_layout(experts) -> ExpertsLayout:
         raise _refuse(experts, "a post-expert norm (has_post_expert_norm=True) is not supported")
     if getattr(experts, "_is_expert_parallel", False):
         raise _refuse(experts, "transformers' expert parallelism (sentinel expert ids) is not supported; "
-                               "shardmoe shards experts itself (MoE.from_hf with a mesh)")
+                               "shardmoe shards experts itself (shardmoe.hf.from_block with a mesh)")
     has_bias = bool(experts.has_bias)
     activation, interleaved = None, False
     if experts.has_gate:
@@ -136,13 +136,13 @@ def layer_config(layout: ExpertsLayout, hidden_size: int, ffn_size: int, num_exp
 
 
 class SeamOwner:
-    """What the MoE operators (moe/ops.py) run one experts module's forward and backward with: the
+    """What the MoE operators (moe/function.py) run one experts module's forward and backward with: the
     layout read once, the given routing, the local dispatcher and the model's workspace pool."""
 
     def __init__(self, experts, layout: ExpertsLayout):
         self.layout = layout
         self.workspace = _model_workspace(experts)
-        self.handle = ops.register(self)
+        self.handle = function.register(self)
 
     def __reduce__(self):
         """A copy of the module (copy.deepcopy, pickle) gets no owner: it makes its own, with its own
@@ -222,6 +222,7 @@ def experts_forward(experts, hidden_states: torch.Tensor, top_k_index: torch.Ten
         raise ValueError(f"top_k_index, top_k_weights: expected shapes [S, k] with S={hidden_states.shape[0]} "
                          f"(hidden_states' tokens), got {list(top_k_index.shape)}, {list(top_k_weights.shape)}")
     stage = dict(zip(layout.stage_names, stage_parameters(layout, tensors)))
-    out, _ = ops.fused_moe(handle, hidden_states, top_k_index, top_k_weights,
-                           *(stage[n] for n in operator_param_names(layout)))
+    present, absent = function.operator_inputs((top_k_index, top_k_weights,
+                                                *(stage[n] for n in operator_param_names(layout))))
+    out, _, _ = torch.ops.shardmoe.moe_forward(handle, hidden_states, present, absent)
     return out

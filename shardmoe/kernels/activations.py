@@ -12,7 +12,7 @@ ACT is a constexpr name, so each kernel compiles only the branch it uses.
   silu       act = z sigmoid(z)           act' = s (1 + z (1 - s)),  s = sigmoid(z)
   identity   act = z                      act' = 1
 
-GLU, on the halves hg, hu of h = [hg | hu] and the incoming dA (glu, glu_grad):
+GLU, on the halves hg, hu of h = [hg | hu] and the incoming dA (glu, glu_backward):
 
   any ACT above    a = act(hg) hu             dhg = dA hu act'(hg)    dhu = dA act(hg)
   clamped_swiglu   (GPT-OSS; limit L, alpha: runtime float32 scalars, the layer's constants)
@@ -127,7 +127,7 @@ def glu(gate, up, limit, alpha, ACT: tl.constexpr):
 
 
 @triton.jit
-def glu_grad(grad, gate, up, limit, alpha, ACT: tl.constexpr):
+def glu_backward(grad, gate, up, limit, alpha, ACT: tl.constexpr):
     """(dhg, dhu) for dA = grad and the halves hg = gate, hu = up of one tile (same shape)."""
     if ACT == "clamped_swiglu":
         gc, uc = clamped(gate, up, limit)

@@ -9,10 +9,11 @@ t * k + j. Two kernels:
       sums them in float32 registers: every output element has one owner, so there are
       no atomics and the sum order is fixed (deterministic). Serves combine (s = w) and
       grad_input_combine (no s).
-  grad_combine_gate_kernel  dz2_r = w_r g_r act_out'(z2_r)   and   dw_r = g_r . act_out(z2_r)
-      Stages 1, 2 and "mlp"'s output-activation derivative in one pass: one program per BLOCK_R
-      rows walks H in BLOCK_H steps, reading g_r (optionally gathered from token order) and the
-      saved z2_r (y_r itself for an identity act_out) exactly once each.
+  gate_dots_kernel          dw_r = g_r . act_out(z2_r)   and, when asked, dz2_r = w_r g_r act_out'(z2_r)
+      Stage 2 (grad_gate_combine), with stage 1 and "mlp"'s output-activation derivative in the
+      same pass (grad_combine_and_gate_dots): one program per BLOCK_R rows walks H in BLOCK_H
+      steps, reading g_r (optionally gathered from token order) and the saved z2_r (y_r itself for
+      an identity act_out) exactly once each.
 """
 from __future__ import annotations
 
@@ -53,7 +54,7 @@ def token_combine_kernel(rows_ptr, stride_rows, scale_ptr, pair_row_ptr, out_ptr
 @autotune([{"BLOCK_R": r, "BLOCK_H": h} for r in (16, 32) for h in (128, 256)], {"BLOCK_R": 16, "BLOCK_H": 32},
           key=["H", "OUT_ACT", "STORE_GE"], warps_stages=((4, 3),))
 @triton.jit
-def grad_combine_gate_kernel(g_ptr, g_index_ptr, stride_g, y_ptr, stride_y, scale_ptr, ge_ptr, stride_ge, dw_ptr,
+def gate_dots_kernel(g_ptr, g_index_ptr, stride_g, y_ptr, stride_y, scale_ptr, ge_ptr, stride_ge, dw_ptr,
                              N, H, OUT_ACT: tl.constexpr, GATHER: tl.constexpr, STORE_GE: tl.constexpr,
                              BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -92,7 +93,7 @@ def _token_combine(rows: torch.Tensor, scale: torch.Tensor | None, row_pair: tor
     return out
 
 
-def _grad_combine_gate(grad_rows, out_rows, weight_rows, *, row_index, output_activation, store_ge):
+def _gate_dots(grad_rows, out_rows, weight_rows, *, row_index, output_activation, store_ge):
     num_rows = out_rows.shape[0]
     width = grad_rows.shape[-1]
     ge = grad_rows.new_empty((num_rows, width)) if store_ge else None
@@ -102,7 +103,7 @@ def _grad_combine_gate(grad_rows, out_rows, weight_rows, *, row_index, output_ac
     grad_rows = unit_columns(grad_rows)
     out_rows = unit_columns(out_rows)
     grid = lambda meta: (triton.cdiv(num_rows, meta["BLOCK_R"]),)  # noqa: E731
-    grad_combine_gate_kernel[grid](
+    gate_dots_kernel[grid](
         grad_rows, row_index, grad_rows.stride(0), out_rows, out_rows.stride(0),
         weight_rows, ge, 0 if ge is None else ge.stride(0), dw, num_rows, width,
         OUT_ACT=output_activation, GATHER=row_index is not None, STORE_GE=store_ge,
@@ -123,12 +124,11 @@ def grad_input_combine(dx_rows: torch.Tensor, row_pair: torch.Tensor, num_tokens
 
 def grad_gate_combine(grad_rows: torch.Tensor, out_rows: torch.Tensor) -> torch.Tensor:
     """Replaces combine.grad_gate_combine: dw_r = sum_d grad_rows[r, d] out_rows[r, d]. [N], acc dtype."""
-    return _grad_combine_gate(grad_rows, out_rows, None, row_index=None, output_activation="identity",
-                              store_ge=False)[1]
+    return _gate_dots(grad_rows, out_rows, None, row_index=None, output_activation="identity", store_ge=False)[1]
 
 
-def grad_combine_gate(grad_rows: torch.Tensor, out_rows: torch.Tensor, weight_rows: torch.Tensor, *,
-                      output_activation: str = "identity", row_index: torch.Tensor | None = None):
+def grad_combine_and_gate_dots(grad_rows: torch.Tensor, out_rows: torch.Tensor, weight_rows: torch.Tensor, *,
+                               output_activation: str = "identity", row_index: torch.Tensor | None = None):
     """Stages 1 and 2 and the output activation's derivative fused, reading g and the saved z2 once:
       dz2_r = w_r g_r act_out'(z2_r)  [N, H] (g's dtype)   and   dw_r = g_r . act_out(z2_r)  [N] (acc dtype).
 
@@ -138,5 +138,5 @@ def grad_combine_gate(grad_rows: torch.Tensor, out_rows: torch.Tensor, weight_ro
     so the gathered copy grad_out[row_token] is never made. Equals
     (w g act_out'(z2), grad_gate_combine(g, act_out(z2))) with g = grad_rows[row_index].
     """
-    return _grad_combine_gate(grad_rows, out_rows, weight_rows, row_index=row_index,
-                              output_activation=output_activation, store_ge=True)
+    return _gate_dots(grad_rows, out_rows, weight_rows, row_index=row_index, output_activation=output_activation,
+                      store_ge=True)

@@ -8,7 +8,7 @@ the output gradient read in token order; w_r the routing weight; h_r = [hg_r | h
   a_r    = glu(hg_r, hu_r)                           [F]    recomputed from h (activations.glu)
   dw_r   = u_r . a_r (+ g_r . bdown_e)                      the gate dot g_r . y_r, y never stored
   dA_r   = w_r u_r
-  dh_r   = [dhg_r | dhu_r] = activations.glu_grad(dA_r, hg_r, hu_r)    [2F]   stored
+  dh_r   = [dhg_r | dhu_r] = activations.glu_backward(dA_r, hg_r, hu_r)    [2F]   stored
   a'_r   = w_r a_r                                   [F]    stored, for dWdown_e = sum g^T a'
 
 Afterwards stage 4 is two plain GEMMs on dh (dx = dh Wgu_e, dWgu_e = sum dh^T x) and dWdown one
@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from shardmoe.kernels.activations import activation_args, glu, glu_grad
+from shardmoe.kernels.activations import activation_args, glu, glu_backward
 from shardmoe.kernels.schedule import GROUP_ROWS, choose_block_m, experts_pad, row_tiles
 from shardmoe.kernels.tiles import VECTOR_COLUMNS, dot_acc, grouped_tile, row_tile, source_rows, vector_operand
 from shardmoe.kernels.tuning import autotune, dot_settings, unit_columns
@@ -57,7 +57,7 @@ def _epilogue(acc, cols, row_mask, local, h_tile, dh_tile, a_tile, stride_h, str
     a = glu(gate, up, limit, alpha, ACT)
     dot = tl.sum(acc * a, axis=1)
     tl.store(a_tile + local * stride_a + cols[None, :], (a * scale).to(a_tile.dtype.element_ty), mask=mask)
-    grad_gate, grad_up = glu_grad(acc * scale, gate, up, limit, alpha, ACT)
+    grad_gate, grad_up = glu_backward(acc * scale, gate, up, limit, alpha, ACT)
     tl.store(dh_tile + offsets, grad_gate.to(dh_tile.dtype.element_ty), mask=mask)
     tl.store(dh_tile + offsets + F, grad_up.to(dh_tile.dtype.element_ty), mask=mask)
     return dot

@@ -25,7 +25,7 @@ import triton
 # column. The hardware starts programs in the order of axis 0 first, so with the column tile on axis 1
 # the programs running together share one column tile and each reads a different row tile.
 COLUMN_AXIS = {"forward_gemm_kernel": 0, "down_grad_kernel": 0, "grad_gemm_kernel": 0, "weight_grad_kernel": 0,
-               "router_gemm_kernel": 0, "token_combine_kernel": 1, "grad_combine_gate_kernel": None}
+               "router_gemm_kernel": 0, "token_combine_kernel": 1, "gate_dots_kernel": None}
 
 # Row tiles per group of the row-tiled GEMMs' grouped order (Triton's matmul tutorial takes 8). A wave of
 # P programs then covers 8 row tiles by P / 8 column tiles (or, with fewer column tiles, P / col_tiles

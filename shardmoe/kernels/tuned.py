@@ -10,17 +10,12 @@
 
 The file is read once, at import. A launch whose device and key it holds runs that config without
 tuning (tuning.Prune); anything else autotunes as before, so an empty or absent file changes
-nothing. A lease writes what its autotuners chose (collect, write), and
-
-    python -m shardmoe.kernels.tuned --merge DIR/tuned_configs.json [...]
-
-merges such files into the package's (later files win per device, kernel and key).
+nothing. What a lease's autotuners chose is written, and such files are merged into the package's,
+by shardmoe/tools/gpu_check/tuned.py (python -m shardmoe.tools.gpu_check.tuned --merge ...).
 """
 from __future__ import annotations
 
-import argparse
 import json
-import sys
 from pathlib import Path
 
 DATA = Path(__file__).with_name("tuned_configs.json")
@@ -58,51 +53,3 @@ def lookup(device: str, kernel: str, key: tuple):
     import triton
 
     return triton.Config(dict(entry["kwargs"]), num_warps=entry["num_warps"], num_stages=entry["num_stages"])
-
-
-def config_entry(config) -> dict:
-    return {"kwargs": dict(config.kwargs), "num_warps": config.num_warps, "num_stages": config.num_stages}
-
-
-def collect() -> dict:
-    """{kernel: {key: config}} of every key the autotuned kernels chose a config for in this process."""
-    from shardmoe.kernels.tuning import AUTOTUNED
-
-    return {name: {key_string(key): config_entry(config) for key, config in tuner.cache.items()}
-            for name, tuner in AUTOTUNED.items() if tuner.cache}
-
-
-def write(path: Path, device: str, chosen: dict) -> None:
-    """A tuned-configs file holding `chosen` ({kernel: {key: config}}) for `device`."""
-    Path(path).write_text(json.dumps({"format": FORMAT, "devices": {device: chosen}}, indent=1, sort_keys=True) + "\n")
-
-
-def merge(target: Path, sources: list[Path]) -> dict:
-    """The devices of `target` with those of `sources` merged in (later win per key); written to target."""
-    devices = read(target)
-    for source in sources:
-        for device, kernels in read(source).items():
-            for kernel, keys in kernels.items():
-                devices.setdefault(device, {}).setdefault(kernel, {}).update(keys)
-    Path(target).write_text(json.dumps({"format": FORMAT, "devices": devices}, indent=1, sort_keys=True) + "\n")
-    return devices
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m shardmoe.kernels.tuned", description=__doc__.splitlines()[0])
-    parser.add_argument("--merge", metavar="TUNED_JSON", nargs="+", required=True,
-                        help="tuned_configs.json files a lease wrote (python -m shardmoe.tools.gpu_check --only lease)")
-    parser.add_argument("--into", metavar="PATH", default=str(DATA), help=f"the file to merge into (default {DATA})")
-    args = parser.parse_args(argv)
-    try:
-        devices = merge(Path(args.into), [Path(p) for p in args.merge])
-    except ValueError as err:
-        print(f"python -m shardmoe.kernels.tuned: --merge: {err}", file=sys.stderr)
-        return 2
-    print(f"{args.into}: " + "; ".join(f"{device}: {sum(len(k) for k in kernels.values())} keys"
-                                       for device, kernels in devices.items()))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -23,7 +23,7 @@ from triton import knobs
 from shardmoe.kernels import tuned
 from shardmoe.settings import SETTINGS
 
-# every kernel that autotune() decorated, by name: tuned.collect reads their choices
+# every kernel that autotune() decorated, by name: tools/gpu_check/tuned.collect reads their choices
 AUTOTUNED: dict[str, triton.runtime.Autotuner] = {}
 
 

@@ -105,9 +105,9 @@ def weight_grad_kernel(
                          mask=o_mask)
 
 
-def weight_grad(grad: torch.Tensor, x: torch.Tensor, groups, *,
-                grad_index: torch.Tensor | None = None, x_index: torch.Tensor | None = None,
-                with_bias: bool = False, bias_scale: torch.Tensor | None = None):
+def weight_and_bias_grad(grad: torch.Tensor, x: torch.Tensor, groups, *,
+                         grad_index: torch.Tensor | None = None, x_index: torch.Tensor | None = None,
+                         with_bias: bool = False, bias_scale: torch.Tensor | None = None):
     """Launch weight_grad_kernel: (dW [E, width, K], db [E, width] or None), in grad's dtype.
 
     grad [N, width] (or token-order rows through grad_index [N]); x [N, K] (or token-order rows

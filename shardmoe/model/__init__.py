@@ -6,7 +6,8 @@ an autograd.Function running that backward, a functional entry point taking
 `backward="explicit" | "autograd"`, and an nn.Module whose `SPECS` give each weight's named-axis
 spec. All take `mesh=None` (single process) or a shardmoe.Mesh (FSDP over d, Megatron over t).
 See docs/model.md for the formulas and layouts. The assembled MoE transformer is
-`Transformer` (transformer.py); transformers interop is in mixtral.py.
+`Transformer` (transformer.py); transformers interop (a MixtralForCausalLM as a Transformer) is
+in shardmoe/hf/mixtral.py.
 """
 from .attention import Attention, AttentionGrads, AttentionResiduals, attention, attention_backward, attention_forward
 from .config import DenseConfig

@@ -49,7 +49,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from shardmoe.parallel import dtensors
-from shardmoe.shardops import all_gather, einsum_unreduced, psum_scatter
+from shardmoe.parallel.shardops import all_gather, einsum_unreduced, psum_scatter
 
 from .residuals import autograd_grads, check_backward_mode, compute_dtype, forward_autocast, load_residuals, save_residuals
 from .rope import RopeResiduals, RopeTable, rope_backward, rope_forward

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor, nn
 
 from shardmoe.parallel import dtensors
-from shardmoe.shardops import all_gather, psum_scatter, unreduced
+from shardmoe.parallel.shardops import all_gather, psum_scatter, unreduced
 
 from .residuals import autograd_grads, check_backward_mode, compute_dtype, forward_autocast, load_residuals, save_residuals
 from .sharding import coord, local_shape

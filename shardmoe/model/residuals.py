@@ -15,7 +15,7 @@ from typing import NamedTuple
 import torch
 
 from shardmoe.moe.precision import autocast_available
-from shardmoe.shardops import Unreduced, UnreducedError
+from shardmoe.parallel.shardops import Unreduced, UnreducedError
 
 BACKWARD_MODES = ("explicit", "autograd")
 

@@ -1,4 +1,4 @@
-"""Sharding helpers of the dense layers beyond shardmoe.shardops, with `mesh=None` a single process.
+"""Sharding helpers of the dense layers beyond shardmoe.parallel.shardops, with `mesh=None` a single process.
 
 The layers write their math on local shards and call shardops at the seams (FSDP over d plus
 Megatron tensor parallelism over t, docs/model.md "Layout": all_gather weights over d before use,
@@ -16,7 +16,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from shardmoe import notation, shardops
+from shardmoe import notation
+from shardmoe.parallel import shardops
 
 
 def leave_partial(grad: shardops.Unreduced, axis: str) -> Tensor:

@@ -60,14 +60,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import warnings
 from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 from torch import Tensor, nn
 
-from shardmoe import shardops
+from shardmoe.parallel import shardops
 from shardmoe.moe import composition
 from shardmoe.moe.config import MoEConfig, check_bool
 from shardmoe.moe.layer import MoE
@@ -124,9 +123,8 @@ class TransformerConfig:
 
     to_dict and from_dict use the flat form config files take: the dims beside the MoE options by
     their MOE_OPTIONS names ({"d_model": 96, "num_experts": 4, "expert_bias": false, ...}), the
-    MoE's hidden_size following d_model. The flat names also read as attributes (config.num_experts
-    is config.moe.num_experts), with a DeprecationWarning, for one release (docs/model.md, "The
-    model's config").
+    MoE's hidden_size following d_model; as attributes the MoE options are read from moe
+    (config.moe.num_experts).
     """
 
     vocab_size: int = 320
@@ -153,14 +151,6 @@ class TransformerConfig:
                                  f"got {getattr(self.moe, name)!r}")
         check_positive_int("n_layers", self.n_layers)
         check_positive_number("init_std", self.init_std)
-
-    def __getattr__(self, name: str):
-        """A MoE option by its flat name (config.num_experts), read from moe with a DeprecationWarning."""
-        if name not in MOE_OPTIONS:  # also while unpickling, before the fields are set
-            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
-        warnings.warn(f"TransformerConfig.{name} is deprecated: read config.moe.{MOE_OPTIONS[name]}",
-                      DeprecationWarning, stacklevel=2)
-        return getattr(self.moe, MOE_OPTIONS[name])
 
     def dense(self) -> DenseConfig:
         return DenseConfig(self.vocab_size, self.d_model, self.n_q_heads, self.n_kv_heads, self.head_dim,
@@ -386,7 +376,7 @@ class Transformer(nn.Module):
     """The model on this rank: parameters hold local shards (see the module docstring).
 
     backward: "explicit" (the dense layers' hand-written backward) or "autograd" (autograd through
-    their forward and shardops' collectives); the MoE layer always runs its fused explicit backward.
+    their forward and shardops' collectives); the MoE layer always runs its explicit backward.
     device: where the parameters, buffers and every tensor of a forward live (None: torch's default).
     activation_checkpointing: CHECKPOINTING (the module docstring).
     """

@@ -27,7 +27,7 @@ from torch import Tensor, nn
 
 from .embedding import WEIGHT_SPEC, vocab_block_ids, vocab_table
 from shardmoe.parallel import dtensors
-from shardmoe.shardops import all_gather, einsum_unreduced, psum, psum_scatter, unreduced
+from shardmoe.parallel.shardops import all_gather, einsum_unreduced, psum, psum_scatter, unreduced
 
 from .residuals import autograd_grads, check_backward_mode, compute_dtype, forward_autocast, load_residuals, save_residuals
 from .sharding import leave_partial, pmax, size

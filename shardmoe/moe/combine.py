@@ -5,8 +5,8 @@ A row r of the dispatched matrix is the kept pair row_pair[r] = t * k + j. Combi
 each row to its token t = row_pair[r] // k (in row order, so deterministic); dropped pairs
 have no row and add nothing.
 
-These functions are the torch backend's combine-side stages (moe/backends.py TorchBackend; the
-Triton backend has its own). Of the six backward stages (docs/architecture.md), three live here:
+These functions are TorchOps' combine-side stages (moe/experts.py; TritonOps has its own on the
+kernels). Of the six backward stages (docs/architecture.md), three live here:
   1 grad_combine:        ge_r = w_r g_t(r)                       [N, H]
   2 grad_gate_combine:   dw_r = g_t(r) . y_r   (dot over H)      [N]
   5 grad_input_combine:  dx_t = sum over kept pairs of dx_r      [S, H]
@@ -21,9 +21,9 @@ import torch
 from shardmoe.rows import accumulation_dtype
 
 
-# Row chunks whose float32 temporaries stay in cache (about 1 MiB each). Forming a bf16
-# product in fp32 over a whole [N, F] tensor writes fresh 4-byte-per-element buffers and
-# takes mixed-dtype slow paths: 5-6x the time of the same math chunk by chunk.
+# Row chunks whose float32 temporaries stay in cache (_CHUNK_BYTES each). Forming a bf16 product
+# in fp32 over a whole [N, F] tensor writes fresh 4-byte-per-element buffers and takes mixed-dtype
+# slow paths; chunk by chunk the same math stays in cache.
 _CHUNK_BYTES = 1 << 20
 
 
@@ -96,7 +96,7 @@ def combine(ops, expert_out: torch.Tensor, weight_rows: torch.Tensor, row_pair: 
 def grad_combine(ops, grad_rows: torch.Tensor, weight_rows: torch.Tensor) -> torch.Tensor:
     """Stage 1: ge_r = w_r g_r, the gradient each kept pair's expert receives. [N, D] -> [N, D],
     formed in the acc dtype and rounded once to grad_rows' dtype, into a buffer of ops.empty (on CPU
-    a workspace buffer: a fresh [N, H] page-faults, and scaling into one took 5x as long)."""
+    a workspace buffer: a fresh [N, H] page-faults, moe/cpu.py "Workspace")."""
     return ops.scale_rows(grad_rows, weight_rows, out=ops.empty(tuple(grad_rows.shape), grad_rows))
 
 

@@ -1,95 +1,85 @@
 """The CPU's own machinery for the MoE layer's stages, in three parts:
 
-  C++ passes        fused elementwise passes, one vectorised pass per stage (csrc/elementwise.cpp)
+  C++ passes          fused elementwise passes, one vectorised pass per stage (csrc/elementwise.cpp)
   side-by-side GEMMs  the per-expert GEMMs, one expert per intra-op thread (csrc/experts_mm.cpp)
-  Workspace         the pool of the large row buffers a step uses, kept across steps
+  Workspace           the pool of the large row buffers a step uses, kept across steps
 
-CpuOps puts them together as the row primitives the stage math (moe/experts.py, moe/combine.py)
-runs on: it is experts.TorchOps with the first two where the forward allows them and the operands
-fit, and the row buffers from the third; everything else runs TorchOps' torch code. On other
-devices none of this runs (moe/backends.py select()).
+CpuOps puts them together: it is experts.TorchOps with the C++ passes where the forward allows
+them and the operands fit, the side-by-side GEMMs allowed (TorchOps.linear and weight_grad hold
+every form of the experts' GEMMs and take these where gemm_fits), and the row buffers from the
+workspace; everything else runs TorchOps' torch code. On other devices none of this runs
+(moe/dispatch.py select()). Why each part, and the measurement behind it with its command:
+docs/benchmarks.md, "What the figures settle on the CPU".
 
 ## C++ passes
-Fused elementwise passes of the fused layer on CPU: one vectorised pass per stage, in C++.
+CpuOps calls these for float32 and bfloat16 CPU tensors where `elementwise_fits(...)` says so,
+and TorchOps' torch code for everything else (float64, other devices, activations not listed in
+ACTIVATION_CODES, tensors under autograd):
 
-CpuOps calls these for float32 and bfloat16 CPU tensors where `elementwise_fits(...)` says so
-(the forward allows them and the operands fit), and TorchOps' torch code for everything else
-(float64, other devices, activations not listed in ACTIVATION_CODES, tensors under autograd):
+  glu_forward            a = act(hg) * hu, and act(hg) when asked     h [N, 2F] -> [N, F]
+  glu_backward           dh = [dA * hu * act'(hg) | dA * act(hg)]     dA, act(hg) [N, F], h -> [N, 2F]
+  glu_backward_one_pass  the glu expert's backward passes in one: a, dh and the gate dots from h,
+                         g Wdown and w
+  scale_rows             out_r = w_r * rows_r                         [N, D], [N] -> [N, D]
+  rowwise_dot            out_r = sum_d rows[r, d] f1[r, d] (f2[r, d])  [N, D] -> [N] float32
+  index_add_rows         out_i = sum of (w_r *) rows_r over the rows r with index r = i
+                                                                     [N, D] -> [M, D] float32
+  combine_pairs          the combine's sum as a gather over each token's rows
+                                                                     [N, D], [S, k] -> [S, D] float32
 
-  glu_forward    a = act(hg) * hu, and act(hg) when asked           h [N, 2F] -> [N, F]
-  glu_backward   dh = [dA * hu * act'(hg) | dA * act(hg)]           dA, act(hg) [N, F], h -> [N, 2F]
-  glu_grad       the glu expert's backward passes in one: a, dh and the gate dots from h, g Wdown, w
-  scale_rows     out_r = w_r * rows_r                               [N, D], [N] -> [N, D]
-  rowwise_dot    out_r = sum_d rows[r, d] * f1[r, d] (* f2[r, d])   [N, D] -> [N] float32
-  combine_rows   out_t = sum over rows r of t of (w_r *) rows_r     [N, D] -> [S, D] float32
-  combine_pairs  the same sum as a gather over each token's rows    [N, D], [S, k] -> [S, D] float32
-
-Each reads every input element once, forms the math in float32 registers (bf16 is widened on load,
+Each reads every input element once, forms the math in float32 registers (bf16 widened on load,
 as aten's own bf16 kernels do) and rounds into the output. Where the torch path rounds a bf16
-intermediate (act(hg) before the GLU product, dA * hu before act'), the kernels round it too: a
-single rounding measured more accurate on average (relative error 1.6e-3 against 2.3e-3 for the
-GLU product), but it moved individual results enough to push one bf16 check case past its bar
-(output error 0.011 -> 0.024 against 2e-2), and the bars hold the torch path's rounding. So the
-results are the torch path's bits in bf16 and float32 (tests/moe/test_cpu_elementwise.py), except the row dots,
-which add their float32 products in a different order (round-off only), and the activation
-closed forms, which follow aten's kernels but may differ in the last bit.
-docs/benchmarks.md ("What the figures settle on the CPU") has the measurements that chose C++ with
-ATen's vectorised types over torch.compile (Inductor) and oneDNN post-ops.
+intermediate (act(hg) before the GLU product, dA * hu before act'), the passes round it too, so
+that the results are the torch path's bits in bf16 and float32 (tests/moe/test_cpu_elementwise.py)
+and the precision bars (docs/checking.md) hold one rounding behaviour; except the row dots, which
+add their float32 products in a different order (round-off only), and the activation closed
+forms, which follow aten's kernels but may differ in the last bit.
 
-Building: csrc/elementwise.cpp, with csrc/experts_mm.cpp (the side-by-side GEMMs) in the same
-library, is compiled once per machine, on first use, with the C++ compiler
-($CXX, else c++) against the installed torch, for the CPU capability torch runs at (AVX512, AVX2
-or the portable default), into $SHARDMOE_CACHE_DIR (default ~/.cache/shardmoe); the file name
-carries a hash of the source, flags and torch version, so a changed source rebuilds and a finished
-build is reused by every later process (once, announced by one line on stderr: about 40 s of the
-compiler's CPU time, so on a busy machine minutes; loading takes milliseconds). If the
+Building: csrc/elementwise.cpp and csrc/experts_mm.cpp are one library (shardmoe_cpu), compiled
+once per machine, on first use, with the C++ compiler ($CXX, else c++) against the installed
+torch, for the CPU capability torch runs at (AVX512, AVX2 or the portable default), into
+$SHARDMOE_CACHE_DIR (default ~/.cache/shardmoe); the file name carries a hash of the sources,
+flags and torch version, so a changed source rebuilds and a finished build is reused by every
+later process (the build is announced by one line on stderr; loading takes milliseconds). If the
 build or load fails (no compiler, no headers), one RuntimeWarning line says why and where the
 compiler's output went, and every stage keeps the torch path for the rest of the process.
-SHARDMOE_FUSED_ELEMENTWISE=0 (shardmoe.settings) keeps the torch path for these passes (to compare
+SHARDMOE_FUSED_ELEMENTWISE=0 (shardmoe.settings) keeps the torch path for the passes (to compare
 the two); the library is still built when the side-by-side GEMMs (SHARDMOE_EXPERTS_MM) use it.
 
-The passes are torch operators (torch.ops.shardmoe_elementwise, and torch.ops.shardmoe_gemm for
-the side-by-side GEMMs): each schema marks the buffers the op writes (Tensor(a!) out) and the op returns
-nothing, the wrappers below return those buffers, and a Meta kernel in the library (nothing to
-compute: the outputs are the caller's buffers) lets FakeTensorMode and torch.compile(fullgraph=True)
-trace them without running them (torch.library.opcheck passes for each: tests/moe/).
+The passes are torch operators (torch.ops.shardmoe_elementwise; the GEMMs torch.ops.shardmoe_gemm):
+each schema marks the buffers the op writes (Tensor(a!) out) and the op returns nothing, the
+wrappers below return those buffers, and a Meta kernel (nothing to compute: the outputs are the
+caller's buffers) lets FakeTensorMode and torch.compile(fullgraph=True) trace them without
+running them (torch.library.opcheck passes for each: tests/moe/).
 
 ## Side-by-side GEMMs
-The per-expert GEMMs on CPU side by side: one expert per intra-op thread (csrc/experts_mm.cpp).
-
   experts_mm           out[rows of e] = rows[rows of e] @ W_e    rows [N, K], W [E, K, O] -> [N, O]
   experts_weight_grad  dW_e = grad[rows of e]^T @ in[rows of e]  [N, O], [N, K] -> [E, O, K]
 
 Run one after another, each small GEMM splits its rows over every thread and pays their start and
-join; side by side, each on one thread, the experts' GEMMs ran 1.04-1.32x faster on 2 threads
-(docs/history/cpu-layer-choices.md). Experts holding a thread's share of the rows or more still run one at a time
-on all threads, so a skewed routing does not leave the work to one thread. Each GEMM is ATen's
-single-thread one; each output is written by one GEMM.
+join; side by side each expert's GEMM is ATen's single-thread one, on one thread, and each output
+is written by one GEMM. Experts holding a thread's share of the rows or more still run one at a
+time on all threads, so a skewed routing does not leave the work to one thread.
 
 In bf16 every GEMM here runs over a whole number of 32-row blocks or fewer than 32 rows: oneDNN,
-which runs torch's bf16 GEMMs on CPU, builds a kernel per shape and keeps only the last 1,024
-(~0.65 MiB each), and exact row counts that change every step kept it rebuilding them.
-experts_mm splits an expert's rows into the blocks and the rest; experts_weight_grad, whose
-reduction runs over the rows (a split would round dW_e twice), pads them to a block instead: the
-narrower operand copied with zero rows after its own, the wider read in place over the next
-experts' rows where those exist and are finite, copied zero-padded too where not
-(docs/benchmarks.md, "What the figures settle on the CPU").
+which runs torch's bf16 GEMMs on CPU, builds a kernel per shape and keeps a bounded cache of them,
+so exact row counts that change every step kept it rebuilding them. experts_mm splits an expert's
+rows into the blocks and the rest; experts_weight_grad, whose reduction runs over the rows (a
+split would round dW_e twice), pads them to a block instead: the narrower operand copied with
+zero rows after its own, the wider read in place over the next experts' rows where those exist
+and are finite, copied zero-padded too where not.
 
-The library is the C++ passes' (one build, one fallback): where it cannot be built, and for what
-it does not take (one thread, one expert, float64, other devices, tensors under autograd), CpuOps
-runs a per-expert loop of torch.mm into its row buffer (grouped_mm, which allocates its output,
-runs the same products on CPU, bit for bit). SHARDMOE_EXPERTS_MM=0 (shardmoe.settings) keeps the
-loop too (to compare the two). The GEMMs are torch operators (torch.ops.shardmoe_gemm: out
-annotated as written, a Meta kernel) that the wrappers call directly, so
-torch.compile(fullgraph=True) traces them, as for the passes.
+Where the library is not built, and for what it does not take (one thread, one expert, float64,
+other devices, tensors under autograd), TorchOps runs one torch.mm per expert into the row buffer.
+SHARDMOE_EXPERTS_MM=0 (shardmoe.settings) keeps that loop too (to compare the two).
 
 ## Workspace
-Workspace: a per-layer pool of the large row buffers of the fused layer's forward and backward.
+Workspace: a per-layer pool of the large row buffers of the MoE layer's forward and backward.
 
-Fresh CPU allocations of 32 MiB and more page-fault on every first touch (glibc maps them anew:
-docs/history/cpu-layer-choices.md), and a GEMM writing into such a buffer ran at a third of its speed. The row
-buffers of one step ([N, 2F] h and its gradient, [N, F] a, act(hg), g Wdown, dA; [N, H] expert
-outputs) are therefore taken from blocks this pool keeps across steps.
+Fresh CPU allocations of 32 MiB and more page-fault on every first touch (glibc maps them anew),
+and a GEMM writing into such a buffer pays those faults inside the step. The row buffers of one
+step ([N, 2F] h and its gradient, [N, F] a, act(hg), g Wdown, dA; [N, H] expert outputs) are
+therefore taken from blocks this pool keeps across steps.
 
 Ownership. A block is lent by empty() and free again only when nothing but the pool refers to
 its storage (the storage's use count is 1): a tensor saved for backward keeps its block until
@@ -107,11 +97,12 @@ stats['workspace_bytes'] then reports the shared pool.
 
 Size. A request that no free block fits allocates a new block and drops the free blocks of that
 device (all smaller than the request): of the request's size the first time, and of at least
-1.25x the largest block it replaces after that, so steps that keep growing a little (a batch of
-more tokens, fewer drops) do not allocate every time. A block is never larger than needed by
-more than that factor, which matters: a saved tensor's block counts whole in the saved bytes. release() forgets every block (blocks still lent stay alive with
-their tensors and are freed with them); MoE.to() / _apply call it, since blocks never move.
-resident_bytes counts every block the pool holds, lent or free.
+GROWTH times the largest block it replaces after that, so steps that keep growing a little (a
+batch of more tokens, fewer drops) do not allocate every time. A block is never larger than
+needed by more than that factor, which matters: a saved tensor's block counts whole in the saved
+bytes. release() forgets every block (blocks still lent stay alive with their tensors and are
+freed with them); MoE.to() / _apply call it, since blocks never move. resident_bytes counts every
+block the pool holds, lent or free.
 """
 from __future__ import annotations
 
@@ -129,16 +120,16 @@ from pathlib import Path
 import torch
 
 from shardmoe.moe.combine import token_rows
-from shardmoe.moe.experts import TorchOps, per_expert_mm
+from shardmoe.moe.experts import TorchOps
 from shardmoe.rows import Groups
 from shardmoe.settings import SETTINGS
 
-FUSED_DTYPES = (torch.float32, torch.bfloat16)
+LIBRARY_DTYPES = (torch.float32, torch.bfloat16)
 # the activations the kernels evaluate, with the codes csrc/elementwise.cpp's Activation enum uses
 ACTIVATION_CODES = {"relu": 0, "gelu": 1, "gelu_tanh": 2, "silu": 3, "identity": 4}
 # one library: these passes and the side-by-side GEMMs below (csrc/experts_mm.cpp)
 SOURCES = tuple(Path(__file__).with_name("csrc") / name for name in ("elementwise.cpp", "experts_mm.cpp"))
-_LIBRARY = "shardmoe_elementwise"
+_LIBRARY = "shardmoe_cpu"
 
 # compiler flags per CPU capability, as ATen builds its own vectorised kernels (cmake/Codegen.cmake)
 _CAPABILITY_FLAGS = {
@@ -196,24 +187,25 @@ def build_library() -> Path:
 
 
 @functools.cache
-def _ops():
-    """torch.ops.shardmoe_elementwise after building/loading the library once per process, or None
-    (with one warning) when that fails. The wrappers below run only where CpuOps said yes, so
-    the library is loaded: they call torch.ops.shardmoe_elementwise directly, which Dynamo traces
-    (it would trace through this cache into build_library's compiler probe and break the graph)."""
+def library_loaded() -> bool:
+    """Whether the library (torch.ops.shardmoe_elementwise and torch.ops.shardmoe_gemm) is loaded,
+    after building/loading it once per process; False (with one warning) when that fails. The
+    wrappers below run only where CpuOps said yes, so the library is loaded: they call its operators
+    directly, which Dynamo traces (it would trace through this cache into build_library's compiler
+    probe and break the graph)."""
     try:
         torch.ops.load_library(str(build_library()))
-        return torch.ops.shardmoe_elementwise
+        return True
     except Exception as error:  # no compiler, no headers, a broken cache: all mean "use torch"
         message = " ".join(str(error).split())
-        warnings.warn(f"shardmoe: fused CPU elementwise passes unavailable, using the torch path: "
-                      f"{type(error).__name__}: {message}", RuntimeWarning, stacklevel=3)
-        return None
+        warnings.warn(f"shardmoe: the C++ CPU library (elementwise passes, side-by-side GEMMs) is unavailable, "
+                      f"using the torch path: {type(error).__name__}: {message}", RuntimeWarning, stacklevel=3)
+        return False
 
 
 class CpuOps(TorchOps):
     """The row primitives of moe/experts.py's TorchOps with the CPU's own machinery, for one forward
-    of a layer (and again for its backward; backends.select decides both):
+    of a layer (and again for its backward; dispatch.select decides both):
 
       elementwise   the fused elementwise passes of this module
       experts_mm    the experts' GEMMs side by side, one per intra-op thread (the side-by-side GEMMs below)
@@ -226,20 +218,23 @@ class CpuOps(TorchOps):
     tracking) and, for the elementwise passes, its activation (elementwise_fits, gemm_fits); where
     they do not fit, it runs TorchOps' torch code."""
 
-    def __init__(self, elementwise: bool = False, experts_mm: bool = False, workspace: Workspace | None = None):
-        self.elementwise, self.experts_mm, self.workspace = elementwise, experts_mm, workspace
+    # a given buffer rules out grouped_mm, which allocates: on CPU it runs the per-expert loop's products
+    fills_row_buffers = True
+
+    def __init__(self, elementwise: bool = False, side_by_side: bool = False, workspace: Workspace | None = None):
+        self.elementwise, self.side_by_side, self.workspace = elementwise, side_by_side, workspace
 
     def __repr__(self) -> str:
-        return f"CpuOps(elementwise={self.elementwise}, experts_mm={self.experts_mm})"
+        return f"CpuOps(elementwise={self.elementwise}, side_by_side={self.side_by_side})"
 
     @classmethod
     def decide(cls, x: torch.Tensor, workspace: Workspace | None = None) -> "CpuOps":
-        if x.device.type != "cpu" or x.dtype not in FUSED_DTYPES:
+        if x.device.type != "cpu" or x.dtype not in LIBRARY_DTYPES:
             return cls(workspace=workspace)
-        fused, side_by_side = SETTINGS.fused_elementwise, SETTINGS.experts_mm and torch.get_num_threads() >= 2
-        if not (fused or side_by_side) or _ops() is None:
+        elementwise, side_by_side = SETTINGS.fused_elementwise, SETTINGS.experts_mm and torch.get_num_threads() >= 2
+        if not (elementwise or side_by_side) or not library_loaded():
             return cls(workspace=workspace)
-        return cls(fused, side_by_side, workspace)
+        return cls(elementwise, side_by_side, workspace)
 
     def elementwise_fits(self, *tensors: torch.Tensor, activation: str = "identity", extra: tuple = ()) -> bool:
         """Whether the fused passes take these operands: this forward allows them, the operands fit
@@ -251,7 +246,7 @@ class CpuOps(TorchOps):
     def gemm_fits(self, groups: Groups, *tensors: torch.Tensor) -> bool:
         """Whether the experts' GEMMs run side by side: this forward allows them, there is more than
         one expert, and the operands fit (operands_fit; any strides)."""
-        return self.experts_mm and groups.num_experts > 1 and operands_fit(tensors)
+        return self.side_by_side and groups.num_experts > 1 and operands_fit(tensors)
 
     # -- the primitives: the CPU's own where the operands fit, TorchOps' otherwise ----------
 
@@ -260,28 +255,9 @@ class CpuOps(TorchOps):
             return like.new_empty(shape)
         return self.workspace.empty(tuple(shape), like.dtype, like.device)
 
-    def linear(self, rows, weight, groups, bias=None):
-        weight_t = weight.transpose(-2, -1)
-        out = self.empty((rows.shape[0], weight.shape[1]), rows)
-        if bias is None and self.gemm_fits(groups, rows, weight_t, out):
-            return experts_mm(rows, weight_t, groups.sizes, out)
-        # a given buffer rules out grouped_mm, which allocates: on CPU it runs this loop's products
-        return per_expert_mm(rows, weight_t, groups, out, bias)
-
-    def linear_t(self, rows, weight, groups):
-        out = self.empty((rows.shape[0], weight.shape[2]), rows)
-        if self.gemm_fits(groups, rows, weight, out):
-            return experts_mm(rows, weight, groups.sizes, out)
-        return per_expert_mm(rows, weight, groups, out)
-
-    def weight_grad(self, grad_rows, in_rows, groups):
-        if self.gemm_fits(groups, grad_rows, in_rows):
-            return experts_weight_grad(grad_rows, in_rows, groups.sizes)
-        return super().weight_grad(grad_rows, in_rows, groups)
-
     def bias_grad(self, grad_rows, groups):
         if self.elementwise_fits(grad_rows):  # the same row-order sum, one pass
-            return combine_rows(grad_rows, groups.row_expert(), groups.num_experts).to(grad_rows.dtype)
+            return index_add_rows(grad_rows, groups.row_expert(), groups.num_experts).to(grad_rows.dtype)
         return super().bias_grad(grad_rows, groups)
 
     def glu(self, h, activation, act_gate=None):
@@ -294,13 +270,14 @@ class CpuOps(TorchOps):
             return glu_backward(grad_a, h, act_gate, activation, out=self.empty(h.shape, h))
         return super().glu_backward(grad_a, h, act_gate, activation)
 
-    def fuses_glu_grad(self, grad_rows, h, weight_rows, activation):
+    def has_glu_backward_one_pass(self, grad_rows, h, weight_rows, activation):
         return isinstance(activation, str) and self.elementwise_fits(grad_rows, h, activation=activation,
                                                                      extra=(weight_rows,))
 
-    def glu_grad(self, h, g_down, weight_rows, activation, *, a_out=None, grad_h_out=None):
-        """The glu backward's elementwise work in one pass (glu_grad below), where fuses_glu_grad."""
-        return glu_grad(h, g_down, weight_rows, activation, a_out=a_out, grad_h_out=grad_h_out)
+    def glu_backward_one_pass(self, h, g_down, weight_rows, activation, *, a_out=None, grad_h_out=None):
+        """The glu backward's elementwise work in one pass (glu_backward_one_pass below), where
+        has_glu_backward_one_pass."""
+        return glu_backward_one_pass(h, g_down, weight_rows, activation, a_out=a_out, grad_h_out=grad_h_out)
 
     def scale_rows(self, rows, weight_rows, *, out=None):
         if self.elementwise_fits(rows, extra=(weight_rows,)):
@@ -323,7 +300,7 @@ def operands_fit(tensors: tuple, extra: tuple = ()) -> bool:
     they and the `extra` operands of other dtypes (None is skipped) CPU tensors not tracked by
     autograd (the ops have no autograd formula: the layer's stages run without one)."""
     dtype = tensors[0].dtype
-    if dtype not in FUSED_DTYPES or any(t.dtype != dtype for t in tensors):
+    if dtype not in LIBRARY_DTYPES or any(t.dtype != dtype for t in tensors):
         return False
     grad = torch.is_grad_enabled()
     return all(t.device.type == "cpu" and not (grad and t.requires_grad)
@@ -372,7 +349,7 @@ def glu_backward(grad_a: torch.Tensor, h: torch.Tensor, act_gate: torch.Tensor, 
     return grad_h
 
 
-def glu_grad(h: torch.Tensor, g_down: torch.Tensor, weight_rows: torch.Tensor, activation: str, *,
+def glu_backward_one_pass(h: torch.Tensor, g_down: torch.Tensor, weight_rows: torch.Tensor, activation: str, *,
              a_out: torch.Tensor | None = None, grad_h_out: torch.Tensor | None = None):
     """The glu expert's backward elementwise work in one pass over h = [hg | hu] [N, 2F], the
     unscaled g_down = g Wdown [N, F] and the combine weights w [N]:
@@ -397,7 +374,8 @@ def glu_grad(h: torch.Tensor, g_down: torch.Tensor, weight_rows: torch.Tensor, a
     a = h.new_empty((rows, width // 2)) if a_out is None else a_out
     grad_h = torch.empty_like(h, memory_format=torch.contiguous_format) if grad_h_out is None else grad_h_out
     dots = h.new_empty(rows, dtype=torch.float32)
-    torch.ops.shardmoe_elementwise.glu_grad(h, g_down, weight, ACTIVATION_CODES[activation], a, grad_h, dots)
+    torch.ops.shardmoe_elementwise.glu_backward_one_pass(h, g_down, weight, ACTIVATION_CODES[activation], a, grad_h,
+                                                         dots)
     return a, grad_h, dots
 
 
@@ -423,21 +401,22 @@ def rowwise_dot(rows: torch.Tensor, factor: torch.Tensor, second_factor: torch.T
     return out
 
 
-def combine_rows(rows: torch.Tensor, row_token: torch.Tensor, num_tokens: int,
-                 weight_rows: torch.Tensor | None = None) -> torch.Tensor:
-    """out_t = sum of (w_r *) rows_r over the rows r with row_token[r] == t, [S, D] float32, each
-    token's rows added in row order (as index_add_ does). Token indices outside [0, S) raise."""
-    _check_shape("row_token", row_token, (rows.shape[0],))
+def index_add_rows(rows: torch.Tensor, index: torch.Tensor, num_targets: int,
+                   weight_rows: torch.Tensor | None = None) -> torch.Tensor:
+    """out_i = sum of (w_r *) rows_r over the rows r with index[r] == i: rows [N, D], index [N] ->
+    [num_targets, D] float32, each target's rows added in row order (as index_add_ does; the bias
+    gradient sums an expert's rows, index = the row's expert). Indices outside [0, num_targets) raise."""
+    _check_shape("index", index, (rows.shape[0],))
     weight = None if weight_rows is None else _check_rows_float32("weight_rows", weight_rows, rows.shape[0])
-    out = torch.zeros((num_tokens, rows.shape[1]), dtype=torch.float32)
-    torch.ops.shardmoe_elementwise.combine_rows(rows, row_token.to(torch.int64), weight, out)
+    out = torch.zeros((num_targets, rows.shape[1]), dtype=torch.float32)
+    torch.ops.shardmoe_elementwise.index_add_rows(rows, index.to(torch.int64), weight, out)
     return out
 
 
 def combine_pairs(rows: torch.Tensor, token_rows: torch.Tensor, weight_rows: torch.Tensor | None = None) -> torch.Tensor:
     """out_t = sum over j of (w_r *) rows_r for r = token_rows[t, j], skipping r = -1 (a dropped
     pair): [N, D], [S, k] int64 -> [S, D] float32, each token's rows added in the order given
-    (ascending: the order combine_rows and index_add_ add them; combine.token_rows builds it).
+    (ascending: the order index_add_rows and index_add_ add them; combine.token_rows builds it).
     One thread forms each output row from its k rows, so nothing is read-modified-written. Row
     indices outside [-1, N) raise."""
     if token_rows.dim() != 2:
@@ -448,28 +427,10 @@ def combine_pairs(rows: torch.Tensor, token_rows: torch.Tensor, weight_rows: tor
     return out
 
 
-# -- side-by-side GEMMs ----------------------------------------------------------------------
-
-
-def experts_mm(rows: torch.Tensor, weight: torch.Tensor, sizes: tuple[int, ...], out: torch.Tensor) -> torch.Tensor:
-    """out[start_e : start_e + sizes[e]] = rows[same] @ weight[e] for every expert e (rows [N, K],
-    weight [E, K, O] in any strides, out [N, O]); returns out."""
-    torch.ops.shardmoe_gemm.experts_mm(rows, weight, list(sizes), out)
-    return out
-
-
-def experts_weight_grad(grad_rows: torch.Tensor, in_rows: torch.Tensor, sizes: tuple[int, ...]) -> torch.Tensor:
-    """[E, O, K]: grad_rows[rows of e]^T @ in_rows[rows of e], zeros for an expert without rows."""
-    out = grad_rows.new_empty((len(sizes), grad_rows.shape[1], in_rows.shape[1]))
-    torch.ops.shardmoe_gemm.experts_weight_grad(grad_rows, in_rows, list(sizes), out)
-    return out
-
-
 # -- workspace -------------------------------------------------------------------------------
 
-# Below this a request is served by the allocator: glibc recycles small blocks itself, and a pool
-# block per small tensor would only add resident bytes (4 MiB: the size the per-expert outputs
-# that glibc reused were, docs/history/cpu-layer-choices.md).
+# Below this a request is served by the allocator: glibc recycles small blocks itself (below its
+# mmap threshold), and a pool block per small tensor would only add resident bytes.
 MIN_POOLED_BYTES = 4 << 20
 GROWTH = 1.25
 

@@ -7,20 +7,22 @@ Rows [N, .] are grouped by expert (Groups). Parameters, per expert e:
           (activation a ClampedSwiGLU: a = (clamp(hu, -L, L) + 1) f(min(hg, L)), moe/activations.py)
   "mlp":  w1 [E, P, H], b1 [E, P], w2 [E, H, P], b2 [E, H]
           z1 = x W1_e^T + b1_e;  a1 = act(z1);  z2 = a1 W2_e^T + b2_e;  y = act_out(z2)
-pre_gemm, post_gemm, expert_forward and expert_backward take the kind (shardmoe/expert_kinds.py:
-GLU or MLP) and run its body here; stages 3 and 4 are a function per kind (grad_post_gemm_glu, ...).
+pre_gemm, post_gemm and TorchOps' expert_forward and expert_backward take the kind
+(shardmoe/expert_kinds.py: GLU or MLP) and run its body here; stages 3 and 4 are a function per
+kind (grad_post_gemm_glu, ...).
 
-Every stage function takes `ops` first: the row primitives it runs on (grouped GEMMs, the GLU's
-elementwise passes, row scaling, row dots, combines, row buffers). TorchOps below is torch's own,
-on any device: GEMMs by torch.nn.functional.grouped_mm for fp32/bf16 operands whose strides are
-16-byte aligned (its kernels require it; on CPU it runs the per-expert loop's products, bit for
-bit) and a per-expert loop otherwise (float64, odd tiny shapes, and a GEMM with a bias: one addmm
-per expert adds b_e inside the GEMM and rounds once), fresh buffers. On CPU the torch backend
-runs moe/cpu.py's CpuOps instead, which overrides the primitives with the C++ passes, the
-side-by-side GEMMs and the layer's workspace where they take the operands. Elementwise math stays in
-the input dtype: the activation kernels compute in float32 internally and round once, and a
-bf16 -> fp32 -> bf16 round trip would cost more than the GEMMs on CPU. Reductions over tokens
-accumulate in float32.
+Every stage function takes `ops` first: the row primitives it runs on (the experts' GEMMs, the
+GLU's elementwise passes, row scaling, row dots, combines, row buffers). TorchOps below is torch's
+own, on any device, with fresh buffers; its linear and weight_grad hold every form the experts'
+GEMMs take: grouped_mm for fp32/bf16 operands whose strides are 16-byte aligned (its kernels
+require it; on CPU it runs the per-expert loop's products, bit for bit), the CPU's side-by-side
+GEMMs where CpuOps allows them, and a per-expert loop otherwise (float64, odd tiny shapes, a
+GEMM into a given buffer, and a GEMM with a bias: one addmm per expert adds b_e inside the GEMM
+and rounds once). On CPU the stages run on moe/cpu.py's CpuOps, which overrides the elementwise
+primitives with the C++ passes, allows the side-by-side GEMMs and lends the layer's workspace
+buffers where they take the operands. Elementwise math stays in the input dtype: the activation
+kernels compute in float32 internally and round once, and a bf16 -> fp32 -> bf16 round trip
+would cost more than the GEMMs on CPU. Reductions over tokens accumulate in float32.
 """
 from __future__ import annotations
 
@@ -56,44 +58,70 @@ def _use_grouped_mm(*operands: torch.Tensor) -> bool:
     return all(t.dtype in (torch.float32, torch.bfloat16) and _aligned(t) for t in operands)
 
 
-def per_expert_mm(rows: torch.Tensor, weight_t: torch.Tensor, groups: Groups, out: torch.Tensor,
-                  bias: torch.Tensor | None = None) -> torch.Tensor:
-    """out[rows of e] = rows[rows of e] W_e (+ b_e), one torch.mm (addmm with a bias) per expert:
-    rows [N, K], weight_t [E, K, O], bias [E, O], out [N, O]; returns out."""
-    for e, part, dest in groups.expert_rows(rows, out):
-        if bias is None:
-            torch.mm(part, weight_t[e], out=dest)
-        else:
-            torch.addmm(bias[e], part, weight_t[e], out=dest)
-    return out
-
-
 class TorchOps:
-    """The row primitives the stage math runs on, in torch's own ops (any device, fresh buffers).
-    moe/cpu.py's CpuOps is the same set with the CPU's own passes."""
+    """What a step's stages run on (moe/dispatch.py select()): the row primitives the stage math
+    calls, in torch's own ops (any device, fresh buffers), and the stages the operators and
+    dispatchers call (expert_forward, expert_backward, combine, grad_gate_combine,
+    grad_input_combine), here the stage math below on those primitives. moe/cpu.py's CpuOps is the
+    same with the CPU's own primitives; moe/triton_ops.py's TritonOps runs the stages on kernels."""
+
+    name = "torch"
+
+    # whether the GEMMs write into row buffers of empty() (CpuOps: the workspace's) rather than
+    # leave grouped_mm, which allocates its output, to make them
+    fills_row_buffers = False
 
     def empty(self, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
         """An uninitialised row buffer of `shape` with like's dtype and device."""
         return like.new_empty(shape)
 
+    def gemm_fits(self, groups: Groups, *tensors: torch.Tensor) -> bool:
+        """Whether the experts' GEMMs of these operands run side by side, one expert per intra-op
+        thread (the CPU's C++ GEMMs, moe/cpu.py CpuOps): never with torch's own ops."""
+        return False
+
+    # -- the experts' GEMMs: every form of them is here ------------------------------------------
+
     def linear(self, rows: torch.Tensor, weight: torch.Tensor, groups: Groups,
                bias: torch.Tensor | None = None) -> torch.Tensor:
         """out_r = rows_r W_e^T (+ b_e) for the expert e of row r: rows [N, K], weight [E, O, K],
-        bias [E, O] -> [N, O]."""
+        bias [E, O] -> [N, O]. The forward GEMMs (and, through linear_t, the input-gradient ones),
+        in the first form that takes them:
+          grouped_mm   torch's grouped GEMM, for fp32/bf16 operands its stride rule takes, no bias,
+                       where the output may be its own allocation (on CPU it runs the per-expert
+                       products of the loop below, bit for bit)
+          side by side torch.ops.shardmoe_gemm.experts_mm, one expert per intra-op thread, into a
+                       row buffer, where gemm_fits (moe/cpu.py, "Side-by-side GEMMs")
+          per expert   one torch.mm (addmm with a bias: b_e added inside the GEMM, one rounding)
+                       per expert into a row buffer of empty()"""
         weight_t = weight.transpose(-2, -1)
-        if bias is None and _use_grouped_mm(rows, weight_t):
+        if bias is None and not self.fills_row_buffers and _use_grouped_mm(rows, weight_t):
             return F.grouped_mm(rows, weight_t, offs=groups.offsets)
-        return per_expert_mm(rows, weight_t, groups, self.empty((rows.shape[0], weight.shape[1]), rows), bias)
+        out = self.empty((rows.shape[0], weight_t.shape[2]), rows)
+        if bias is None and self.gemm_fits(groups, rows, weight_t, out):
+            torch.ops.shardmoe_gemm.experts_mm(rows, weight_t, list(groups.sizes), out)
+            return out
+        for e, part, dest in groups.expert_rows(rows, out):
+            if bias is None:
+                torch.mm(part, weight_t[e], out=dest)
+            else:
+                torch.addmm(bias[e], part, weight_t[e], out=dest)
+        return out
 
     def linear_t(self, rows: torch.Tensor, weight: torch.Tensor, groups: Groups) -> torch.Tensor:
-        """out_r = rows_r W_e (the input-gradient GEMM): rows [N, O], weight [E, O, K] -> [N, K]."""
-        if _use_grouped_mm(rows, weight):
-            return F.grouped_mm(rows, weight, offs=groups.offsets)
-        return per_expert_mm(rows, weight, groups, self.empty((rows.shape[0], weight.shape[2]), rows))
+        """out_r = rows_r W_e (the input-gradient GEMM): rows [N, O], weight [E, O, K] -> [N, K];
+        linear with W_e^T."""
+        return self.linear(rows, weight.transpose(-2, -1), groups)
 
     def weight_grad(self, grad_rows: torch.Tensor, in_rows: torch.Tensor, groups: Groups) -> torch.Tensor:
         """dW_e = sum over rows r of e of grad_r^T in_r: [N, O], [N, K] -> [E, O, K]. The sum over an
-        expert's rows happens inside one GEMM (fp32 accumulation for bf16)."""
+        expert's rows happens inside one GEMM (fp32 accumulation for bf16): side by side where
+        gemm_fits (torch.ops.shardmoe_gemm.experts_weight_grad), else grouped_mm where its stride
+        rule takes the operands, else one GEMM per expert."""
+        if self.gemm_fits(groups, grad_rows, in_rows):
+            out = grad_rows.new_empty((groups.num_experts, grad_rows.shape[1], in_rows.shape[1]))
+            torch.ops.shardmoe_gemm.experts_weight_grad(grad_rows, in_rows, list(groups.sizes), out)
+            return out
         grad_t = grad_rows.t()
         if _use_grouped_mm(grad_t, in_rows) and grad_rows.shape[0] > 0:
             return F.grouped_mm(grad_t, in_rows, offs=groups.offsets)
@@ -145,10 +173,10 @@ class TorchOps:
             torch.mul(grad_a[c], act_gate[c], out=grad_h[c, ffn:])
         return grad_h
 
-    def fuses_glu_grad(self, grad_rows: torch.Tensor, h: torch.Tensor, weight_rows: torch.Tensor,
+    def has_glu_backward_one_pass(self, grad_rows: torch.Tensor, h: torch.Tensor, weight_rows: torch.Tensor,
                        activation: str | ClampedSwiGLU) -> bool:
-        """Whether these ops have glu_grad, the glu backward's elementwise work in one pass
-        (_glu_backward_one_pass), for these operands: torch's own have not."""
+        """Whether these ops have glu_backward_one_pass, the glu expert's backward elementwise work
+        in one pass (_glu_expert_backward_one_pass), for these operands: torch's own have not."""
         return False
 
     def scale_rows(self, rows: torch.Tensor, weight_rows: torch.Tensor, *,
@@ -162,8 +190,74 @@ class TorchOps:
                      weight_rows: torch.Tensor | None = None) -> torch.Tensor:
         return comb.combine_rows(rows, row_pair, num_tokens, top_k, weight_rows)
 
+    # -- the stages the operators and dispatchers call (TritonOps runs them on its kernels) --------
+
+    def expert_forward(self, kind: ExpertKind, activation: str | ClampedSwiGLU, output_activation: str,
+                       xs: torch.Tensor, params: dict[str, torch.Tensor | None], groups: Groups, *,
+                       row_index: torch.Tensor | None = None) -> tuple[torch.Tensor, tuple]:
+        """y [N, H] for dispatched rows xs [N, H] (with row_index [N]: the rows xs[row_index] of the
+        token-order xs [S, H], gathered into a row buffer), pre_gemm then post_gemm, and the tensors
+        backward keeps, kind.saved(z, z2): GLU (h,) with h [N, 2F];  MLP (z1, z2) with z1 [N, P],
+        z2 [N, H]."""
+        if row_index is not None:
+            xs = gather_rows(self, xs, row_index)
+        a, z = pre_gemm(self, kind, activation, xs, params, groups)
+        y, z2 = post_gemm(self, kind, output_activation, a, params, groups)
+        return y, kind.saved(z, z2)
+
+    def expert_backward(self, kind: ExpertKind, activation: str | ClampedSwiGLU, output_activation: str,
+                        grad_rows: torch.Tensor, weight_rows: torch.Tensor, xs: torch.Tensor, saved: tuple,
+                        params: dict, groups: Groups, *, row_index: torch.Tensor | None = None):
+        """Stages 1-4 on dispatched rows, given the unscaled output gradient g [N, H], the combine
+        weights w [N], the rows xs [N, H] and what expert_forward saved (with row_index [N],
+        grad_rows and xs are the token-order [S, H] tensors, gathered here).
+
+        GLU runs the elementwise work of stages 2-4 as one pass where these ops have it for the
+        operands (has_glu_backward_one_pass: the CPU's C++ pass; _glu_expert_backward_one_pass),
+        and stage by stage otherwise (_glu_expert_backward_by_stage): the same products, the same
+        bits.
+
+        Returns (dx rows [N, H], gate dots dw [N] in the acc dtype, {parameter name: gradient}).
+        GLU takes the gate dot over F, as (g Wdown) . a: with F sharded that is a partial sum.
+        """
+        if row_index is not None:
+            grad_rows, xs = gather_rows(self, grad_rows, row_index), gather_rows(self, xs, row_index)
+        if kind is MLP:
+            return _mlp_expert_backward(self, activation, output_activation, grad_rows, weight_rows, xs, saved, params,
+                                 groups)
+        (h,) = saved
+        has_bias = params.get("gate_up_proj_bias") is not None
+        one_pass = self.has_glu_backward_one_pass(grad_rows, h, weight_rows, activation)
+        by = _glu_expert_backward_one_pass if one_pass else _glu_expert_backward_by_stage
+        grad_xs, grad_dots, grads = by(self, activation, grad_rows, weight_rows, xs, h, params, groups, has_bias)
+        # y = a Wdown_e^T + bdown_e, so g . y gains g . bdown_e; expert TP passes down_proj_bias None
+        # (it adds the term once, after the psum of the partial dots over t) but still wants dbdown
+        if params.get("down_proj_bias") is not None:
+            row_bias = params["down_proj_bias"][groups.row_expert(grad_rows.device)]
+            grad_dots = grad_dots + grad_gate_combine(self, grad_rows, row_bias)
+        return grad_xs, grad_dots, grads
+
+    def combine(self, expert_out: torch.Tensor, weight_rows: torch.Tensor, row_pair: torch.Tensor,
+                num_tokens: int, top_k: int) -> torch.Tensor:
+        """The forward combine (combine.combine): out [S, H] acc dtype."""
+        return comb.combine(self, expert_out, weight_rows, row_pair, num_tokens, top_k)
+
+    def grad_gate_combine(self, grad_rows: torch.Tensor, out_rows: torch.Tensor) -> torch.Tensor:
+        """Stage 2 (combine.grad_gate_combine): dw_r = g_r . y_r [N] acc dtype."""
+        return comb.grad_gate_combine(self, grad_rows, out_rows)
+
+    def grad_input_combine(self, dx_rows: torch.Tensor, row_pair: torch.Tensor, num_tokens: int,
+                           top_k: int) -> torch.Tensor:
+        """Stage 5 (combine.grad_input_combine): dx [S, H] acc dtype."""
+        return comb.grad_input_combine(self, dx_rows, row_pair, num_tokens, top_k)
+
 
 TORCH_OPS = TorchOps()
+
+
+def gather_rows(ops: TorchOps, tokens: torch.Tensor, row_token: torch.Tensor) -> torch.Tensor:
+    """tokens[row_token]: [S, D], [N] -> [N, D], into a buffer of ops.empty."""
+    return torch.index_select(tokens, 0, row_token, out=ops.empty((row_token.shape[0], tokens.shape[1]), tokens))
 
 
 def glu_activation(ops, h: torch.Tensor, activation: str | ClampedSwiGLU) -> tuple[torch.Tensor, torch.Tensor]:
@@ -195,15 +289,6 @@ def post_gemm(ops, kind: ExpertKind, output_activation: str, a: torch.Tensor, pa
         return y, y
     z2 = ops.linear(a, params["w2"], groups, params["b2"])
     return activate(output_activation, z2), z2
-
-
-def expert_forward(ops, kind: ExpertKind, activation: str | ClampedSwiGLU, output_activation: str, xs: torch.Tensor,
-                   params: dict[str, torch.Tensor | None], groups: Groups):
-    """y [N, H] for dispatched rows xs [N, H] (pre_gemm then post_gemm), and the tensors backward
-    keeps, kind.saved(z, z2): GLU (h,) with h [N, 2F];  MLP (z1, z2) with z1 [N, P], z2 [N, H]."""
-    a, z = pre_gemm(ops, kind, activation, xs, params, groups)
-    y, z2 = post_gemm(ops, kind, output_activation, a, params, groups)
-    return y, kind.saved(z, z2)
 
 
 def grad_post_gemm_glu(ops, grad_rows: torch.Tensor, weight_rows: torch.Tensor, a: torch.Tensor,
@@ -253,35 +338,7 @@ def grad_pre_gemm_mlp(ops, grad_a1: torch.Tensor, z1: torch.Tensor, xs: torch.Te
     return ops.linear_t(grad_z1, w1, groups), ops.weight_grad(grad_z1, xs, groups), grad_b1
 
 
-def expert_backward(ops, kind: ExpertKind, activation: str | ClampedSwiGLU, output_activation: str,
-                    grad_rows: torch.Tensor, weight_rows: torch.Tensor, xs: torch.Tensor, saved: tuple, params: dict,
-                    groups: Groups):
-    """Stages 1-4 on dispatched rows, given the unscaled output gradient g [N, H], the combine
-    weights w [N], the rows xs [N, H] and what expert_forward saved.
-
-    GLU runs the elementwise work of stages 2-4 as one pass where `ops` has it for the operands
-    (ops.fuses_glu_grad: the CPU's C++ pass; _glu_backward_one_pass), and stage by stage
-    otherwise (_glu_backward_by_stage): the same products, the same bits.
-
-    Returns (dx rows [N, H], gate dots dw [N] in the acc dtype, {parameter name: gradient}).
-    GLU takes the gate dot over F, as (g Wdown) . a: with F sharded that is a partial sum.
-    """
-    if kind is MLP:
-        return _mlp_backward(ops, activation, output_activation, grad_rows, weight_rows, xs, saved, params, groups)
-    (h,) = saved
-    has_bias = params.get("gate_up_proj_bias") is not None
-    by = _glu_backward_one_pass if ops.fuses_glu_grad(grad_rows, h, weight_rows, activation) \
-        else _glu_backward_by_stage
-    grad_xs, grad_dots, grads = by(ops, activation, grad_rows, weight_rows, xs, h, params, groups, has_bias)
-    # y = a Wdown_e^T + bdown_e, so g . y gains g . bdown_e; expert TP passes down_proj_bias None
-    # (it adds the term once, after the psum of the partial dots over t) but still wants dbdown
-    if params.get("down_proj_bias") is not None:
-        row_bias = params["down_proj_bias"][groups.row_expert(grad_rows.device)]
-        grad_dots = grad_dots + grad_gate_combine(ops, grad_rows, row_bias)
-    return grad_xs, grad_dots, grads
-
-
-def _mlp_backward(ops, activation, output_activation, grad_rows, weight_rows, xs, saved, params, groups):
+def _mlp_expert_backward(ops, activation, output_activation, grad_rows, weight_rows, xs, saved, params, groups):
     z1, z2 = saved
     has_bias = params["b1"] is not None
     grad_dots = grad_gate_combine(ops, grad_rows, activate(output_activation, z2))
@@ -292,8 +349,9 @@ def _mlp_backward(ops, activation, output_activation, grad_rows, weight_rows, xs
     return grad_xs, grad_dots, {"w1": grad_w1, "b1": grad_b1, "w2": grad_w2, "b2": grad_b2}
 
 
-def _glu_backward_by_stage(ops, activation: str | ClampedSwiGLU, grad_rows: torch.Tensor, weight_rows: torch.Tensor,
-                           xs: torch.Tensor, h: torch.Tensor, params: dict, groups: Groups, has_bias: bool):
+def _glu_expert_backward_by_stage(ops, activation: str | ClampedSwiGLU, grad_rows: torch.Tensor,
+                                  weight_rows: torch.Tensor, xs: torch.Tensor, h: torch.Tensor, params: dict,
+                                  groups: Groups, has_bias: bool):
     """Stages 2-4 for "glu" from the stage functions (their elementwise work in separate passes):
     recompute (a, act(hg)) from h, stage 3, stage 2's dots, stage 4.
     Returns (dx rows, dots without the down bias term, {parameter name: gradient})."""
@@ -309,20 +367,21 @@ def _glu_backward_by_stage(ops, activation: str | ClampedSwiGLU, grad_rows: torc
                                 "down_proj": grad_down, "down_proj_bias": grad_down_bias}
 
 
-def _glu_backward_one_pass(ops, activation: str, grad_rows: torch.Tensor, weight_rows: torch.Tensor,
-                           xs: torch.Tensor, h: torch.Tensor, params: dict, groups: Groups, has_bias: bool):
-    """Stages 2-4 for "glu" where ops.glu_grad takes the rows: the GEMMs of grad_post_gemm_glu and
-    grad_pre_gemm_glu, and all their elementwise work, with stage 2's dots and the recomputed a, in
-    one pass after the first GEMM (FlashMoE puts the same work in that GEMM's epilogue):
-      g_down = g Wdown_e [N, F];   (a, dh, dw) = glu_grad(h, g_down, w)
+def _glu_expert_backward_one_pass(ops, activation: str, grad_rows: torch.Tensor, weight_rows: torch.Tensor,
+                                  xs: torch.Tensor, h: torch.Tensor, params: dict, groups: Groups, has_bias: bool):
+    """Stages 2-4 for "glu" where ops.glu_backward_one_pass takes the rows: the GEMMs of
+    grad_post_gemm_glu and grad_pre_gemm_glu, and all their elementwise work, with stage 2's dots
+    and the recomputed a, in one pass after the first GEMM (FlashMoE puts the same work in that
+    GEMM's epilogue):
+      g_down = g Wdown_e [N, F];   (a, dh, dw) = glu_backward_one_pass(h, g_down, w)
       dWdown_e = sum (w g)^T a;    dWgu_e = sum dh^T x;    dx = dh Wgu_e
-    dx rows and every gradient are _glu_backward_by_stage's bits (the float32 dots its values to
-    round-off), from 1 pass over [N, F]-sized rows instead of 4 and without its act(hg), dA and
-    separate a buffers. Returns what _glu_backward_by_stage returns."""
+    dx rows and every gradient are _glu_expert_backward_by_stage's bits (the float32 dots its values
+    to round-off), from 1 pass over [N, F]-sized rows instead of 4 and without its act(hg), dA and
+    separate a buffers. Returns what _glu_expert_backward_by_stage returns."""
     g_down = ops.linear_t(grad_rows, params["down_proj"], groups)
     # a overwrites g_down, which nothing reads after the pass: one [N, F] buffer fewer
-    a, grad_h, grad_dots = ops.glu_grad(h, g_down, weight_rows, activation, a_out=g_down,
-                                        grad_h_out=ops.empty(h.shape, h))
+    a, grad_h, grad_dots = ops.glu_backward_one_pass(h, g_down, weight_rows, activation, a_out=g_down,
+                                                     grad_h_out=ops.empty(h.shape, h))
     del g_down  # the same tensor as a: freed with it below
     grad_expert = grad_combine(ops, grad_rows, weight_rows)
     grads = {"down_proj": ops.weight_grad(grad_expert, a, groups),

@@ -28,12 +28,12 @@ forward under no_grad (reentrant activation checkpointing returns y's graph, not
 the gate silently missed the losses' gradient. y's backward is the one the caller always runs.
 Under torch.autocast the router stays float32 and the experts compute in the autocast dtype
 (shardmoe/moe/precision.py).
-Forward and backward are the MoE operators (shardmoe/moe/ops.py over moe/function.py), with the
+Forward and backward are the MoE operators (shardmoe/moe/function.py), with the
 layer's gate as the router and its dispatcher: LOCAL on one process (mesh None or of one rank); with a
 mesh, parameters hold this rank's shard (experts split over 'e' in contiguous blocks, the
 intermediate dim over 't': shardmoe/parallel/expert_tensor.py), x holds this rank's tokens, and
 the dispatcher is expert parallelism's; both come from the placement that shardmoe.parallel
-registers (moe/dispatch.py), so this package imports nothing of it.
+registers (moe/placement.py), so this package imports nothing of it.
 """
 from __future__ import annotations
 
@@ -46,13 +46,11 @@ from torch import nn
 from shardmoe.moe import shared_experts as shared_ex
 from shardmoe.moe.config import MoEConfig, check_bool
 from shardmoe.mesh import EXPERT, GRAD_SYNC_ATTRIBUTE, REPLICATED, as_mesh, mark_grad_sync
-from shardmoe.moe import composition, ops, precision
+from shardmoe.moe import composition, function, precision
 from shardmoe.moe.placement import placement
 from shardmoe.moe.function import MoEContext
-from shardmoe.moe.routing import GateRouter, check_mixtral_router, corrected_bias, token_sequence_ids
+from shardmoe.moe.routing import GateRouter, corrected_bias, token_sequence_ids
 from shardmoe.moe.cpu import Workspace
-from shardmoe.moe import hf_convert
-from shardmoe.moe.hf_blocks import MIXTRAL_ACTIVATIONS, mixtral_semantics
 
 # MoEConfig's router fields, which MoE takes as keyword options
 ROUTER_OPTIONS = ("score_func", "router_bias", "correction_bias", "bias_update_rate", "n_group", "topk_group",
@@ -62,7 +60,8 @@ ACTIVATION_OPTIONS = ("swiglu_limit", "swiglu_alpha")
 # MoEConfig's shared-expert fields, also keyword options
 SHARED_OPTIONS = ("shared_ffn_size", "shared_gate")
 
-# the dtypes the layer computes in (float16 runs, but fp16 matmul ran at ~1 GFLOP/s on the CPUs measured)
+# the dtypes the layer computes in (float16 runs too, but torch's CPU float16 matmul has no fast kernel:
+# the tests and benchmarks use float32, bfloat16 and float64)
 DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
@@ -90,7 +89,7 @@ class MoE(nn.Module):
             raise ValueError(f"dtype: expected None or one of {', '.join(map(str, DTYPES))}, got {dtype!r}")
         # a torch DeviceMesh (a job's, or a slice of it) becomes the Mesh it names (shardmoe/mesh.py)
         mesh = as_mesh(mesh)
-        # the shards of the parameters and the dispatcher (moe/dispatch.py); checks the layout first
+        # the shards of the parameters and the dispatcher (moe/placement.py); checks the layout first
         self.placement = placement(self.config, mesh)
         self.mesh = mesh
         kw = {"dtype": dtype, "device": device}
@@ -116,7 +115,8 @@ class MoE(nn.Module):
         self.stats: dict = {}
         # the large row buffers of forward and backward, reused across steps (single process)
         self.workspace = Workspace()
-        self._moe_handle = ops.register(self)  # the int the MoE operators name this layer by
+        self._router = GateRouter(self.config)  # the layer's gate, as the MoE operators route with it
+        self._moe_handle = function.register(self)  # the int the MoE operators name this layer by
         # state dicts describe the whole logical expert tensors, whatever the mesh (moe/composition.py)
         self.register_state_dict_post_hook(composition.state_entries)
         self.register_load_state_dict_pre_hook(composition.shard_entries)
@@ -233,8 +233,9 @@ class MoE(nn.Module):
         # the router's tensors keep their dtype (it computes in float32); x and the experts take autocast's
         x, *experts = precision.cast((x, *experts), autocast)
         # out has x's shape and is no view: an in-place op on it cannot cut its graph (FSDP2's hooks)
-        out, loss = ops.fused_moe(self._moe_handle, x, gate_weight, gate_bias, self.correction_bias,
-                                  token_sequence, *experts)
+        present, absent = function.operator_inputs((gate_weight, gate_bias, self.correction_bias, token_sequence,
+                                                    *experts))
+        out, loss, _ = torch.ops.shardmoe.moe_forward(self._moe_handle, x, present, absent)
         self.aux_loss = loss if self.aux_loss_scale is None else loss.detach()
         return out
 
@@ -257,7 +258,7 @@ class MoE(nn.Module):
         return self.placement.dispatcher
 
     def moe_context(self, x: torch.Tensor, inputs: tuple) -> MoEContext:
-        """What the MoE operators (moe/ops.py) run this layer's forward and backward with: its config,
+        """What the MoE operators (moe/function.py) run this layer's forward and backward with: its config,
         its gate as the router, its dispatcher and workspace, aux_loss_scale and balance_scope; the
         forward's statistics land in self.stats (inside the operator, so they are current under
         torch.compile too)."""
@@ -266,8 +267,8 @@ class MoE(nn.Module):
             scale = None if scale is None else scale * self.mesh.size(("d", "e"))
             if self.mesh.size("e") > 1:
                 reduce = functools.partial(composition.mean_over_e, self.mesh.group("e"), self.mesh.size("e"))
-        return MoEContext(self.config, GateRouter(self.config), self.dispatcher, self.workspace, self._keep_stats,
-                       scale, self.balance_scope, reduce)
+        return MoEContext(self.config, self._router, self.dispatcher, self.workspace, self._keep_stats, scale,
+                          self.balance_scope, reduce)
 
     def _keep_stats(self, stats: dict) -> None:
         self.stats = stats
@@ -327,67 +328,10 @@ class MoE(nn.Module):
     def __setstate__(self, state: dict) -> None:
         """A copy is a layer of its own: it gets its own handle (the original's names the original)."""
         super().__setstate__(state)
-        self._moe_handle = ops.register(self)
+        self._moe_handle = function.register(self)
 
     def extra_repr(self) -> str:
         c = self.config
         return (f"hidden={c.hidden_size}, ffn={c.ffn_size}, experts={c.num_experts}, top_k={c.top_k}, "
                 f"expert={c.expert}, activation={c.activation}"
                 + ("" if self.mesh is None else f", mesh={self.mesh!r}"))
-
-    # --- transformers interop -------------------------------------------------------------
-    @classmethod
-    def from_mixtral(cls, block, mesh=None, **overrides) -> "MoE":
-        """A MoE holding the weights of a transformers sparse block that routes as Mixtral does.
-
-        The block's semantics are checked first (shardmoe/moe/hf_blocks.py): a block MoE cannot
-        express (shared experts, sigmoid router, correction or router bias, scaling factor, jitter,
-        another expert layout or activation, or a class not known to be Mixtral-like) raises
-        ValueError naming its family and the feature, before anything is built or copied.
-        The router weight [E, H] becomes gate_weight [H, E]; the experts' gate_up_proj [E, 2F, H]
-        and down_proj [E, H, F] are copied as they are, or, with a sharded mesh, this rank's shard
-        of them. top_k, renormalize (as the block does) and the activation come from the block;
-        `overrides` replace constructor options, even ones that contradict the block."""
-        semantics = mixtral_semantics(block)
-        gate_up = semantics.gate_up_proj
-        E, two_f, H = gate_up.shape
-        options = dict(expert="glu", activation=semantics.activation, renormalize=semantics.renormalize,
-                       dtype=gate_up.dtype, device=gate_up.device)
-        options.update(overrides)
-        layer = cls(H, two_f // 2, E, semantics.top_k, mesh=mesh, **options)
-        with torch.no_grad():
-            composition.local(layer.gate_weight).copy_(semantics.router_weight.t())
-            composition.local(layer.gate_up_proj).copy_(layer.placement.shard("gate_up_proj", gate_up))
-            composition.local(layer.down_proj).copy_(layer.placement.shard("down_proj", semantics.down_proj))
-        return layer
-
-    @classmethod
-    def from_hf(cls, block, mesh=None, **overrides) -> "MoE":
-        """A MoE computing what a transformers sparse MoE block computes: the Mixtral-like
-        families (as from_mixtral), Qwen2-MoE (gated shared expert), DeepSeek-V3 (sigmoid,
-        group-limited, corrected, scaled router; shared experts) and GPT-OSS (router bias, biased
-        clamped-SwiGLU experts) (moe/hf_convert.py, docs/hf.md). A feature the layer cannot express raises
-        ValueError naming the family and the feature before anything is built. With a mesh, the
-        layer holds this rank's expert shard; `overrides` replace constructor options."""
-        return hf_convert.from_hf(cls, block, mesh, **overrides)
-
-    def to_hf_state_dict(self) -> dict[str, torch.Tensor]:
-        """The router, experts and shared-expert entries of the equivalent block's state dict
-        ('gate.*' or GPT-OSS's 'router.*', 'experts.*', 'shared_expert(s).*'; moe/hf_convert.py);
-        gathered whole with a sharded mesh (collective over ('e', 't'))."""
-        return hf_convert.to_hf_state_dict(self)
-
-    def to_mixtral_state_dict(self) -> dict[str, torch.Tensor]:
-        """State dict of the equivalent MixtralSparseMoeBlock ('gate.weight', 'experts.*').
-
-        With a sharded mesh the expert tensors are gathered whole: collective over ('e', 't')."""
-        c = self.config
-        check_mixtral_router(c, "to_mixtral_state_dict")
-        if c.expert != "glu" or c.activation not in MIXTRAL_ACTIVATIONS or not c.renormalize or c.bias:
-            raise ValueError("to_mixtral_state_dict: expected expert='glu', renormalize=True, bias=False and "
-                             f"activation in {sorted(MIXTRAL_ACTIVATIONS)}, got expert={c.expert!r}, "
-                             f"renormalize={c.renormalize}, bias={c.bias}, activation={c.activation!r}")
-        local = {n: composition.local(getattr(self, n)).detach() for n in ("gate_weight", "gate_up_proj", "down_proj")}
-        return {"gate.weight": local["gate_weight"].t().contiguous(),
-                "experts.gate_up_proj": self.placement.gather("gate_up_proj", local["gate_up_proj"]).clone(),
-                "experts.down_proj": self.placement.gather("down_proj", local["down_proj"]).clone()}

@@ -12,7 +12,7 @@ Inside torch.autocast(device_type, dtype=D), D bf16 or fp16, with parameters of 
                operator, so the expert GEMMs and elementwise passes run in D with float32
                accumulation, and the output [S, H] is D (as an autocast nn.Linear's is)
   gradients    land in P: the casts are autograd ops, whose backward casts D back to P
-The MoE operators themselves run with autocast off (moe/ops.py): autocast would otherwise cast
+The MoE operators themselves run with autocast off (moe/function.py, autocast_off): autocast would otherwise cast
 the router's GEMM, inside the operator, to D.
 This mirrors torchtitan's float32 gate under autocast and Megatron's --moe-router-dtype fp32.
 """

@@ -1,22 +1,22 @@
-"""The plain-autograd MoE: the oracle every fused-path test is measured against.
+"""The plain-autograd MoE: the oracle every layer test is measured against.
 
 This module is written for obviousness, not speed, and shares no code with the
-fused path (routing.py, experts.py, function.py): routing is computed with
+MoE layer (routing.py, experts.py, function.py): routing is computed with
 torch's softmax/topk and a Python capacity loop, experts with
 torch.nn.functional, and every gradient comes from autograd. Run it in
 float64 and its round-off (~1e-16 relative) is far below the 1e-10 bar the
-fused path is held to.
+layer is held to.
 
 Shapes: S tokens (all leading dims of x flattened), H hidden, E experts, k top-k,
 F ("glu") or P ("mlp") expert intermediate size.
 
-Per token t (the fused layer's math, docs/moe.md; the router options of docs/moe.md "Routers"):
+Per token t (the layer's math, docs/moe.md; the router options of docs/moe.md "Routers"):
     logits_t = x_t @ Wg (+ gate_bias)                     [E]
     p_t      = softmax(logits_t) or sigmoid(logits_t)  (float32 for fp32/bf16 inputs, float64 for float64)
     c_t      = p_t + correction_bias                      (selection only, detached)
     groups   = the topk_group groups of E / n_group experts with the largest sums of their two
                best c (ties: lower group); sel_t = the k largest c inside them (ties: lower
-               expert), chosen by a Python loop over sorted lists, not by the fused path's sort
+               expert), chosen by a Python loop over sorted lists, not by the layer's sort
     w_tj     = factor * p_tj / (sum_{i in sel_t} p_ti + eps)  if renormalize else factor * p_tj
     out_t    = sum_{j in sel_t, (t, j) kept} w_tj * expert_j(x_t)
              + s_t * (act(x_t Wsg^T) * (x_t Wsu^T)) Wsd^T       (shared_ffn_size > 0; Wsg / Wsu the

@@ -1,5 +1,5 @@
 """Routing: gate logits, scores, selection, combine weights, capacity, balance losses,
-and the gate's backward (grad_gate_gemm, stage 6 of the fused backward).
+and the gate's backward (grad_gate_gemm, stage 6 of the explicit backward).
 
 Shapes: S tokens, H hidden, E experts, k = top_k, Q sequences, N = number of kept
 (token, expert) pairs. A pair is indexed p = t * k + j (token t, its j-th choice). Dispatch
@@ -39,6 +39,7 @@ import torch
 from shardmoe import kernels
 from shardmoe.moe.config import MoEConfig
 from shardmoe.rows import accumulation_dtype
+from shardmoe.settings import SETTINGS
 
 
 def scores_from_logits(logits: torch.Tensor, logsumexp: torch.Tensor, config: MoEConfig) -> torch.Tensor:
@@ -57,8 +58,7 @@ def top_indices(values: torch.Tensor, k: int) -> torch.Tensor:
     a host read of the device every step. The key is the value's bits made monotonic (negative
     floats' magnitude bits flipped; -0 taken as +0 and every NaN as one NaN first) times 2^16, plus
     65535 - index. float64 (the CPU checks) has no room for the index in 64 bits: torch.topk of k + 1
-    first (faster than a full sort: measured 2.2x at E = 64 and k = 8, 4.1x at E = 256, at d1719a6),
-    and the rows with equal neighbours among those (a tie inside the top k or at its edge) or a NaN
+    first (a partial selection, cheaper than the full sort), and the rows with equal neighbours among those (a tie inside the top k or at its edge) or a NaN
     take the stable descending sort."""
     width = values.shape[-1]
     if k >= width:
@@ -137,21 +137,6 @@ def grad_balance_scores(scores: torch.Tensor, grad_balance: torch.Tensor, config
         return grad_balance
     total = scores.sum(-1, keepdim=True)
     return (grad_balance - (scores / total * grad_balance).sum(-1, keepdim=True)) / total
-
-
-def check_mixtral_router(config, what: str) -> None:
-    """Raise ValueError unless config's router options are the defaults (Mixtral's router) and it
-    has no shared expert (config: a MoEConfig), for `what`, an export to Mixtral that has nowhere to put
-    the others."""
-    defaults = MoEConfig(1, 1, 1, 1)
-    for name in ("score_func", "router_bias", "correction_bias", "n_group", "topk_group", "renormalize_epsilon",
-                 "routed_scaling_factor", "seq_aux_loss_coef"):
-        if getattr(config, name) != getattr(defaults, name):
-            raise ValueError(f"{what}: expected Mixtral's router ({name}={getattr(defaults, name)!r}), got "
-                             f"{name}={getattr(config, name)!r}")
-    if config.shared_ffn_size:  # Mixtral has no shared expert: exporting would drop it silently
-        raise ValueError(f"{what}: expected no shared expert (shared_ffn_size=0, as Mixtral), got "
-                         f"shared_ffn_size={config.shared_ffn_size}")
 
 
 def corrected_bias(correction_bias: torch.Tensor, load: torch.Tensor, rate: float,
@@ -380,12 +365,11 @@ def grad_gate_gemm(
 
 
 # On CPU, MKL runs the router's two GEMMs with a narrow expert dim slowly in their plain layouts:
-# x Wg with Wg [H, E] row-major and x^T dlogits (the [S, H] operand transposed) measured 2.0-4.8x
-# and 3.6-6.6x slower at E = 2..10 (S=4096 H=512, 2 threads) than with the weight column-major and
-# as (dlogits^T x)^T; from E = 12 the logits' plain layout is as fast and dWg's gain shrinks (1.46x
-# at 12, 0.85x at 64) (benchmarks/router_gemms.py, docs/benchmarks.md). The switch sits at 8, the
-# widths models use, short of the measured edge (MKL's, which another MKL or CPU may move). At tiny
-# shapes (S H of a few thousand) the narrow forms lose a few microseconds; nothing that counts.
+# x Wg with Wg [H, E] row-major and x^T dlogits (the [S, H] operand transposed) ran slower up to
+# E = 10 than with the weight column-major and as (dlogits^T x)^T, and from E = 12 the plain
+# layouts were as fast (docs/benchmarks.md, "The router's GEMMs in a narrow layout for E <= 8",
+# measured by benchmarks/router_gemms.py). The switch sits at 8, the widths models use, short of
+# the measured edge (MKL's, which another MKL or CPU may move).
 NARROW_ROUTER = 8
 
 
@@ -398,13 +382,13 @@ def narrow_router(x: torch.Tensor, num_experts: int) -> bool:
 # tensor cores (tf32x3) where cuBLAS's float32 GEMM with TF32 off runs on the CUDA cores, and a
 # bfloat16 x read as it is, widened in registers, with no [S, H] float32 copy. Their results are
 # float32, so they are taken only where float32 is the dtype asked for. CPU tensors ask the kernels
-# only under the test switch kernels.force_kernel_path() (as backends.select does): a CPU step never
-# enters shardmoe.kernels.
+# only under the test switch shardmoe.settings force_kernels (as dispatch.select does): a CPU step
+# never enters shardmoe.kernels.
 
 
 def router_kernel(*tensors: torch.Tensor) -> bool:
     """Whether the router GEMM of these operands runs on kernels/router_gemm.py (kernels.router_path)."""
-    return (tensors[0].device.type != "cpu" or kernels.FORCED) and kernels.router_path(*tensors)
+    return (tensors[0].device.type != "cpu" or SETTINGS.force_kernels) and kernels.router_path(*tensors)
 
 
 def gate_logits(x: torch.Tensor, gate_weight: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -462,10 +446,6 @@ class GateRouter:
         when the sequence-wise loss is on and the caller gave one."""
         return {"token_sequence": tensors[3]} if self.config.seq_aux_loss_coef and tensors[3] is not None else {}
 
-    def gradient_mask(self, tensors: tuple) -> list[bool]:
-        """Which router tensors get a gradient: gate_weight, and gate_bias when there is one."""
-        return [True, tensors[1] is not None, False, False]
-
     def route(self, x: torch.Tensor, tensors: tuple, dropless: bool) -> Routing:
         gate_weight, gate_bias, correction_bias, token_sequence = tensors
         config = dataclasses.replace(self.config, capacity_factor=None) if dropless else self.config
@@ -514,10 +494,6 @@ class GivenRouting:
         """The Routing fields that are the given tensors themselves."""
         top_k_index, top_k_weights = tensors
         return {"top_idx": top_k_index, "top_prob": top_k_weights, "weight": top_k_weights}
-
-    def gradient_mask(self, tensors: tuple) -> list[bool]:
-        """top_k_weights gets a gradient, top_k_index none."""
-        return [False, True]
 
     def route(self, x: torch.Tensor, tensors: tuple, dropless: bool) -> Routing:
         top_k_index, top_k_weights = tensors

@@ -12,8 +12,8 @@ shared_gate_weight ws [H]:
 
 DeepSeek's n_shared always-on experts of width I are one of width Fs = n_shared * I: concatenating
 their intermediate dims gives the same sum. The shared expert is the routed glu expert with a single
-group holding every token and s_t as its combine weight, so its forward and backward are the fused
-path's own stage functions (moe/experts.py) on Groups of one:
+group holding every token and s_t as its combine weight, so its forward and backward are the routed
+experts' own stage functions (moe/experts.py) on Groups of one:
 
   stage 3 (grad_post_gemm_glu)  g_down = g Wsd [S, Fs];  dA = s g_down;  dWsd = sum_t (s_t g_t)^T a_t
   stage 2 (grad_gate_combine)   ds_t = g_t . z_t = g_down_t . a_t            (gate only)
@@ -100,7 +100,7 @@ def _whole(t: torch.Tensor) -> torch.Tensor:
 
 def forward(ops, x: torch.Tensor, params: dict, config: MoEConfig,
             reduce_output=_whole) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
-    """(s z [S, H] acc dtype, saved (h, s)) on the row primitives `ops` (the forward's backend's).
+    """(s z [S, H] acc dtype, saved (h, s)) on the row primitives `ops` (the forward's, dispatch.select).
     reduce_output sums z over 't' under expert TP (the intermediate dim is sharded there); one
     process needs none."""
     s = shared_gate(x, params.get(GATE_NAME))

@@ -10,7 +10,9 @@ within a node, collectives across nodes), symmetric_heap (the shared memory), ex
 (sync_grads, clip_grad_norm_), consistency (ranks that must agree: settings, t-peers' tokens,
 replicated parameters), dtensors (a rank's shard as a DTensor of the whole tensor, and back;
 replicate_plain_parameters, for a model with plain modules beside the layers),
-pipeline (schedules over the mesh's 'p' axis, on torch.distributed.pipelining). Its benchmark is a
+pipeline (schedules over the mesh's 'p' axis, on torch.distributed.pipelining), shardops (collectives
+written as named-axis transitions, each with its autograd dual: the experts' psums over 't' and the
+dense layers' all-gathers and reduce-scatters, shardmoe/model/). Its benchmark is a
 measurement tool: shardmoe/tools/bench/distributed.py. docs/parallel.md has the decisions.
 """
 from shardmoe.moe.placement import register_mesh_placement

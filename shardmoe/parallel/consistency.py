@@ -42,7 +42,7 @@ import struct
 
 import torch
 
-from shardmoe import shardops
+from shardmoe.parallel import shardops
 from shardmoe.moe.config import EXPERT_KINDS, GLU_ACTIVATIONS, SCORE_FUNCS
 from shardmoe.notation import MESH_AXES
 from shardmoe.parallel.exchange import ExchangeError

@@ -12,7 +12,7 @@ intermediate dim (expert_tensor). Forward, on rank (d, e, t):
   plan           all-gather counts over (d, e): global capacity, splits          (dispatch)
   dispatch       rows xs = x[token of each kept pair] 'N_send H', grouped by destination peer,
                  to the peers along 'e' -> 'N_recv H' (P2P or remote path)      (exchange)
-  experts        the fused path's expert math on the local experts' rows, psum over 't'
+  experts        the layer's expert math on the local experts' rows, psum over 't'
   combine        rows y back along 'e' (reverse splits) -> out_t = sum_j w_tj y_j(x_t)
   shared expert  on this rank's own tokens (dense: no exchange), its intermediate dim split over 't'
                  like the routed experts': z psummed over 't', s z added to the combine (shared_experts)
@@ -43,7 +43,7 @@ import time
 
 import torch
 
-from shardmoe import shardops
+from shardmoe.parallel import shardops
 from shardmoe.moe.activations import activate
 from shardmoe.moe.config import MoEConfig
 from shardmoe.moe.dispatch import LOCAL
@@ -120,15 +120,15 @@ class ExpertParallel:
         clock.lap("route")
         return routing, _Step(plan, plan.expert_major_order(), clock)
 
-    def restore(self, config, saved):
+    def restore(self, config, dispatched):
         """The forward's state from what it saved, after the handshake of the backward's collectives:
         the plan from the counts table (no communication), the received rows' order, a clock for the
         backward's phases."""
         consistency.handshake(self.mesh, "backward", [self.number])
-        table, order = saved[:2]
+        table, order = dispatched[:2]
         return _Step(plan_from_table(table, config, self.mesh), order, _Clock(self.seconds))
 
-    def forward(self, backend, config, x, routing, step, params):
+    def forward(self, ops, config, x, routing, step, params):
         """Dispatch the rows along 'e', the local experts' forward (psums over 't'), the rows back,
         combine. Keeps (order, xs, *expert saved) for backward."""
         plan, order, clock = step.plan, step.order, step.clock
@@ -136,29 +136,29 @@ class ExpertParallel:
         (xs,) = _to_experts(self.exchange, plan, order, x.index_select(0, row_token))
         clock.lap("dispatch")
         groups = Groups.from_counts(plan.rows_per_local_expert)
-        y, saved = _experts_forward(backend, config, self.mesh, xs, params, groups)
+        y, saved = _experts_forward(ops, config, self.mesh, xs, params, groups)
         clock.lap("experts")
         (y_send,) = _to_tokens(self.exchange, plan, order, y)
-        out = backend.combine(y_send, weight_rows, routing.row_pair, x.shape[0], config.top_k)
+        out = ops.combine(y_send, weight_rows, routing.row_pair, x.shape[0], config.top_k)
         clock.lap("combine")
         return out, (plan.table, order, xs, *saved)
 
-    def backward(self, backend, config, grad_out, x, routing, step, saved, params):
+    def backward(self, ops, config, grad_out, x, routing, step, dispatched, params):
         """The unscaled output gradient rows and their combine weights go to the experts (the glu
         expert applies w after its Wdown GEMM so that stage 2 can reuse that GEMM), stages 1-4 run
         there, dx rows and the gate dots come back, stage 5 sums dx per token."""
         plan, clock = step.plan, step.clock
-        _, order, xs, *expert_saved = saved
+        _, order, xs, *expert_saved = dispatched
         row_token, weight_rows = routing.rows(config.top_k)
         grad_rows, weight_recv = _to_experts(self.exchange, plan, order, grad_out.index_select(0, row_token),
                                              weight_rows)
         clock.lap("dispatch")
         groups = Groups.from_counts(plan.rows_per_local_expert)
-        grad_xs, grad_dots, grads = _experts_backward(backend, config, self.mesh, grad_rows, weight_recv, xs,
+        grad_xs, grad_dots, grads = _experts_backward(ops, config, self.mesh, grad_rows, weight_recv, xs,
                                                       tuple(expert_saved), params, groups)
         clock.lap("experts")
         grad_xs, grad_dots = _to_tokens(self.exchange, plan, order, grad_xs, grad_dots)
-        grad_x = backend.grad_input_combine(grad_xs, routing.row_pair, x.shape[0], config.top_k)
+        grad_x = ops.grad_input_combine(grad_xs, routing.row_pair, x.shape[0], config.top_k)
         clock.lap("combine")
         return grad_x, grad_dots, grads
 
@@ -280,17 +280,17 @@ def _psum_t(spec: str, reduce, mesh):
     return lambda t: reduce(shardops.unreduced(spec, t, "t"), mesh)
 
 
-def _experts_forward(backend, config: MoEConfig, mesh, xs, params, groups):
+def _experts_forward(ops, config: MoEConfig, mesh, xs, params, groups):
     """y 'N H' (whole over 't') for rows xs of the local experts, and what backward keeps:
     "glu": (h,) with h 'N 2F/t'; "mlp": (z1, z2) with z1 'N P/t' and z2 'N H' (whole)."""
     kind = config.kind
     if mesh.size("t") == 1:
-        y, saved = backend.expert_forward(kind, config.expert_activation, config.output_activation, xs, params,
+        y, saved = ops.expert_forward(kind, config.expert_activation, config.output_activation, xs, params,
                                           groups)
         return etp.reduce_expert_output(shardops.unreduced("N H", y, "t"), mesh), saved  # Wdown contracts F/t
     # The down bias (whole on every t rank) and act_out need the whole z2: run the GEMMs without
     # the bias, psum, then add the bias once and apply act_out.
-    z2_partial, saved = backend.expert_forward(kind, config.expert_activation, "identity", xs,
+    z2_partial, saved = ops.expert_forward(kind, config.expert_activation, "identity", xs,
                                                {**params, kind.down_bias: None}, groups)
     z2 = etp.reduce_expert_output(shardops.unreduced("N H", z2_partial, "t"), mesh)
     if params.get(kind.down_bias) is not None:
@@ -298,7 +298,7 @@ def _experts_forward(backend, config: MoEConfig, mesh, xs, params, groups):
     return activate(config.output_activation, z2), kind.saved(saved[0], z2)
 
 
-def _experts_backward(backend, config: MoEConfig, mesh, grad_rows, weight_rows, xs, saved, params, groups):
+def _experts_backward(ops, config: MoEConfig, mesh, grad_rows, weight_rows, xs, saved, params, groups):
     """Stages 1-4 on the expert side: (dx rows 'N H', gate dots dw 'N', expert shard gradients).
     With F split over 't' the input-gradient rows are partial sums, and so are the glu dots (taken
     over F, kind.partial_gate_dot); the glu dot's bias term g . bdown is whole on every t rank, so
@@ -306,14 +306,14 @@ def _experts_backward(backend, config: MoEConfig, mesh, grad_rows, weight_rows, 
     rank)."""
     kind = config.kind
     once = kind.partial_gate_dot and mesh.size("t") > 1 and params.get(kind.down_bias) is not None
-    grad_xs, grad_dots, grads = backend.expert_backward(kind, config.expert_activation, config.output_activation,
+    grad_xs, grad_dots, grads = ops.expert_backward(kind, config.expert_activation, config.output_activation,
                                                         grad_rows, weight_rows, xs, saved,
                                                         {**params, kind.down_bias: None} if once else params, groups)
     if kind.partial_gate_dot:
         grad_dots = etp.reduce_gate_dot(shardops.unreduced("N", grad_dots, "t"), mesh)
     if once:
         row_bias = params[kind.down_bias][groups.row_expert(grad_rows.device)]
-        grad_dots = grad_dots + backend.grad_gate_combine(grad_rows, row_bias)
+        grad_dots = grad_dots + ops.grad_gate_combine(grad_rows, row_bias)
     return etp.reduce_input_grad(shardops.unreduced("N H", grad_xs, "t"), mesh), grad_dots, grads
 
 

@@ -25,7 +25,7 @@ act_out, which need the whole z2; b2 is added once. The "glu" down_proj_bias is 
 the same way, after the psum of y_t, and its term g . bdown of the gate dot is added once, after
 the psum of the partial dots.
 
-The contractions over F/t run in the fused path's grouped GEMMs (shardmoe/moe/experts.py), not
+The contractions over F/t run in the layer's grouped GEMMs (shardmoe/moe/experts.py), not
 in einsums: expert_parallel marks their results with shardops.unreduced (a wrapper, no copy), and
 the reduce_* functions below take only such Unreduced values, so their results reach the caller
 only through these psums and dropping one raises UnreducedError at the first use.
@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import torch
 
-from shardmoe import shardops
+from shardmoe.parallel import shardops
 from shardmoe.expert_kinds import GLU, MLP
 from shardmoe.moe.placement import PACKED, packed, unpacked
 from shardmoe.notation import parse_spec

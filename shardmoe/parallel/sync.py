@@ -43,7 +43,7 @@ from collections import defaultdict
 import torch
 import torch.distributed as dist
 
-from shardmoe import shardops
+from shardmoe.parallel import shardops
 from shardmoe.mesh import DEVICE_MESH_NAMES, EXPERT, GRAD_SYNC_ATTRIBUTE, REPLICATED, mark_grad_sync  # noqa: F401 (API)
 from shardmoe.moe.composition import is_dtensor, local
 from shardmoe.parallel import consistency

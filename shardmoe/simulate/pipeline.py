@@ -32,7 +32,7 @@ A layout must fit a GPU's memory: its expert parameters, (E / e) * ceil(L / p) *
 state_bytes_per_param (bf16 weight and gradient, float32 master weight and two AdamW moments: 16
 bytes, assumed), plus the activations of the micro-batches in flight, each saving
 b * (H + k (H + 2F)) bytes per token and layer (the layer's input, and per routed row its copy and
-its 2F-wide pre-activation, as the fused layer saves them): m of them for gpipe, p for 1f1b and
+its 2F-wide pre-activation, as the MoE layer saves them): m of them for gpipe, p for 1f1b and
 interleaved-1f1b (its first rank's warm-up). Attention, dense layers, shared experts and the
 router are not modelled (the simulator prices the MoE layer), nor activation recomputation.
 """

@@ -1,13 +1,13 @@
 """run_forward / run_backward: one MoE layer's pass as tile tasks on simulated devices.
 
     fwd = run_forward(layer, x, peers=4, ranks_per_node=2)          # fwd.output == layer(x)
-    bwd = run_backward(layer, x, grad_out, forward=fwd)             # == the fused backward
+    bwd = run_backward(layer, x, grad_out, forward=fwd)             # == the layer's explicit backward
     bwd.grad_input, bwd.grads["w1"], bwd.counts["gradPreGEMM"], bwd.trace.save_png("b.png")
 
 Routing is the layer's own (shardmoe.moe.routing.route, capacity included), so the runtime
 reproduces the single-process layer; x [..., H] is flattened to S tokens as the layer does.
 A shared expert (shared_ffn_size > 0) is dense and routes nothing, so it runs beside the schedule,
-on the same stage functions as the fused layer (shardmoe/moe/shared_experts.py): its output is
+on the same stage functions as the MoE layer (shardmoe/moe/shared_experts.py): its output is
 added to the tasks' combined output, its input gradient to theirs, both before the one rounding.
 """
 from __future__ import annotations
@@ -115,7 +115,7 @@ def run_backward(layer, x: torch.Tensor, grad_out: torch.Tensor, *, peers: int =
                  processors: int = 4, scheduler: str = "random", seed: int = 0, block_m: int = 8, block_n: int = 8,
                  grad_loss: float | torch.Tensor | None = 1.0, gate_dependency: str = "token",
                  final_gate_combine: bool = False, forward: ForwardResult | None = None) -> BackwardResult:
-    """The layer's backward as tile tasks; gradients equal the fused layer's.
+    """The layer's backward as tile tasks; gradients equal the MoE layer's.
 
     grad_loss: dL/d(layer.aux_loss). 1.0 (default) is the training objective
     (out * grad_out).sum() + layer.aux_loss; pass 0.0 or None for (out * grad_out).sum() alone.

@@ -1,7 +1,7 @@
 """`shardmoe trace --out DIR`: run one layer's forward and backward as tile tasks and write
 forward.json, backward.json (Chrome trace, open in https://ui.perfetto.dev), forward.png,
 backward.png (Gantt charts) and counts.json; print the task counts and the largest relative
-difference from the fused layer (float64 by default, where it is round-off)."""
+difference from the MoE layer (float64 by default, where it is round-off)."""
 from __future__ import annotations
 
 import argparse
@@ -46,7 +46,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     layer.add_argument("--z-loss-coef", type=float, default=0.0, metavar="C",
                        help="weight of the router z-loss (default %(default)s)")
     layer.add_argument("--dtype", choices=("float64", "float32"), default="float64",
-                       help="the layer's dtype; the tile result must equal the fused layer's within 1e-10 "
+                       help="the layer's dtype; the tile result must equal the MoE layer's within 1e-10 "
                             "(float64) or 1e-4 (float32), else exit 1 (default %(default)s)")
     run = parser.add_argument_group("schedule", "the simulated devices and how tasks are cut and picked")
     run.add_argument("--peers", type=int, default=4, metavar="N",
@@ -128,7 +128,7 @@ def run(args: argparse.Namespace) -> int:
     for name, counts in (("forward", fwd.counts), ("backward", bwd.counts)):
         print(f"{name}: " + ", ".join(f"{k} {v}" for k, v in counts.items()) + f"  (total {sum(counts.values())})")
     worst = max(errors.values())
-    print(f"largest relative difference from the fused layer: {worst:.2e}")
+    print(f"largest relative difference from the MoE layer: {worst:.2e}")
     print(f"wrote {args.out}/forward.json, backward.json, forward.png, backward.png, counts.json")
     tolerance = 1e-10 if dtype == torch.float64 else 1e-4
     return 0 if worst <= tolerance else 1

@@ -1,6 +1,6 @@
 """The processors' task bodies: what one tile task computes, on real tensors.
 
-Every formula is the fused layer's own (shardmoe.moe): a task calls the stage function on its
+Every formula is the MoE layer's own (shardmoe.moe): a task calls the stage function on its
 tile's slices, on torch's own row primitives (experts.TORCH_OPS). Column tile n covers
 cols = [n*block_n, (n+1)*block_n) of the tiled dim; a row tile has m rows of one expert e (local
 index le on its device), so the one-expert weight slice W[e:e+1] with Groups((m,)) turns the

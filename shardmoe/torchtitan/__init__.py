@@ -1,4 +1,4 @@
-"""torchtitan interop: torchtitan's MoE run by shardmoe's fused layer, swapped into a model in three lines.
+"""torchtitan interop: torchtitan's MoE run by shardmoe's MoE layer, swapped into a model in three lines.
 
   import shardmoe.torchtitan
   model = model_config.build()             # a torchtitan model with MoE blocks (DeepSeek-V3, Qwen3-MoE, ...)
@@ -9,7 +9,7 @@ or, before the model is built (torchtitan's trainer builds it itself), one setti
 
 shardmoe.torchtitan.MoE (shardmoe/torchtitan/moe.py) is torchtitan's MoE with its own router,
 routed experts, shared experts, buffers, init and sharding configs, whose forward is shardmoe's
-fused MoE operator: the state dict, checkpoints, the HF state-dict adapters, the load-balancing
+MoE operator: the state dict, checkpoints, the HF state-dict adapters, the load-balancing
 hook and torchtitan's parallelize functions see torchtitan's module. from_torchtitan(moe) converts
 one built MoE (shardmoe/torchtitan/swap.py). docs/torchtitan.md has the mapping, the exactness and
 the speed. torchtitan is an optional dependency (the "torchtitan" extra): without it, importing this
@@ -33,7 +33,7 @@ from shardmoe.torchtitan.swap import from_torchtitan, swap_moe
 
 
 @override(target=titan_moe.MoE.Config, exact=True,
-          description="torchtitan's MoE run by shardmoe's fused layer (shardmoe.torchtitan.MoE)")
+          description="torchtitan's MoE run by shardmoe's MoE layer (shardmoe.torchtitan.MoE)")
 def fused_moe(config: titan_moe.MoE.Config) -> MoE.Config:
     """The override a torchtitan config selects with --override.imports shardmoe.torchtitan.fused_moe:
     every torchtitan MoE.Config (exactly that class) becomes shardmoe.torchtitan.MoE.Config with the

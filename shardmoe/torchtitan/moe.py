@@ -1,4 +1,4 @@
-"""MoE: torchtitan's MoE module whose forward is shardmoe's fused MoE operator.
+"""MoE: torchtitan's MoE module whose forward is shardmoe's MoE operator.
 
   moe = shardmoe.torchtitan.MoE.Config(**fields of torchtitan's MoE.Config).build()
   out_BLD = moe(x_BLD)                    x [B, L, D] -> [B, L, D]
@@ -10,7 +10,7 @@ the same Config, load_balance_coeff, init (init_states through torchtitan's Modu
 _init_self_buffers) and sharding configs. Only forward differs, and what forward needs:
 
   shardmoe's options      read from the module (moe_config), refused before anything runs when
-                          the fused layer cannot compute what torchtitan's does
+                          the MoE layer cannot compute what torchtitan's does
   the weights it runs on  gate_weight = gate.weight^T [D, E] (a view), gate_up_proj =
                           cat(w1_EFD, w3_EFD) [E, 2F, D], down_proj = w2_EDF [E, D, F]; the shared
                           expert's cat(w1, w3) [2Fs, D] and w2 [D, Fs]; each the local tensor of a
@@ -43,7 +43,7 @@ from torchtitan.models.common.linear import Linear
 from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher, LocalTokenDispatcher
 
 from shardmoe.mesh import Mesh
-from shardmoe.moe import composition, ops, precision
+from shardmoe.moe import composition, function, precision
 from shardmoe.moe.config import MoEConfig
 from shardmoe.moe.cpu import Workspace
 from shardmoe.moe.function import MoEContext
@@ -71,7 +71,7 @@ def _check_linear(name: str, linear, bias_allowed: bool) -> None:
 def moe_config(moe: titan_moe.MoE) -> MoEConfig:
     """The MoEConfig computing what the built torchtitan MoE `moe` computes (any device, meta too).
 
-    Refuses (ValueError naming the part and what it has) what the fused layer does not compute:
+    Refuses (ValueError naming the part and what it has) what the MoE layer does not compute:
     another experts class (GPT-OSS's, a quantized or fused one), router or shared-expert class, a
     token dispatcher other than the local and the all-to-all one, biases in the shared expert, the
     debug round-robin routing, a group-limited router with fewer than two experts per group."""
@@ -114,7 +114,7 @@ def moe_config(moe: titan_moe.MoE) -> MoEConfig:
 
 
 class MoE(titan_moe.MoE):
-    """torchtitan's MoE computed by shardmoe's fused MoE operator (module docstring)."""
+    """torchtitan's MoE computed by shardmoe's MoE operator (module docstring)."""
 
     @dataclass(kw_only=True, slots=True)
     class Config(titan_moe.MoE.Config):
@@ -125,7 +125,7 @@ class MoE(titan_moe.MoE):
         self._attach()
 
     def _attach(self) -> None:
-        """What the fused operator needs beside torchtitan's state: the options, the handle the
+        """What the MoE operator needs beside torchtitan's state: the options, the handle the
         operator names this module by, the row-buffer pool, the dispatcher (local until parallelize
         gives an 'ep' mesh)."""
         self.moe_config = moe_config(self)
@@ -133,7 +133,8 @@ class MoE(titan_moe.MoE):
         self.workspace = Workspace()
         self.expert_mesh = None
         self._dispatcher = placement(self.moe_config, None).dispatcher
-        self._moe_handle = ops.register(self)
+        self._router = GateRouter(self.moe_config)  # the module's gate, as the MoE operators route with it
+        self._moe_handle = function.register(self)
 
     def parallelize(self, parallel_dims) -> None:
         """torchtitan's parallelize (its sharding configs: the experts Shard(0) over 'ep', the rest
@@ -181,7 +182,8 @@ class MoE(titan_moe.MoE):
         autocast = precision.autocast_dtype(x_BLD, experts[0].dtype)
         self._check_input(x_BLD, experts[0], autocast)
         x, *experts = precision.cast((x_BLD, *experts), autocast)
-        out, _ = ops.fused_moe(self._moe_handle, x, gate_weight, gate_bias, self.expert_bias_E, None, *experts)
+        present, absent = function.operator_inputs((gate_weight, gate_bias, self.expert_bias_E, None, *experts))
+        out, _, _ = torch.ops.shardmoe.moe_forward(self._moe_handle, x, present, absent)
         if self.training:
             with torch.no_grad():
                 self.tokens_per_expert_E.add_(self.stats["rank_selected_per_expert"])
@@ -197,11 +199,10 @@ class MoE(titan_moe.MoE):
             raise ValueError(f"x_BLD: expected device {weight.device} (the experts' device), got {x.device}")
 
     def moe_context(self, x: torch.Tensor, inputs: tuple) -> MoEContext:
-        """What the MoE operators (moe/ops.py) run this module's forward and backward with: its
+        """What the MoE operators (moe/function.py) run this module's forward and backward with: its
         options, its gate as the router, its dispatcher and row buffers; the statistics land in
         self.stats. No balance loss: torchtitan's MoE balances with expert_bias_E alone."""
-        return MoEContext(self.moe_config, GateRouter(self.moe_config), self._dispatcher, self.workspace,
-                          self._keep_stats)
+        return MoEContext(self.moe_config, self._router, self._dispatcher, self.workspace, self._keep_stats)
 
     def _keep_stats(self, stats: dict) -> None:
         self.stats = stats
@@ -222,7 +223,7 @@ class MoE(titan_moe.MoE):
     def __setstate__(self, state: dict) -> None:
         """A copy is a module of its own: it gets its own handle."""
         super().__setstate__(state)
-        self._moe_handle = ops.register(self)
+        self._moe_handle = function.register(self)
 
     def extra_repr(self) -> str:
         c = self.moe_config

@@ -21,7 +21,7 @@ def from_torchtitan(moe: titan_moe.MoE) -> MoE:
     """The shardmoe.torchtitan.MoE computing what the built torchtitan MoE `moe` computes, holding
     its children, parameters and buffers (no copy; `moe` itself is left as it was). One already
     converted is returned as it is. ValueError, before anything changes, for anything else, for a
-    module torchtitan's parallelize has wrapped or that carries hooks, and for what the fused layer
+    module torchtitan's parallelize has wrapped or that carries hooks, and for what the MoE layer
     cannot compute (moe.moe_config's refusals)."""
     if isinstance(moe, MoE):
         return moe

@@ -12,7 +12,7 @@ from shardmoe.cli import main
 def test_quick_check_passes(capsys):
     assert main(["check", "--quick"]) == 0
     out = capsys.readouterr().out
-    assert "float64: fused vs float64 reference" in out and "gradcheck" in out
+    assert "float64: layer vs float64 reference" in out and "gradcheck" in out
     assert "FAIL" not in out and "all passed" in out
     # the quick float64 matrix, the first 2 precision cases in fp32 and bf16, 1 gradcheck case
     assert f"\n{len(quick_matrix()) + 2 * 2 + 1} checks, all passed" in out and len(quick_matrix()) + 5 == 54

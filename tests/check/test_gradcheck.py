@@ -1,11 +1,11 @@
-"""Finite differences against the fused layer's explicit backward."""
+"""Finite differences against the MoE layer's explicit backward."""
 import pytest
 import torch
 
 import shardmoe
 from shardmoe.check.cases import gradcheck_cases
 from shardmoe.check.command import single_threaded
-from shardmoe.check.gradcheck import fused_gradcheck
+from shardmoe.check.gradcheck import layer_gradcheck
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -15,8 +15,8 @@ def one_thread():
 
 
 @pytest.mark.parametrize("case", gradcheck_cases(), ids=lambda c: c.name)
-def test_fused_backward_matches_finite_differences(case):
-    result = fused_gradcheck(case)
+def test_backward_matches_finite_differences(case):
+    result = layer_gradcheck(case)
     assert result.passed, result.message
 
 
@@ -39,5 +39,5 @@ class _WrongBackward(shardmoe.MoE):
 
 def test_gradcheck_catches_a_wrong_backward(monkeypatch):
     monkeypatch.setattr(shardmoe, "MoE", _WrongBackward)
-    result = fused_gradcheck(gradcheck_cases()[0])
+    result = layer_gradcheck(gradcheck_cases()[0])
     assert not result.passed and "Jacobian mismatch" in result.message

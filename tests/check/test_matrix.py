@@ -1,4 +1,4 @@
-"""The fused MoE layer against the float64 reference over the whole configuration matrix."""
+"""The MoE layer against the float64 reference over the whole configuration matrix."""
 import pytest
 import torch
 
@@ -7,7 +7,7 @@ from shardmoe.check.cases import (EXPERT_OPTIONS, EXPERTS, GLU_ACTIVATIONS, MLP_
                                   core_matrix, edge_cases, expert_option_matrix, full_matrix, gradcheck_cases,
                                   precision_cases, quick_matrix, router_matrix, shared_matrix)
 from shardmoe.check.command import single_threaded
-from shardmoe.check.compare import TOLERANCES, compare_with_reference, relative_error, run_fused
+from shardmoe.check.compare import TOLERANCES, compare_with_reference, relative_error, run_layer
 from shardmoe.check.inputs import make_inputs
 from shardmoe.moe.config import ACTIVATIONS, GLU_ACTIVATIONS as CONFIG_GLU_ACTIVATIONS
 from shardmoe.moe.reference import reference_routing
@@ -36,7 +36,7 @@ def test_low_precision_within_tolerance_of_float64(case, dtype):
 
 def test_core_matrix_in_bf16_within_tolerance_of_float64():
     """bf16 over every core configuration, not just the precision set: the routing gradient's
-    cancellations make it the tensor that rounding choices in the fused path show up in first.
+    cancellations make it the tensor that rounding choices in the layer show up in first.
     An "mlp" output relu is left out, as in the precision set: no input draw keeps every z2 clear
     of its kink by bf16's margin, and across the kink bf16 and float64 legitimately disagree."""
     cases = [c for c in core_matrix() if c.config.output_activation != "relu"]
@@ -131,7 +131,7 @@ def test_expert_option_matrix_crosses_every_option_with_every_router_and_the_cla
 
 
 def test_tie_cases_route_both_twins_and_the_lower_wins():
-    """The tie cases' inputs give experts 0 and 1 bitwise equal scores, and the fused layer's
+    """The tie cases' inputs give experts 0 and 1 bitwise equal scores, and the layer's
     expert 1 only receives tokens that also chose expert 0 (top_k = 2) or that expert 0 could not
     take: its selection counts never exceed expert 0's."""
     for case in (c for c in MATRIX if c.tie):
@@ -139,7 +139,7 @@ def test_tie_cases_route_both_twins_and_the_lower_wins():
         routing = reference_routing(inputs.x, inputs.params["gate_weight"], case.config,
                                     inputs.params.get("gate_bias"), inputs.correction_bias)
         assert torch.equal(routing.probs[:, 0], routing.probs[:, 1]), case.name
-        layer, _, _ = run_fused(case.config, inputs)
+        layer, _, _ = run_layer(case.config, inputs)
         chose_1 = (routing.selected == 1).any(-1)
         assert ((routing.selected == 0).any(-1) | ~chose_1).all(), case.name
         assert layer.stats["selected_per_expert"].tolist() == torch.bincount(routing.selected.reshape(-1),
@@ -166,7 +166,7 @@ def test_capacity_cases_drop_pairs():
 def test_empty_expert_gets_exactly_zero_gradient(case):
     """The relative-error floor would tolerate 1e-13 here; an expert with no tokens must get exact zeros."""
     inputs = make_inputs(case)
-    layer, _, _ = run_fused(case.config, inputs)
+    layer, _, _ = run_layer(case.config, inputs)
     assert layer.stats["tokens_per_expert"][case.empty_expert] == 0
     for name in inputs.params:
         if name != "gate_weight":

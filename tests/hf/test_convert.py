@@ -1,4 +1,4 @@
-"""MoE.from_hf / to_hf_state_dict and shardmoe.hf.convert against the families themselves.
+"""shardmoe.hf.from_block / block_state_dict and shardmoe.hf.convert against the families themselves.
 
 A converted model routes in float64 where the families' routers cast logits to float32, so it
 equals the family's own model to that precision (~1e-7 relative); against shardmoe's float64
@@ -16,6 +16,18 @@ import torch
 
 from shardmoe import MoE
 from shardmoe.moe.reference import reference_moe
+
+
+def from_block(block, **overrides):
+    from shardmoe.hf import from_block  # not at collection: see tests/hf/conftest.py
+
+    return from_block(block, **overrides)
+
+
+def block_state_dict(layer):
+    from shardmoe.hf import block_state_dict
+
+    return block_state_dict(layer)
 
 # case -> (family, config sizes): DeepSeek-V3 with its shared experts, and with none
 CONVERTIBLE = {"mixtral": ("mixtral", {}), "qwen2_moe": ("qwen2_moe", {}), "qwen3_moe": ("qwen3_moe", {}),
@@ -153,11 +165,11 @@ def test_aux_loss_keeps_the_family_coefficient(hf):
 
 
 @pytest.mark.parametrize("case", CONVERTIBLE)
-def test_from_hf_and_state_dict_round_trip(case, hf):
+def test_from_block_and_block_state_dict_round_trip(case, hf):
     family, sizes = CONVERTIBLE[case]
     model = hf.small_model(family, **sizes)
     block = next(m for m in model.modules() if hasattr(getattr(m, "experts", None), "has_gate"))
-    layer = MoE.from_hf(block)
+    layer = from_block(block)
     x = torch.randn(2, 5, layer.config.hidden_size, dtype=torch.float64)
 
     def block_out(b):  # GPT-OSS's block returns (hidden_states, router_scores)
@@ -165,7 +177,7 @@ def test_from_hf_and_state_dict_round_trip(case, hf):
         return out[0] if isinstance(out, tuple) else out
 
     assert hf.relative_error(layer(x), block_out(block)) < 1e-6
-    state = layer.to_hf_state_dict()
+    state = block_state_dict(layer)
     other = copy.deepcopy(block)
     hf.randomize(other, seed=7)
     missing, unexpected = other.load_state_dict(state, strict=False)
@@ -186,7 +198,7 @@ def test_unsupported_blocks_are_refused_before_any_swap(family, options, match, 
     assert [type(m) for m in model.modules()] == before
     block = next(m for m in model.modules() if hasattr(getattr(m, "experts", None), "has_gate"))
     with pytest.raises(ValueError, match=match):
-        MoE.from_hf(block)
+        from_block(block)
 
 
 def test_convert_refuses_a_model_that_ran_a_forward(hf):
@@ -196,15 +208,15 @@ def test_convert_refuses_a_model_that_ran_a_forward(hf):
         hf.convert(model)
 
 
-def test_to_hf_state_dict_refuses_what_no_block_holds():
+def test_block_state_dict_refuses_what_no_block_holds():
     for options, name in ((dict(router_bias=True), "router_bias=True"), (dict(capacity_factor=1.0), "capacity_factor"),
                           (dict(expert="mlp"), "expert='mlp'"), (dict(score_func="sigmoid"), "score_func='sigmoid'")):
         layer = MoE(8, 4, 4, 2, **options)
-        with pytest.raises(ValueError, match=rf"to_hf_state_dict: expected .*got .*{name}"):
-            layer.to_hf_state_dict()
+        with pytest.raises(ValueError, match=rf"block_state_dict: expected .*got .*{name}"):
+            block_state_dict(layer)
 
 
-def test_to_hf_state_dict_refuses_routers_no_family_computes():
+def test_block_state_dict_refuses_routers_no_family_computes():
     """A state dict carries no options: exported, these would load into blocks that route otherwise,
     with no error."""
     cases = [
@@ -218,13 +230,13 @@ def test_to_hf_state_dict_refuses_routers_no_family_computes():
     ]
     for options, name in cases:
         layer = MoE(8, 4, 4, 2, **options)
-        with pytest.raises(ValueError, match=rf"to_hf_state_dict: no transformers block computes this router: .*{name}"):
-            layer.to_hf_state_dict()
+        with pytest.raises(ValueError, match=rf"block_state_dict: no transformers block computes this router: .*{name}"):
+            block_state_dict(layer)
     # what the families hold still exports: Qwen2-MoE's gated shared expert, DeepSeek-V3's router
-    assert "shared_expert_gate.weight" in MoE(8, 4, 4, 2, shared_ffn_size=4, shared_gate=True).to_hf_state_dict()
+    assert "shared_expert_gate.weight" in block_state_dict(MoE(8, 4, 4, 2, shared_ffn_size=4, shared_gate=True))
     deepseek = MoE(8, 4, 4, 2, score_func="sigmoid", correction_bias=True, n_group=2, topk_group=1,
                    routed_scaling_factor=2.5, renormalize_epsilon=1e-20, shared_ffn_size=4)
-    assert "gate.e_score_correction_bias" in deepseek.to_hf_state_dict()
+    assert "gate.e_score_correction_bias" in block_state_dict(deepseek)
 
 
 @pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "deepseek_v3", "gpt_oss"])

@@ -7,13 +7,13 @@ from shardmoe.tools.bench.saved_bytes import measure_saved_bytes
 
 
 def test_seam_saves_and_pools_what_the_layer_does(hf):
-    import shardmoe
+    from shardmoe.hf import from_block
     from shardmoe.tools.bench.hf_block import family_block
 
     # [N, 2F] rows of 4096 x 512 fp32 = 8 MiB: above the pool's 4 MiB floor, so the rows are pooled
     block, config = family_block("mixtral", torch.float32, hidden_size=128, ffn_size=256, num_experts=4, top_k=2)
     config._experts_implementation = "shardmoe"
-    layer = shardmoe.MoE.from_mixtral(block)
+    layer = from_block(block)
     x = torch.randn(2048, 128, generator=torch.Generator().manual_seed(0))
     weights, index = torch.topk(torch.softmax(x @ layer.gate_weight, -1), 2, dim=-1)
     weights = weights / weights.sum(-1, keepdim=True)

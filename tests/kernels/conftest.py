@@ -3,10 +3,10 @@ SHARDMOE_TEST_COMPILED=1 (python -m shardmoe.tools.gpu_check's tests stage sets 
 
 tests/conftest.py chooses the mode before any test module imports triton. In compiled mode
 test_layer_path.py and test_hf_path.py are skipped: they feed CPU tensors to the kernels through
-force_kernel_path(), which only the interpreter runs; the gpu_check parity stage runs such cases
-on CUDA tensors. Shapes are tiny but every kernel sees several tiles along each of its dimensions
-with its interpreter tiles (16-row tiles, 32-wide column and K tiles), each dimension's last tile
-partial: uneven expert groups, empty experts (first and middle), a group spanning three row tiles,
+the force_kernels setting, which only the interpreter runs; the gpu_check parity stage runs such
+cases on CUDA tensors. Shapes are tiny but every kernel sees several tiles along each of its
+dimensions with its interpreter tiles (16-row tiles, 32-wide column and K tiles), each dimension's
+last tile partial: uneven expert groups, empty experts (first and middle), a group spanning three row tiles,
 two or three column and K tiles in every GEMM (F = H = 40, 2F = 80), and a GLU gate/up boundary
 inside a tile. A tile index or order bug (a column tile's result stored to another's place) thus
 changes values.
@@ -20,7 +20,7 @@ import pytest
 import torch
 
 COMPILED = os.environ.get("SHARDMOE_TEST_COMPILED", "0") == "1"  # checked by tests/conftest.py
-# the interpreter's way to the kernels: CPU tensors through force_kernel_path() (see the docstring)
+# the interpreter's way to the kernels: CPU tensors through the force_kernels setting (see the docstring)
 INTERPRETER_ONLY = ("test_layer_path.py", "test_hf_path.py")
 
 HIDDEN = 40  # H: one full and one partial 32-wide tile
@@ -55,7 +55,7 @@ class Routed:
 def pytest_collection_modifyitems(config, items):
     if not COMPILED:
         return
-    skip = pytest.mark.skip(reason="compiled mode: CPU tensors through force_kernel_path() run only in the "
+    skip = pytest.mark.skip(reason="compiled mode: CPU tensors through the force_kernels setting run only in the "
                                    "interpreter; python -m shardmoe.tools.gpu_check --only parity runs these cases on CUDA")
     for item in items:
         if item.path.parent == Path(__file__).parent and item.path.name in INTERPRETER_ONLY:

@@ -11,7 +11,8 @@ if not triton_importable():
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from shardmoe.kernels.activations import activation, activation_args, activation_grad, glu, glu_grad  # noqa: E402
+from shardmoe.kernels.activations import (activation, activation_args, activation_grad, glu,  # noqa: E402
+                                          glu_backward)
 from shardmoe.moe.activations import ClampedSwiGLU  # noqa: E402
 from shardmoe.moe.reference import ACTIVATION_FUNCTIONS  # noqa: E402
 
@@ -50,7 +51,7 @@ def _glu_kernel(gate_ptr, up_ptr, grad_ptr, a_ptr, grad_gate_ptr, grad_up_ptr, n
     up = tl.load(up_ptr + offs, mask=mask, other=0.0)
     grad = tl.load(grad_ptr + offs, mask=mask, other=0.0)
     tl.store(a_ptr + offs, glu(gate, up, limit, alpha, ACT), mask=mask)
-    grad_gate, grad_up = glu_grad(grad, gate, up, limit, alpha, ACT)
+    grad_gate, grad_up = glu_backward(grad, gate, up, limit, alpha, ACT)
     tl.store(grad_gate_ptr + offs, grad_gate, mask=mask)
     tl.store(grad_up_ptr + offs, grad_up, mask=mask)
 
@@ -65,7 +66,7 @@ def _run_glu(activation, gate, up, grad):
 
 @pytest.mark.parametrize("limit", [7.0, 0.5])
 def test_clamped_swiglu_matches_the_torch_path(device, limit):
-    """GPT-OSS's clamped SwiGLU (glu, glu_grad with ACT "clamped_swiglu") against float64 autograd of
+    """GPT-OSS's clamped SwiGLU (glu, glu_backward with ACT "clamped_swiglu") against float64 autograd of
     (clamp(hu, -L, L) + 1) min(hg, L) sigmoid(alpha min(hg, L)) (torch.clamp's gradient passes on the
     closed range) and the torch path's ClampedSwiGLU, on the same float32 inputs, the clamps' edges
     included: the gradient passes at hg == L and hu == +-L exactly and is exactly 0 beyond."""
@@ -100,7 +101,7 @@ def test_clamped_swiglu_matches_the_torch_path(device, limit):
 
 @pytest.mark.parametrize("name", ["relu", "gelu", "gelu_tanh", "silu", "identity"])
 def test_glu_of_a_named_activation(device, name):
-    """glu / glu_grad with a named activation: a = act(hg) hu, dhg = dA hu act'(hg), dhu = dA act(hg),
+    """glu / glu_backward with a named activation: a = act(hg) hu, dhg = dA hu act'(hg), dhu = dA act(hg),
     against float64 autograd."""
     gen = torch.Generator().manual_seed(0)
     gate, up, grad = (torch.randn(100, generator=gen, dtype=torch.float64) * 3 for _ in range(3))

@@ -13,7 +13,7 @@ from shardmoe.expert_kinds import GLU, MLP  # noqa: E402
 from shardmoe.kernels import stages as kex  # noqa: E402
 from shardmoe.kernels.down_grad import down_grad  # noqa: E402
 from shardmoe.kernels.grad_gemm import grad_gemm  # noqa: E402
-from shardmoe.kernels.weight_grad import weight_grad  # noqa: E402
+from shardmoe.kernels.weight_grad import weight_and_bias_grad  # noqa: E402
 from shardmoe.moe import combine as comb  # noqa: E402
 from shardmoe.moe.experts import TORCH_OPS  # noqa: E402
 from shardmoe.moe import experts as ex  # noqa: E402
@@ -53,7 +53,7 @@ def test_grouped_gemms(routed, expert_params, rel_err):
     expected = (TORCH_OPS.linear_t(rows, down, groups), TORCH_OPS.weight_grad(rows, act, groups),
                 TORCH_OPS.bias_grad(rows, groups))
     r32, d32, a32 = rows.to(F32), down.to(F32), act.to(F32)
-    got = (grad_gemm(r32, d32, groups), *weight_grad(r32, a32, groups, with_bias=True))
+    got = (grad_gemm(r32, d32, groups), *weight_and_bias_grad(r32, a32, groups, with_bias=True))
     assert_all_close(got, expected, rel_err)
     empty = [e for e, size in enumerate(groups.sizes) if size == 0]
     assert empty and got[1][empty].abs().max() == 0 and got[2][empty].abs().max() == 0
@@ -63,14 +63,14 @@ def _glu_saved(routed, params, activation):
     """(xs, h) of the float64 forward."""
     groups = groups_of(routed)
     xs = routed.x[routed.row_token]
-    _, (h,) = ex.expert_forward(TORCH_OPS, GLU, activation, "identity", xs, params, groups)
+    _, (h,) = TORCH_OPS.expert_forward(GLU, activation, "identity", xs, params, groups)
     return xs, h
 
 
 @pytest.mark.parametrize("activation,bias", [(a, False) for a in ACTIVATIONS] + [("silu", True), (CLAMPED, False),
                                                                                   (CLAMPED, True)],
                          ids=[*ACTIVATIONS, "silu-bias", "clamped", "clamped-bias"])
-def test_glu_backward(routed, expert_params, rel_err, activation, bias):
+def test_glu_expert_backward(routed, expert_params, rel_err, activation, bias):
     """Stages 2-4 of "glu" (dx rows, gate dots, every gradient) against the torch path's stages in
     float64: every activation, the clamped SwiGLU's derivative (zero beyond its clamps), both
     biases, whose g . bdown_e term joins the gate dots; g and x read in token order."""
@@ -78,20 +78,20 @@ def test_glu_backward(routed, expert_params, rel_err, activation, bias):
     params = expert_params("glu", bias, routed.x.device)
     xs, h = _glu_saved(routed, params, activation)
     grad_rows = routed.grad_out[routed.row_token]
-    dx, dots, grads = ex.expert_backward(TORCH_OPS, GLU, activation, "identity", grad_rows, routed.weight_rows, xs, (h,),
+    dx, dots, grads = TORCH_OPS.expert_backward(GLU, activation, "identity", grad_rows, routed.weight_rows, xs, (h,),
                                          params, groups)
     if bias:  # the bias term is no round-off
-        without = ex.expert_backward(TORCH_OPS, GLU, activation, "identity", grad_rows, routed.weight_rows, xs, (h,),
+        without = TORCH_OPS.expert_backward(GLU, activation, "identity", grad_rows, routed.weight_rows, xs, (h,),
                                      {**params, "down_proj_bias": None}, groups)[1]
         assert rel_err(without, dots) > 1e-2
     r32 = routed.cast(F32)
     params32 = {k: None if v is None else v.to(F32) for k, v in params.items()}
-    got_dx, got_dots, got = kex.glu_backward(r32.grad_out, r32.weight_rows, r32.x, h.to(F32), params32, groups,
+    got_dx, got_dots, got = kex.glu_expert_backward(r32.grad_out, r32.weight_rows, r32.x, h.to(F32), params32, groups,
                                              activation, row_index=r32.row_token)
     assert_all_close((got_dx, got_dots), (dx, dots), rel_err)
     assert set(got) == set(grads)
     assert_all_close([got[k] for k in grads], [grads[k] for k in grads], rel_err)
-    rows = kex.glu_backward(r32.grad_out[r32.row_token], r32.weight_rows, r32.x[r32.row_token], h.to(F32), params32,
+    rows = kex.glu_expert_backward(r32.grad_out[r32.row_token], r32.weight_rows, r32.x[r32.row_token], h.to(F32), params32,
                             groups, activation)
     assert_all_close(rows[:2], (dx, dots), rel_err)
 
@@ -114,21 +114,21 @@ def test_down_grad_epilogue(routed, expert_params, rel_err):
 
 @pytest.mark.parametrize("activation,output_activation,bias",
                          [(a, b, i % 2 == 0) for i, (a, b) in enumerate(zip(ACTIVATIONS, ACTIVATIONS[::-1]))])
-def test_mlp_backward(routed, expert_params, rel_err, activation, output_activation, bias):
+def test_mlp_expert_backward(routed, expert_params, rel_err, activation, output_activation, bias):
     """Stages 1-4 of "mlp" (dx rows, gate dots, every gradient) against the torch path's stages in
     float64: every activation in both places, act_out' formed in the combine pass and act' in the
     da1 GEMM's epilogue; g and x read in token order."""
     groups = groups_of(routed)
     params = expert_params("mlp", bias, routed.x.device)
     xs = routed.x[routed.row_token]
-    _, (z1, z2) = ex.expert_forward(TORCH_OPS, MLP, activation, output_activation, xs, params, groups)
+    _, (z1, z2) = TORCH_OPS.expert_forward(MLP, activation, output_activation, xs, params, groups)
     grad_rows = routed.grad_out[routed.row_token]
-    dx, dots, grads = ex.expert_backward(TORCH_OPS, MLP, activation, output_activation, grad_rows, routed.weight_rows, xs,
+    dx, dots, grads = TORCH_OPS.expert_backward(MLP, activation, output_activation, grad_rows, routed.weight_rows, xs,
                                          (z1, z2), params, groups)
     r32 = routed.cast(F32)
     params32 = {k: None if v is None else v.to(F32) for k, v in params.items()}
     z1_32 = z1.to(F32)
-    got_dx, got_dots, got = kex.mlp_backward(r32.grad_out, r32.weight_rows, r32.x, z1_32, z2.to(F32),
+    got_dx, got_dots, got = kex.mlp_expert_backward(r32.grad_out, r32.weight_rows, r32.x, z1_32, z2.to(F32),
                                              activate(activation, z1_32), params32, groups, activation,
                                              output_activation, row_index=r32.row_token)
     assert_all_close((got_dx, got_dots), (dx, dots), rel_err)

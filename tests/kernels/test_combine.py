@@ -48,7 +48,7 @@ def test_grad_gate_combine(routed, rel_err):
 
 
 @pytest.mark.parametrize("output_activation", ["identity", "gelu_tanh"])
-def test_grad_combine_gate_fused(routed, rel_err, output_activation):
+def test_grad_combine_and_gate_dots(routed, rel_err, output_activation):
     """Stages 1 + 2 and act_out' in one pass, g gathered from token order, act_out and its derivative
     applied to the saved z2."""
     z2 = expert_rows(routed, seed=9)
@@ -56,8 +56,8 @@ def test_grad_combine_gate_fused(routed, rel_err, output_activation):
     expected = (activate_backward(output_activation, comb.grad_combine(TORCH_OPS, grad_rows, routed.weight_rows), z2),
                 comb.grad_gate_combine(TORCH_OPS, grad_rows, activate(output_activation, z2)))
     r32 = routed.cast(F32)
-    got = kcomb.grad_combine_gate(r32.grad_out, z2.to(F32), r32.weight_rows, output_activation=output_activation,
-                                  row_index=r32.row_token)
+    got = kcomb.grad_combine_and_gate_dots(r32.grad_out, z2.to(F32), r32.weight_rows,
+                                           output_activation=output_activation, row_index=r32.row_token)
     for g, e in zip(got, expected, strict=True):
         assert g.dtype == F32 and g.shape == e.shape
         assert rel_err(g, e) < TOL

@@ -1,7 +1,7 @@
 """A whole MoE layer, forward and backward, assembled from the kernels in float32, against
-the fused layer (the MoE operators of shardmoe/moe/ops.py) in float64.
+the layer (the MoE operators of shardmoe/moe/function.py) in float64.
 
-The expert side is the Triton backend's fused entry points, which the MoE operators run on the kernel path: rows are
+The expert side is TritonOps' stages, which the MoE operators run on the kernel path: rows are
 gathered inside the kernels (no x[row_token] or grad_out[row_token] copies), each token gathers
 and sums its rows, stages 1 + 2 (mlp) run as one kernel and glu's stages 2-4 as one GEMM with its
 epilogue and three plain GEMMs. Routing and stage 6 run in routing.py: on torch for the interpreter's
@@ -17,14 +17,13 @@ if not triton_importable():
     pytest.skip("triton cannot be imported; install triton==3.9.0 to run the kernel tests", allow_module_level=True)
 
 from shardmoe.kernels import combine as kcomb  # noqa: E402
-from shardmoe.kernels import stages as kex  # noqa: E402
 from shardmoe.moe.config import MoEConfig  # noqa: E402
 from shardmoe.moe.experts import Groups  # noqa: E402
 from shardmoe.moe.dispatch import LOCAL  # noqa: E402
-from shardmoe.moe import ops  # noqa: E402
+from shardmoe.moe import function  # noqa: E402
 from shardmoe.moe.function import MoEContext  # noqa: E402
 from shardmoe.moe.routing import GateRouter, balance_loss, grad_gate_gemm, route  # noqa: E402
-from shardmoe.moe.triton_backend import expert_backward  # noqa: E402
+from shardmoe.moe.triton_ops import TRITON_OPS  # noqa: E402
 from shardmoe import settings  # noqa: E402
 
 TOL = 1e-5
@@ -33,18 +32,19 @@ F32, F64 = torch.float32, torch.float64
 
 def kernel_moe(x, gate_weight, params, config: MoEConfig, grad_out, grad_loss):
     """(out [S, H], loss, {"x", "gate_weight", *expert params: gradient}, routing), the expert side
-    by the fused entry points the Triton backend gives the layer, called directly."""
+    by TritonOps' stages as the local dispatcher calls them (through row_index), called directly."""
     num_tokens, k = x.shape[0], config.top_k
     routing = route(x, gate_weight, config)
     groups = Groups.from_counts(routing.kept_per_expert, num_rows=routing.row_pair.shape[0])
     row_token, weight_rows = routing.rows(k)
     activation = config.expert_activation  # the name, or a ClampedSwiGLU
-    out, saved = kex.expert_forward_combine(config.kind, activation, config.output_activation, x, row_token,
-                                            weight_rows, routing.row_pair, params, groups, k)
+    y, saved = TRITON_OPS.expert_forward(config.kind, activation, config.output_activation, x, params, groups,
+                                         row_index=row_token)
+    out = TRITON_OPS.combine(y, weight_rows, routing.row_pair, num_tokens, k)
     loss = balance_loss(routing, config)
-    grad_xs, grad_weight_rows, expert_grads = expert_backward(config.kind, activation,
-                                                              config.output_activation, grad_out, weight_rows, x,
-                                                              saved, params, groups, row_index=row_token)
+    grad_xs, grad_weight_rows, expert_grads = TRITON_OPS.expert_backward(
+        config.kind, activation, config.output_activation, grad_out, weight_rows, x, saved, params, groups,
+        row_index=row_token)
     grads = {n: expert_grads[n] for n in config.expert_param_names}  # the glu's bias keys only with bias
     grad_x = kcomb.grad_input_combine(grad_xs, routing.row_pair, num_tokens, k)
     grad_weight = grad_weight_rows.new_zeros(num_tokens * k)
@@ -56,13 +56,13 @@ def kernel_moe(x, gate_weight, params, config: MoEConfig, grad_out, grad_loss):
 
 
 class _Owner:
-    """An owner of the MoE operators (moe/ops.py) that runs every forward with one MoEContext."""
+    """An owner of the MoE operators (moe/function.py) that runs every forward with one MoEContext."""
 
-    def __init__(self, call: MoEContext):
-        self.call = call
+    def __init__(self, context: MoEContext):
+        self.context = context
 
     def moe_context(self, x, inputs) -> MoEContext:
-        return self.call
+        return self.context
 
 
 def fused_operator(x, gate_weight, params, config: MoEConfig, grad_out, grad_loss):
@@ -72,8 +72,8 @@ def fused_operator(x, gate_weight, params, config: MoEConfig, grad_out, grad_los
     leaves = {"x": x, "gate_weight": gate_weight, **{n: params[n] for n in names}}
     leaves = {n: None if t is None else t.detach().clone().requires_grad_(True) for n, t in leaves.items()}
     owner = _Owner(MoEContext(config, GateRouter(config), LOCAL))
-    out, loss = ops.fused_moe(ops.register(owner), leaves["x"], leaves["gate_weight"], None, None, None,
-                              *(leaves[n] for n in names))
+    present, absent = function.operator_inputs((leaves["gate_weight"], None, None, None, *(leaves[n] for n in names)))
+    out, loss, _ = torch.ops.shardmoe.moe_forward(function.register(owner), leaves["x"], present, absent)
     torch.autograd.backward([out, loss], [grad_out, grad_loss])
     grads = {n: None if t is None else t.grad for n, t in leaves.items()}
     return out.detach(), loss.detach(), grads, route(x, gate_weight, config)

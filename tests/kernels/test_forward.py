@@ -8,6 +8,7 @@ if not triton_importable():
     pytest.skip("triton cannot be imported; install triton==3.9.0 to run the kernel tests", allow_module_level=True)
 
 from shardmoe.expert_kinds import GLU, expert_kind  # noqa: E402
+from shardmoe.kernels import combine as kernel_combine  # noqa: E402
 from shardmoe.kernels import stages as kex  # noqa: E402
 from shardmoe.kernels.forward_gemm import forward_gemm  # noqa: E402
 from shardmoe.moe import combine as comb  # noqa: E402
@@ -25,6 +26,13 @@ ACTIVATIONS = ["relu", "gelu", "gelu_tanh", "silu", "identity"]
 CLAMPED = ClampedSwiGLU(limit=0.5, alpha=1.702)
 GLU_KINDS = [("silu", True), (CLAMPED, False), (CLAMPED, True)]
 GLU_KIND_IDS = ["silu-bias", "clamped", "clamped-bias"]
+
+
+def forward_combine(kind, activation, output_activation, x, row_token, weight_rows, row_pair, params, groups, top_k):
+    """The local dispatcher's forward on the kernels: expert_forward gathering x through row_token,
+    then each token sums its rows w_r y_r (kernels/combine.py): (out [S, H] float32, saved)."""
+    y, saved = kex.expert_forward(kind, activation, output_activation, x, params, groups, row_index=row_token)
+    return kernel_combine.combine(y, weight_rows, row_pair, x.shape[0], top_k), saved
 
 
 def groups_of(routed):
@@ -45,7 +53,7 @@ def test_forward_gemm(routed, expert_params, rel_err, gather):
 
 def _check_expert_forward(routed, params, cast, rel_err, expert, act, act_out):
     groups, kind = groups_of(routed), expert_kind(expert)
-    y_ref, saved_ref = ex.expert_forward(TORCH_OPS, kind, act, act_out, routed.x[routed.row_token], params, groups)
+    y_ref, saved_ref = TORCH_OPS.expert_forward(kind, act, act_out, routed.x[routed.row_token], params, groups)
     y, saved = kex.expert_forward(kind, act, act_out, routed.x.to(F32), cast(params, F32), groups,
                                   row_index=routed.row_token)
     assert y.dtype == F32 and len(saved) == len(saved_ref)
@@ -65,7 +73,7 @@ def test_expert_forward_glu_kinds(routed, expert_params, cast, rel_err, activati
     """The glu biases in both GEMMs' epilogues and the clamped SwiGLU in the first one's."""
     params = expert_params("glu", bias, routed.x.device)
     if isinstance(activation, ClampedSwiGLU):  # both clamps act on these rows
-        _, (h,) = ex.expert_forward(TORCH_OPS, GLU, activation, "identity", routed.x[routed.row_token], params,
+        _, (h,) = TORCH_OPS.expert_forward(GLU, activation, "identity", routed.x[routed.row_token], params,
                                     groups_of(routed))
         gate, up = h.chunk(2, dim=1)
         assert (gate > activation.limit).float().mean() > 0.1 and (up.abs() > activation.limit).float().mean() > 0.1
@@ -98,12 +106,12 @@ def test_expert_forward_combine(device, make_routed_batch, expert_params, cast, 
     routed = make_routed_batch(device, top_k=top_k, drop_every=drop_every)
     groups, kind = groups_of(routed), expert_kind(expert)
     params = expert_params(expert, bias, device)
-    y_ref, saved_ref = ex.expert_forward(TORCH_OPS, kind, activation, output_activation, routed.x[routed.row_token],
+    y_ref, saved_ref = TORCH_OPS.expert_forward(kind, activation, output_activation, routed.x[routed.row_token],
                                          params, groups)
     out_ref = comb.combine(TORCH_OPS, y_ref, routed.weight_rows, routed.row_pair, routed.num_tokens, top_k)
     r32 = routed.cast(F32)
-    out, saved = kex.expert_forward_combine(kind, activation, output_activation, r32.x, r32.row_token,
-                                            r32.weight_rows, r32.row_pair, cast(params, F32), groups, top_k)
+    out, saved = forward_combine(kind, activation, output_activation, r32.x, r32.row_token,
+                                 r32.weight_rows, r32.row_pair, cast(params, F32), groups, top_k)
     assert out.dtype == F32 and out.shape == (routed.num_tokens, routed.x.shape[1])
     assert rel_err(out, out_ref) < TOL
     for got, expected in zip(saved, saved_ref, strict=True):
@@ -116,6 +124,6 @@ def test_no_kept_rows(device, expert_params, cast):
     none = torch.zeros(0, dtype=torch.int64, device=device)
     x = torch.randn(5, 40, device=device)
     params = cast(expert_params("glu", False, device), F32)
-    out, (h,) = kex.expert_forward_combine(GLU, "silu", "identity", x, none, none.to(F32), none, params, groups, 2)
+    out, (h,) = forward_combine(GLU, "silu", "identity", x, none, none.to(F32), none, params, groups, 2)
     assert torch.equal(out, torch.zeros(5, 40, device=device))
     assert h.shape == (0, 2 * params["down_proj"].shape[2])

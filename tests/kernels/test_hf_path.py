@@ -1,6 +1,5 @@
 """transformers' experts seam (experts_implementation="shardmoe", shardmoe/hf/seam.py) on the
-kernel path: the seam runs the layer's own MoE operators, whose backends.select picks the Triton
-backend for float32 tensors (here on CPU, forced, in Triton's interpreter).
+kernel path: the seam runs the layer's own MoE operators, whose dispatch.select picks TritonOps for float32 tensors (here on CPU, forced, in Triton's interpreter).
 
 Tiny models built from their config classes (nothing downloaded), 2 layers, hidden 32: Mixtral
 (glu, SiLU) and GPT-OSS (glu biases, the clamped SwiGLU on interleaved gate/up rows, router
@@ -12,7 +11,7 @@ import importlib
 import pytest
 import torch
 
-from shardmoe import kernels
+from shardmoe import kernels, settings
 
 pytestmark = pytest.mark.skipif(not kernels.triton_importable(),
                                 reason="triton cannot be imported; install triton==3.9.0 to run the kernel tests")
@@ -55,28 +54,29 @@ def _rel(actual, expected):
 @pytest.mark.parametrize("family,options", [("mixtral", {}), ("gpt_oss", {"swiglu_limit": 1.0})],
                          ids=["mixtral", "gpt_oss-clamped"])
 def test_seam_takes_the_kernel_path(monkeypatch, family, options):
-    from shardmoe.moe import backends
-    from shardmoe.moe.triton_backend import TritonBackend
+    from shardmoe.moe.experts import TorchOps
+    from shardmoe.moe.triton_ops import TritonOps
 
     calls = {}
-    for cls, method in ((TritonBackend, "gathered_forward"), (TritonBackend, "gathered_backward"),
-                        (backends.TorchBackend, "gathered_forward"), (backends.TorchBackend, "gathered_backward")):
+    for cls, method in ((TritonOps, "expert_forward"), (TritonOps, "expert_backward"),
+                        (TorchOps, "expert_forward"), (TorchOps, "expert_backward")):
         key = f"{cls.name}.{method}"
         calls[key] = 0
 
         def wrapped(self, *args, _original=getattr(cls, method), _key=key, **kwargs):
+            assert kwargs["row_index"] is not None  # the local dispatcher's token-order entry
             calls[_key] += 1
             return _original(self, *args, **kwargs)
         monkeypatch.setattr(cls, method, wrapped)
 
     ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(1))
     expected = _loss_and_grads(_model(family, torch.float64, **options), ids)
-    assert calls["torch.gathered_forward"] == calls["torch.gathered_backward"] == NUM_LAYERS  # float64: torch
+    assert calls["torch.expert_forward"] == calls["torch.expert_backward"] == NUM_LAYERS  # float64: torch
     model = _model(family, torch.float32, **options)
-    with kernels.force_kernel_path():
+    with settings.override(force_kernels=True):
         logits, loss, grads = _loss_and_grads(model, ids)
-    assert calls == {"triton.gathered_forward": NUM_LAYERS, "triton.gathered_backward": NUM_LAYERS,
-                     "torch.gathered_forward": NUM_LAYERS, "torch.gathered_backward": NUM_LAYERS}
+    assert calls == {"triton.expert_forward": NUM_LAYERS, "triton.expert_backward": NUM_LAYERS,
+                     "torch.expert_forward": NUM_LAYERS, "torch.expert_backward": NUM_LAYERS}
     assert _rel(logits, expected[0]) < TOL
     assert abs(loss.item() - expected[1].item()) < TOL * abs(expected[1].item())
     experts = [n for n in grads if "experts" in n]

@@ -1,6 +1,6 @@
-"""A dropless step on the Triton path reads nothing from the device on the host: the MoE Function's
-forward and backward (routing with the router's GEMM kernel, dispatch, the Triton backend, the
-router's backward) run on meta tensors, which hold shapes and no data, so any .item(), .tolist(),
+"""A dropless step on the Triton path reads nothing from the device on the host: the MoE operators'
+bodies, forward and backward (routing with the router's GEMM kernel, dispatch, TritonOps, the
+router's backward), run on meta tensors, which hold shapes and no data, so any .item(), .tolist(),
 .cpu(), int(t), bool(t), a boolean-mask index or a data-sized output (bincount, repeat_interleave
 without its size) raises.
 The kernel launches are recorded instead of run: what each launch needs from the host is then only
@@ -16,10 +16,11 @@ if not triton_importable():
 
 from triton.runtime.autotuner import Autotuner  # noqa: E402
 
-from shardmoe import kernels  # noqa: E402
+from shardmoe import kernels, settings  # noqa: E402
 from shardmoe.moe.config import MoEConfig  # noqa: E402
 from shardmoe.moe.dispatch import LOCAL  # noqa: E402
-from shardmoe.moe.function import MoEContext, moe_backward, moe_forward  # noqa: E402
+from shardmoe.moe import function  # noqa: E402
+from shardmoe.moe.function import MoEContext  # noqa: E402
 from shardmoe.moe.routing import GateRouter, GivenRouting  # noqa: E402
 
 S, H, F, E, K = 48, 32, 16, 8, 2
@@ -30,22 +31,43 @@ GLU_LAUNCHES = [*ROUTER_FORWARD, "forward_gemm_kernel", "forward_gemm_kernel", "
                 "down_grad_kernel", "weight_grad_kernel", "weight_grad_kernel", "grad_gemm_kernel",  # stages 2-4
                 "token_combine_kernel", *ROUTER_BACKWARD]  # stages 5 and 6
 MLP_LAUNCHES = [*ROUTER_FORWARD, "forward_gemm_kernel", "forward_gemm_kernel", "token_combine_kernel",
-                "grad_combine_gate_kernel", "grad_gemm_kernel", "weight_grad_kernel", "weight_grad_kernel",
+                "gate_dots_kernel", "grad_gemm_kernel", "weight_grad_kernel", "weight_grad_kernel",
                 "grad_gemm_kernel", "token_combine_kernel", *ROUTER_BACKWARD]
 
 
+class _Owner:
+    """Gives the operators one MoEContext."""
+
+    def __init__(self, context: MoEContext):
+        self.context = context
+
+    def moe_context(self, x, inputs) -> MoEContext:
+        return self.context
+
+
+def _run(context: MoEContext, x: torch.Tensor, tensors: tuple):
+    """(out, loss, [dx, gradients]) of the operators' bodies, called directly (the operators would
+    send meta tensors to their fake implementations), every present input's gradient wanted."""
+    owner = _Owner(context)
+    handle = function.register(owner)
+    present, absent = function.operator_inputs(tensors)
+    out, loss, saved = function.moe_forward(handle, x, present, absent)
+    grads = function.moe_backward(handle, torch.empty(S, H, **META), torch.ones((), device="meta"), x, present,
+                                  absent, saved, [True] * len(present))
+    return out, loss, grads
+
+
 def step(config: MoEConfig, launched: list):
-    """One forward and backward of the MoE Function on meta tensors, kernels forced (bf16)."""
+    """One forward and backward of the MoE operators' bodies on meta tensors, kernels forced (bf16)."""
     shapes = config.kind.whole_shapes(H, F, E)
     params = [torch.empty(shapes[n], **META) if n in shapes and (config.bias or n not in config.kind.bias_names)
               else None for n in config.expert_param_names]
     stats = []
-    call = MoEContext(config, GateRouter(config), LOCAL, stats=stats.append, loss_scale=1.0)
+    context = MoEContext(config, GateRouter(config), LOCAL, stats=stats.append, loss_scale=1.0)
     x = torch.empty(S, H, **META)
     tensors = (torch.empty(H, E, **META), None, None, None, *params)
-    with kernels.force_kernel_path():
-        out, loss, made = moe_forward(call, x, tensors)
-        grads = moe_backward(call, x, tensors, made, torch.empty(S, H, **META), torch.ones((), device="meta"))
+    with settings.override(force_kernels=True):
+        out, loss, grads = _run(context, x, tensors)
     return out, loss, grads, stats
 
 
@@ -79,13 +101,13 @@ def test_a_step_through_the_transformers_seam_reads_nothing_from_the_device(laun
     shapes = config.kind.whole_shapes(H, F, E)
     params = [torch.empty(shapes[n], **META) if n in shapes and n not in config.kind.bias_names else None
               for n in config.expert_param_names]
-    call = MoEContext(config, GivenRouting(E), LOCAL)
+    context = MoEContext(config, GivenRouting(E), LOCAL)
     x = torch.empty(S, H, **META)
     tensors = (torch.empty(S, K, device="meta", dtype=torch.int64), torch.empty(S, K, **META), *params)
-    with kernels.force_kernel_path():
-        out, loss, made = moe_forward(call, x, tensors)
-        grads = moe_backward(call, x, tensors, made, torch.empty(S, H, **META), torch.ones((), device="meta"))
+    with settings.override(force_kernels=True):
+        out, loss, grads = _run(context, x, tensors)
     assert launched == GLU_LAUNCHES[1:-2]  # no router GEMMs: the routing is given
+    # dx, top_k_index's (zeros: an index has none), top_k_weights' (the gate dots)
     assert out.shape == (S, H) and grads[0].shape == (S, H) and grads[2].shape == (S, K)
 
 

@@ -1,17 +1,17 @@
-"""The fused layer's kernel path (moe/triton_backend.py, with its gathered entry points), wired
-into the MoE operators and expert parallelism's expert stages, run on CPU
-in Triton's interpreter by force_kernel_path().
+"""The layer's kernel path (moe/triton_ops.py, its expert stages reading token-order tensors through
+row_index), wired into the MoE operators and expert parallelism's expert stages, run on CPU in
+Triton's interpreter by the force_kernels setting.
 
 Each case runs shardmoe.MoE in float32 through the kernel path and compares the output, the aux
 loss and every gradient with the independent float64 reference (moe/reference.py), 1e-5
-relative; a spy checks that the fused entry points ran and the torch expert stages did not."""
+relative; a spy checks that the kernels' expert stages ran and the torch expert stages did not."""
 import pytest
 import torch
 
 import shardmoe
-from shardmoe import kernels
+from shardmoe import kernels, settings
 from shardmoe.mesh import Mesh
-from shardmoe.moe import backends
+from shardmoe.moe import dispatch
 from shardmoe.moe import experts as ex
 from shardmoe.moe.reference import reference_forward_backward
 
@@ -24,23 +24,27 @@ TOL = 1e-5
 
 @pytest.fixture
 def spy(monkeypatch):
-    """Counts calls of the Triton backend's fused entry points and of the torch backend's expert stages."""
-    from shardmoe.moe.triton_backend import TritonBackend
+    """Counts calls of the kernels' expert stages reading token-order tensors through row_index (the
+    local dispatcher's) and of the torch expert stages."""
+    from shardmoe.moe.triton_ops import TritonOps
 
-    calls = {"forward_combine": 0, "backward": 0, "torch_forward": 0, "torch_backward": 0}
+    calls = {"forward_gathered": 0, "backward_gathered": 0, "torch_forward": 0, "torch_backward": 0}
 
     def counting(cls, name, key):
         original = getattr(cls, name)
 
         def wrapped(self, *args, **kwargs):
-            calls[key] += 1
+            if key in calls:
+                calls[key] += 1
+            elif kwargs.get("row_index") is not None:
+                calls[key + "_gathered"] += 1
             return original(self, *args, **kwargs)
         monkeypatch.setattr(cls, name, wrapped)
 
-    counting(TritonBackend, "gathered_forward", "forward_combine")
-    counting(TritonBackend, "gathered_backward", "backward")
-    counting(backends.TorchBackend, "expert_forward", "torch_forward")
-    counting(backends.TorchBackend, "expert_backward", "torch_backward")
+    counting(TritonOps, "expert_forward", "forward")
+    counting(TritonOps, "expert_backward", "backward")
+    counting(ex.TorchOps, "expert_forward", "torch_forward")
+    counting(ex.TorchOps, "expert_backward", "torch_backward")
     return calls
 
 
@@ -92,10 +96,10 @@ def test_kernel_path_matches_float64_reference(spy, name):
             layer64.correction_bias.copy_(layer.correction_bias)
     x, grad_out = _inputs(25)
     x32 = x.float().requires_grad_()
-    with kernels.force_kernel_path():
+    with settings.override(force_kernels=True):
         out = layer(x32)
         out.backward(grad_out.float())  # the aux loss's gradient rides on out's backward
-    assert spy == {"forward_combine": 1, "backward": 1, "torch_forward": 0, "torch_backward": 0}
+    assert spy == {"forward_gathered": 1, "backward_gathered": 1, "torch_forward": 0, "torch_backward": 0}
     assert layer.stats["tokens_per_expert"][4] == 0  # an empty expert group
     if options.get("capacity_factor"):
         assert layer.stats["dropped_tokens"] > 0
@@ -137,16 +141,16 @@ def _check_against_reference(layer, layer64, x, x32, out, grad_out):
 
 @pytest.mark.parametrize("name", KINDS)
 def test_every_expert_kind_on_the_kernel_path(spy, name):
-    """The routed experts run on the Triton backend's fused entry points (never the torch expert
+    """The routed experts run on the kernels' expert stages through row_index (never the torch expert
     stages) for every expert kind; the shared expert's dense GEMMs run on torch beside them. Output
     and every gradient within 1e-5 of the float64 reference."""
     layer, layer64 = _layers(KINDS[name], empty_expert=4)
     x, grad_out = _inputs(25)
     x32 = x.float().requires_grad_()
-    with kernels.force_kernel_path():
+    with settings.override(force_kernels=True):
         out = layer(x32)
         out.backward(grad_out.float())
-    assert spy == {"forward_combine": 1, "backward": 1, "torch_forward": 0, "torch_backward": 0}
+    assert spy == {"forward_gathered": 1, "backward_gathered": 1, "torch_forward": 0, "torch_backward": 0}
     assert layer.stats["tokens_per_expert"][4] == 0
     if KINDS[name].get("capacity_factor"):
         assert layer.stats["dropped_tokens"] > 0
@@ -156,16 +160,17 @@ def test_every_expert_kind_on_the_kernel_path(spy, name):
 def test_expert_parallel_dispatcher_takes_the_kernel_path(spy, monkeypatch):
     """Expert parallelism's dispatcher (parallel/expert_parallel.py) on a one-rank mesh, in one
     process (the placement picks LOCAL for one rank, so it is put in by hand): its expert stages
-    run on the Triton backend's row entry points, and the layer matches the float64 reference."""
-    from shardmoe.moe.triton_backend import TritonBackend
+    run on the kernels' expert stages on dispatched rows, and the layer matches the float64 reference."""
+    from shardmoe.moe.triton_ops import TritonOps
     from shardmoe.parallel.expert_parallel import ExpertParallel
 
     calls = {"forward": 0, "backward": 0}
     for method, key in (("expert_forward", "forward"), ("expert_backward", "backward")):
-        def wrapped(self, *args, _original=getattr(TritonBackend, method), _key=key, **kwargs):
+        def wrapped(self, *args, _original=getattr(TritonOps, method), _key=key, **kwargs):
+            assert kwargs.get("row_index") is None  # rows arrived dispatched
             calls[_key] += 1
             return _original(self, *args, **kwargs)
-        monkeypatch.setattr(TritonBackend, method, wrapped)
+        monkeypatch.setattr(TritonOps, method, wrapped)
     options = KINDS["glu-bias-clamped-swiglu-router-bias-capacity"]
     _, layer64 = _layers(options, empty_expert=4)
     layer = shardmoe.MoE(H, F, E, K, mesh=Mesh(), **options)
@@ -173,11 +178,11 @@ def test_expert_parallel_dispatcher_takes_the_kernel_path(spy, monkeypatch):
     layer.placement.dispatcher = ExpertParallel(layer.config, layer.mesh)
     x, grad_out = _inputs(25)
     x32 = x.float().requires_grad_()
-    with kernels.force_kernel_path():
+    with settings.override(force_kernels=True):
         out = layer(x32)
         out.backward(grad_out.float())
     assert calls == {"forward": 1, "backward": 1}
-    assert spy == {"forward_combine": 0, "backward": 0, "torch_forward": 0, "torch_backward": 0}
+    assert spy == {"forward_gathered": 0, "backward_gathered": 0, "torch_forward": 0, "torch_backward": 0}
     assert layer.stats["dropped_tokens"] > 0
     _check_against_reference(layer, layer64, x, x32, out, grad_out)
 
@@ -186,28 +191,28 @@ def test_expert_parallel_dispatcher_takes_the_kernel_path(spy, monkeypatch):
 def test_kernel_path_with_no_tokens(spy, expert):
     layer, _ = _layers(dict(expert=expert, bias=expert == "mlp"))
     x = torch.zeros(0, H, requires_grad=True)
-    with kernels.force_kernel_path():
+    with settings.override(force_kernels=True):
         out = layer(x)
         out.sum().backward()
     assert out.shape == (0, H) and x.grad.shape == (0, H)
-    assert spy["forward_combine"] == 1 and spy["backward"] == 1
+    assert spy["forward_gathered"] == 1 and spy["backward_gathered"] == 1
     assert all(p.grad is not None and not p.grad.any() for p in layer.parameters())
 
 
 def test_kernel_path_not_taken_for_float64(spy):
-    """fused_path refuses what the kernels do not take (float64); the layer then runs torch."""
+    """kernel_path refuses what the kernels do not take (float64); the layer then runs torch."""
     _, layer64 = _layers(dict(expert="glu", bias=True))
     x, grad_out = _inputs(9)
-    with kernels.force_kernel_path():
+    with settings.override(force_kernels=True):
         layer64(x).backward(grad_out)
-    assert spy == {"forward_combine": 0, "backward": 0, "torch_forward": 1, "torch_backward": 1}
+    assert spy == {"forward_gathered": 0, "backward_gathered": 0, "torch_forward": 1, "torch_backward": 1}
 
 
 @pytest.mark.parametrize("options", [dict(expert="glu"), dict(expert="mlp", bias=True),
                                      dict(expert="glu", bias=True, activation="clamped_swiglu", swiglu_limit=1.0)],
                          ids=["glu", "mlp-bias", "glu-bias-clamped"])
 def test_expert_parallel_backward_stage_equals_torch_stage(options):
-    """parallel.expert_parallel._experts_backward on the Triton backend (stages 1+2 or 2-4 fused)
+    """parallel.expert_parallel._experts_backward on TritonOps (stages 1+2 or 2-4 fused)
     equals the torch stages on the same dispatched rows (a one-rank mesh: no communication)."""
     from shardmoe.parallel.expert_parallel import _experts_backward, _experts_forward
     layer, _ = _layers(options)
@@ -220,11 +225,10 @@ def test_expert_parallel_backward_stage_equals_torch_stage(options):
     params = {n: None if p is None else p.detach()
               for n, p in zip(layer.config.expert_param_names, layer.expert_parameters())}
     mesh = Mesh()
-    torch_backend = backends.TorchBackend()
-    _, saved = _experts_forward(torch_backend, layer.config, mesh, xs, params, groups)
-    expected = _experts_backward(torch_backend, layer.config, mesh, grad_rows, weight_rows, xs, saved, params, groups)
-    with kernels.force_kernel_path():
-        triton = backends.select(layer.config, xs)
+    _, saved = _experts_forward(ex.TORCH_OPS, layer.config, mesh, xs, params, groups)
+    expected = _experts_backward(ex.TORCH_OPS, layer.config, mesh, grad_rows, weight_rows, xs, saved, params, groups)
+    with settings.override(force_kernels=True):
+        triton = dispatch.select(layer.config, xs)
     assert triton.name == "triton"
     got = _experts_backward(triton, layer.config, mesh, grad_rows, weight_rows, xs, saved, params, groups)
     assert _rel(got[0], expected[0].double()) < TOL

@@ -13,7 +13,7 @@ import os
 import pytest
 import torch
 
-from shardmoe import kernels
+from shardmoe import kernels, settings
 
 if not kernels.triton_importable():
     pytest.skip("triton cannot be imported; install triton==3.9.0 to run the kernel tests", allow_module_level=True)
@@ -26,9 +26,9 @@ from shardmoe.moe.reference import reference_forward_backward  # noqa: E402
 
 F32, BF16, F64 = torch.float32, torch.bfloat16, torch.float64
 EPS32 = 2.0 ** -23
-# CPU tensors through force_kernel_path() reach the kernels only in the interpreter (tests/kernels/conftest.py)
+# CPU tensors through the force_kernels setting reach the kernels only in the interpreter (tests/kernels/conftest.py)
 interpreter_only = pytest.mark.skipif(os.environ.get("SHARDMOE_TEST_COMPILED", "0") == "1",
-                                      reason="compiled mode: CPU tensors through force_kernel_path() run only in the "
+                                      reason="compiled mode: CPU tensors through the force_kernels setting run only in the "
                                              "interpreter")
 
 
@@ -111,7 +111,7 @@ def router_calls(monkeypatch):
 
 @interpreter_only
 def test_layer_router_gradients_through_the_kernel(router_calls):
-    """A float32 layer under force_kernel_path(): the router's three GEMMs run on the kernel (x and
+    """A float32 layer under the force_kernels setting: the router's three GEMMs run on the kernel (x and
     gate_weight read in place: x^T and Wg^T as strided views), and the output, x's and every
     parameter's gradient, router bias and aux / z losses included, are within 1e-5 of the float64
     reference."""
@@ -127,7 +127,7 @@ def test_layer_router_gradients_through_the_kernel(router_calls):
     gen = torch.Generator().manual_seed(1)
     x, grad_out = torch.randn(29, H, generator=gen, dtype=F64), torch.randn(29, H, generator=gen, dtype=F64)
     x32 = x.float().requires_grad_()
-    with kernels.force_kernel_path():
+    with settings.override(force_kernels=True):
         out = layer(x32)
         out.backward(grad_out.float())
     assert router_calls == [(F32, (H, 1), F32, (E, 1)),  # x Wg
@@ -148,12 +148,12 @@ def test_layer_router_gradients_through_the_kernel(router_calls):
 
 @interpreter_only
 def test_routing_takes_the_kernel_only_where_router_path_says(router_calls):
-    """Outside force_kernel_path() CPU tensors keep routing.py's torch products; under autograd (the
+    """Outside the force_kernels setting CPU tensors keep routing.py's torch products; under autograd (the
     kernel has no backward), without a dtype (the transformers seam) and for float64 the kernel is not
     taken even when forced; a bf16 x goes to the kernel as it is (no float32 copy), float32 out."""
     x, weight, dlogits = router_operands(11, 24, 8, BF16, BF16, "cpu")
     assert routing.gate_logits(x, weight, F32).dtype == F32 and router_calls == []
-    with kernels.force_kernel_path():
+    with settings.override(force_kernels=True):
         grad_weight = weight.float().requires_grad_()
         routing.gate_logits(x.float(), grad_weight, F32)
         routing.gate_logits(x.float(), weight.float())  # no dtype: the transformers seam's torch product

@@ -1,7 +1,6 @@
 """shardmoe.kernels.tuning and .tuned: every autotuned kernel prunes through the tuned table and the
-autotune setting; the table is read, looked up, collected, written and merged."""
+autotune setting (the table's collecting, writing and merging: tests/tools/test_tuned.py)."""
 import importlib
-import json
 import pkgutil
 
 import pytest
@@ -52,38 +51,3 @@ def test_prune_takes_the_tuned_config_of_the_device_and_key(monkeypatch):
         assert prune(candidates, {**args, "O": 1024}, ACT="silu") == candidates[:1]
     monkeypatch.setattr(tuning, "current_device_name", lambda: "another GPU")
     assert prune(candidates, args, ACT="silu") == candidates
-
-
-def test_tuned_configs_are_collected_written_and_merged(tmp_path, monkeypatch, capsys):
-    assert tuned.read(tuned.DATA) == tuned.TABLE  # the package's file parses (it may be empty)
-    config = triton.Config({"BLOCK_O": 128, "BLOCK_K": 256, "BLOCK_R": 64}, num_warps=8, num_stages=3)
-    fake = Autotuner.__new__(Autotuner)
-    fake.cache = {(512, 1536, "identity", "torch.bfloat16"): config}
-    monkeypatch.setitem(tuning.AUTOTUNED, "weight_grad_kernel", fake)
-    chosen = tuned.collect()
-    entry = {"kwargs": {"BLOCK_O": 128, "BLOCK_K": 256, "BLOCK_R": 64}, "num_warps": 8, "num_stages": 3}
-    assert chosen["weight_grad_kernel"] == {"512|1536|identity|torch.bfloat16": entry}
-    first, second, target = tmp_path / "a.json", tmp_path / "b.json", tmp_path / "tuned_configs.json"
-    tuned.write(first, H100, chosen)
-    tuned.write(second, H100, {"weight_grad_kernel": {"512|1536|identity|torch.bfloat16": {**entry, "num_stages": 4},
-                                                      "1|2|relu|torch.bfloat16": entry}})
-    assert tuned.main(["--merge", str(first), str(second), "--into", str(target)]) == 0
-    merged = json.loads(target.read_text())
-    keys = merged["devices"][H100]["weight_grad_kernel"]
-    assert merged["format"] == tuned.FORMAT and len(keys) == 2
-    assert keys["512|1536|identity|torch.bfloat16"]["num_stages"] == 4  # the later file wins
-    assert f"{H100}: 2 keys" in capsys.readouterr().out
-    monkeypatch.setattr(tuned, "TABLE", tuned.read(target))
-    found = tuned.lookup(H100, "weight_grad_kernel", (1, 2, "relu", "torch.bfloat16"))
-    assert found.kwargs == entry["kwargs"] and found.num_warps == 8
-    assert tuned.lookup(H100, "weight_grad_kernel", (3, 2, "relu", "torch.bfloat16")) is None
-
-
-def test_a_broken_tuned_file_is_named(tmp_path, capsys):
-    bad = tmp_path / "bad.json"
-    bad.write_text('{"devices": {}}')
-    with pytest.raises(ValueError, match="expected a tuned-configs file of format 1"):
-        tuned.read(bad)
-    assert tuned.main(["--merge", str(bad), "--into", str(tmp_path / "t.json")]) == 2
-    assert "bad.json: expected a tuned-configs file of format 1" in capsys.readouterr().err
-    assert tuned.read(tmp_path / "absent.json") == {}

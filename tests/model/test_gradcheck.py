@@ -3,7 +3,7 @@ hand-written backward) against central finite differences of its forward, in flo
 
 This needs no second implementation: gradcheck builds the Jacobian the backward implies (one
 vector-Jacobian product per output element) and compares it column by column with
-(f(v + eps e_i) - f(v - eps e_i)) / (2 eps). Steps and tolerances are the fused layer's
+(f(v + eps e_i) - f(v - eps e_i)) / (2 eps). Steps and tolerances are the MoE layer's
 (shardmoe.check.gradcheck, where their error budget is derived). Every layer is smooth, so no
 input needs steering away from kinks; the sizes are the smallest that exercise each feature.
 """

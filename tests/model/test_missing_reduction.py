@@ -11,10 +11,10 @@ import importlib
 import pytest
 import torch
 
-from shardmoe import shardops
+from shardmoe.parallel import shardops
 from shardmoe.model.transformer import Transformer, TransformerConfig
 from shardmoe.moe.config import MoEConfig
-from shardmoe.shardops import UnreducedError
+from shardmoe.parallel.shardops import UnreducedError
 
 # The modules, not the functions of the same names that shardmoe.model exports.
 attention, embedding, rmsnorm, unembed = (importlib.import_module(f"shardmoe.model.{name}")

@@ -11,7 +11,7 @@ from shardmoe.mesh import Mesh
 from shardmoe.model import (Attention, attention, embed, packed_layout, rms_norm, rope_table,
                             unembed_cross_entropy)
 from shardmoe.notation import parse_spec
-from shardmoe.shardops import all_gather, shard
+from shardmoe.parallel.shardops import all_gather, shard
 from shardmoe.testing import run_distributed
 
 V, M, Q, K, D, EPS, THETA = 16, 8, 2, 2, 4, 1e-5, 10000.0

@@ -192,17 +192,15 @@ def test_the_model_holds_its_moe_layers_config_whose_width_is_d_model():
         TransformerConfig.from_dict({"d_model": 0})
 
 
-def test_the_flat_names_read_through_to_moe_with_a_deprecation_warning():
-    """config.num_experts and the other flat names of the MoE options still read, for one release."""
+def test_the_moe_options_are_read_from_moe_and_the_config_pickles():
+    """The MoE options are config.moe's (config.num_experts is no attribute), and the config pickles
+    (the spawned ranks receive it pickled)."""
     import pickle
 
-    with pytest.warns(DeprecationWarning, match=r"TransformerConfig.expert_bias is deprecated: read config.moe.bias"):
-        assert CONFIG.expert_bias is False
-    with pytest.warns(DeprecationWarning, match="config.moe.num_experts"):
-        assert CONFIG.num_experts == 4
-    with pytest.raises(AttributeError, match="no attribute 'nmu_experts'"):
-        CONFIG.nmu_experts
-    assert pickle.loads(pickle.dumps(CONFIG)) == CONFIG  # the spawned ranks receive their config pickled
+    assert CONFIG.moe.num_experts == 4 and CONFIG.moe.bias is False
+    with pytest.raises(AttributeError, match="no attribute 'num_experts'"):
+        CONFIG.num_experts
+    assert pickle.loads(pickle.dumps(CONFIG)) == CONFIG
 
 
 @pytest.mark.parametrize("value", ["false", "no", 0, 1], ids=repr)

@@ -1,4 +1,4 @@
-"""activation="clamped_swiglu" (GPT-OSS) in the fused layer: exactness against the float64 reference
+"""activation="clamped_swiglu" (GPT-OSS) in the MoE layer: exactness against the float64 reference
 (alone, with biases, capacity and the routers), the clamp's boundary, low precision, GPT-OSS's own
 experts, and the refusals."""
 import pytest
@@ -46,7 +46,7 @@ def _check_against_reference(layer, x, grad_out, bar):
 
 @pytest.mark.parametrize("kw", CASES)
 @pytest.mark.parametrize("top_k", [1, 2])
-def test_fused_backward_equals_reference_float64(kw, top_k):
+def test_backward_equals_reference_float64(kw, top_k):
     """Both clamp regions are hit: h ~ N(0, 8) against limits 1.5..2.5."""
     layer = _layer(top_k, **kw)
     gen = torch.Generator().manual_seed(1)
@@ -60,7 +60,7 @@ def test_fused_backward_equals_reference_float64(kw, top_k):
 def test_inputs_planted_exactly_at_the_limits():
     """h = x[:, 0] * gate_up_proj[e, :, 0] exactly when x[:, 0] = 1 and the other columns of gate_up_proj
     are zero; planting +-L (and L + 1, -L - 1) there puts h exactly on the clamp boundaries. The other
-    columns of x still steer the routing. Fused and reference agree to 1e-10 there: the clamp passes the
+    columns of x still steer the routing. Layer and reference agree to 1e-10 there: the clamp passes the
     gradient at the boundary (torch.clamp's closed range)."""
     limit = 2.0
     layer = _layer(1, swiglu_limit=limit)
@@ -175,27 +175,10 @@ def test_a_clamp_constant_without_the_clamp_is_refused_not_ignored(options, matc
         shardmoe.MoE(8, 6, 4, 2, **options)
 
 
-def test_kernels_fused_path_takes_the_clamp():
-    from shardmoe.kernels import force_kernel_path, fused_path
-    with force_kernel_path():
-        assert fused_path(MoEConfig(8, 16, 4, 2), torch.zeros(3, 8)) is True
-        assert fused_path(MoEConfig(8, 16, 4, 2, activation="clamped_swiglu"), torch.zeros(3, 8)) is True
+def test_the_kernel_path_takes_the_clamp():
+    from shardmoe.kernels import kernel_path
+    from shardmoe.settings import override
 
-
-def test_mixtral_exports_refuse_glu_biases_and_the_clamp():
-    """Mixtral's experts have neither biases nor a clamp: exporting a layer or model that has them
-    raises (an export of a biased glu layer's weights alone would silently drop both biases)."""
-    from shardmoe.model.mixtral import mixtral_config, to_mixtral_state_dict
-    from shardmoe.model.transformer import TransformerConfig
-
-    with pytest.raises(ValueError, match=r"to_mixtral_state_dict: expected .*bias=False.*got .*bias=True"):
-        shardmoe.MoE(8, 6, 4, 2, bias=True).to_mixtral_state_dict()
-    with pytest.raises(ValueError, match=r"activation='clamped_swiglu'"):
-        shardmoe.MoE(8, 6, 4, 2, activation="clamped_swiglu").to_mixtral_state_dict()
-    tiny = dict(vocab_size=16, d_model=8, n_layers=1, n_q_heads=2, n_kv_heads=1, head_dim=4)
-    for options, match in ((dict(bias=True), r"expert_bias: expected False .* got True"),
-                           (dict(activation="clamped_swiglu"), r"activation: expected 'silu' .* got 'clamped_swiglu'")):
-        config = TransformerConfig(**tiny, moe=MoEConfig(8, 8, 4, 2, **options))
-        for export in (lambda: mixtral_config(config), lambda: to_mixtral_state_dict({}, config)):
-            with pytest.raises(ValueError, match=match):
-                export()
+    with override(force_kernels=True):
+        assert kernel_path(MoEConfig(8, 16, 4, 2), torch.zeros(3, 8)) is True
+        assert kernel_path(MoEConfig(8, 16, 4, 2, activation="clamped_swiglu"), torch.zeros(3, 8)) is True

@@ -17,7 +17,7 @@ def _ops(on_cpu_ops: bool, *operands: torch.Tensor):
     would run torch's code again)."""
     if not on_cpu_ops:
         return TORCH_OPS
-    if cpu._ops() is None:
+    if not cpu.library_loaded():
         pytest.skip("the C++ CPU passes are not built here (no compiler)")
     ops = CpuOps.decide(operands[0])
     assert ops.elementwise_fits(*operands)

@@ -106,13 +106,13 @@ def test_combine_side_passes(fused, dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("activation", ACTIVATIONS)
-def test_glu_grad_is_the_separate_passes_in_one(fused, dtype, activation):
-    """glu_grad (a, dh and the gate dots in one pass) against glu_forward, scale_rows, rowwise_dot
+def test_glu_backward_one_pass_is_the_separate_passes_in_one(fused, dtype, activation):
+    """glu_backward_one_pass (a, dh and the gate dots in one pass) against glu_forward, scale_rows, rowwise_dot
     and glu_backward run in turn on the same row-strided operands of a ragged width: a and dh bit
     for bit, the dots too in bf16; in float32 the compiler may fuse another multiply-add into the
     dot, so it is held to float32 round-off of the same products."""
     h, g_down, weight = operands(dtype, width=45)
-    a, grad_h, dots = cpu.glu_grad(h, g_down, weight, activation)
+    a, grad_h, dots = cpu.glu_backward_one_pass(h, g_down, weight, activation)
     act_gate = torch.empty_like(g_down, memory_format=torch.contiguous_format)
     a_ref = cpu.glu_forward(h, activation, act_gate)
     grad_h_ref = cpu.glu_backward(cpu.scale_rows(g_down, weight), h, act_gate, activation)
@@ -125,12 +125,12 @@ def test_glu_grad_is_the_separate_passes_in_one(fused, dtype, activation):
     torch.testing.assert_close(dots, dots_ref, rtol=0, atol=atol)
     # into given buffers, the same values
     a_out, grad_h_out = torch.full_like(a, float("nan")), torch.full_like(grad_h, float("nan"))
-    cpu.glu_grad(h, g_down, weight, activation, a_out=a_out, grad_h_out=grad_h_out)
+    cpu.glu_backward_one_pass(h, g_down, weight, activation, a_out=a_out, grad_h_out=grad_h_out)
     torch.testing.assert_close(a_out, a, rtol=0, atol=0)
     torch.testing.assert_close(grad_h_out, grad_h, rtol=0, atol=0)
     # a written over g_down itself (the layer's use): the same a, dh and dots
     g_down_copy = g_down.clone()
-    a_in_place, grad_h_in_place, dots_in_place = cpu.glu_grad(h, g_down_copy, weight, activation,
+    a_in_place, grad_h_in_place, dots_in_place = cpu.glu_backward_one_pass(h, g_down_copy, weight, activation,
                                                                       a_out=g_down_copy)
     assert a_in_place.data_ptr() == g_down_copy.data_ptr()
     for got, want in [(a_in_place, a), (grad_h_in_place, grad_h), (dots_in_place, dots)]:
@@ -167,9 +167,9 @@ def test_results_do_not_depend_on_thread_count(fused):
     try:
         for threads in (1, 2):
             torch.set_num_threads(threads)
-            results.append((cpu.combine_rows(other, token, 50, weight), cpu.rowwise_dot(other, rows[:, :200]),
+            results.append((cpu.index_add_rows(other, token, 50, weight), cpu.rowwise_dot(other, rows[:, :200]),
                             cpu.combine_pairs(other, pairs, weight),
-                            *cpu.glu_grad(rows[:, :400], other, weight, "silu")))
+                            *cpu.glu_backward_one_pass(rows[:, :400], other, weight, "silu")))
     finally:
         torch.set_num_threads(previous)
     for one, two in zip(*results):
@@ -187,16 +187,16 @@ def test_bad_input_named_before_any_work(fused):
     with pytest.raises(ValueError, match=r"weight_rows: expected shape \(4,\), got \(5,\)"):
         cpu.scale_rows(h, torch.rand(5))
     with pytest.raises(ValueError, match=r"g_down: expected shape \(4, 3\), got \(4, 6\)"):
-        cpu.glu_grad(h, h, torch.rand(4), "silu")
+        cpu.glu_backward_one_pass(h, h, torch.rand(4), "silu")
     with pytest.raises(ValueError, match=r"weight_rows: expected shape \(4,\), got \(3,\)"):
-        cpu.glu_grad(h, h[:, :3], torch.rand(3), "silu")
+        cpu.glu_backward_one_pass(h, h[:, :3], torch.rand(3), "silu")
     with pytest.raises(ValueError, match=r"grad_h_out: expected shape \(4, 6\), got \(4, 3\)"):
-        cpu.glu_grad(h, h[:, :3], torch.rand(4), "silu", grad_h_out=torch.empty(4, 3))
+        cpu.glu_backward_one_pass(h, h[:, :3], torch.rand(4), "silu", grad_h_out=torch.empty(4, 3))
     with pytest.raises(ValueError, match=r"second_factor: expected shape \(4, 6\), got \(4, 5\)"):
         cpu.rowwise_dot(h, h, torch.randn(4, 5))
     out_of_range = torch.tensor([0, 1, 3, 2])
-    with pytest.raises(IndexError, match=r"row_token: expected indices in \[0, 3\), got 3 at row 2"):
-        cpu.combine_rows(h, out_of_range, 3)
+    with pytest.raises(IndexError, match=r"index: expected indices in \[0, 3\), got 3 at row 2"):
+        cpu.index_add_rows(h, out_of_range, 3)
     with pytest.raises(IndexError, match=r"token_rows: expected row indices in \[-1, 4\), got 4 for token 1"):
         cpu.combine_pairs(h, torch.tensor([[0, 1], [-1, 4]]))
     with pytest.raises(ValueError, match=r"token_rows: expected \[S, k\], got shape \(4,\)"):
@@ -210,7 +210,7 @@ def test_bad_input_named_before_any_work(fused):
         assert not ops.elementwise_fits(h.requires_grad_())
     # given the forward's decision, only the operands are checked (the settings were read by it)
     h = h.detach()
-    assert not CpuOps(experts_mm=True).elementwise_fits(h)
+    assert not CpuOps(side_by_side=True).elementwise_fits(h)
     with settings.override(fused_elementwise=False):
         assert not CpuOps.decide(h).elementwise
         assert CpuOps(elementwise=True).elementwise_fits(h)
@@ -219,7 +219,7 @@ def test_bad_input_named_before_any_work(fused):
 
 def test_layer_runs_the_fused_passes_with_todays_results(fused, monkeypatch):
     """A bf16 glu layer, forward and backward: the forward's passes and the backward's one GLU pass
-    (glu_grad, not the separate glu_backward and rowwise_dot) are called, and the output and every
+    (glu_backward_one_pass, not the separate glu_backward and rowwise_dot) are called, and the output and every
     gradient but the router's equal the torch path's bits (the router's gradient gets the row dots,
     which sum in another order)."""
     torch.manual_seed(0)
@@ -234,16 +234,16 @@ def test_layer_runs_the_fused_passes_with_todays_results(fused, monkeypatch):
         return out, xg.grad, {n: p.grad for n, p in layer.named_parameters()}
 
     called = set()
-    for name in ("glu_forward", "glu_backward", "glu_grad", "scale_rows", "rowwise_dot", "combine_pairs"):
+    for name in ("glu_forward", "glu_backward", "glu_backward_one_pass", "scale_rows", "rowwise_dot", "combine_pairs"):
         def spy(*args, _name=name, _fn=getattr(cpu, name), **kwargs):
             called.add(_name)
             return _fn(*args, **kwargs)
         monkeypatch.setattr(cpu, name, spy)
-    fused_out, fused_dx, fused_grads = step()
-    assert called == {"glu_forward", "glu_grad", "scale_rows", "combine_pairs"}
+    fused_out, fused_dx, layer_grads = step()
+    assert called == {"glu_forward", "glu_backward_one_pass", "scale_rows", "combine_pairs"}
     ref_out, ref_dx, ref_grads = torch_path(monkeypatch, step)
     torch.testing.assert_close(fused_out, ref_out, rtol=0, atol=0)
-    for name, grad in fused_grads.items():
+    for name, grad in layer_grads.items():
         exact = name != "gate_weight"
         torch.testing.assert_close(grad, ref_grads[name], rtol=0 if exact else 2e-2, atol=0 if exact else 1e-3)
     torch.testing.assert_close(fused_dx, ref_dx, rtol=2e-2, atol=1e-3)  # dx also flows through the router
@@ -258,16 +258,16 @@ def opcheck_arguments(name):
     return {
         "glu_forward": lambda: (h, silu, torch.empty(n, f), torch.empty(n, f)),
         "glu_backward": lambda: (rows, h, torch.randn(n, f), silu, torch.empty(n, 2 * f)),
-        "glu_grad": lambda: (h, rows, weight, silu, torch.empty(n, f), torch.empty(n, 2 * f), torch.empty(n)),
+        "glu_backward_one_pass": lambda: (h, rows, weight, silu, torch.empty(n, f), torch.empty(n, 2 * f), torch.empty(n)),
         "scale_rows": lambda: (rows, weight, torch.empty(n, f)),
         "rowwise_dot": lambda: (rows, h[:, :f], h[:, f:], torch.empty(n)),
-        "combine_rows": lambda: (rows, torch.tensor([0, 2, 1, 0, 3, 2]), weight, torch.zeros(4, f)),
+        "index_add_rows": lambda: (rows, torch.tensor([0, 2, 1, 0, 3, 2]), weight, torch.zeros(4, f)),
         "combine_pairs": lambda: (rows, torch.tensor([[0, 3], [2, -1], [1, 5], [4, -1]]), None, torch.empty(4, f)),
     }[name]()
 
 
-@pytest.mark.parametrize("name", ["glu_forward", "glu_backward", "glu_grad", "scale_rows", "rowwise_dot",
-                                  "combine_rows", "combine_pairs"])
+@pytest.mark.parametrize("name", ["glu_forward", "glu_backward", "glu_backward_one_pass", "scale_rows", "rowwise_dot",
+                                  "index_add_rows", "combine_pairs"])
 def test_pass_is_a_proper_torch_operator(fused, name):
     """torch.library.opcheck: the schema marks exactly the buffers the op writes, the op runs under
     FakeTensorMode and through AOT dispatch with dynamic shapes to its eager results; and its Meta
@@ -282,7 +282,7 @@ def test_unbuildable_library_falls_back_with_one_warning(monkeypatch, tmp_path, 
     """No compiler (or one that fails): one RuntimeWarning line, then the torch path, results intact."""
     monkeypatch.setenv("CXX", compiler)
     monkeypatch.setenv("SHARDMOE_CACHE_DIR", str(tmp_path))
-    cpu._ops.cache_clear()
+    cpu.library_loaded.cache_clear()
     try:
         torch.manual_seed(0)
         layer = shardmoe.MoE(16, 8, 4, 2)
@@ -293,11 +293,12 @@ def test_unbuildable_library_falls_back_with_one_warning(monkeypatch, tmp_path, 
             layer(x).sum().backward()
         lines = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
         assert len(lines) == 1 and "\n" not in lines[0], lines
-        assert lines[0].startswith("shardmoe: fused CPU elementwise passes unavailable, using the torch path")
+        assert lines[0].startswith("shardmoe: the C++ CPU library (elementwise passes, side-by-side GEMMs) is unavailable, "
+                                  "using the torch path")
         assert x.grad is not None and bool(torch.isfinite(x.grad).all())
         assert not CpuOps.decide(x.detach()).elementwise
     finally:
-        cpu._ops.cache_clear()
+        cpu.library_loaded.cache_clear()
 
 
 def test_a_build_on_first_use_says_so_once(monkeypatch, tmp_path, capsys):

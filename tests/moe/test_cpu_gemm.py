@@ -1,6 +1,6 @@
 """cpu_gemm: the experts' GEMMs side by side, one per thread, against float64 products; skewed
 routing (an expert with a thread's share of the rows or more), empty experts, transposed weights;
-the GEMMs as torch operators (torch.library.opcheck) and, with cpu.glu_grad, under
+the GEMMs as torch operators (torch.library.opcheck) and, with cpu.glu_backward_one_pass, under
 torch.compile(fullgraph=True)."""
 import os
 import re
@@ -18,9 +18,22 @@ from shardmoe.rows import Groups
 from shardmoe.settings import SETTINGS
 
 
+def experts_mm(rows, weight, sizes, out):
+    """out[rows of e] = rows[rows of e] @ weight[e], by the side-by-side GEMM operator."""
+    torch.ops.shardmoe_gemm.experts_mm(rows, weight, list(sizes), out)
+    return out
+
+
+def experts_weight_grad(grad_rows, in_rows, sizes):
+    """[E, O, K]: grad_rows[rows of e]^T @ in_rows[rows of e], by the side-by-side GEMM operator."""
+    out = grad_rows.new_empty((len(sizes), grad_rows.shape[1], in_rows.shape[1]))
+    torch.ops.shardmoe_gemm.experts_weight_grad(grad_rows, in_rows, list(sizes), out)
+    return out
+
+
 @pytest.fixture
 def two_threads():
-    if cpu._ops() is None:
+    if not cpu.library_loaded():
         pytest.skip("the C++ library does not build here")
     previous = torch.get_num_threads()
     torch.set_num_threads(2)
@@ -43,8 +56,8 @@ def test_experts_mm_and_weight_grad_are_the_per_expert_products(two_threads, dty
     weight = torch.randn(len(sizes), o, k, generator=gen).to(dtype).transpose(1, 2)  # [E, K, O], strided
     grad = torch.randn(n, o, generator=gen).to(dtype)
     assert CpuOps.decide(rows).gemm_fits(Groups.from_counts(torch.tensor(sizes)), rows, weight)
-    out = cpu.experts_mm(rows, weight, sizes, torch.full((n, o), float("nan"), dtype=dtype))
-    weight_grad = cpu.experts_weight_grad(grad, rows, sizes)
+    out = experts_mm(rows, weight, sizes, torch.full((n, o), float("nan"), dtype=dtype))
+    weight_grad = experts_weight_grad(grad, rows, sizes)
     start = 0
     for e, size in enumerate(sizes):
         part = slice(start, start + size)
@@ -56,7 +69,7 @@ def test_experts_mm_and_weight_grad_are_the_per_expert_products(two_threads, dty
         start += size
     assert not out.isnan().any()
     # the same call again gives the same bits, whichever thread took which expert
-    assert torch.equal(out, cpu.experts_mm(rows, weight, sizes, torch.empty_like(out)))
+    assert torch.equal(out, experts_mm(rows, weight, sizes, torch.empty_like(out)))
 
 
 # Experts of exactly one block, of blocks plus a rest, under a block, empty, one large enough to
@@ -81,7 +94,7 @@ def test_row_blocks_and_zero_padded_weight_grads_are_the_per_expert_products(two
     rows = _with_row_gap(torch.randn(n, k, generator=gen).to(torch.bfloat16))
     weight = torch.randn(len(BLOCK_SIZES), k, o, generator=gen).to(torch.bfloat16)
     grad = torch.randn(n, o, generator=gen).to(torch.bfloat16)
-    out = cpu.experts_mm(rows, weight, BLOCK_SIZES, torch.full((n, o), float("nan"), dtype=torch.bfloat16))
+    out = experts_mm(rows, weight, BLOCK_SIZES, torch.full((n, o), float("nan"), dtype=torch.bfloat16))
     starts = [sum(BLOCK_SIZES[:e]) for e in range(len(BLOCK_SIZES))]
     for e, (start, size) in enumerate(zip(starts, BLOCK_SIZES)):
         if size:
@@ -94,7 +107,7 @@ def test_row_blocks_and_zero_padded_weight_grads_are_the_per_expert_products(two
             if poison:
                 wide[starts[owner] + 1, 3] = float("inf")
             g_used, x_used = (g, wide) if g.shape[1] <= x.shape[1] else (wide, x)
-            weight_grad = cpu.experts_weight_grad(g_used, x_used, BLOCK_SIZES)
+            weight_grad = experts_weight_grad(g_used, x_used, BLOCK_SIZES)
             for e, (start, size) in enumerate(zip(starts, BLOCK_SIZES)):
                 if poison and e == owner:
                     assert not weight_grad[e].isfinite().all()
@@ -107,14 +120,14 @@ def test_row_blocks_and_zero_padded_weight_grads_are_the_per_expert_products(two
 _SHAPES_RUN = """
 import torch
 from shardmoe.moe import cpu
-assert cpu._ops() is not None
+assert cpu.library_loaded()
 torch.set_num_threads(2)
 sizes = {sizes}
 n = sum(sizes)
 rows, grad = torch.randn(n, 64).bfloat16(), torch.randn(n, 24).bfloat16()
-cpu.experts_mm(rows, torch.randn(len(sizes), 64, 48).bfloat16(), sizes, torch.empty(n, 48).bfloat16())
-cpu.experts_weight_grad(grad, rows, sizes)
-cpu.experts_weight_grad(rows, grad, sizes)
+torch.ops.shardmoe_gemm.experts_mm(rows, torch.randn(len(sizes), 64, 48).bfloat16(), list(sizes), torch.empty(n, 48).bfloat16())
+torch.ops.shardmoe_gemm.experts_weight_grad(grad, rows, list(sizes), torch.empty(len(sizes), 24, 64).bfloat16())
+torch.ops.shardmoe_gemm.experts_weight_grad(rows, grad, list(sizes), torch.empty(len(sizes), 64, 24).bfloat16())
 """
 
 
@@ -187,14 +200,14 @@ def test_a_forwards_decision_is_taken_as_given(two_threads, monkeypatch):
     count are read once, by CpuOps.decide."""
     x, two = torch.randn(4, 3), Groups.from_counts(torch.tensor([1, 3]))
     ops = CpuOps.decide(x)
-    assert (ops.elementwise, ops.experts_mm) == (True, True)
+    assert (ops.elementwise, ops.side_by_side) == (True, True)
     assert not CpuOps(elementwise=True).gemm_fits(two, x)
     monkeypatch.setattr(SETTINGS, "experts_mm", False)
     torch.set_num_threads(1)
-    assert CpuOps(experts_mm=True).gemm_fits(two, x)
-    assert not CpuOps(experts_mm=True).gemm_fits(two, x.double())
+    assert CpuOps(side_by_side=True).gemm_fits(two, x)
+    assert not CpuOps(side_by_side=True).gemm_fits(two, x.double())
     ops = CpuOps.decide(x)
-    assert (ops.elementwise, ops.experts_mm) == (True, False)
+    assert (ops.elementwise, ops.side_by_side) == (True, False)
 
 
 def test_layer_with_and_without_side_by_side_gemms(two_threads, monkeypatch):
@@ -234,7 +247,7 @@ def test_gemm_is_a_proper_torch_operator(two_threads, name):
 
 def test_glu_expert_backward_compiles_to_the_eager_bits(two_threads):
     """The glu expert's backward as the torch backend runs it on CPU: g Wdown (experts_mm), the
-    one-pass glu_grad writing a over g Wdown, dWgate_up (experts_weight_grad). Under
+    one-pass glu_backward_one_pass writing a over g Wdown, dWgate_up (experts_weight_grad). Under
     torch.compile(fullgraph=True) Dynamo traces the wrappers into one graph (no break: they call
     torch.ops directly and the ops have Meta kernels), the written buffers are functionalized, and
     the compiled function runs the same kernels on the same operands: eager's bits."""
@@ -248,9 +261,9 @@ def test_glu_expert_backward_compiles_to_the_eager_bits(two_threads):
     down_t = torch.randn(len(sizes), ffn, hidden, generator=gen).transpose(1, 2)  # [E, H, F], strided
 
     def backward(g, down_t, h, w, x):
-        g_down = cpu.experts_mm(g, down_t, sizes, g.new_empty(n, ffn))
-        a, grad_h, dots = cpu.glu_grad(h, g_down, w, "silu", a_out=g_down)
-        return a, grad_h, dots, cpu.experts_weight_grad(grad_h, x, sizes)
+        g_down = experts_mm(g, down_t, sizes, g.new_empty(n, ffn))
+        a, grad_h, dots = cpu.glu_backward_one_pass(h, g_down, w, "silu", a_out=g_down)
+        return a, grad_h, dots, experts_weight_grad(grad_h, x, sizes)
 
     eager = backward(g, down_t, h, w, x)
     compiled = torch.compile(backward, fullgraph=True)(g, down_t, h, w, x)

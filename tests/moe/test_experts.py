@@ -24,7 +24,7 @@ def test_grouped_gemms_match_per_expert_matmuls(dtype, on_cpu_ops):
     grad = torch.randn(n, 8, generator=gen, dtype=dtype)
     starts = [0, 3, 3, 8]
     ops = CpuOps.decide(rows, Workspace(min_bytes=0)) if on_cpu_ops else TORCH_OPS
-    if on_cpu_ops and dtype == torch.float32 and torch.get_num_threads() >= 2 and cpu._ops() is not None:
+    if on_cpu_ops and dtype == torch.float32 and torch.get_num_threads() >= 2 and cpu.library_loaded():
         assert ops.gemm_fits(groups, rows, weight.transpose(1, 2))  # the side-by-side GEMMs run
     out = ops.linear(rows, weight, groups)
     back = ops.linear_t(grad, weight, groups)
@@ -59,12 +59,13 @@ def test_zero_rows():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("bias", [False, True])
 def test_glu_backward_in_one_pass_equals_the_stage_functions(dtype, bias):
-    """The one-pass glu backward (CpuOps.glu_grad) against the stage functions run in turn, with an
+    """The one-pass glu backward (CpuOps.glu_backward_one_pass) against the stage functions run in turn,
+    with an
     empty expert, biases, workspace buffers holding garbage from an earlier step: dx rows and every
     parameter gradient bit for bit, the gate dots too in bf16, and in float32 to the round-off of
     each row's sum (the compiler may fuse another multiply-add)."""
     if not CpuOps.decide(torch.zeros(1, dtype=dtype)).elementwise:
-        pytest.skip("the fused CPU kernels are not built here (no compiler): one path only")
+        pytest.skip("the C++ CPU library is not built here (no compiler): one path only")
     gen = torch.Generator().manual_seed(4)
     sizes, H, F = [40, 0, 70, 18], 32, 24
     groups, n = _groups(sizes), sum(sizes)
@@ -78,9 +79,9 @@ def test_glu_backward_in_one_pass_equals_the_stage_functions(dtype, bias):
     garbage = [workspace.empty((n, 2 * F), dtype, h.device).fill_(float("nan")) for _ in range(3)]
     del garbage  # three blocks holding NaN, free for the one-pass path to be lent
     ops = CpuOps.decide(h, workspace)
-    assert ops.fuses_glu_grad(g, h, w, "silu")
-    one = ex._glu_backward_one_pass(ops, "silu", g, w, xs, h, params, groups, bias)
-    staged = ex._glu_backward_by_stage(CpuOps.decide(h), "silu", g, w, xs, h, params, groups, bias)
+    assert ops.has_glu_backward_one_pass(g, h, w, "silu")
+    one = ex._glu_expert_backward_one_pass(ops, "silu", g, w, xs, h, params, groups, bias)
+    staged = ex._glu_expert_backward_by_stage(CpuOps.decide(h), "silu", g, w, xs, h, params, groups, bias)
     torch.testing.assert_close(one[0], staged[0], rtol=0, atol=0)
     assert one[2].keys() == staged[2].keys()
     for name, grad in one[2].items():

@@ -1,4 +1,4 @@
-"""Router options of the fused layer (score function, router and correction biases, group-limited
+"""Router options of the MoE layer (score function, router and correction biases, group-limited
 selection, epsilon, scaling, sequence-wise loss): exact in float64 against the independent
 autograd reference, alone and combined; ties; transformers' DeepSeek-V3 and GPT-OSS routers;
 errors; the correction-bias update."""
@@ -50,7 +50,7 @@ def _rel(a, b, floor=1e-3):
     return ((a - b).abs().max() / b.abs().max().clamp(min=floor)).item()
 
 
-def _fused_and_reference(layer, x, grad_out, sequence_starts=None):
+def _layer_and_reference(layer, x, grad_out, sequence_starts=None):
     layer.zero_grad(set_to_none=True)
     x = x.clone().requires_grad_(True)
     y = layer(x, sequence_starts)
@@ -70,7 +70,7 @@ def test_router_options_alone_and_combined_are_exact_in_float64(name):
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(2, 7, H, generator=gen, dtype=torch.float64)
     grad_out = torch.randn(2, 7, H, generator=gen, dtype=torch.float64)
-    (y, aux, grads), (ref_y, ref_aux, ref_grads) = _fused_and_reference(layer, x, grad_out)
+    (y, aux, grads), (ref_y, ref_aux, ref_grads) = _layer_and_reference(layer, x, grad_out)
     assert _rel(y, ref_y) <= 1e-10
     assert abs(aux.item() - ref_aux.item()) <= 1e-10 * max(abs(ref_aux.item()), 1e-300)
     if layer.config.seq_aux_loss_coef or layer.config.aux_loss_coef:
@@ -89,10 +89,10 @@ def test_sequence_starts_pick_the_sequences_of_the_sequence_wise_loss():
     gen = torch.Generator().manual_seed(2)
     x = torch.randn(2, 7, H, generator=gen, dtype=torch.float64)
     grad_out = torch.randn(2, 7, H, generator=gen, dtype=torch.float64)
-    default, _ = _fused_and_reference(layer, x, grad_out)
-    explicit, _ = _fused_and_reference(layer, x, grad_out, torch.tensor([0, 7]))
+    default, _ = _layer_and_reference(layer, x, grad_out)
+    explicit, _ = _layer_and_reference(layer, x, grad_out, torch.tensor([0, 7]))
     assert torch.equal(default[1], explicit[1]) and torch.equal(default[2]["gate_weight"], explicit[2]["gate_weight"])
-    packed, (_, ref_aux, ref_grads) = _fused_and_reference(layer, x, grad_out, torch.tensor([0, 3, 9]))
+    packed, (_, ref_aux, ref_grads) = _layer_and_reference(layer, x, grad_out, torch.tensor([0, 3, 9]))
     assert abs(packed[1].item() - default[1].item()) > 1e-6
     assert abs(packed[1].item() - ref_aux.item()) <= 1e-10 * ref_aux.item()
     assert _rel(packed[2]["gate_weight"], ref_grads["gate_weight"]) <= 1e-10
@@ -114,9 +114,9 @@ def test_bad_sequence_starts_raise_before_work(starts, match):
         _layer()(torch.randn(14, H, dtype=torch.float64), torch.tensor([0]))
 
 
-def test_ties_in_selection_go_to_the_lowest_index_in_fused_path_and_reference():
+def test_ties_in_selection_go_to_the_lowest_index_in_layer_and_reference():
     """Experts 1 and 2 have identical gate columns (tied scores on every token), and so do the
-    groups {0, 1} and {6, 7} with n_group=4: the lower expert and the lower group win, in the fused
+    groups {0, 1} and {6, 7} with n_group=4: the lower expert and the lower group win, in the layer
     path and the reference alike, and the outputs and gradients stay exact."""
     for options in (dict(), dict(score_func="sigmoid", n_group=4, topk_group=1)):
         config = MoEConfig(H, F, E, 2, **options)
@@ -126,9 +126,9 @@ def test_ties_in_selection_go_to_the_lowest_index_in_fused_path_and_reference():
         gate[:, 2] = gate[:, 1]
         gate[:, 6], gate[:, 7] = gate[:, 0], gate[:, 1]
         x = torch.randint(-3, 4, (40, H), generator=gen).double()
-        fused, ref = route(x, gate, config), reference_routing(x, gate, config)
-        assert torch.equal(fused.top_idx, ref.selected)
-        chosen = fused.top_idx
+        got, ref = route(x, gate, config), reference_routing(x, gate, config)
+        assert torch.equal(got.top_idx, ref.selected)
+        chosen = got.top_idx
         if not options:  # a twin is chosen only beside its lower twin
             for lower, higher in ((1, 2), (0, 6), (1, 7)):
                 assert ((chosen == lower).any(-1) | ~(chosen == higher).any(-1)).all()
@@ -140,7 +140,7 @@ def test_ties_in_selection_go_to_the_lowest_index_in_fused_path_and_reference():
         layer.gate_weight.copy_(torch.randint(-4, 5, (H, E)).double() / 8)
         layer.gate_weight[:, 6:8] = layer.gate_weight[:, 0:2]
     x = torch.randint(-3, 4, (20, H)).double()
-    (y, aux, grads), (ref_y, _, ref_grads) = _fused_and_reference(layer, x, torch.randn(20, H, dtype=torch.float64))
+    (y, aux, grads), (ref_y, _, ref_grads) = _layer_and_reference(layer, x, torch.randn(20, H, dtype=torch.float64))
     assert _rel(y, ref_y) <= 1e-10 and _rel(grads["gate_weight"], ref_grads["gate_weight"]) <= 1e-10
 
 
@@ -294,23 +294,6 @@ def test_correction_bias_steers_selection_without_gradient():
     layer(x)
     assert layer.stats["selected_per_expert"][0] == 30
     assert not layer.correction_bias.requires_grad
-
-
-def test_mixtral_exports_refuse_another_router():
-    """A Mixtral state dict or config has nowhere to put a sigmoid score, a bias or groups: the
-    layer's and the model's exports refuse instead of silently dropping them."""
-    from shardmoe.model.mixtral import mixtral_config, to_mixtral_state_dict
-    from shardmoe.model.transformer import Transformer, TransformerConfig
-
-    with pytest.raises(ValueError, match=r"to_mixtral_state_dict: expected Mixtral's router \(router_bias=False\), "
-                                         r"got router_bias=True"):
-        shardmoe.MoE(H, F, E, K, router_bias=True).to_mixtral_state_dict()
-    config = TransformerConfig(vocab_size=16, d_model=8, n_layers=1, n_q_heads=2, n_kv_heads=1, head_dim=4,
-                               moe=MoEConfig(8, 4, 4, 2, score_func="sigmoid"))
-    with pytest.raises(ValueError, match=r"mixtral_config: expected Mixtral's router \(score_func='softmax'\)"):
-        mixtral_config(config)
-    with pytest.raises(ValueError, match=r"to_mixtral_state_dict: expected Mixtral's router"):
-        to_mixtral_state_dict(Transformer(config).full_state_dict(), config)
 
 
 def test_correction_bias_stays_float32_when_the_layer_moves_to_bf16():

@@ -1,13 +1,14 @@
-"""Shared experts in the fused layer (moe/shared_experts.py): exact in float64 against the independent
+"""Shared experts in the MoE layer (moe/shared_experts.py): exact in float64 against the independent
 autograd reference, alone and with routers, capacity and biases; fp32 / bf16 within the documented
 bars; transformers' Qwen2-MoE (gated shared expert) and DeepSeek-V3 (n_shared experts) blocks; errors."""
 import pytest
 import torch
 
 import shardmoe
-from shardmoe.kernels import force_kernel_path, fused_path
+from shardmoe.kernels import kernel_path
 from shardmoe.moe.config import MoEConfig
 from shardmoe.moe.reference import reference_forward_backward
+from shardmoe.settings import override
 
 H, F, E, K, FS = 8, 6, 8, 3, 10
 
@@ -144,23 +145,11 @@ def test_bad_shared_options_raise_value_error_naming_the_argument(options, match
 
 
 def test_kernel_path_takes_a_layer_with_a_shared_expert():
-    """kernels.fused_path: the routed experts take the Triton kernels; the shared expert, a dense
+    """kernels.kernel_path: the routed experts take the Triton kernels; the shared expert, a dense
     FFN over every token, runs on torch beside them (moe/function.py)."""
-    with force_kernel_path():
-        assert fused_path(MoEConfig(H, F, E, K), torch.zeros(3, H)) is True
-        assert fused_path(MoEConfig(H, F, E, K, shared_ffn_size=4), torch.zeros(3, H)) is True
-
-
-def test_mixtral_exports_refuse_a_shared_expert():
-    """Mixtral has no shared expert: the layer's and the model's exports refuse rather than drop it."""
-    from shardmoe.model.mixtral import mixtral_config
-    from shardmoe.model.transformer import TransformerConfig
-
-    match = r"expected no shared expert \(shared_ffn_size=0, as Mixtral\), got shared_ffn_size=4"
-    with pytest.raises(ValueError, match="to_mixtral_state_dict: " + match):
-        shardmoe.MoE(H, F, E, K, shared_ffn_size=4).to_mixtral_state_dict()
-    with pytest.raises(ValueError, match="mixtral_config: " + match):
-        mixtral_config(TransformerConfig.from_dict({"shared_ffn_size": 4}))
+    with override(force_kernels=True):
+        assert kernel_path(MoEConfig(H, F, E, K), torch.zeros(3, H)) is True
+        assert kernel_path(MoEConfig(H, F, E, K, shared_ffn_size=4), torch.zeros(3, H)) is True
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=str)

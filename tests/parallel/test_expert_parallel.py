@@ -411,7 +411,7 @@ def _tp_example() -> dict:
 
 def _run_tp_example(example: dict) -> dict:
     mesh = Mesh(tp=2, ranks_per_node=2)
-    # The whole Mixtral-layout tensors, sharded as from_mixtral does (from_mixtral itself wants a
+    # The whole Mixtral-layout tensors, sharded as shardmoe.hf.from_block does (it wants a
     # real transformers block, and importing transformers in every rank would cost seconds).
     layer = shardmoe.MoE(4, 4, 2, 1, renormalize=False, mesh=mesh, dtype=torch.float64)
     with torch.no_grad():

@@ -11,7 +11,7 @@ import torch
 import shardmoe
 from shardmoe.mesh import Mesh
 from shardmoe.parallel import expert_tensor as etp
-from shardmoe.shardops import UnreducedError
+from shardmoe.parallel.shardops import UnreducedError
 from shardmoe.testing import run_distributed
 
 # case -> (layer options, the reduce_* function dropped, what the error must say)

@@ -1,4 +1,4 @@
-"""The parallel package on one process: a one-rank mesh is the fused layer."""
+"""The parallel package on one process: a one-rank mesh is the MoE layer."""
 import torch
 
 import shardmoe

@@ -1,4 +1,4 @@
-"""The tile-task runtime equals the fused layer (float64, 1e-12 relative) under every schedule:
+"""The tile-task runtime equals the MoE layer (float64, 1e-12 relative) under every schedule:
 11 configurations x 52 schedules (FIFO, LIFO, 50 seeded random orders with 1 to 5 processors per
 device) = 572 backward schedules, plus 5 forward schedules per configuration."""
 import pytest
@@ -75,7 +75,7 @@ def _close(got, want, what):
 
 
 @pytest.mark.parametrize("name", list(CASES))
-def test_forward_and_backward_equal_the_fused_layer_under_every_schedule(name):
+def test_forward_and_backward_equal_the_layer_under_every_schedule(name):
     layer, x, grad_out, schedule = _setup(name)
     out = layer(x)
     params = dict(layer.named_parameters())

@@ -100,7 +100,7 @@ def test_cli_trace_writes_json_png_and_counts(tmp_path, capsys):
     summary = json.loads((tmp_path / "counts.json").read_text())
     assert summary["backward"]["gradGateGEMM"] == summary["token_tiles"] * summary["tNx"]
     assert max(summary["max_relative_error"].values()) <= 1e-12
-    assert "largest relative difference from the fused layer" in capsys.readouterr().out
+    assert "largest relative difference from the MoE layer" in capsys.readouterr().out
 
 
 def test_trace_help_describes_every_option_with_its_default():

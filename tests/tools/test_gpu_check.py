@@ -1,7 +1,7 @@
 """python -m shardmoe.tools.gpu_check: its dry run end to end (CPU, tiny shapes, Triton's interpreter) into
 a temporary directory, the content of report.json and report.md for every stage, the argument
 errors, the runner's isolation of a failing stage, merging reports, and the compiled-mode switch
-of tests/kernels/conftest.py; and its old name, python -m shardmoe.gpu_check, forwarding to it."""
+of tests/kernels/conftest.py."""
 import dataclasses
 import json
 import math
@@ -57,7 +57,7 @@ def test_tests_stage_ran_the_tiny_selection_in_the_interpreter(dry_run):
     result = dry_run[2]["stages"]["tests"]["result"]
     assert result["compiled"] is False
     [group] = result["groups"]
-    assert group["paths"] == ["tests/kernels/test_fused_path.py", "tests/kernels/test_activations.py"]
+    assert group["paths"] == ["tests/kernels/test_kernel_path.py", "tests/kernels/test_activations.py"]
     assert group["returncode"] == 0 and group["failures"] == 0 and group["errors"] == 0
     assert group["passed"] > 10 and result["totals"]["passed"] == group["passed"]
     assert (dry_run[4] / group["log"]).exists()
@@ -231,6 +231,8 @@ def test_traffic_model_rows_calibration_and_the_fine_step(dry_run):
     assert steps[("fine", "H200")]["modelled_ms"] <= steps[("fine", "H100")]["modelled_ms"]
     fine = steps[("fine", "H100")]
     assert fine["modelled_ms"] <= 4.0 and fine["dram_bytes"] <= 1.5 * fine["compulsory_bytes"], fine
+    row_first = fine["row_tile_fastest"]
+    assert row_first["modelled_ms"] > 6.0 and row_first["dram_bytes"] > 3 * fine["compulsory_bytes"], row_first
     rows = result["calibration"]
     assert {(r["kernel"], r["shape"]) for r in rows} == {(k, s) for s, ks in PROFILES_206AE40.items() for k in ks}
     for r in rows:
@@ -246,7 +248,7 @@ def test_traffic_on_a_lease_puts_measured_beside_modelled_and_refits(dry_run):
     kernel and shape with its modelled time, the efficiencies refitted to them, and a measured kernel the
     model has no launch of left out."""
     traced = json.loads((dry_run[4] / "traffic.json").read_text())
-    measured = {"fine": {"forward_gemm_kernel": 1.2, "weight_grad_kernel": 0.9, "grad_combine_gate_kernel": 0.1},
+    measured = {"fine": {"forward_gemm_kernel": 1.2, "weight_grad_kernel": 0.9, "gate_dots_kernel": 0.1},
                 "mixtral": {"grad_gemm_kernel": 8.0}}
     result = traffic.model(traced, measured)
     rows = result["lease_calibration"]["rows"]
@@ -543,16 +545,6 @@ def test_argument_errors_name_the_argument_expected_and_actual(tmp_path, capsys,
 
 
 
-def test_the_old_command_name_runs_the_same_command(tmp_path):
-    """python -m shardmoe.gpu_check, kept for one release, forwards its arguments to the same main."""
-    from shardmoe import gpu_check as old_name
-
-    assert old_name.main is gpu_check.main
-    done = subprocess.run([sys.executable, "-m", "shardmoe.gpu_check", "--out", str(tmp_path), "--only", "bogus"],
-                          cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 2 and "--only: expected comma-separated stage names" in done.stderr, done.stderr
-    assert not (tmp_path / "report.json").exists()
-
 def test_a_full_run_without_cuda_is_refused(tmp_path, capsys):
     if torch.cuda.is_available():
         pytest.skip("a CUDA device is present: a full run is valid here")
@@ -671,7 +663,7 @@ def test_compiled_switch_of_the_kernel_tests_refuses_what_it_cannot_do(value, me
     if value == "1" and torch.cuda.is_available():
         pytest.skip("a CUDA device is present: compiled mode is valid here")
     done = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--collect-only",
-                           "tests/kernels/test_fused_path.py"], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                           "tests/kernels/test_kernel_path.py"], cwd=ROOT, capture_output=True, text=True, timeout=120,
                           env=dict(ENV, SHARDMOE_TEST_COMPILED=value))
     assert done.returncode == 4, done.stdout + done.stderr
     assert message in done.stdout + done.stderr

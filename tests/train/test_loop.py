@@ -241,8 +241,8 @@ def test_a_training_step_reads_nothing_from_the_device(monkeypatch, accum, balan
     pytest.importorskip("triton")
     from triton.runtime.autotuner import Autotuner
 
-    from shardmoe import kernels
-    from shardmoe.moe import ops
+    from shardmoe import settings
+    from shardmoe.moe import function
     from shardmoe.train.data import Batch
     from shardmoe.train.loop import optimizer_step
     from shardmoe.train.optim import AdamW
@@ -260,9 +260,9 @@ def test_a_training_step_reads_nothing_from_the_device(monkeypatch, accum, balan
     starts = torch.zeros(4, 16, dtype=torch.bool)
     starts[:, [0, 9]] = True
     batch = Batch(torch.zeros(4, 16, dtype=torch.int64), torch.zeros(4, 16, dtype=torch.int64), starts).to(meta)
-    with torch.library._scoped_library("shardmoe", "IMPL") as lib, kernels.force_kernel_path():
-        lib.impl("moe_forward", ops._moe_forward._init_fn, "Meta")
-        lib.impl("moe_backward", ops._moe_backward._init_fn, "Meta")
+    with torch.library._scoped_library("shardmoe", "IMPL") as lib, settings.override(force_kernels=True):
+        lib.impl("moe_forward", function.moe_forward, "Meta")
+        lib.impl("moe_backward", function.moe_backward, "Meta")
         record = optimizer_step(model, optimizer, batch, config, 1)
     assert launched.count("weight_grad_kernel") == 2 * TINY_MODEL.n_layers * accum  # every layer's backward ran
     tensors = [record.losses.ce, record.losses.aux, record.grad_norm, record.losses.dropped_tokens,

@@ -1,10 +1,10 @@
-// Fused elementwise passes of the fused MoE layer on CPU (shardmoe/moe/elementwise.py builds, loads
-// and documents these; the formulas are there).
+// Fused elementwise passes of the MoE layer on CPU (shardmoe/moe/cpu.py builds, loads and documents
+// these; the formulas are there).
 //
 // Each op makes one pass over its rows: kStep values of each input are loaded once, widened to
 // float32 in registers (bf16) or loaded as they are (fp32), combined with ATen's vectorised float
 // math (the closed forms and Sleef calls of aten's own activation kernels), and rounded once into
-// the output. at::parallel_for splits the rows between threads (combine_rows: the columns;
+// the output. at::parallel_for splits the rows between threads (index_add_rows: the columns;
 // combine_pairs: the tokens); every output element is written by one thread, so results do not
 // depend on the thread count.
 //
@@ -172,7 +172,7 @@ void glu_backward_impl(const at::Tensor& grad_a, const at::Tensor& h, const at::
   });
 }
 
-// The glu expert's backward elementwise work in one pass (elementwise.py, glu_grad): from h [N, 2F],
+// The glu expert's backward elementwise work in one pass (cpu.py, glu_backward_one_pass): from h [N, 2F],
 // gd = g Wdown [N, F] and w [N] float32, a = act(hg) * hu [N, F], dh [N, 2F] and the gate dots
 // sum(gd * act(hg) * hu) [N] float32, with every rounding and the dot's summation order of
 // glu_forward, rowwise_dot(gd, act(hg), hu), scale_rows (dA = w gd) and glu_backward run in turn:
@@ -181,7 +181,7 @@ void glu_backward_impl(const at::Tensor& grad_a, const at::Tensor& h, const at::
 // be g_down itself: each step loads its gd before storing a over it, and each element belongs to
 // one thread.
 template <typename T, int64_t act>
-void glu_grad_impl(const at::Tensor& h, const at::Tensor& g_down, const at::Tensor& weight, at::Tensor& a,
+void glu_backward_one_pass_impl(const at::Tensor& h, const at::Tensor& g_down, const at::Tensor& weight, at::Tensor& a,
                    at::Tensor& grad_h, at::Tensor& dots) {
   const int64_t rows = h.size(0), ffn = g_down.size(1);
   const T *hp = h.data_ptr<T>(), *dp = g_down.data_ptr<T>();
@@ -278,18 +278,18 @@ void rowwise_dot_impl(const at::Tensor& rows, const at::Tensor& f1, const at::Te
   });
 }
 
-// out[token_r] += w_r * rows_r (w optional), rows in order for each token; out float32 [S, D].
-// Threads split the columns, so each token's sum keeps the row order whatever the thread count.
+// out[index_r] += w_r * rows_r (w optional), rows in order for each target; out float32 [M, D].
+// Threads split the columns, so each target's sum keeps the row order whatever the thread count.
 template <typename T>
-void combine_rows_impl(const at::Tensor& rows, const at::Tensor& token, const at::Tensor* weight, at::Tensor& out) {
+void index_add_rows_impl(const at::Tensor& rows, const at::Tensor& index, const at::Tensor* weight, at::Tensor& out) {
   const int64_t n_rows = rows.size(0), cols = rows.size(1);
   const T* rp = rows.data_ptr<T>();
-  const int64_t* tp = token.data_ptr<int64_t>();
+  const int64_t* tp = index.data_ptr<int64_t>();
   const float* wp = weight ? weight->data_ptr<float>() : nullptr;
   float* op = out.data_ptr<float>();
-  const int64_t rs = rows.stride(0), os = out.stride(0), ts = token.stride(0), ws = weight ? weight->stride(0) : 0;
+  const int64_t rs = rows.stride(0), os = out.stride(0), ts = index.stride(0), ws = weight ? weight->stride(0) : 0;
   for (int64_t r = 0; r < n_rows; ++r) {  // index_add_'s check, before any write
-    TORCH_CHECK_INDEX(tp[r * ts] >= 0 && tp[r * ts] < out.size(0), "row_token: expected indices in [0, ",
+    TORCH_CHECK_INDEX(tp[r * ts] >= 0 && tp[r * ts] < out.size(0), "index: expected indices in [0, ",
                       out.size(0), "), got ", tp[r * ts], " at row ", r);
   }
   constexpr int64_t kColumns = 8 * kStep;  // a column block per task; its rows stream through L1
@@ -310,7 +310,7 @@ void combine_rows_impl(const at::Tensor& rows, const at::Tensor& token, const at
 // out_t = sum over j of (w_r *) rows_r for the rows r = token_rows[t, j] >= 0, in the order given
 // (ascending: a token's rows are added in row order, as index_add_ adds them) -> [S, D] float32.
 // A gather: each token's k rows are read once and its output row written once, by one thread,
-// where combine_rows scatters every row into its token's output (a read-modify-write per row).
+// where index_add_rows scatters every row into its token's output (a read-modify-write per row).
 template <typename T>
 void combine_pairs_impl(const at::Tensor& rows, const at::Tensor& token_rows, const at::Tensor* weight,
                         at::Tensor& out) {
@@ -336,7 +336,7 @@ void combine_pairs_impl(const at::Tensor& rows, const at::Tensor& token_rows, co
           if (r < 0) continue;  // a dropped pair
           const Pair x = load(rp + r * rs + i, n);
           const Vec w(wp ? wp[r * ws] : 1.f);
-          // the same operations as combine_rows: the sum starts at zero, x is added as it is
+          // the same operations as index_add_rows: the sum starts at zero, x is added as it is
           // without weights, else x * w rounded to float32 first
           sum = map(std::plus<Vec>(), sum, wp ? map([&](const Vec& v) { return v * w; }, x) : x);
         }
@@ -382,11 +382,11 @@ void glu_backward(const at::Tensor& grad_a, const at::Tensor& h, const at::Tenso
     DISPATCH_FLOAT_BF16(h.scalar_type(), glu_backward_impl<scalar, decltype(code)::value>(grad_a, h, act_gate, grad_h));
   });
 }
-void glu_grad(const at::Tensor& h, const at::Tensor& g_down, const at::Tensor& weight, int64_t act, at::Tensor a,
+void glu_backward_one_pass(const at::Tensor& h, const at::Tensor& g_down, const at::Tensor& weight, int64_t act, at::Tensor a,
               at::Tensor grad_h, at::Tensor dots) {
   dispatch_activation(act, [&](auto code) {
     DISPATCH_FLOAT_BF16(h.scalar_type(),
-                        glu_grad_impl<scalar, decltype(code)::value>(h, g_down, weight, a, grad_h, dots));
+                        glu_backward_one_pass_impl<scalar, decltype(code)::value>(h, g_down, weight, a, grad_h, dots));
   });
 }
 void scale_rows(const at::Tensor& rows, const at::Tensor& weight, at::Tensor out) {
@@ -395,10 +395,10 @@ void scale_rows(const at::Tensor& rows, const at::Tensor& weight, at::Tensor out
 void rowwise_dot(const at::Tensor& rows, const at::Tensor& f1, const std::optional<at::Tensor>& f2, at::Tensor out) {
   DISPATCH_FLOAT_BF16(rows.scalar_type(), rowwise_dot_impl<scalar>(rows, f1, f2.has_value() ? &*f2 : nullptr, out));
 }
-void combine_rows(const at::Tensor& rows, const at::Tensor& token, const std::optional<at::Tensor>& weight,
+void index_add_rows(const at::Tensor& rows, const at::Tensor& index, const std::optional<at::Tensor>& weight,
                   at::Tensor out) {
   DISPATCH_FLOAT_BF16(rows.scalar_type(),
-                      combine_rows_impl<scalar>(rows, token, weight.has_value() ? &*weight : nullptr, out));
+                      index_add_rows_impl<scalar>(rows, index, weight.has_value() ? &*weight : nullptr, out));
 }
 
 void combine_pairs(const at::Tensor& rows, const at::Tensor& token_rows, const std::optional<at::Tensor>& weight,
@@ -417,27 +417,27 @@ void meta_no_outputs(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
 TORCH_LIBRARY(shardmoe_elementwise, m) {
   m.def("glu_forward(Tensor h, int activation, Tensor(a!) a, Tensor(b!)? act_gate) -> ()");
   m.def("glu_backward(Tensor grad_a, Tensor h, Tensor act_gate, int activation, Tensor(a!) grad_h) -> ()");
-  m.def("glu_grad(Tensor h, Tensor g_down, Tensor weight, int activation, Tensor(a!) a, Tensor(b!) grad_h, "
-        "Tensor(c!) dots) -> ()");
+  m.def("glu_backward_one_pass(Tensor h, Tensor g_down, Tensor weight, int activation, Tensor(a!) a, "
+        "Tensor(b!) grad_h, Tensor(c!) dots) -> ()");
   m.def("scale_rows(Tensor rows, Tensor weight, Tensor(a!) out) -> ()");
   m.def("rowwise_dot(Tensor rows, Tensor f1, Tensor? f2, Tensor(a!) out) -> ()");
-  m.def("combine_rows(Tensor rows, Tensor token, Tensor? weight, Tensor(a!) out) -> ()");
+  m.def("index_add_rows(Tensor rows, Tensor index, Tensor? weight, Tensor(a!) out) -> ()");
   m.def("combine_pairs(Tensor rows, Tensor token_rows, Tensor? weight, Tensor(a!) out) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(shardmoe_elementwise, CPU, m) {
   m.impl("glu_forward", glu_forward);
   m.impl("glu_backward", glu_backward);
-  m.impl("glu_grad", glu_grad);
+  m.impl("glu_backward_one_pass", glu_backward_one_pass);
   m.impl("scale_rows", scale_rows);
   m.impl("rowwise_dot", rowwise_dot);
-  m.impl("combine_rows", combine_rows);
+  m.impl("index_add_rows", index_add_rows);
   m.impl("combine_pairs", combine_pairs);
 }
 
 TORCH_LIBRARY_IMPL(shardmoe_elementwise, Meta, m) {
   for (const char* name :
-       {"glu_forward", "glu_backward", "glu_grad", "scale_rows", "rowwise_dot", "combine_rows", "combine_pairs"}) {
+       {"glu_forward", "glu_backward", "glu_backward_one_pass", "scale_rows", "rowwise_dot", "index_add_rows", "combine_pairs"}) {
     m.impl(name, torch::CppFunction::makeFromBoxedFunction<&meta_no_outputs>());
   }
 }

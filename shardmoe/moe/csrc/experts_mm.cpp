@@ -1,5 +1,6 @@
-// The per-expert GEMMs of the fused MoE layer on CPU, the experts spread over the intra-op threads
-// (shardmoe/moe/cpu_gemm.py builds the call and documents it; elementwise.py builds the library).
+// The per-expert GEMMs of the MoE layer on CPU, the experts spread over the intra-op threads
+// (shardmoe/moe/experts.py TorchOps calls them where moe/cpu.py's CpuOps allows; cpu.py builds the
+// library and documents them).
 //
 // A layer with many experts runs many small GEMMs (fine: 64 experts x 6 GEMMs of ~512 rows). Run
 // one after another, each splits its rows over all threads, and every GEMM pays the threads'

@@ -1,4 +1,4 @@
-"""`shardmoe bench`: forward+backward of the fused MoE layer against its anchors.
+"""`shardmoe bench`: forward+backward of the MoE layer against its anchors.
 
 One run times, side by side and interleaved on the same weights and input:
   transformers  transformers' MixtralSparseMoeBlock with experts_implementation="grouped_mm"

@@ -157,9 +157,9 @@ def build_candidates(s: Shape, dtype, device, names, seed: int = 0, fresh_inputs
         cands["transformers"], inputs["transformers"] = module_candidate(
             "transformers", block, params, (1, s.tokens, s.hidden))
     for name in shardmoes:
-        import shardmoe
+        from shardmoe.hf import from_block
 
-        layer = shardmoe.MoE.from_mixtral(block)
+        layer = from_block(block)
         if name == "shardmoe:no-workspace":
             layer.workspace = None
         params = (layer.gate_weight, layer.gate_up_proj, layer.down_proj)

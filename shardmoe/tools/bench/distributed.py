@@ -101,7 +101,7 @@ def _bench(args, mesh_sizes: dict, dtype_name: str) -> dict:
     S, H, F, E, k = (_option(args, n) for n in ("tokens", "hidden", "ffn", "experts", "top_k"))
     local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     sizes = (mesh_sizes["d"], mesh_sizes["e"], mesh_sizes["t"])
-    # One rank has no peers: it runs the single-process fused layer, the weak-scaling baseline.
+    # One rank has no peers: it runs the single-process MoE layer, the weak-scaling baseline.
     meshes = ({"p2p": Mesh(*sizes, ranks_per_node=local), "remote": Mesh(*sizes, ranks_per_node=1)}
               if world > 1 else {"local": Mesh(*sizes)})
     # With peers, every rank also runs the single-process layer on its own tokens, interleaved with

@@ -100,11 +100,12 @@ def build_model(family: str, dtype, *, hidden: int, ffn: int, experts: int, top_
 def family_grads(model) -> dict:
     """Every parameter gradient of `model` under the family's names and layouts. Outside the
     converted blocks the names are the family's already; a ConvertedBlock's layer (mlp.moe.gate_weight
-    [H, E], ...) is mapped back by its own to_hf_state_dict, read with each parameter's gradient in
+    [H, E], ...) is mapped back by shardmoe.hf.block_state_dict, read with each parameter's gradient in
     place of its data (restored at once), so the bench needs no second copy of that mapping.
     DeepSeek-V3's correction bias is a buffer, not a gradient, and is left out."""
     import torch
 
+    from shardmoe.hf import block_state_dict
     from shardmoe.hf.converted import ConvertedBlock
 
     blocks = {name: m for name, m in model.named_modules() if isinstance(m, ConvertedBlock)}
@@ -117,7 +118,7 @@ def family_grads(model) -> dict:
             with torch.no_grad():
                 for p in params:
                     p.data = p.grad if p.grad is not None else torch.zeros_like(p)
-                state = block.moe.to_hf_state_dict()
+                state = block_state_dict(block.moe)
         finally:
             for p, d in zip(params, data):
                 p.data = d

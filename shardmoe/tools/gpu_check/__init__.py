@@ -30,8 +30,8 @@ Each stage's failure is recorded (with its traceback) and the next still runs; D
 DIR/report.json are rewritten after every stage (report.py).
 
 --dry-run runs the same code on CPU at tiny shapes, with the Triton kernels in Triton's
-interpreter (kernels.force_kernel_path(), in a process started with TRITON_INTERPRET=1: the
-command starts itself again with it when it was not set); the sanitizer stage then runs its
+interpreter (the force_kernels setting, in a process started with TRITON_INTERPRET=1: the command
+starts itself again with it when it was not set); the sanitizer stage then runs its
 workload without a sanitizer and says so. It is the check that the command works (tests/tools/test_gpu_check.py).
 """
 from __future__ import annotations

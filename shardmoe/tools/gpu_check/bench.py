@@ -4,7 +4,7 @@ Candidates, built by shardmoe.tools.bench.candidates on the same weights and inp
   dense           the GEMMs of a dropless MoE step as one expert, into preallocated buffers: the same
                   FLOPs in the same operand shapes (dense_candidate): the ceiling
   grouped_mm      transformers' MixtralSparseMoeBlock, experts_implementation="grouped_mm"
-  shardmoe        shardmoe.MoE.from_mixtral(that block): the Triton path (forced: parity.triton_context)
+  shardmoe        shardmoe.hf.from_block(that block): the Triton path (forced: parity.triton_context)
   shardmoe:torch  the same layer under shardmoe.settings.override(kernels=False)
 Without transformers the layer gets the same weights directly (layer_candidate; checked against
 float64 the same way) and grouped_mm is left out (noted).
@@ -259,12 +259,12 @@ def with_variants(by_name: dict) -> dict:
 def chosen_backends(config, x, steps_in: dict) -> tuple[dict, list[str]]:
     """(the backend each of shardmoe's paths selects for `config` on x inside its context, a problem
     for each that is not the one BACKENDS expects)."""
-    from shardmoe.moe import backends
+    from shardmoe.moe import dispatch
 
     chosen = {}
     for name in BACKENDS:
         with steps_in[name]():
-            chosen[name] = backends.select(config, x).name
+            chosen[name] = dispatch.select(config, x).name
     return chosen, [f"{name}: expected the {want} backend, got {chosen[name]!r}"
                     for name, want in BACKENDS.items() if chosen[name] != want]
 

@@ -273,13 +273,13 @@ def meta_groups(num_experts: int, num_rows: int):
 
 
 def trace_layer_step(config, tokens: int) -> None:
-    """One forward and backward of the Triton backend for a layer of `config` over `tokens` tokens,
+    """One forward and backward of TritonOps for a layer of `config` over `tokens` tokens,
     dropless, on meta tensors in the layer's dtype (bf16): the calls the local dispatcher makes, and
     the router's three GEMMs as routing.py makes them on CUDA (x and gate_weight bf16, dlogits
-    float32; force_kernel_path() lets the meta tensors stand for CUDA ones)."""
-    from shardmoe import kernels
+    float32; the force_kernels setting lets the meta tensors stand for CUDA ones)."""
+    from shardmoe import settings
     from shardmoe.moe import routing
-    from shardmoe.moe.triton_backend import TRITON
+    from shardmoe.moe.triton_ops import TRITON_OPS
 
     meta = dict(device="meta", dtype=torch.bfloat16)
     num_rows, hidden = tokens * config.top_k, config.hidden_size
@@ -290,15 +290,16 @@ def trace_layer_step(config, tokens: int) -> None:
     x = torch.empty(tokens, hidden, **meta)
     gate_weight = torch.empty(hidden, config.num_experts, **meta)
     grad_logits = torch.empty(tokens, config.num_experts, dtype=torch.float32, device="meta")
-    with kernels.force_kernel_path():
+    with settings.override(force_kernels=True):
         routing.gate_logits(x, gate_weight, torch.float32)
         routing.gate_input_grad(grad_logits, gate_weight)
         routing.gate_weight_grad(x, grad_logits)
     row_token = torch.empty(num_rows, dtype=torch.int64, device="meta")
     weight_rows = torch.empty(num_rows, dtype=torch.float32, device="meta")
     activation = config.expert_activation
-    _, saved = TRITON.gathered_forward(config.kind, activation, config.output_activation, x, row_token, weight_rows,
-                                       row_token, config.top_k, params, groups)
-    grad_xs, _, _ = TRITON.gathered_backward(config.kind, activation, config.output_activation, x, weight_rows, x,
-                                             row_token, saved, params, groups)
-    TRITON.grad_input_combine(grad_xs, row_token, tokens, config.top_k)
+    y, saved = TRITON_OPS.expert_forward(config.kind, activation, config.output_activation, x, params, groups,
+                                         row_index=row_token)
+    TRITON_OPS.combine(y, weight_rows, row_token, tokens, config.top_k)
+    grad_xs, _, _ = TRITON_OPS.expert_backward(config.kind, activation, config.output_activation, x, weight_rows, x,
+                                               saved, params, groups, row_index=row_token)
+    TRITON_OPS.grad_input_combine(grad_xs, row_token, tokens, config.top_k)

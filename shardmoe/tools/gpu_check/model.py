@@ -68,7 +68,7 @@ def run(ctx) -> dict:
     from shardmoe.tools.bench.candidates import Candidate
     from shardmoe.tools.bench.case import relative_error
     from shardmoe.tools.bench.timing import time_interleaved
-    from shardmoe.moe import backends
+    from shardmoe.moe import dispatch
 
     from .bench import free, step_peak_gib
     from .parity import triton_context
@@ -101,21 +101,21 @@ def run(ctx) -> dict:
                          grads=lambda: {n: p.grad for n, p in net.named_parameters() if p.grad is not None})
 
     cands = {name: candidate(name) for name in IMPLEMENTATIONS}
-    chosen, select = [], backends.select
+    chosen, select = [], dispatch.select
 
     def recording(*args, **kwargs):
-        backend = select(*args, **kwargs)
-        chosen.append(backend.name)
-        return backend
+        ops = select(*args, **kwargs)
+        chosen.append(ops.name)
+        return ops
 
     losses, grads = {}, {}
     for name, c in cands.items():
         c.reset()
-        backends.select = recording if name == "shardmoe" else select
+        dispatch.select = recording if name == "shardmoe" else select
         try:
             losses[name] = float(c.forward())
         finally:
-            backends.select = select
+            dispatch.select = select
         grads[name] = c.grads()
     grad_error = relative_error(grads["shardmoe"], grads["grouped_mm"])
     del grads

@@ -3,7 +3,7 @@
 For every case (CASES) and dtype (float32, bfloat16) one shardmoe.MoE runs forward + backward of
 L = sum(out * g) + aux_loss three ways on the same weights and input:
   triton     the kernel path (on CUDA it is the default; a dry run forces it on CPU tensors in
-             Triton's interpreter with kernels.force_kernel_path());
+             Triton's interpreter with the force_kernels setting);
   torch      the same layer under shardmoe.settings.override(kernels=False);
   reference  moe/reference.py in float64 on CPU, given the layer's own (rounded) weights and input
              upcast, so the errors are those of the computation, not of rounding the inputs.
@@ -126,9 +126,9 @@ def build(case: Case, dtype_name: str, device: str, sizes: Sizes, seed: int = 0)
 def triton_context():
     """The kernel path, forced: on CUDA past kernels.KERNEL_MAX_FFN (the bench's Mixtral shape is
     wider), on CPU (a dry run) into the interpreter."""
-    from shardmoe import kernels
+    from shardmoe import settings
 
-    return kernels.force_kernel_path()
+    return settings.override(force_kernels=True)
 
 
 def torch_context():
@@ -139,12 +139,12 @@ def torch_context():
 
 def forward_backward(layer, x, grad_out, context) -> tuple[str, dict, dict]:
     """(backend name, {"out", "aux_loss", "x", every parameter: tensor}, layer.stats) of one step."""
-    from shardmoe.moe import backends
+    from shardmoe.moe import dispatch
 
     layer.zero_grad(set_to_none=True)
     leaf = x.detach().clone().requires_grad_()
     with context:
-        backend = backends.select(layer.config, leaf.reshape(-1, leaf.shape[-1])).name
+        backend = dispatch.select(layer.config, leaf.reshape(-1, leaf.shape[-1])).name
         out = layer(leaf)
         out.backward(grad_out)
     tensors = {"out": out.detach(), "aux_loss": layer.aux_loss.detach(), "x": leaf.grad,

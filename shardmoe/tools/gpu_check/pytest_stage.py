@@ -23,9 +23,9 @@ from pathlib import Path
 from .report import fmt, table
 
 # the layer's tests in tests/moe (on CPU tensors: the torch path and the wiring under this torch)
-MOE_TESTS = ("test_layer.py", "test_function.py", "test_backends.py", "test_reference.py", "test_routing.py",
+MOE_TESTS = ("test_layer.py", "test_function.py", "test_dispatch.py", "test_reference.py", "test_routing.py",
              "test_combine.py", "test_experts.py")
-DRY_RUN_TESTS = ("tests/kernels/test_fused_path.py", "tests/kernels/test_activations.py")
+DRY_RUN_TESTS = ("tests/kernels/test_kernel_path.py", "tests/kernels/test_activations.py")
 LIMIT_S = 480  # one process's time limit: a 10-minute lease command keeps two minutes for the rest
 DRY_RUN_LIMIT_S = 120
 

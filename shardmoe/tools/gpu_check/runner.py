@@ -57,13 +57,15 @@ class Context:
 
 def write_tuned(out: Path) -> None:
     """DIR/tuned_configs.json: every config the kernels' autotuners chose in this process, for this
-    device (shardmoe/kernels/tuned.py; python -m shardmoe.kernels.tuned --merge takes it into the package)."""
+    device (python -m shardmoe.tools.gpu_check.tuned --merge takes it into shardmoe/kernels/tuned.py's
+    table)."""
     from shardmoe import kernels
 
     if not kernels.triton_importable():
         return
-    from shardmoe.kernels import tuned
     from shardmoe.kernels.tuning import current_device_name
+
+    from . import tuned
 
     chosen = tuned.collect()
     if chosen:  # keyed by the name tuning.Prune looks the table up with

@@ -5,7 +5,7 @@ every op on every (dp, ep, tp) layout of 4 ranks; each rank builds the global te
 seed, computes the reference for its own block, and returns the largest error per check. The same
 world runs torch.autograd.gradcheck of each op and its dual on the global math (see _gradchecks).
 
-Backward references follow the gradient convention of shardmoe.shardops: the global loss is the sum of
+Backward references follow the gradient convention of shardmoe.parallel.shardops: the global loss is the sum of
 the ranks' local losses, except that a loss computed on a value replicated by psum counts once per
 replica group (every rank of the group holds the whole gradient).
 """
@@ -21,7 +21,7 @@ from shardmoe.check.gradcheck import ATOL, EPS, RTOL
 
 from shardmoe.mesh import Mesh
 from shardmoe.notation import parse_spec
-from shardmoe.shardops import (
+from shardmoe.parallel.shardops import (
     Unreduced,
     UnreducedError,
     all_gather,

@@ -1,4 +1,4 @@
-"""What a transformers sparse MoE block computes, read before MoE.from_mixtral copies anything.
+"""What a transformers sparse MoE block computes, read before anything is copied from it.
 
 MoE expresses one routing rule (docs/moe.md "Forward"): for tokens x [S, H] and a router weight
 W [E, H],
@@ -70,8 +70,9 @@ def family_name(block) -> str:
     return parts[-2] if len(parts) >= 2 and parts[-3:-2] == ["models"] else type(block).__module__
 
 
-def _refuse(block, feature: str) -> ValueError:
-    return ValueError(f"block: MoE (from_mixtral, from_hf) cannot express family {family_name(block)!r} "
+def refuse(block, feature: str) -> ValueError:
+    """The ValueError of a block the MoE layer cannot express: its family, class and the feature."""
+    return ValueError(f"block: shardmoe.MoE cannot express family {family_name(block)!r} "
                       f"({type(block).__name__}): {feature}")
 
 
@@ -134,21 +135,21 @@ def mixtral_semantics(block) -> MixtralSemantics:
     if router is not None and (known is None or getattr(block, known[0], None) is not router):
         features.append(f"router kind: {type(block).__name__} with router {type(router).__name__} is not a block "
                         "known to route by softmax(x W^T), top-k (the known ones are listed in "
-                        "shardmoe/moe/hf_blocks.py)")
+                        "shardmoe/hf/blocks.py)")
     if features:
-        raise _refuse(block, "; ".join(features))
+        raise refuse(block, "; ".join(features))
     _, router_cls, experts_cls, renormalize = known
     if type(router).__name__ != router_cls:
-        raise _refuse(block, f"router kind: expected router {router_cls}, got {type(router).__name__}")
+        raise refuse(block, f"router kind: expected router {router_cls}, got {type(router).__name__}")
     if type(experts).__name__ != experts_cls:
-        raise _refuse(block, f"expert layout: expected experts {experts_cls}, got {type(experts).__name__}")
+        raise refuse(block, f"expert layout: expected experts {experts_cls}, got {type(experts).__name__}")
     if renormalize == "norm_topk_prob":
         renormalize = bool(router.norm_topk_prob)
     gate_up, down, weight = experts.gate_up_proj, experts.down_proj, router.weight
     E, H = weight.shape if weight.dim() == 2 else (-1, -1)
     F = gate_up.shape[1] // 2 if gate_up.dim() == 3 else -1
     if E < 1 or tuple(gate_up.shape) != (E, 2 * F, H) or tuple(down.shape) != (E, H, F):
-        raise _refuse(block, f"expert layout: expected router weight [E, H], gate_up_proj [E, 2F, H], down_proj "
+        raise refuse(block, f"expert layout: expected router weight [E, H], gate_up_proj [E, 2F, H], down_proj "
                              f"[E, H, F], got {list(weight.shape)}, {list(gate_up.shape)}, {list(down.shape)}")
     return MixtralSemantics(top_k=int(router.top_k), renormalize=renormalize, activation=_activation(block),
                             router_weight=weight, gate_up_proj=gate_up, down_proj=down)
@@ -162,12 +163,12 @@ def _activation(block) -> str:
     act = getattr(getattr(experts, "config", None), "hidden_act", None)
     by_hf_name = {v: k for k, v in MIXTRAL_ACTIVATIONS.items()}
     if act not in by_hf_name or type(getattr(experts, "act_fn", None)) is not type(ACT2FN[act]):
-        raise _refuse(block, f"activation: expected hidden_act in {sorted(by_hf_name)} (act_fn of that kind), "
+        raise refuse(block, f"activation: expected hidden_act in {sorted(by_hf_name)} (act_fn of that kind), "
                              f"got {act!r} ({type(getattr(experts, 'act_fn', None)).__name__})")
     return by_hf_name[act]
 
 
-# -- layouts shared by MoE.from_hf (moe/hf_convert.py) and the experts seam (shardmoe/hf/seam.py)
+# -- layouts shared by from_block (hf/block_layer.py) and the experts seam (hf/seam.py) ----------
 
 
 def _act_fn_names() -> dict:

@@ -1,11 +1,14 @@
-"""Whole-block import and export between transformers sparse MoE blocks and shardmoe.MoE.
+"""A transformers sparse MoE block as a shardmoe.MoE layer, and back: the one way a block is imported.
 
-  layer = MoE.from_hf(block, mesh=None, **overrides)      (delegates to from_hf below)
-  block.load_state_dict(layer.to_hf_state_dict(), strict=False)  the router and experts back
+  layer = shardmoe.hf.from_block(block, mesh=None, **overrides)
+  block.load_state_dict(shardmoe.hf.block_state_dict(layer), strict=False)  the router and experts back
+
+shardmoe.hf.convert(model) swaps every block of a model for such a layer, and
+shardmoe.hf.mixtral.from_mixtral reads each block of a MixtralForCausalLM through read_block.
 
 What each family's block computes, read from transformers 5.23 and mapped to MoE's options:
-  Mixtral-like (Mixtral, Qwen3-MoE, OLMoE and the others of moe/hf_blocks._MIXTRAL_LIKE):
-      softmax, top-k, renormalised as the block does (norm_topk_prob): moe/hf_blocks.py
+  Mixtral-like (Mixtral, Qwen3-MoE, OLMoE and the others of hf/blocks._MIXTRAL_LIKE):
+      softmax, top-k, renormalised as the block does (norm_topk_prob): hf/blocks.py
   DeepSeek-V3 (DeepseekV3MoE):
       s = sigmoid(x W^T); selection on s + e_score_correction_bias among the topk_group of
       n_group groups (ranked by the sum of their two best corrected scores);
@@ -32,9 +35,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from shardmoe.hf.blocks import (experts_activation, gate_up_halves, gate_up_interleaved, mixtral_semantics, refuse,
+                                unknown_activation)
 from shardmoe.moe.composition import local
-from shardmoe.moe.hf_blocks import (experts_activation, family_name, gate_up_halves, gate_up_interleaved,
-                                    mixtral_semantics, unknown_activation)
+from shardmoe.moe.layer import MoE
 
 
 @dataclass(frozen=True)
@@ -51,15 +55,10 @@ class BlockImport:
     extra: dict = field(default_factory=dict)  # other MoE parameter name (shared expert, biases) -> whole tensor
 
 
-def _refuse(block, feature: str) -> ValueError:
-    return ValueError(f"block: MoE.from_hf cannot express family {family_name(block)!r} "
-                      f"({type(block).__name__}): {feature}")
-
-
 def _activation(block, module) -> str:
     name = experts_activation(module)
     if name is None:
-        raise _refuse(block, unknown_activation(module))
+        raise refuse(block, unknown_activation(module))
     return name
 
 
@@ -67,7 +66,7 @@ def _deepseek_v3(block) -> BlockImport:
     router, experts, shared = block.gate, block.experts, block.shared_experts
     expected = ("DeepseekV3TopkRouter", "DeepseekV3Experts")
     if (type(router).__name__, type(experts).__name__) != expected:
-        raise _refuse(block, f"expected router and experts {expected}, got "
+        raise refuse(block, f"expected router and experts {expected}, got "
                              f"{(type(router).__name__, type(experts).__name__)}")
     normalize = bool(router.norm_topk_prob)
     activation = _activation(block, experts)
@@ -89,10 +88,10 @@ def _shared_mlp(block, mlp, activation: str) -> dict[str, torch.Tensor]:
     act(x Wg^T) * (x Wu^T) Wd^T with the routed experts' activation and no biases."""
     shared = _activation(block, mlp)
     if shared != activation:
-        raise _refuse(block, f"shared experts with activation {shared!r}, the routed "
+        raise refuse(block, f"shared experts with activation {shared!r}, the routed "
                              f"experts' is {activation!r} (MoE's shared expert uses the layer's)")
     if any(getattr(mlp, p).bias is not None for p in ("gate_proj", "up_proj", "down_proj")):
-        raise _refuse(block, "shared experts with biases")
+        raise refuse(block, "shared experts with biases")
     return {"shared_gate_up_proj": torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]),
             "shared_down_proj": mlp.down_proj.weight}
 
@@ -102,9 +101,9 @@ def _qwen2_moe(block) -> BlockImport:
     expected = ("Qwen2MoeTopKRouter", "Qwen2MoeExperts", "Qwen2MoeMLP")
     got = (type(router).__name__, type(experts).__name__, type(shared).__name__)
     if got != expected:
-        raise _refuse(block, f"expected router, experts and shared expert {expected}, got {got}")
+        raise refuse(block, f"expected router, experts and shared expert {expected}, got {got}")
     if gate.bias is not None or gate.out_features != 1:
-        raise _refuse(block, f"shared_expert_gate: expected Linear(H, 1) without bias, got {gate}")
+        raise refuse(block, f"shared_expert_gate: expected Linear(H, 1) without bias, got {gate}")
     activation = _activation(block, experts)
     options = dict(expert="glu", activation=activation, renormalize=bool(router.norm_topk_prob),
                    shared_ffn_size=shared.gate_proj.out_features, shared_gate=True)
@@ -118,7 +117,7 @@ def _gpt_oss(block) -> BlockImport:
     expected = ("GptOssTopKRouter", "GptOssExperts")
     got = (type(router).__name__, type(experts).__name__)
     if got != expected:
-        raise _refuse(block, f"expected router and experts {expected}, got {got}")
+        raise refuse(block, f"expected router and experts {expected}, got {got}")
     options = dict(expert="glu", activation="clamped_swiglu", swiglu_limit=float(experts.limit),
                    swiglu_alpha=float(experts.alpha), bias=True, router_bias=True, renormalize=True)
     extra = {"gate_bias": router.bias, "gate_up_proj_bias": gate_up_halves(experts.gate_up_proj_bias),
@@ -143,14 +142,20 @@ def read_block(block) -> BlockImport:
                        semantics.down_proj)
 
 
-def from_hf(cls, block, mesh=None, **overrides):
-    """MoE of class `cls` computing what `block` computes (this rank's expert shard with a mesh);
-    `overrides` replace constructor options. Refusals happen before anything is built."""
+def from_block(block, mesh=None, **overrides) -> MoE:
+    """A shardmoe.MoE computing what the transformers sparse block `block` computes: the Mixtral-like
+    families (hf/blocks.py), Qwen2-MoE (gated shared expert), DeepSeek-V3 (sigmoid, group-limited,
+    corrected, scaled router; shared experts) and GPT-OSS (router bias, biased clamped-SwiGLU
+    experts). The router weight [E, H] becomes gate_weight [H, E]; the experts are copied (this
+    rank's shard of them with a sharded mesh); top_k, renormalize and the activation come from the
+    block; `overrides` replace constructor options, even ones that contradict the block. A feature
+    the layer cannot express raises ValueError naming the family and the feature, before anything
+    is built or copied."""
     read = read_block(block)
     E, two_f, H = read.gate_up_proj.shape
     options = dict(read.options, dtype=read.gate_up_proj.dtype, device=read.gate_up_proj.device)
     options.update(overrides)
-    layer = cls(H, two_f // 2, E, read.top_k, mesh=mesh, **options)
+    layer = MoE(H, two_f // 2, E, read.top_k, mesh=mesh, **options)
     with torch.no_grad():
         local(layer.gate_weight).copy_(read.gate_weight)
         local(layer.gate_up_proj).copy_(layer.placement.shard("gate_up_proj", read.gate_up_proj))
@@ -162,7 +167,7 @@ def from_hf(cls, block, mesh=None, **overrides):
     return layer
 
 
-def to_hf_state_dict(layer) -> dict[str, torch.Tensor]:
+def block_state_dict(layer: MoE) -> dict[str, torch.Tensor]:
     """The router and experts entries of the equivalent block's state dict: 'gate.weight' [E, H],
     'experts.gate_up_proj' [E, 2F, H], 'experts.down_proj' [E, H, F], with a correction bias
     'gate.e_score_correction_bias' [E], with a shared expert 'shared_experts.{gate,up}_proj.weight'
@@ -178,7 +183,7 @@ def to_hf_state_dict(layer) -> dict[str, torch.Tensor]:
         ("capacity_factor", c.capacity_factor is None),
         ("score_func", c.score_func == "softmax" or c.correction_bias)) if not ok]
     if unsupported:
-        raise ValueError("to_hf_state_dict: expected a dropless glu layer without expert or router biases, softmax "
+        raise ValueError("block_state_dict: expected a dropless glu layer without expert or router biases, softmax "
                          f"or DeepSeek-V3's corrected sigmoid routing, or GPT-OSS's; got {', '.join(unsupported)}")
     _check_family_router(c)
     state = {"gate.weight": local(layer.gate_weight).detach().t().contiguous()}
@@ -217,7 +222,7 @@ def _check_family_router(c) -> None:
     wrong = [f"{name}={getattr(c, name)!r} (expected {value!r})" for name, value in wanted.items()
              if getattr(c, name) != value]
     if wrong:
-        raise ValueError(f"to_hf_state_dict: no transformers block computes this router: with {family} expected "
+        raise ValueError(f"block_state_dict: no transformers block computes this router: with {family} expected "
                          f"the block's options, got {', '.join(wrong)}")
 
 
@@ -232,7 +237,7 @@ def _gpt_oss_state_dict(layer) -> dict[str, torch.Tensor]:
         ("n_group", c.n_group == 1), ("routed_scaling_factor", c.routed_scaling_factor == 1),
         ("renormalize_epsilon", c.renormalize_epsilon == 0)) if not ok]
     if unsupported:
-        raise ValueError("to_hf_state_dict: a clamped-SwiGLU layer exports as GPT-OSS's block, which expects "
+        raise ValueError("block_state_dict: a clamped-SwiGLU layer exports as GPT-OSS's block, which expects "
                          f"expert and router biases, softmax top-k renormalised, dropless; got {', '.join(unsupported)}")
 
     def whole(name):

@@ -1,4 +1,4 @@
-"""transformers interop: MixtralForCausalLM <-> Transformer (weights and config).
+"""A whole MixtralForCausalLM <-> shardmoe's Transformer (weights and config).
 
 Parameter names, with Q query heads per kv head, K kv heads, D head dim; a Mixtral checkpoint
 numbers query head h = k Q + q (it uses kv head h // Q):
@@ -18,18 +18,18 @@ numbers query head h = k Q + q (it uses kv head h // Q):
 Both models compute the same function (RMSNorm, rotate-half RoPE, D^-1/2 scaled GQA, softmax
 top-k routing renormalised over the chosen experts, SwiGLU experts). One difference: Mixtral's
 aux loss is one load-balancing loss over all layers' router logits concatenated, ours the sum of
-per-layer losses, so only the language-model loss is comparable. transformers is imported only
-by `mixtral_config`; the other functions take any module with this state dict layout.
+per-layer losses, so only the language-model loss is comparable. Each sparse block is read by
+shardmoe.hf.block_layer.read_block, the one reading of a transformers block: a block that does
+not compute what the MoE layer does is refused by name before anything is built.
 """
 from __future__ import annotations
 
 import torch
 from torch import Tensor
 
+from shardmoe.hf.block_layer import read_block
+from shardmoe.model.transformer import Transformer, TransformerConfig
 from shardmoe.moe.config import MoEConfig
-from shardmoe.moe.routing import check_mixtral_router
-
-from .transformer import Transformer, TransformerConfig
 
 
 def config_from_mixtral(mixtral_config) -> TransformerConfig:
@@ -51,6 +51,20 @@ def config_from_mixtral(mixtral_config) -> TransformerConfig:
         moe=MoEConfig(c.hidden_size, c.intermediate_size, c.num_local_experts, c.num_experts_per_tok,
                       aux_loss_coef=c.router_aux_loss_coef),
         rope_theta=float(rope.get("rope_theta", 10000.0)), norm_eps=c.rms_norm_eps)
+
+
+def check_mixtral_router(config: MoEConfig, what: str) -> None:
+    """Raise ValueError unless config's router options are the defaults (Mixtral's router) and it
+    has no shared expert, for `what`, an export to Mixtral that has nowhere to put the others."""
+    defaults = MoEConfig(1, 1, 1, 1)
+    for name in ("score_func", "router_bias", "correction_bias", "n_group", "topk_group", "renormalize_epsilon",
+                 "routed_scaling_factor", "seq_aux_loss_coef"):
+        if getattr(config, name) != getattr(defaults, name):
+            raise ValueError(f"{what}: expected Mixtral's router ({name}={getattr(defaults, name)!r}), got "
+                             f"{name}={getattr(config, name)!r}")
+    if config.shared_ffn_size:  # Mixtral has no shared expert: exporting would drop it silently
+        raise ValueError(f"{what}: expected no shared expert (shared_ffn_size=0, as Mixtral), got "
+                         f"shared_ffn_size={config.shared_ffn_size}")
 
 
 def check_mixtral_experts(config: TransformerConfig, what: str) -> None:
@@ -78,33 +92,37 @@ def mixtral_config(config: TransformerConfig, **overrides):
     return MixtralConfig(**{**options, **overrides})
 
 
-def from_mixtral_state_dict(state: dict[str, Tensor], config: TransformerConfig) -> dict[str, Tensor]:
-    """Our full (unsharded) state dict from a MixtralForCausalLM state dict."""
+def _full_state_dict(hf_model, config: TransformerConfig) -> dict[str, Tensor]:
+    """Our full (unsharded) state dict of a MixtralForCausalLM: its dense weights from its state
+    dict, each layer's router and experts as read_block reads its sparse block."""
+    state = {k: v.detach() for k, v in hf_model.state_dict().items()}
+    blocks = [layer.mlp for layer in hf_model.model.layers]
     M, K, D = config.d_model, config.n_kv_heads, config.head_dim
     Q = config.n_q_heads // K
     full = {"embedding.weight": state["model.embed_tokens.weight"], "final_norm.weight": state["model.norm.weight"],
             "unembedding.weight": state["lm_head.weight"]}
-    for i in range(config.n_layers):
+    for i, block in zip(range(config.n_layers), blocks, strict=True):
         hf, ours = f"model.layers.{i}.", f"blocks.{i}."
         q = state[hf + "self_attn.q_proj.weight"].reshape(K, Q, D, M)
         k = state[hf + "self_attn.k_proj.weight"].reshape(K, D, M)
         v = state[hf + "self_attn.v_proj.weight"].reshape(K, D, M)
         o = state[hf + "self_attn.o_proj.weight"].reshape(M, K, Q, D)
+        read = read_block(block)
         full.update({
             ours + "attn_norm.weight": state[hf + "input_layernorm.weight"],
             ours + "attention.w_q": q.permute(3, 1, 0, 2),
             ours + "attention.w_kv": torch.stack([k.permute(2, 0, 1), v.permute(2, 0, 1)]),
             ours + "attention.w_o": o.permute(0, 2, 1, 3),
             ours + "ffn_norm.weight": state[hf + "post_attention_layernorm.weight"],
-            ours + "moe.gate_weight": state[hf + "mlp.gate.weight"].t(),
-            ours + "moe.gate_up_proj": state[hf + "mlp.experts.gate_up_proj"],
-            ours + "moe.down_proj": state[hf + "mlp.experts.down_proj"],
+            ours + "moe.gate_weight": read.gate_weight.detach(),
+            ours + "moe.gate_up_proj": read.gate_up_proj.detach(),
+            ours + "moe.down_proj": read.down_proj.detach(),
         })
     return {name: t.contiguous() for name, t in full.items()}
 
 
 def to_mixtral_state_dict(full: dict[str, Tensor], config: TransformerConfig) -> dict[str, Tensor]:
-    """A MixtralForCausalLM state dict from our full state dict (the inverse of the above)."""
+    """A MixtralForCausalLM state dict from our full state dict (the inverse of _full_state_dict)."""
     check_mixtral_router(config.moe, "to_mixtral_state_dict")
     check_mixtral_experts(config, "to_mixtral_state_dict")
     M, K, D = config.d_model, config.n_kv_heads, config.head_dim
@@ -131,10 +149,9 @@ def to_mixtral_state_dict(full: dict[str, Tensor], config: TransformerConfig) ->
 def from_mixtral(hf_model, *, mesh=None, backward: str = "explicit", dtype: torch.dtype | None = None) -> Transformer:
     """A Transformer holding a MixtralForCausalLM's weights (this rank's shards under a mesh)."""
     config = config_from_mixtral(hf_model.config)
-    state = {k: v.detach() for k, v in hf_model.state_dict().items()}
-    dtype = dtype or state["lm_head.weight"].dtype
-    model = Transformer(config, mesh=mesh, backward=backward, dtype=dtype)
-    model.load_full_state_dict(from_mixtral_state_dict(state, config))
+    full = _full_state_dict(hf_model, config)
+    model = Transformer(config, mesh=mesh, backward=backward, dtype=dtype or full["unembedding.weight"].dtype)
+    model.load_full_state_dict(full)
     return model
 
 

@@ -1,9 +1,9 @@
-"""MoE.from_mixtral on the sparse MoE block of every family in the installed transformers.
+"""shardmoe.hf.from_block on the sparse MoE block of every family in the installed transformers.
 
 Each block is found by reading the modeling sources (a class whose __init__ sets `self.experts` and
 a `self.gate` or `self.router`: the sparse blocks, and the Gemma 4 / DiffusionGemma decoder layers
 that hold router and experts directly), so a family added to transformers is covered without
-editing this file. Each is built tiny from its config class in float64 with random weights, and from_mixtral
+editing this file. Each is built tiny from its config class in float64 with random weights, and from_block
 must either refuse it with a ValueError naming the family and the feature, or give the block's
 own forward output, within the float32 precision of the block's routing softmax.
 """
@@ -19,19 +19,20 @@ import torch
 
 import transformers
 
-import shardmoe  # noqa: E402
 
 MODELS = Path(transformers.__file__).parent / "models"
 _CLASS = re.compile(r"^class (\w+)\([^\n]*\n(.*?)(?=^\S)", re.M | re.S)
 _INIT = re.compile(r"def __init__\(.*?(?=\n    def |\Z)", re.S)
 
 # Blocks that, in transformers 5.23, compute softmax(x W^T) -> top-k (-> renormalise) over
-# Mixtral-layout experts: from_mixtral must accept these (with their default config), so the
+# Mixtral-layout experts, and the three families read on their own (DeepSeek-V3, Qwen2-MoE, GPT-OSS:
+# shardmoe/hf/block_layer.py): from_block must accept these (with their default config), so the
 # check is not refusing everything. Every other discovered block must be refused.
 EXPRESSIBLE = {"MixtralSparseMoeBlock", "MiniMaxSparseMoeBlock", "Qwen3VLMoeTextSparseMoeBlock", "GraniteMoeMoE",
                "GraniteMoeSWAMoE", "GraniteMoeHybridMoE", "GraniteMoeSharedMoE", "JambaSparseMoeBlock",
                "Qwen3MoeSparseMoeBlock", "Qwen3OmniMoeThinkerTextSparseMoeBlock", "OlmoeSparseMoeBlock",
-               "FlexOlmoSparseMoeBlock", "MellumSparseMoeBlock"}
+               "FlexOlmoSparseMoeBlock", "MellumSparseMoeBlock", "DeepseekV3MoE", "Qwen2MoeSparseMoeBlock",
+               "GptOssMLP"}
 FEATURES = ("shared experts", "correction bias", "router bias", "scaling factor", "router jitter",
             "expert layout", "router kind", "activation")
 
@@ -103,6 +104,12 @@ def build_block(family: str, block_name: str) -> torch.nn.Module:
     raise RuntimeError(f"could not build {family}.{block_name}: {errors}")
 
 
+def from_block(block, **overrides):
+    from shardmoe.hf import from_block  # not at collection: see tests/hf/conftest.py
+
+    return from_block(block, **overrides)
+
+
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).abs().max() / b.abs().max()).item()
 
@@ -127,7 +134,7 @@ def test_discovery_finds_the_families():
 def test_block_is_reproduced_or_refused(family, block_name):
     block = build_block(family, block_name)
     try:
-        layer = shardmoe.MoE.from_mixtral(block)
+        layer = from_block(block)
     except ValueError as error:
         message = str(error)
         assert family in message and block_name in message, message
@@ -145,7 +152,7 @@ def test_norm_topk_prob_maps_to_renormalize(family, block_name):
     block = build_block(family, block_name)
     for flag in (False, True):
         block.gate.norm_topk_prob = flag
-        layer = shardmoe.MoE.from_mixtral(block)
+        layer = from_block(block)
         assert layer.config.renormalize is flag
         _check_against_block(block, layer, layer.config.hidden_size)
 
@@ -154,15 +161,15 @@ def test_features_are_refused_on_an_accepted_block():
     block = build_block("mixtral", "MixtralSparseMoeBlock")
     block.jitter_noise = 0.1
     with pytest.raises(ValueError, match=r"'mixtral' \(MixtralSparseMoeBlock\): router jitter .*jitter_noise=0.1"):
-        shardmoe.MoE.from_mixtral(block)
+        from_block(block)
     block.jitter_noise = 0.0
     block.routed_scaling_factor = 2.5
     with pytest.raises(ValueError, match="scaling factor is not supported .routed_scaling_factor=2.5"):
-        shardmoe.MoE.from_mixtral(block)
+        from_block(block)
     del block.routed_scaling_factor
     block.gate.register_buffer("e_score_correction_bias", torch.zeros(4, dtype=torch.float64))
     with pytest.raises(ValueError, match="correction bias .*gate.e_score_correction_bias"):
-        shardmoe.MoE.from_mixtral(block)
+        from_block(block)
 
 
 def test_activation_is_read_from_the_experts():
@@ -171,16 +178,16 @@ def test_activation_is_read_from_the_experts():
 
     config = MixtralConfig(hidden_size=8, intermediate_size=12, num_local_experts=4, num_experts_per_tok=2,
                            hidden_act="gelu_pytorch_tanh")
-    assert shardmoe.MoE.from_mixtral(MixtralSparseMoeBlock(config)).config.activation == "gelu_tanh"
+    assert from_block(MixtralSparseMoeBlock(config)).config.activation == "gelu_tanh"
     config.hidden_act = "gelu_new"
     with pytest.raises(ValueError, match="activation: expected hidden_act in .*got 'gelu_new'"):
-        shardmoe.MoE.from_mixtral(MixtralSparseMoeBlock(config))
+        from_block(MixtralSparseMoeBlock(config))
 
 
 def test_overrides_may_contradict_the_block():
     """An override is the user's explicit choice: renormalize=False on a renormalising block."""
     block = build_block("mixtral", "MixtralSparseMoeBlock")
-    layer = shardmoe.MoE.from_mixtral(block, renormalize=False, aux_loss_coef=0.01)
+    layer = from_block(block, renormalize=False, aux_loss_coef=0.01)
     assert layer.config.renormalize is False and layer.config.aux_loss_coef == 0.01
     with pytest.raises(AssertionError):  # the layer now computes what was asked, not the block
         _check_against_block(block, layer, layer.config.hidden_size)
