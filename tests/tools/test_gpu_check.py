@@ -555,8 +555,12 @@ def test_a_full_run_without_cuda_is_refused(tmp_path, capsys):
 
 def test_only_runs_env_first_and_stages_in_their_order():
     assert gpu_check.parse_only("bench,parity", merging=False) == ["env", "parity", "bench"]
-    assert gpu_check.parse_only("lease", merging=False) == ["env", "static", "traffic", "parity", "train", "bench",
-                                                              "sweep", "model", "calibrate"]
+    # the lease's own priority order, whatever else is named with it
+    assert gpu_check.parse_only("lease", merging=False) == ["env", *gpu_check.LEASE]
+    assert gpu_check.parse_only("tests,lease", merging=False) == ["env", *gpu_check.LEASE, "tests"]
+    lease = gpu_check.LEASE
+    assert lease.index("parity") == 0 and lease.index("bench") < lease.index("calibrate")
+    assert set(lease) == set(gpu_check.LEASE_SHARES) == set(gpu_check.STAGE_NAMES) - {"env", "tests", "sanitizer"}
     assert gpu_check.parse_only(None, merging=False) == list(gpu_check.STAGE_NAMES)
     assert gpu_check.parse_only(None, merging=True) == []
     assert tuple(runner.STAGES) == gpu_check.STAGE_NAMES
@@ -579,6 +583,36 @@ def test_a_failing_stage_is_recorded_and_the_next_still_runs(tmp_path, monkeypat
     assert stages["parity"]["status"] == "failed" and stages["bench"]["status"] == "ok"
     md = (tmp_path / "report.md").read_text()
     assert "## env: failed" in md and "partial" in md and "cases [1]" in md
+
+
+def test_a_stage_share_cuts_its_cases_and_leaves_the_rest_to_the_next(tmp_path, monkeypatch, capsys):
+    """Each stage stops starting cases at its share (or the budget), and the runner runs the stages in
+    the order given; a stage the budget leaves unstarted is listed as such."""
+    clock = [0.0]
+    monkeypatch.setattr(runner.time, "monotonic", lambda: clock[0])
+
+    def cases(ctx):  # one simulated second a case, until the stage's deadline
+        done = 0
+        while not ctx.out_of_time() and done < 100:
+            clock[0] += 1.0
+            done += 1
+        return {"cases": done}
+
+    fake = {name: types.SimpleNamespace(run=cases, markdown=lambda r: []) for name in ("env", "bench", "parity", "sweep")}
+    monkeypatch.setattr(runner, "STAGES", fake)
+    monkeypatch.setattr(runner, "MARKDOWN", {n: m.markdown for n, m in fake.items()})
+    runner.run(tmp_path, ["env", "bench", "parity", "sweep"], True, 25, [], ["test"], {"bench": 10, "parity": 30})
+    assert "gpu_check: env, bench (10 s), parity (30 s), sweep; budget 25 s" in capsys.readouterr().out
+    stages = json.loads((tmp_path / "report.json").read_text())["stages"]
+    assert list(stages) == ["env", "bench", "parity", "sweep"]
+    # env has no share: the budget's 25 s; bench its 10; parity the budget's remaining 0 -> not started
+    assert stages["env"]["result"] == {"cases": 25}
+    assert stages["bench"]["status"] == "skipped" and stages["parity"]["status"] == "skipped"
+    clock[0] = 0.0
+    runner.run(tmp_path, ["env", "bench", "parity", "sweep"], True, 100, [], ["test"], {"env": 5, "bench": 10,
+                                                                                        "parity": 30})
+    stages = json.loads((tmp_path / "report.json").read_text())["stages"]
+    assert [stages[n]["result"]["cases"] for n in ("env", "bench", "parity", "sweep")] == [5, 10, 30, 55]
 
 
 def test_merge_combines_earlier_reports_without_running_stages(dry_run, tmp_path):

@@ -1,6 +1,6 @@
 """`python -m shardmoe.tools.gpu_check --out DIR`: everything a short GPU lease should measure, in one command.
 
-Stages (docs/gpu.md; --only picks some, they always run in this order):
+Stages (docs/gpu.md; --only picks some, they run in this order, except under --only lease):
   env        versions (python, torch, triton, transformers, CUDA, driver), the device, its memory
              and SMs; always runs, so every report says where it was measured
   static     every kernel a layer step launches, compiled for an H100 without a GPU by the installed
@@ -26,6 +26,9 @@ Stages (docs/gpu.md; --only picks some, they always run in this order):
   model      a Qwen3-MoE-like transformers model (4 layers, H=2048 E=128 F=768 k=8, S=4096), one
              training step with experts_implementation="shardmoe" against "grouped_mm"
   calibrate  the simulator's hardware constants from the measured rates (DIR/calibrated.toml)
+--only lease runs the lease's stages by priority instead (LEASE: what the issue's done-when reads
+first), each under its share of seconds (LEASE_SHARES): a stage stops starting cases when its share
+or the --budget is spent, so no one stage leaves the others nothing.
 Each stage's failure is recorded (with its traceback) and the next still runs; DIR/report.md and
 DIR/report.json are rewritten after every stage (report.py).
 
@@ -45,8 +48,17 @@ from pathlib import Path
 # runner.STAGES, without its imports
 STAGE_NAMES = ("env", "static", "traffic", "tests", "sanitizer", "parity", "train", "bench", "sweep", "model",
                "calibrate")
-# --only lease: what one GPU lease runs in one command (docs/gpu.md: under 8 minutes on a bare H100)
-LEASE = ("static", "traffic", "parity", "train", "bench", "sweep", "model", "calibrate")
+# --only lease: what one GPU lease runs in one command, most wanted first (docs/gpu.md, "Running it
+# inside a short lease"): parity says whether any other figure means anything; bench holds the
+# layer's speed and memory against grouped_mm and dense; model and train the whole-model figures;
+# traffic's measured kernel times calibrate the model (it reuses bench's autotuning); the sweep
+# refines a threshold; static runs on any CPU too; calibrate reads bench's rates.
+LEASE = ("parity", "bench", "model", "train", "traffic", "sweep", "static", "calibrate")
+# seconds after its start at which a lease stage stops starting cases: each the stage's time on a
+# bare H100 in docs/gpu.md's estimate with some margin; they sum past a --budget of 420 on purpose
+# (the budget cuts the last ones, a stage that ends early leaves its rest to the next)
+LEASE_SHARES = {"parity": 75, "bench": 180, "model": 75, "train": 120, "traffic": 120, "sweep": 60, "static": 60,
+                "calibrate": 30}
 NO_CUDA_STAGES = ("env", "static", "traffic")  # the stages a full run without CUDA may run
 
 
@@ -66,7 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse_only(text: str | None, merging: bool) -> list[str]:
-    """The stages to run, env first, in STAGE_NAMES order; ValueError naming --only otherwise."""
+    """The stages to run, env first, then in STAGE_NAMES order, or with lease named LEASE's stages in
+    LEASE's order and any others named after them; ValueError naming --only otherwise."""
     if text is None:
         return [] if merging else list(STAGE_NAMES)
     names = [part.strip() for part in text.split(",")]
@@ -74,9 +87,8 @@ def parse_only(text: str | None, merging: bool) -> list[str]:
         if name not in STAGE_NAMES and name != "lease":
             raise ValueError(f"--only: expected comma-separated stage names among {', '.join(STAGE_NAMES)} "
                              f"(or lease), got {name!r} in {text!r}")
-    if "lease" in names:
-        names += LEASE
-    return [n for n in STAGE_NAMES if n in names or n == "env"]
+    lease = list(LEASE) if "lease" in names else []
+    return ["env", *lease, *(n for n in STAGE_NAMES if n in names and n not in lease and n != "env")]
 
 
 def check_arguments(args: argparse.Namespace) -> tuple[list[str], list[dict]]:
@@ -127,4 +139,6 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TRITON_CACHE_AUTOTUNING", "1")
     from .runner import run
 
-    return run(Path(args.out), stages, args.dry_run, args.budget, merged, ["python -m shardmoe.tools.gpu_check", *argv])
+    shares = LEASE_SHARES if "lease" in (args.only or "").replace(" ", "").split(",") else None
+    return run(Path(args.out), stages, args.dry_run, args.budget, merged, ["python -m shardmoe.tools.gpu_check", *argv],
+               shares)

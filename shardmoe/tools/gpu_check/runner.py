@@ -33,7 +33,7 @@ class Context:
     dry_run: bool
     device: str  # "cuda", or "cpu" for a dry run (or a machine without CUDA)
     root: Path  # the working tree: tests/ and the shardmoe package under it
-    deadline: float | None  # time.monotonic() after which no new stage, case or process starts
+    deadline: float | None  # time.monotonic() after which the stage starts no new case or process
     report: Report
     stage: str = ""
 
@@ -72,9 +72,17 @@ def write_tuned(out: Path) -> None:
         tuned.write(out / "tuned_configs.json", current_device_name(), chosen)
 
 
+def plan(stages: list[str], budget: float | None, shares: dict[str, float]) -> str:
+    """One line: the stages in the order they run, each with its share of seconds, and the budget."""
+    named = ", ".join(f"{n} ({shares[n]:g} s)" if n in shares else n for n in stages)
+    return f"gpu_check: {named}; " + ("no budget" if budget is None else f"budget {budget:g} s")
+
+
 def run(out: Path, stages: list[str], dry_run: bool, budget: float | None, merged: list[dict],
-        argv: list[str]) -> int:
-    """Run `stages` (names of STAGES) into `out`; 0 when none failed, 1 otherwise."""
+        argv: list[str], shares: dict[str, float] | None = None) -> int:
+    """Run `stages` (names of STAGES) into `out`, in that order; 0 when none failed, 1 otherwise.
+    A stage named in `shares` stops starting cases that many seconds after its start, or when the
+    budget ends if that is sooner; the budget also keeps stages from starting."""
     import torch
 
     device = "cuda" if torch.cuda.is_available() and not dry_run else "cpu"
@@ -87,13 +95,17 @@ def run(out: Path, stages: list[str], dry_run: bool, budget: float | None, merge
         report.merge(read(existing))
     for data in merged:
         report.merge(data)
+    shares = shares or {}
+    print(plan(stages, budget, shares), flush=True)
+    ends = None if budget is None else time.monotonic() + budget
     # the working tree: this file is shardmoe/tools/gpu_check/runner.py under it
-    ctx = Context(out, dry_run, device, Path(__file__).resolve().parents[3],
-                  None if budget is None else time.monotonic() + budget, report)
+    ctx = Context(out, dry_run, device, Path(__file__).resolve().parents[3], ends, report)
     failed = False
-    for name in [n for n in STAGES if n in stages]:
+    for name in stages:
         ctx.stage = name
-        if ctx.out_of_time():
+        share_ends = time.monotonic() + shares[name] if name in shares else None
+        ctx.deadline = min((t for t in (ends, share_ends) if t is not None), default=None)
+        if ends is not None and time.monotonic() >= ends:
             report.record(name, "skipped", note=f"not started: the --budget of {budget:g} s was spent")
             report.write(MARKDOWN)
             continue
