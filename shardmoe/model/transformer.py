@@ -75,6 +75,7 @@ from shardmoe.moe.routing import corrected_bias
 from shardmoe.notation import MESH_AXES, global_shape, parse_spec
 from shardmoe.parallel import dtensors
 from shardmoe.parallel import expert_tensor as etp
+from shardmoe.mesh import GRAD_SYNC_ATTRIBUTE
 from shardmoe.parallel.sync import mark_grad_sync, sync_grads
 
 from .attention import Attention, KVCache, attention_bias, default_core
@@ -416,6 +417,18 @@ class Transformer(nn.Module):
     def device(self) -> torch.device:
         """Where the parameters live (the constructor's device, or where to_empty() put them)."""
         return next(self.parameters()).device
+
+    def _apply(self, fn, recurse=True):
+        """As nn.Module._apply (.to(), .double(), to_empty(), ...), and the parameters' grad-sync marks
+        put back: a DTensor parameter is converted by swapping in a new Parameter
+        (torch.utils.swap_tensors), which drops its attributes, and sync_grads refuses an unmarked
+        DTensor as FSDP's."""
+        marks = {n: getattr(p, GRAD_SYNC_ATTRIBUTE) for n, p in self.named_parameters()
+                 if hasattr(p, GRAD_SYNC_ATTRIBUTE)}
+        module = super()._apply(fn, recurse)
+        for name, axes in marks.items():
+            mark_grad_sync(self.get_parameter(name), axes)
+        return module
 
     def reset_parameters(self) -> None:
         """Every parameter and buffer this rank holds drawn again from the model's seed
