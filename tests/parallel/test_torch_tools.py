@@ -31,8 +31,9 @@ router bias, gated shared expert) and every balance loss, against one process on
                          dict loads; a raising forward leaves the parameters in place; a layer
                          under fully_shard and a gradient already there are refused.
   partial gradients      ep2 x tp2: shardmoe's clip_grad_norm_ before sync_grads (the router's and
-                         the Linear's gradients Partial over 'ep') gives the one-process norm, and
-                         a second sync_grads leaves the gradients of the first bit for bit.
+                         the Linear's gradients Partial over 'ep') gives the one-process norm;
+                         sync_grads leaves no gradient Partial; a second sync_grads with no backward
+                         in between is refused on every rank (it summed again) and changes nothing.
   copies                 copy.deepcopy and AveragedModel of a model on dp2 x ep2 and ep2 x tp2 (it
                          raised "cannot pickle ProcessGroup"): the same mesh, the original's forward
                          bit for bit, gradients of its own, update_parameters averaging.
@@ -421,10 +422,20 @@ def _partial_gradients() -> dict:
     ref_norm = float(torch.nn.utils.clip_grad_norm_(reference.parameters(), MAX_NORM))
     sync_grads(model, mesh)
     once = {n: _whole(p.grad) for n, p in model.named_parameters()}
-    sync_grads(model, mesh)
+    still_partial = sorted(n for n, p in model.named_parameters() if any(q.is_partial() for q in p.grad.placements))
+    refusals = []
+    for label in ("again", "again on ranks 1-3"):
+        if label == "again on ranks 1-3" and dist.get_rank() == 0:
+            local(model.proj.weight.grad).mul_(1.0)  # touched, as a backward of its own would
+        try:
+            sync_grads(model, mesh)
+            refusals.append(None)
+        except ValueError as err:  # RankMismatchError too
+            refusals.append((type(err).__name__, str(err)))
     twice = {n: _whole(p.grad) for n, p in model.named_parameters()}
-    return {"partial": partial, "norms": (norm, ref_norm), "twice": _differ(once, twice),
-            "clipped": {n: _rel(once[n], p.grad) for n, p in reference.named_parameters()}}
+    return {"partial": partial, "norms": (norm, ref_norm), "still partial": still_partial, "refusals": refusals,
+            "number": model.moe.placement.dispatcher.number,
+            "twice": _differ(once, twice), "clipped": {n: _rel(once[n], p.grad) for n, p in reference.named_parameters()}}
 
 
 def _copies() -> dict:
@@ -610,9 +621,22 @@ def test_replicating_refuses_a_model_fsdp_manages_and_a_parameter_with_a_gradien
                                "before the first backward)"), text
 
 
-def test_clipping_before_sync_sums_the_partial_gradients_and_a_second_sync_changes_nothing(world):
+def test_clipping_before_sync_sums_the_partial_gradients_and_a_second_sync_is_refused(world):
+    """A second sync_grads with no backward in between summed the gradients over 'd' (and a plain
+    tensor's over 'e') again, silently: it is refused on every rank and changes nothing; a rank
+    whose gradients moved meanwhile while the others' did not is named."""
     for out in world:
         result = out["partial gradients"]
+        assert result["still partial"] == [], result["still partial"]  # the sum is recorded: Replicate()
+        again, mixed = result["refusals"]
+        assert again is not None and again[0] == "ValueError", again
+        assert again[1].startswith("sync_grads: expected a backward since the last sync_grads of this PlainBeside, "
+                                   "got none: its gradients are summed already"), again
+        assert mixed is not None and mixed[0] == "RankMismatchError", mixed
+        number = out["partial gradients"]["number"]
+        assert mixed[1].startswith(f"ranks are in different collective calls: rank 0 has 'sync_grads of a module "
+                                   f"holding MoE layer {number}', ranks 1, 2, 3 have 'sync_grads of a module holding "
+                                   f"MoE layer {number}, again with no backward since its last'"), mixed
         # the router's, the shared expert's and the Linear's gradients are each rank's tokens' share
         assert {"proj.weight", "proj.bias", "moe.gate_weight"} <= set(result["partial"]), result["partial"]
         norm, ref_norm = result["norms"]
