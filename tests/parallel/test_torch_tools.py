@@ -426,7 +426,7 @@ def _partial_gradients() -> dict:
     refusals = []
     for label in ("again", "again on ranks 1-3"):
         if label == "again on ranks 1-3" and dist.get_rank() == 0:
-            local(model.proj.weight.grad).mul_(1.0)  # touched, as a backward of its own would
+            model.proj.weight.grad.mul_(1.0)  # touched in place, as a backward's accumulation is
         try:
             sync_grads(model, mesh)
             refusals.append(None)
