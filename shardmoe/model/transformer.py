@@ -411,6 +411,7 @@ class Transformer(nn.Module):
         dtensors.prepare(self.specs.values(), mesh)  # a collective: the DeviceMeshes state_dict() needs
         self.register_state_dict_post_hook(_whole_dense_entries)
         self.register_load_state_dict_pre_hook(_local_dense_entries)
+        self.register_load_state_dict_post_hook(_mark_assigned_dense)
         self.reset_parameters()
 
     @property
@@ -691,6 +692,15 @@ def _local_dense_entries(model: Transformer, state_dict: dict, prefix: str, *arg
         if own is None:
             own = model.shard_full(name, value.full_tensor() if isinstance(value, DTensor) else value)
         state_dict[key] = dtensors.parameter(spec, own, model.mesh)  # laid out as the parameter it made
+
+
+def _mark_assigned_dense(model: Transformer, incompatible_keys) -> None:
+    """load_state_dict post-hook: a dense parameter that load_state_dict(assign=True) put in place (a
+    new Parameter, laid out by _local_dense_entries as the one it replaces) gets the grad-sync mark
+    the constructor gave (sync_grads refuses an unmarked DTensor as FSDP's)."""
+    for name, param in model.named_parameters():
+        if model._kind(name) == "dense" and not hasattr(param, GRAD_SYNC_ATTRIBUTE):
+            mark_grad_sync(param, DENSE_GRAD_SYNC)
 
 
 def _unsharded(spec: str) -> str:

@@ -15,9 +15,9 @@ router bias, gated shared expert) and every balance loss, against one process on
                          (each 'ep' group had clipped by its own norm, and the replicas drifted).
   transformer            the sharded transformer, dense parameters DTensors too, built on the meta
                          device (to_empty, reset_parameters, .double(): sync_grads had refused its
-                         dense parameters after them): torch's AdamW state round-trips through
-                         get_state_dict and DCP; shardmoe's clip_grad_norm_ equals the model's own
-                         global norm.
+                         dense parameters after them, and after load_state_dict(assign=True)):
+                         torch's AdamW state round-trips through get_state_dict and DCP; shardmoe's
+                         clip_grad_norm_ equals the model's own global norm.
   drift                  replicas made to drift (one rank's router nudged) are caught within the
                          check interval: sync_grads' check_every, the forward's REPLICA_CHECK_EVERY.
   tensor parallel        ep2 x tp2: torch's clipping and AdamW as one process; DCP refuses the
@@ -262,6 +262,22 @@ def _transformer(tmp: str) -> dict:
         own = global_grad_norm([(p.grad, model.replicas(n)) for n, p in model.named_parameters()])
         out["norms"] = (shardmoe.parallel.clip_grad_norm_(model, 1e9), own)
         optimizer.step()
+    # assign=True puts the state dict's tensors in place (new Parameters: sync_grads had refused the
+    # dense ones as FSDP's); the twin's step equals the model's
+    twin = Transformer(config, mesh=mesh, dtype=torch.float64, seed=9)
+    twin.load_state_dict(model.state_dict(), assign=True)
+    steps = []
+    for m in (model, twin):
+        m.zero_grad()
+        loss = m(ids, starts, ids.roll(-1, 1)).total
+        loss.backward()
+        try:
+            m.sync_grads()
+        except ValueError as err:
+            out["error"] = str(err)
+            return out
+        steps.append((float(loss), {n: _whole(p.grad) for n, p in m.named_parameters()}))
+    out["assigned"] = (steps[0][0] == steps[1][0], _differ(steps[0][1], steps[1][1]))
     _save(model, optimizer, f"{tmp}/transformer")
     saved = _moments(model, optimizer)
     again, again_optimizer = build(5)
@@ -563,6 +579,7 @@ def test_the_sharded_transformer_round_trips_torch_optimizer_state(world):
         result = out["transformer"]
         assert "error" not in result, result.get("error")
         assert result["meta equals eager"] == []
+        assert result["assigned"] == (True, []), result["assigned"]
         assert result["dense DTensors"] == ["DTensor"]
         assert result["same layout"] == []
         got, own = result["norms"]
