@@ -38,7 +38,9 @@ router bias, gated shared expert) and every balance loss, against one process on
                          raised "cannot pickle ProcessGroup"): the same mesh, the original's forward
                          bit for bit, gradients of its own, update_parameters averaging.
   assign                 load_state_dict(assign=True): the loaded model trains as the one it came
-                         from (its forward blamed fully_shard, never called).
+                         from (its forward blamed fully_shard, never called); with a replicated
+                         plain Linear beside the layer too, its source moved by .double() (sync_grads
+                         refused both as FSDP's).
 """
 import copy
 
@@ -492,13 +494,17 @@ def _copies() -> dict:
     return out
 
 
-def _assign() -> dict:
-    """Row 'assign': a model loads another's state dict with assign=True, then both take a step."""
+def _assign(kind) -> dict:
+    """Row 'assign': a model loads another's state dict with assign=True, then both take a step.
+    For PlainBeside the source is also moved by .double() (a DTensor parameter's contents and
+    attributes swapped), so both hold replicated parameters put in place after the call."""
     mesh = Mesh(dp=2, ep=2)
     x_all, g_all = _batch(4)
     x, g = x_all[_rows(mesh)], g_all[_rows(mesh)]
-    model, source = Model(mesh, 0), Model(mesh, 7)
+    model, source = kind(mesh, 0), kind(mesh, 7)
     model.load_state_dict(source.state_dict(), assign=True)
+    if kind is PlainBeside:
+        source.double()
     out = {"placements": [(n, list(p.placements)) for n, p in model.named_parameters()] ==
                          [(n, list(p.placements)) for n, p in source.named_parameters()]}
     results = []
@@ -521,7 +527,7 @@ def _world(tmp: str) -> dict:
            "transformer": _transformer(tmp), "drift": _drift(), "one rank syncs": _one_rank_syncs(),
            "plain beside": _plain_beside(), "replicate refusals": _replicate_refusals(),
            "partial gradients": _partial_gradients(), "copies": _copies(),
-           "assign": _assign()}
+           "assign": _assign(Model), "assign, plain beside": _assign(PlainBeside)}
     dist.barrier()
     return out
 
@@ -676,8 +682,11 @@ def test_deep_copies_of_a_sharded_model_share_its_mesh_and_compute_as_it_does(wo
         assert not bad and len(result["average"]) == 9, bad
 
 
-def test_a_state_dict_loaded_with_assign_trains_as_its_source(world):
+@pytest.mark.parametrize("row", ["assign", "assign, plain beside"])
+def test_a_state_dict_loaded_with_assign_trains_as_its_source(world, row):
+    """With a plain Linear beside the layer, replicated, its parameters put in place by
+    assign=True or .double() had lost their grad-sync marks: sync_grads refused them as FSDP's."""
     for out in world:
-        result = out["assign"]
+        result = out[row]
         assert "error" not in result, result.get("error")
         assert result["placements"] and result["forward"] and result["gradients"] == [], result
