@@ -2,7 +2,9 @@
 
     byte                  ids 0..255 are the UTF-8 bytes of the text (the default)
     PATH (a file)         a Hugging Face `tokenizers` file, tokenizer.json (any model's, or one
-                          trained locally), read with the `tokenizers` package
+                          trained locally), read with the `tokenizers` package; the truncation
+                          and padding it may carry (its model's serving settings) are switched
+                          off, so every document is encoded whole
     PATH (a directory)    what transformers' AutoTokenizer reads from it, local files only
 
 Nothing is downloaded. Every tokenizer maps text to ids 0..n-1 and gets one id of its own on top,
@@ -165,6 +167,8 @@ def _file_tokenizer(spec: str, path: Path) -> Tokenizer:
     except Exception as err:  # the Rust side raises its own exception types
         raise ValueError(f"tokenizer: cannot read {spec!r} as a Hugging Face tokenizer.json file "
                          f"({type(err).__name__}: {_first_line(err)})") from None
+    hf.no_truncation()  # a served model's max_length and batch padding would cut and pad the documents
+    hf.no_padding()
     digest = hashlib.sha256(path.read_bytes()).hexdigest()
     special = {i for i, token in hf.get_added_tokens_decoder().items() if token.special}
     return Tokenizer(spec, digest, _checked_size(spec, hf.get_vocab(with_added_tokens=True), special) + 1,
