@@ -392,6 +392,7 @@ def checkpoint_failure(err) -> str:
 
 def _train_and_report(config: TrainConfig, args: argparse.Namespace, mesh) -> int:
     from shardmoe.train.loop import train
+    from shardmoe.train.metrics import throughput
     from shardmoe.train.plots import plot_expert_load, plot_loss_curve
     from shardmoe.train.rundir import CURVE_FILE, LOAD_FILE
 
@@ -412,9 +413,7 @@ def _train_and_report(config: TrainConfig, args: argparse.Namespace, mesh) -> in
     unit = "byte" if config.tokenizer == BYTE else "token"
     curve = plot_loss_curve(rows, Path(args.out) / CURVE_FILE, title=title, unit=unit)
     load = plot_expert_load(rows, Path(args.out) / LOAD_FILE, title=title)
-    seconds = sum(r["seconds"] for r in new)
-    tokens_per_s = len(new) * config.batch_size * config.seq_len / seconds
-    mfu = sum(r["mfu"] * r["seconds"] for r in new) / seconds  # the run's model FLOPs over its time, as tokens/s
+    tokens_per_s, mfu = throughput(new)
     final, tail = rows[-1], new[-SUMMARY_STEPS:]
     held_out = f"; held-out {final['val_loss']:.3f}" if "val_loss" in final else ""
     print(f"steps {new[0]['step']}..{final['step']}: loss (nats / {unit}) {new[0]['loss']:.3f} at step "
