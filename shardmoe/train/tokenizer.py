@@ -33,7 +33,9 @@ such place is found among CUT_TRIES, the rest of the text is encoded whole.
 
 `digest` identifies the tokenizer's content (sha256 of its files), keying the token cache
 (shardmoe/train/token_cache.py): the same file elsewhere hits the same cache entry, an edited one
-does not.
+does not. A tokenizer.json whose truncation or padding is switched off gets a digest of its own
+(the file's bytes and a mark), so that a cache entry tokenized while they cut the documents is not
+reused.
 """
 from __future__ import annotations
 
@@ -167,9 +169,11 @@ def _file_tokenizer(spec: str, path: Path) -> Tokenizer:
     except Exception as err:  # the Rust side raises its own exception types
         raise ValueError(f"tokenizer: cannot read {spec!r} as a Hugging Face tokenizer.json file "
                          f"({type(err).__name__}: {_first_line(err)})") from None
+    served = hf.truncation is not None or hf.padding is not None
     hf.no_truncation()  # a served model's max_length and batch padding would cut and pad the documents
     hf.no_padding()
-    digest = hashlib.sha256(path.read_bytes()).hexdigest()
+    # marked when they were on: a token cache built while they cut the documents is not reused
+    digest = hashlib.sha256(path.read_bytes() + (b"\0encoded whole" if served else b"")).hexdigest()
     special = {i for i, token in hf.get_added_tokens_decoder().items() if token.special}
     return Tokenizer(spec, digest, _checked_size(spec, hf.get_vocab(with_added_tokens=True), special) + 1,
                      lambda texts: [e.ids for e in hf.encode_batch(texts, add_special_tokens=False)],

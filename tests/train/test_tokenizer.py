@@ -1,6 +1,8 @@
 """Tokenizers of a run: bytes, a tokenizer.json and an AutoTokenizer directory, each with BOS as one
 id of its own on top; errors that name the `tokenizer` setting. Nothing is downloaded."""
+import hashlib
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -174,6 +176,8 @@ def test_a_tokenizer_files_truncation_and_padding_do_not_cut_or_pad_the_document
         assert list(tokenizer.encode(texts[0])) == whole[0], spec
 
     check(path)
+    # its token cache entries are not those of the file's earlier reading, which cut the documents
+    assert load_tokenizer(path).digest != hashlib.sha256(Path(path).read_bytes()).hexdigest()
     transformers = pytest.importorskip("transformers")
     transformers.PreTrainedTokenizerFast(tokenizer_file=path).save_pretrained(tmp_path / "tok")
     check(str(tmp_path / "tok"))
