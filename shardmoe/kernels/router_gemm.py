@@ -37,7 +37,7 @@ SPLIT_K_CHUNK = 2048  # reduction length per program when K is longer than M (dW
 
 # tf32x3 holds four float32 operand tiles (hi and lo of each) besides the accumulator. Compiled for
 # sm_90a at the static stage's three layer shapes (E = 8, 32, 128; python -m shardmoe.tools.gpu_check
-# --only static), 64 x 32 with 8 warps keeps every product under 255 registers without spills (228 at most,
+# --only static), 64 x 32 with 8 warps keeps every product under 255 registers without spills (224 at most,
 # dx at E = 8), so it comes first (the config without autotuning); 128 x 32 with 8 warps spills 256
 # bytes there and none elsewhere. 128-row tiles with 4 warps (over 2 KB at E = 128) and K tiles of 64
 # (dx at E = 8) spill and are left out.

@@ -90,7 +90,7 @@ def mlp_expert_backward(grad_rows: torch.Tensor, weight_rows: torch.Tensor, xs: 
       dx       = dz1 W1_e  [N, H]
 
     Every GEMM reads plain operands: each derivative is applied once, where its tensor is made.
-    a1 = act(z1) [N, P] is the caller's (the backend recomputes it in torch). With row_index [N],
+    a1 = act(z1) [N, P] is the caller's (TritonOps recomputes it in torch). With row_index [N],
     grad_rows and xs are the token-order [S, H] tensors, read through it."""
     has_bias = params["b1"] is not None
     grad_z2, grad_dots = grad_combine_and_gate_dots(grad_rows, z2, weight_rows, output_activation=output_activation,

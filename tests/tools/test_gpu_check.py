@@ -243,6 +243,22 @@ def test_traffic_model_rows_calibration_and_the_fine_step(dry_run):
     assert "A model, not a measurement" in dry_run[3] and "| kernel | shape | measured ms | modelled ms | error |" in dry_run[3]
 
 
+def test_traffic_counts_the_gathered_gemm_bytes_as_by_hand(dry_run):
+    """The fine shape's first GEMM (x gathered through the token index, GLU, bf16): its FLOPs, its
+    compulsory bytes (x read once in token order, S rows not N; gate_up_proj read once; h and a written
+    once), the denominator of the fine step's DRAM / compulsory ratio above, and DRAM bytes at least
+    the N gathered rows, the weights and the outputs."""
+    traced = json.loads((dry_run[4] / "traffic.json").read_text())
+    s, bf16 = bench.SHAPES["fine"], 2
+    n = s.tokens * s.top_k
+    record, row = next((r, c) for r, c in traced["fine"] if r["name"] == "forward_gemm_kernel" and r["args"]["GLU"])
+    launch = traffic.model_launch(record, row, traffic.DEVICES[0])
+    weights = s.experts * 2 * s.ffn * s.hidden
+    assert launch.flops == 2 * n * s.hidden * 2 * s.ffn
+    assert launch.compulsory_bytes == bf16 * (s.tokens * s.hidden + weights + n * 2 * s.ffn + n * s.ffn)
+    assert launch.dram_bytes >= bf16 * (n * s.hidden + weights + n * 3 * s.ffn)
+
+
 def test_traffic_on_a_lease_puts_measured_beside_modelled_and_refits(dry_run):
     """What a lease adds (the kernels measured per kernel and step, here given): a row per measured
     kernel and shape with its modelled time, the efficiencies refitted to them, and a measured kernel the

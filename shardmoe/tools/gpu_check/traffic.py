@@ -357,12 +357,10 @@ def model(traced: dict, measured: dict | None = None) -> dict:
                           "flops": sum(x.flops for x in launches),
                           "row_tile_fastest": {"modelled_ms": sum(1e3 * x.seconds(d, *eta) for x in row_first_launches),
                                                "dram_bytes": sum(x.dram_bytes for x in row_first_launches)}})
-    labels = {}
     launch_rows = []
     for s in SHAPE_NAMES:
         for i, (record, row) in enumerate(traced[s]):
             x = {d.name: current[d.name][s][i] for d in DEVICES}
-            labels[(s, i)] = record["name"]
             launch_rows.append({"shape": s, "kernel": record["name"], "config": row["config"],
                                 "flops": x["H100"].flops, "dram_bytes": x["H100"].dram_bytes,
                                 "compulsory_bytes": x["H100"].compulsory_bytes,
