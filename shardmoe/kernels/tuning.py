@@ -63,7 +63,10 @@ class Prune:
     one, else every candidate, or only the first with shardmoe.settings autotune off (each
     candidate is one more compile per kernel variant; a check at many shapes pays that).
     triton prunes only for a key it has not tuned yet and keeps that key's choice for the process:
-    the setting holds for the keys first seen while it does, before and after an override alike."""
+    the setting holds for the keys first seen while it does, before and after an override alike.
+    A tuned config must be one of the candidates: the kernels size buffers from the candidates' tiles
+    (down_grad's gate-dot columns from the narrowest BLOCK_N), so a table left over from other
+    candidates is refused by name rather than run."""
 
     def __init__(self, name: str, key_names: list[str]):
         self.name, self.key_names = name, list(key_names)
@@ -73,7 +76,15 @@ class Prune:
         if device is not None:
             found = tuned.lookup(device, self.name, tuning_key(self.key_names, {**named_args, **kwargs}))
             if found is not None:
-                return [found]
+                same = [c for c in candidates if (c.kwargs, c.num_warps, c.num_stages)
+                        == (found.kwargs, found.num_warps, found.num_stages)]
+                if not same:
+                    raise ValueError(
+                        f"{tuned.DATA}: expected {self.name}'s tuned config on {device!r} at key "
+                        f"{tuned.key_string(tuning_key(self.key_names, {**named_args, **kwargs}))} to be one of its "
+                        f"candidates {[(c.kwargs, c.num_warps, c.num_stages) for c in candidates]}, got "
+                        f"{(found.kwargs, found.num_warps, found.num_stages)} (merge a new lease's tuned configs)")
+                return same
         return candidates if SETTINGS.autotune else candidates[:1]
 
 

@@ -2,6 +2,7 @@
 autotune setting (the table's collecting, writing and merging: tests/tools/test_tuned.py)."""
 import importlib
 import pkgutil
+import re
 
 import pytest
 import torch
@@ -36,7 +37,7 @@ def test_every_autotuned_kernel_prunes_through_the_table_and_the_setting():
 
 
 def test_prune_takes_the_tuned_config_of_the_device_and_key(monkeypatch):
-    candidates = [triton.Config({"BLOCK_N": n}, num_warps=4, num_stages=3) for n in (64, 128)]
+    candidates = [triton.Config({"BLOCK_N": n}, num_warps=w, num_stages=s) for n in (64, 256) for w, s in ((4, 3), (8, 4))]
     prune = tuning.Prune("k", ["O", "ACT"])
     args = {"a_ptr": torch.empty(2, dtype=torch.bfloat16), "O": 512, "stride": 7}
     key = tuning.tuning_key(["O", "ACT"], {**args, "ACT": "silu"})
@@ -45,9 +46,16 @@ def test_prune_takes_the_tuned_config_of_the_device_and_key(monkeypatch):
         "kwargs": {"BLOCK_N": 256}, "num_warps": 8, "num_stages": 4}}}})
     monkeypatch.setattr(tuning, "current_device_name", lambda: H100)
     [chosen] = prune(candidates, args, ACT="silu")
-    assert chosen.kwargs == {"BLOCK_N": 256} and (chosen.num_warps, chosen.num_stages) == (8, 4)
+    assert chosen is candidates[3]
     assert prune(candidates, {**args, "O": 1024}, ACT="silu") == candidates  # another shape: tune
     with settings.override(autotune=False):
         assert prune(candidates, {**args, "O": 1024}, ACT="silu") == candidates[:1]
     monkeypatch.setattr(tuning, "current_device_name", lambda: "another GPU")
     assert prune(candidates, args, ACT="silu") == candidates
+    # a table left from other candidates (a narrower tile than any buffer is sized for) is refused
+    monkeypatch.setattr(tuning, "current_device_name", lambda: H100)
+    with pytest.raises(ValueError, match=re.escape(
+            "tuned_configs.json: expected k's tuned config on 'NVIDIA H100 80GB HBM3' at key 512|silu|torch.bfloat16 "
+            "to be one of its candidates [({'BLOCK_N': 64}, 4, 3), ({'BLOCK_N': 64}, 8, 4), ({'BLOCK_N': 256}, 4, 3), "
+            "({'BLOCK_N': 256}, 8, 3)], got ({'BLOCK_N': 256}, 8, 4)")):
+        prune(candidates[:3] + [triton.Config({"BLOCK_N": 256}, num_warps=8, num_stages=3)], args, ACT="silu")

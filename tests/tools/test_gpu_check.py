@@ -271,6 +271,9 @@ def test_traffic_on_a_lease_puts_measured_beside_modelled_and_refits(dry_run):
     assert [(r["kernel"], r["shape"], r["measured_ms"]) for r in rows] == [
         ("forward_gemm_kernel", "fine", 1.2), ("weight_grad_kernel", "fine", 0.9), ("grad_gemm_kernel", "mixtral", 8.0)]
     assert all(r["modelled_ms"] > 0 for r in rows) and result["measured"] == measured
+    # the weight gradient's rate (a done-when in TFLOP/s): its launches' FLOPs over the measured time
+    dw_flops = sum(x["flops"] for x in result["launches"] if x["shape"] == "fine" and x["kernel"] == "weight_grad_kernel")
+    assert rows[1]["measured_tflops"] == pytest.approx(dw_flops / 0.9e-3 / 1e12)
     assert 0 < result["lease_calibration"]["efficiency"]["flops"] <= 1
     assert any(line.startswith("This lease's kernels, measured and modelled side by side")
                for line in traffic.markdown(result))

@@ -50,10 +50,11 @@ STAGE_NAMES = ("env", "static", "traffic", "tests", "sanitizer", "parity", "trai
                "calibrate")
 # --only lease: what one GPU lease runs in one command, most wanted first (docs/gpu.md, "Running it
 # inside a short lease"): parity says whether any other figure means anything; bench holds the
-# layer's speed and memory against grouped_mm and dense; model and train the whole-model figures;
-# traffic's measured kernel times calibrate the model (it reuses bench's autotuning); the sweep
-# refines a threshold; static runs on any CPU too; calibrate reads bench's rates.
-LEASE = ("parity", "bench", "model", "train", "traffic", "sweep", "static", "calibrate")
+# layer's speed and memory against grouped_mm and dense; traffic's measured kernel times (the
+# weight gradient's TFLOP/s among them) calibrate the model and reuse bench's autotuning; model and
+# train the whole-model figures; the sweep refines a threshold; static runs on any CPU too;
+# calibrate reads bench's rates.
+LEASE = ("parity", "bench", "traffic", "model", "train", "sweep", "static", "calibrate")
 # seconds after its start at which a lease stage stops starting cases: each the stage's time on a
 # bare H100 in docs/gpu.md's estimate with some margin; they sum past a --budget of 420 on purpose
 # (the budget cuts the last ones, a stage that ends early leaves its rest to the next)

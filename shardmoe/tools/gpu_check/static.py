@@ -172,7 +172,7 @@ def run(ctx) -> dict:
     if ctx.dry_run:
         return {"skipped": "not in a dry run: it needs no GPU and runs for real with "
                            "python -m shardmoe.tools.gpu_check --out DIR --only static"}
-    result = compile_versions(ctx.root, ctx.out, ctx.limit(LIMIT_S))
+    result = compile_versions(ctx.root, ctx.out, LIMIT_S)
     if "skipped" in result:
         return result
     result["problems"] = problems(result)

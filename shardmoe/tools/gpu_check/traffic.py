@@ -38,7 +38,8 @@ recalibrates the model and shows measured and modelled times side by side.
 report.json: result.steps (one row per shape and device: shape, device, modelled_ms, roofline_ms,
 dram_bytes, compulsory_bytes, flops, and row_tile_fastest: the modelled_ms and dram_bytes of the same
 launches with their row tile fastest, the order before the grouped one), result.calibration (one
-row per kernel and shape: kernel, shape, measured_ms, modelled_ms, error), result.launches (per launch and shape), result.efficiency, and on a
+row per kernel and shape: kernel, shape, measured_ms, modelled_ms, error, measured_tflops: the
+kernel's FLOPs a step over its measured time), result.launches (per launch and shape), result.efficiency, and on a
 GPU result.measured and result.lease_calibration.
 """
 from __future__ import annotations
@@ -291,15 +292,17 @@ def fit(pairs: list[tuple[list[Launch], float]], device: Device) -> tuple[float,
 
 
 def calibration_rows(modelled: dict, measured: dict, device: Device, eta) -> list[dict]:
-    """One row per kernel and shape: measured ms a step, modelled ms (at eta) and the relative error."""
+    """One row per kernel and shape: measured ms a step, modelled ms (at eta), the relative error, and
+    the rate measured: the kernel's FLOPs a step (its launches') over its measured time, TFLOP/s."""
     rows = []
     for shape_name, kernels in measured.items():
         model = per_kernel(modelled[shape_name], device, eta)
         for kernel, ms in kernels.items():
             if kernel not in model:  # measured, but not among the modelled launches
                 continue
+            flops = sum(x.flops for x in modelled[shape_name] if x.kernel == kernel)
             rows.append({"kernel": kernel, "shape": shape_name, "measured_ms": ms, "modelled_ms": model[kernel],
-                         "error": model[kernel] / ms - 1})
+                         "error": model[kernel] / ms - 1, "measured_tflops": flops / (ms * 1e-3) / 1e12})
     return rows
 
 
@@ -424,7 +427,7 @@ def run(ctx) -> dict:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ctx.root), env.get("PYTHONPATH")) if p)
     done = subprocess.run([sys.executable, "-m", "shardmoe.tools.gpu_check.traffic", str(out)], cwd=ctx.root,
-                          env=env, capture_output=True, text=True, timeout=ctx.limit(LIMIT_S))
+                          env=env, capture_output=True, text=True, timeout=LIMIT_S)
     (ctx.out / "traffic.log").write_text(done.stdout + done.stderr)
     if done.returncode != 0:
         raise RuntimeError(f"python -m shardmoe.tools.gpu_check.traffic exited {done.returncode}: {done.stderr[-3000:]}")
@@ -470,9 +473,10 @@ def markdown(result: dict) -> list[str]:
         lines += ["", f"This lease's kernels, measured and modelled side by side (ms a step, the model at the 206ae40 "
                       f"fit; refitted to these: {lease['efficiency']['flops']:.2f} of peak FLOP/s, "
                       f"{lease['efficiency']['bytes']:.2f} of peak bandwidth):", ""]
-        lines += table(["kernel", "shape", "measured ms", "modelled ms", "error"],
+        lines += table(["kernel", "shape", "measured ms", "modelled ms", "error", "measured TFLOP/s"],
                        [[r["kernel"], r["shape"], fmt(r["measured_ms"], ".3f"), fmt(r["modelled_ms"], ".3f"),
-                         fmt(100 * r["error"], "+.0f") + " %"] for r in lease["rows"]])
+                         fmt(100 * r["error"], "+.0f") + " %", fmt(r["measured_tflops"], ".0f")]
+                        for r in lease["rows"]])
     return lines
 
 
