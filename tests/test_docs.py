@@ -253,3 +253,27 @@ def test_every_figure_cites_what_reproduces_it():
             if not any(_cites_a_source(b, constants) for b in near):
                 uncited.append(f"{doc}: {', '.join(figures[:3])} in: {block[2][0][:90]}")
     assert not uncited, "figures without the command that measured them:\n" + "\n".join(uncited)
+
+
+def test_every_new_run_in_the_training_examples_names_its_own_out():
+    """README.md and docs/training.md say their examples run as written in sequence, after `make run`
+    (which keeps runs/default): a new run (not --resume, --overwrite or --help) into a directory
+    holding one is refused, so each names an --out of its own."""
+    for doc in ("README.md", "docs/training.md"):
+        outs, fenced = {}, False
+        # a line continued with a backslash as one, an empty line in its continuation's place
+        lines = re.sub(r"\\\n(.*)", r" \1\n", (ROOT / doc).read_text()).splitlines()
+        for number, line in enumerate(lines, start=1):
+            if line.startswith("```"):
+                fenced = not fenced
+                continue
+            code = fenced or line.startswith("    ")
+            if not code or not re.search(r"(^|[\s/])shardmoe train\b", line.split("#")[0]):
+                continue
+            command = line.split("#")[0]
+            if any(flag in command for flag in ("--resume", "--overwrite", "--help")):
+                continue
+            out = re.search(r"--out (\S+)", command)
+            assert out and out[1] != "runs/default", f"{doc}:{number}: a new run without an --out of its own: {line}"
+            assert out[1] not in outs, f"{doc}:{number}: --out {out[1]} again (line {outs.get(out[1])})"
+            outs[out[1]] = number

@@ -392,6 +392,7 @@ def checkpoint_failure(err) -> str:
 
 def _train_and_report(config: TrainConfig, args: argparse.Namespace, mesh) -> int:
     from shardmoe.train.loop import train
+    from shardmoe.train.metrics import throughput
     from shardmoe.train.plots import plot_expert_load, plot_loss_curve
     from shardmoe.train.rundir import CURVE_FILE, LOAD_FILE
 
@@ -412,14 +413,13 @@ def _train_and_report(config: TrainConfig, args: argparse.Namespace, mesh) -> in
     unit = "byte" if config.tokenizer == BYTE else "token"
     curve = plot_loss_curve(rows, Path(args.out) / CURVE_FILE, title=title, unit=unit)
     load = plot_expert_load(rows, Path(args.out) / LOAD_FILE, title=title)
-    tokens_per_s = len(new) * config.batch_size * config.seq_len / sum(r["seconds"] for r in new)
-    mean_mfu = sum(r["mfu"] for r in new) / len(new)
+    tokens_per_s, mfu = throughput(new)
     final, tail = rows[-1], new[-SUMMARY_STEPS:]
     held_out = f"; held-out {final['val_loss']:.3f}" if "val_loss" in final else ""
     print(f"steps {new[0]['step']}..{final['step']}: loss (nats / {unit}) {new[0]['loss']:.3f} at step "
           f"{new[0]['step']}, mean {sum(r['loss'] for r in tail) / len(tail):.3f} over steps {tail[0]['step']}.."
           f"{final['step']} (last step {final['loss']:.3f}){held_out}; {wall:.0f} s wall, {tokens_per_s:.0f} tokens/s, "
-          f"mean MFU {mean_mfu:.1%} of {result.peak_source}")
+          f"MFU {mfu:.1%} of {result.peak_source}")
     print(f"wrote {Path(args.out) / 'metrics.jsonl'}, {curve}, {load} and {Path(args.out) / 'checkpoint.safetensors'}")
     print(f"expert load, max/mean over the experts of the worst layer: step {new[0]['step']} "
           f"{new[0]['worst_load_max_over_mean']:.2f} -> step {final['step']} {final['worst_load_max_over_mean']:.2f}")

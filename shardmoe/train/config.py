@@ -57,7 +57,7 @@ TIMEOUT_MINUTES = (1 / 60_000, 1e8)
 
 @dataclass(frozen=True)
 class TrainConfig:
-    """Defaults train in about 2 minutes of one core (docs/training.md, "Defaults and why": the reasons and the run).
+    """Defaults train in about 1.5 minutes of one core (docs/training.md, "Defaults and why": the reasons and the run).
 
     batch_size is global (rows over all data-parallel ranks); seq_len L tokens per row.
     lr: the peak; linear warm-up over warmup_steps, cosine decay to min_lr_ratio * lr at `steps`.

@@ -16,9 +16,9 @@ Peak (peak_flops), the denominator of MFU as people report it: on a GPU the devi
 (no sparsity) bf16 tensor-core peak from its datasheet (DENSE_BF16_PEAKS), whatever dtype the run
 trains in; a GPU the table does not name gets the best of a few bf16 matmuls measured on it. On
 the CPU there is no spec sheet for a shared machine, so the peak is measured at start-up as the
-best of a few matmuls of 1024 x 1024 in the run's dtype (fp32, or float64), on the threads this
-process has. On a contended machine that figure already reflects the contention, so MFU reads as
-"fraction of the matmul speed available right now".
+best of a few matmuls of 1024 x 1024 in the run's compute dtype (float32, bf16 under autocast, or
+float64), on the threads this process has. On a contended machine that figure already reflects
+the contention, so MFU reads as "fraction of the matmul speed available right now".
 """
 from __future__ import annotations
 

@@ -62,6 +62,15 @@ def load_columns(tokens_per_expert: list[torch.Tensor]) -> dict:
     return {"expert_tokens": counts, "load_max_over_mean": ratios, "worst_load_max_over_mean": max(ratios)}
 
 
+def throughput(rows: list[dict]) -> tuple[float, float]:
+    """(tokens/s, MFU) of the steps of `rows` together: their tokens and their model FLOPs over
+    their whole time, i.e. each row's tokens_per_s and mfu weighted by its seconds (the mean of the
+    rows' figures would weigh a slow interval's steps like a fast one's and overstate both)."""
+    seconds = sum(r["seconds"] for r in rows)
+    return (sum(r["tokens_per_s"] * r["seconds"] for r in rows) / seconds,
+            sum(r["mfu"] * r["seconds"] for r in rows) / seconds)
+
+
 def read_metrics(out_dir: str | Path, up_to: int) -> list[dict]:
     """The rows of DIR/metrics.jsonl with step <= up_to (read_rows)."""
     return read_rows(metrics_path(out_dir), up_to)

@@ -2,7 +2,9 @@
 
     byte                  ids 0..255 are the UTF-8 bytes of the text (the default)
     PATH (a file)         a Hugging Face `tokenizers` file, tokenizer.json (any model's, or one
-                          trained locally), read with the `tokenizers` package
+                          trained locally), read with the `tokenizers` package; the truncation
+                          and padding it may carry (its model's serving settings) are switched
+                          off, so every document is encoded whole
     PATH (a directory)    what transformers' AutoTokenizer reads from it, local files only
 
 Nothing is downloaded. Every tokenizer maps text to ids 0..n-1 and gets one id of its own on top,
@@ -31,7 +33,9 @@ such place is found among CUT_TRIES, the rest of the text is encoded whole.
 
 `digest` identifies the tokenizer's content (sha256 of its files), keying the token cache
 (shardmoe/train/token_cache.py): the same file elsewhere hits the same cache entry, an edited one
-does not.
+does not. A tokenizer.json whose truncation or padding is switched off gets a digest of its own
+(the file's bytes and a mark), so that a cache entry tokenized while they cut the documents is not
+reused.
 """
 from __future__ import annotations
 
@@ -165,7 +169,11 @@ def _file_tokenizer(spec: str, path: Path) -> Tokenizer:
     except Exception as err:  # the Rust side raises its own exception types
         raise ValueError(f"tokenizer: cannot read {spec!r} as a Hugging Face tokenizer.json file "
                          f"({type(err).__name__}: {_first_line(err)})") from None
-    digest = hashlib.sha256(path.read_bytes()).hexdigest()
+    served = hf.truncation is not None or hf.padding is not None
+    hf.no_truncation()  # a served model's max_length and batch padding would cut and pad the documents
+    hf.no_padding()
+    # marked when they were on: a token cache built while they cut the documents is not reused
+    digest = hashlib.sha256(path.read_bytes() + (b"\0encoded whole" if served else b"")).hexdigest()
     special = {i for i, token in hf.get_added_tokens_decoder().items() if token.special}
     return Tokenizer(spec, digest, _checked_size(spec, hf.get_vocab(with_added_tokens=True), special) + 1,
                      lambda texts: [e.ids for e in hf.encode_batch(texts, add_special_tokens=False)],

@@ -59,3 +59,11 @@ def test_an_unparsable_row_before_the_end_is_an_error_naming_file_and_line(tmp_p
     path.write_text('{"step": 1}\n{"step": 2, "lo\n{"step": 3}\n')
     with pytest.raises(ValueError, match=rf"{path}: line 2 is not a JSON row"):
         read_metrics(tmp_path, up_to=3)
+
+
+def test_throughput_is_the_steps_tokens_and_flops_over_their_time():
+    """Two steps of 3 s and four of 1 s (rows hold their interval's mean step time): 6 steps of 1024
+    tokens in 10 s, and MFU the FLOPs of 6 steps over 10 s, not the mean of the rows' figures."""
+    rows = [{"seconds": s, "tokens_per_s": 1024 / s, "mfu": 0.5 / s} for s in (3.0, 3.0, 1.0, 1.0, 1.0, 1.0)]
+    tokens_per_s, mfu = metrics.throughput(rows)
+    assert tokens_per_s == pytest.approx(6 * 1024 / 10) and mfu == pytest.approx(6 * 0.5 / 10)

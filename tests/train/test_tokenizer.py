@@ -1,6 +1,8 @@
 """Tokenizers of a run: bytes, a tokenizer.json and an AutoTokenizer directory, each with BOS as one
 id of its own on top; errors that name the `tokenizer` setting. Nothing is downloaded."""
+import hashlib
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -151,3 +153,31 @@ def test_long_texts_are_encoded_in_pieces_to_the_ids_of_the_whole(bpe_tokenizer,
         naive = [i for start in range(0, len(text), 200)
                  for i in hf.encode(text[start: start + 200], add_special_tokens=False).ids]
         assert naive != whole, spec
+
+
+def test_a_tokenizer_files_truncation_and_padding_do_not_cut_or_pad_the_documents(tmp_path):
+    """A tokenizer.json may carry the truncation and padding its model was served with (max_length
+    512, say): training reads every document whole and unpadded, from the file and from a directory
+    AutoTokenizer reads (the file's settings cut each document to max_length and filled the shorter
+    ones of a batch with the pad id, silently)."""
+    from tokenizers import Tokenizer as HFTokenizer
+
+    path = word_level(tmp_path / "tokenizer.json", {w: i for i, w in enumerate(["[UNK]", "[PAD]", "a", "b", "c"])})
+    served = HFTokenizer.from_file(path)
+    served.enable_truncation(max_length=3)
+    served.enable_padding(pad_id=1, pad_token="[PAD]")
+    served.save(path)
+    texts = ["a b c a b c a", "c"]
+    whole = [[2, 3, 4, 2, 3, 4, 2], [4]]
+
+    def check(spec):
+        tokenizer = load_tokenizer(spec)
+        assert [list(ids) for ids in tokenizer.encode_batch(texts)] == whole, spec
+        assert list(tokenizer.encode(texts[0])) == whole[0], spec
+
+    check(path)
+    # its token cache entries are not those of the file's earlier reading, which cut the documents
+    assert load_tokenizer(path).digest != hashlib.sha256(Path(path).read_bytes()).hexdigest()
+    transformers = pytest.importorskip("transformers")
+    transformers.PreTrainedTokenizerFast(tokenizer_file=path).save_pretrained(tmp_path / "tok")
+    check(str(tmp_path / "tok"))

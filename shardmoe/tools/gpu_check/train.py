@@ -6,8 +6,9 @@ Every run goes through shardmoe.train.loop.train on the embedded corpus with the
   mixtral-1gpu   the preset of that name (shardmoe/train/presets.py: d_model 2048, 4 blocks, 8
                  experts of 7168, top-2, 4 rows of 4096 tokens, bf16 autocast), STEPS steps
 Each run's tokens/s and MFU are the loop's own (metrics.jsonl's columns: MFU against
-shardmoe/train/flops.py peak_flops, the GPU's dense bf16 peak from its datasheet), averaged over
-the steps after the first logging interval (which holds the compiles and the autotuning); beside
+shardmoe/train/flops.py peak_flops, the GPU's dense bf16 peak from its datasheet), taken over
+the steps after the first logging interval (which holds the compiles and the autotuning) as their
+tokens and FLOPs over their time (shardmoe/train/metrics.py throughput); beside
 them the peak of torch.cuda.max_memory_allocated over the run and the first and last losses.
 
 Checks (each a problem when it does not hold):
@@ -85,12 +86,12 @@ def train_run(values: dict, out=None, **options) -> dict:
 
 def summary(name: str, run: dict) -> dict:
     """A run's report row: its sizes, throughput after the first logging interval, memory, losses."""
+    from shardmoe.train.metrics import throughput
+
     rows = run["rows"]
-    timed = [r for r in rows if r["step"] > run["log_every"]] or rows
+    tokens_per_s, mfu = throughput([r for r in rows if r["step"] > run["log_every"]] or rows)
     return {"run": name, "dtype": run["dtype"], "steps": len(rows), "tokens_per_step": run["tokens_per_step"],
-            "model": run["model"],
-            "tokens_per_s": sum(r["tokens_per_s"] for r in timed) / len(timed),
-            "mfu": sum(r["mfu"] for r in timed) / len(timed), "peak_gib": run["peak_gib"],
+            "model": run["model"], "tokens_per_s": tokens_per_s, "mfu": mfu, "peak_gib": run["peak_gib"],
             "first_loss": rows[0]["loss"], "last_loss": rows[-1]["loss"], "seconds": run["seconds"]}
 
 
