@@ -75,6 +75,7 @@ from shardmoe.moe.routing import corrected_bias
 from shardmoe.notation import MESH_AXES, global_shape, parse_spec
 from shardmoe.parallel import dtensors
 from shardmoe.parallel import expert_tensor as etp
+from shardmoe.mesh import GRAD_SYNC_ATTRIBUTE
 from shardmoe.parallel.sync import mark_grad_sync, sync_grads
 
 from .attention import Attention, KVCache, attention_bias, default_core
@@ -410,12 +411,25 @@ class Transformer(nn.Module):
         dtensors.prepare(self.specs.values(), mesh)  # a collective: the DeviceMeshes state_dict() needs
         self.register_state_dict_post_hook(_whole_dense_entries)
         self.register_load_state_dict_pre_hook(_local_dense_entries)
+        self.register_load_state_dict_post_hook(_mark_assigned_dense)
         self.reset_parameters()
 
     @property
     def device(self) -> torch.device:
         """Where the parameters live (the constructor's device, or where to_empty() put them)."""
         return next(self.parameters()).device
+
+    def _apply(self, fn, recurse=True):
+        """As nn.Module._apply (.to(), .double(), to_empty(), ...), and the parameters' grad-sync marks
+        put back: a DTensor parameter is converted by swapping in a new Parameter
+        (torch.utils.swap_tensors), which drops its attributes, and sync_grads refuses an unmarked
+        DTensor as FSDP's."""
+        marks = {n: getattr(p, GRAD_SYNC_ATTRIBUTE) for n, p in self.named_parameters()
+                 if hasattr(p, GRAD_SYNC_ATTRIBUTE)}
+        module = super()._apply(fn, recurse)
+        for name, axes in marks.items():
+            mark_grad_sync(self.get_parameter(name), axes)
+        return module
 
     def reset_parameters(self) -> None:
         """Every parameter and buffer this rank holds drawn again from the model's seed
@@ -678,6 +692,15 @@ def _local_dense_entries(model: Transformer, state_dict: dict, prefix: str, *arg
         if own is None:
             own = model.shard_full(name, value.full_tensor() if isinstance(value, DTensor) else value)
         state_dict[key] = dtensors.parameter(spec, own, model.mesh)  # laid out as the parameter it made
+
+
+def _mark_assigned_dense(model: Transformer, incompatible_keys) -> None:
+    """load_state_dict post-hook: a dense parameter that load_state_dict(assign=True) put in place (a
+    new Parameter, laid out by _local_dense_entries as the one it replaces) gets the grad-sync mark
+    the constructor gave (sync_grads refuses an unmarked DTensor as FSDP's)."""
+    for name, param in model.named_parameters():
+        if model._kind(name) == "dense" and not hasattr(param, GRAD_SYNC_ATTRIBUTE):
+            mark_grad_sync(param, DENSE_GRAD_SYNC)
 
 
 def _unsharded(spec: str) -> str:

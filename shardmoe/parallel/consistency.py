@@ -80,17 +80,18 @@ def layer_number(mesh) -> int:
     return next(_LAYERS_BUILT.setdefault(tuple(mesh.ranks_along(MESH_AXES)), itertools.count()))
 
 
-def handshake(mesh, call: str, layers=()) -> None:
+def handshake(mesh, call: str, layers=(), again: bool = False) -> None:
     """Before the collectives of `call` (one of CALLS) of the MoE layers numbered `layers` (one for a
     layer's forward, backward or gather; those the module holds for sync_grads): an all-gather of
-    one int64 row (the call's code, the number of layers, the first and last number) over the whole
-    mesh; RankMismatchError on every rank unless every rank sent the same, e.g. 'ranks are in
-    different collective calls: rank 0 has 'the forward of MoE layer 1', rank 1 has 'the forward of
-    MoE layer 0''. A rank that never arrives ends in gather_table's ExchangeError at the timeout."""
+    one int64 row (the call's code, the number of layers, the first and last number, `again`:
+    sync_grads of a module with no backward since its last) over the whole mesh; RankMismatchError
+    on every rank unless every rank sent the same, e.g. 'ranks are in different collective calls:
+    rank 0 has 'the forward of MoE layer 1', rank 1 has 'the forward of MoE layer 0''. A rank that
+    never arrives ends in gather_table's ExchangeError at the timeout."""
     if mesh.size() == 1:
         return
     numbers = sorted(layers)
-    row = [CALLS.index(call), len(numbers), numbers[0] if numbers else -1, numbers[-1] if numbers else -1]
+    row = [CALLS.index(call), len(numbers), numbers[0] if numbers else -1, numbers[-1] if numbers else -1, int(again)]
     device = "cuda" if mesh.device_mesh is not None and mesh.device_mesh.device_type == "cuda" else "cpu"
     table = gather_table(torch.tensor(row, dtype=torch.int64, device=device), mesh,
                          f"{describe_call(*row)} (its handshake)").tolist()
@@ -104,16 +105,17 @@ def handshake(mesh, call: str, layers=()) -> None:
             "every rank must build the same layers in the same order")
 
 
-def describe_call(code: int, count: int, first: int, last: int) -> str:
+def describe_call(code: int, count: int, first: int, last: int, again: int = 0) -> str:
     """A handshake row in words: 'the forward of MoE layer 3', 'sync_grads of a module holding MoE
-    layers 0 to 3 (4 layers)'."""
+    layers 0 to 3 (4 layers)', '... again, with no backward since its last'."""
     if not 0 <= code < len(CALLS):
         return f"unknown call {code}"
     layers = ("no MoE layer" if count == 0 else f"MoE layer {first}" if count == 1 else
               f"MoE layers {first} to {last} ({count} layers)")
     return {"forward": f"the forward of {layers}", "backward": f"the backward of {layers}",
             "sync_grads": f"sync_grads of a module holding {layers}",
-            "gather": f"the gather of a sharded parameter of {layers}"}[CALLS[code]]
+            "gather": f"the gather of a sharded parameter of {layers}"}[CALLS[code]] + \
+        (", again with no backward since its last" if again else "")
 
 
 def checksum(t: torch.Tensor) -> int:

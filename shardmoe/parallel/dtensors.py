@@ -142,7 +142,10 @@ def replicate_plain_parameters(model: torch.nn.Module) -> torch.nn.Module:
     as a DTensor, Partial() on 'ep', as the router's), and a forward hook puts the parameter back,
     also when the forward raises. So outside a forward, model.parameters(), state_dict() and the
     optimizer see DTensors; sync_grads sums their gradients over 'd' and 'e' as the router's, and
-    load_state_dict takes a plain entry (the whole tensor) as well as a DTensor. A
+    load_state_dict takes a plain entry (the whole tensor) as well as a DTensor. A parameter that
+    .to() / .double() (which swap a DTensor parameter's contents, its attributes with them) or
+    load_state_dict(assign=True) (a new Parameter) put in place gets its grad-sync mark back at the
+    next forward, when it is still the Replicate() DTensor this call made. A
     parameter read by another module's forward than its owner's stays a DTensor there, and torch
     refuses it ("mixed torch.Tensor and DTensor"). A parameter shared by several modules (tied
     weights) stays one parameter. Call it before the optimizer is built (it holds the parameters)
@@ -184,7 +187,8 @@ def replicate_plain_parameters(model: torch.nn.Module) -> torch.nn.Module:
                 mark_grad_sync(replicated[id(param)], getattr(param, GRAD_SYNC_ATTRIBUTE, REPLICATED))
             setattr(module, name, replicated[id(param)])
         if names:
-            hooks = _ReplicatedHooks(tuple(names))
+            hooks = _ReplicatedHooks({n: getattr(module._parameters[n], GRAD_SYNC_ATTRIBUTE) for n in names},
+                                     device_mesh)
             module.register_forward_pre_hook(hooks.put_views)
             module.register_forward_hook(hooks.put_back, always_call=True)
             module.register_load_state_dict_pre_hook(hooks.replicate_entries)
@@ -192,18 +196,33 @@ def replicate_plain_parameters(model: torch.nn.Module) -> torch.nn.Module:
 
 
 class _ReplicatedHooks:
-    """The hooks of a module whose parameters `names` replicate_plain_parameters made DTensors:
-    compute_view of each for the forward and the parameter back after it (a stack, so that a module
-    whose forward calls itself gets its own back at each level); a plain state-dict entry, the
-    whole tensor on every rank, taken as the Replicate() DTensor it stands for (torch's copy_ into
-    a DTensor refuses a plain tensor)."""
+    """The hooks of a module whose parameters replicate_plain_parameters made DTensors (`marks`: their
+    names and grad-sync axes; `device_mesh`: theirs): compute_view of each for the forward and the
+    parameter back after it (a stack, so that a module whose forward calls itself gets its own back
+    at each level); a plain state-dict entry, the whole tensor on every rank, taken as the
+    Replicate() DTensor it stands for (torch's copy_ into a DTensor refuses a plain tensor); before
+    each forward, the grad-sync mark put back on a parameter that lost it (mark_own)."""
 
-    def __init__(self, names: tuple[str, ...]):
-        self.names, self.stack = names, []
+    def __init__(self, marks: dict[str, tuple[str, ...]], device_mesh):
+        self.names, self.marks, self.device_mesh, self.stack = tuple(marks), marks, device_mesh, []
+
+    def mark_own(self, module) -> None:
+        """Mark again each parameter laid out as replicate_plain_parameters lays it out (Replicate()
+        on its DeviceMesh) that has no mark: module.to() swaps a DTensor parameter's contents and
+        attributes, load_state_dict(assign=True) puts a new Parameter in place. One of another
+        layout (fully_shard's, applied since) stays unmarked, so that sync_grads still refuses it."""
+        from torch.distributed.tensor import DTensor
+
+        for name, axes in self.marks.items():
+            param = module._parameters.get(name)
+            if (isinstance(param, DTensor) and not hasattr(param, GRAD_SYNC_ATTRIBUTE)
+                    and param.device_mesh == self.device_mesh and all(p.is_replicate() for p in param.placements)):
+                mark_grad_sync(param, axes)
 
     def put_views(self, module, args) -> None:
         from torch.distributed.tensor import DTensor
 
+        self.mark_own(module)
         own = {n: module._parameters[n] for n in self.names if isinstance(module._parameters.get(n), DTensor)}
         self.stack.append(own)
         for name, param in own.items():

@@ -32,6 +32,12 @@ Every call starts with consistency.handshake, naming the MoE layers the module h
 rank calling sync_grads while another is elsewhere (its next forward, say) gets a RankMismatchError
 naming both calls, not a gloo abort, and ranks syncing different layers get one, not each other's
 gradients summed.
+
+A second call on a module with no backward in between would sum the gradients over 'd' again
+(no placement records that sum), multiplying them by dp, silently. sync_grads remembers the
+gradients it left on a module (each tensor and its version counter, which a backward's
+accumulation bumps or a new gradient replaces) and refuses, on every rank alike (the handshake
+carries each rank's answer), a call that finds every one of them as it left it.
 """
 from __future__ import annotations
 
@@ -52,6 +58,8 @@ from shardmoe.parallel.exchange import ExchangeError
 from shardmoe.parallel.expert_parallel import ExpertParallel
 
 _CALLS: "weakref.WeakKeyDictionary[torch.nn.Module, int]" = weakref.WeakKeyDictionary()
+# per module: the gradients the last sync_grads left (weakly) and their version counters
+_LEFT: "weakref.WeakKeyDictionary[torch.nn.Module, list]" = weakref.WeakKeyDictionary()
 
 
 def sync_grads(module: torch.nn.Module, mesh, *, check_every: int = consistency.REPLICA_CHECK_EVERY) -> None:
@@ -69,7 +77,13 @@ def sync_grads(module: torch.nn.Module, mesh, *, check_every: int = consistency.
                              "it did not make (torch.distributed.fsdp.fully_shard manages it and reduces its "
                              "gradient itself): call sync_grads only on modules FSDP does not manage "
                              "(docs/parallel.md)")
-    consistency.handshake(mesh, "sync_grads", _layer_numbers(module))
+    again = _unchanged_since_last_sync(module)
+    consistency.handshake(mesh, "sync_grads", _layer_numbers(module), again)
+    if again:  # every rank sent the same row: all refuse
+        raise ValueError(f"sync_grads: expected a backward since the last sync_grads of this "
+                         f"{type(module).__name__}, got none: its gradients are summed already, and a second call "
+                         "would sum them over 'd' again. Call sync_grads once per backward (after the last "
+                         "micro-batch's when accumulating)")
     calls = _CALLS.get(module, 0)
     _CALLS[module] = calls + 1
     if calls % check_every == 0:
@@ -97,6 +111,20 @@ def sync_grads(module: torch.nn.Module, mesh, *, check_every: int = consistency.
             if is_dtensor(p.grad):  # whole now: the parameter's own placements
                 p.grad = type(p.grad).from_local(local(p.grad), p.device_mesh, p.placements, run_check=False,
                                                  shape=p.shape, stride=p.stride())
+    _LEFT[module] = [(weakref.ref(g), g._version) for g in _grads(module)]
+
+
+def _grads(module: torch.nn.Module) -> list[torch.Tensor]:
+    return [p.grad for p in module.parameters() if p.requires_grad and p.grad is not None]
+
+
+def _unchanged_since_last_sync(module: torch.nn.Module) -> bool:
+    """Whether sync_grads summed module's gradients and no backward has touched any of them since:
+    the same gradient tensors at the same versions (a DTensor's own counter: an in-place op on it
+    bumps the DTensor's, not its local tensor's)."""
+    left, grads = _LEFT.get(module), _grads(module)
+    return bool(left) and len(left) == len(grads) and all(
+        ref() is g and version == g._version for (ref, version), g in zip(left, grads))
 
 
 def _layer_numbers(module: torch.nn.Module) -> list[int]:

@@ -13,8 +13,10 @@ router bias, gated shared expert) and every balance loss, against one process on
                          sync_grads: the one process's norm on every rank, and after the clipped
                          AdamW step the one process's parameters, the router's replicas equal
                          (each 'ep' group had clipped by its own norm, and the replicas drifted).
-  transformer            the sharded transformer, dense parameters DTensors too: torch's AdamW
-                         state round-trips through get_state_dict and DCP; shardmoe's
+  transformer            the sharded transformer, dense parameters DTensors too, built on the meta
+                         device (to_empty, reset_parameters, .double(): sync_grads had refused its
+                         dense parameters after them, and after load_state_dict(assign=True)):
+                         torch's AdamW state round-trips through get_state_dict and DCP; shardmoe's
                          clip_grad_norm_ equals the model's own global norm.
   drift                  replicas made to drift (one rank's router nudged) are caught within the
                          check interval: sync_grads' check_every, the forward's REPLICA_CHECK_EVERY.
@@ -29,13 +31,16 @@ router bias, gated shared expert) and every balance loss, against one process on
                          dict loads; a raising forward leaves the parameters in place; a layer
                          under fully_shard and a gradient already there are refused.
   partial gradients      ep2 x tp2: shardmoe's clip_grad_norm_ before sync_grads (the router's and
-                         the Linear's gradients Partial over 'ep') gives the one-process norm, and
-                         a second sync_grads leaves the gradients of the first bit for bit.
+                         the Linear's gradients Partial over 'ep') gives the one-process norm;
+                         sync_grads leaves no gradient Partial; a second sync_grads with no backward
+                         in between is refused on every rank (it summed again) and changes nothing.
   copies                 copy.deepcopy and AveragedModel of a model on dp2 x ep2 and ep2 x tp2 (it
                          raised "cannot pickle ProcessGroup"): the same mesh, the original's forward
                          bit for bit, gradients of its own, update_parameters averaging.
   assign                 load_state_dict(assign=True): the loaded model trains as the one it came
-                         from (its forward blamed fully_shard, never called).
+                         from (its forward blamed fully_shard, never called); with a replicated
+                         plain Linear beside the layer too, its source moved by .double() (sync_grads
+                         refused both as FSDP's).
 """
 import copy
 
@@ -235,18 +240,46 @@ def _transformer(tmp: str) -> dict:
     starts[:, 0] = True
     out = {}
 
-    def build(seed):
-        model = Transformer(config, mesh=mesh, dtype=torch.float64, seed=seed)
+    def build(seed, device=None):
+        model = Transformer(config, mesh=mesh, dtype=torch.float64, seed=seed, device=device)
         return model, torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
 
-    model, optimizer = build(0)
+    # the meta-device idiom, then .double(): each swaps the DTensor parameters' contents (their
+    # grad-sync marks with them), after which sync_grads refused the dense ones as FSDP's
+    model = Transformer(config, mesh=mesh, dtype=torch.float64, device="meta")
+    model.to_empty(device="cpu")
+    model.reset_parameters()
+    model.double()
+    out["meta equals eager"] = _differ({n: _whole(p) for n, p in model.named_parameters()},
+                                       {n: _whole(p) for n, p in build(0)[0].named_parameters()})
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
     for _ in range(2):
         optimizer.zero_grad()
         model(ids, starts, ids.roll(-1, 1)).total.backward()
-        model.sync_grads()
+        try:
+            model.sync_grads()
+        except ValueError as err:  # the world lives on: the parent's assertion names it
+            out["error"] = str(err)
+            return out
         own = global_grad_norm([(p.grad, model.replicas(n)) for n, p in model.named_parameters()])
         out["norms"] = (shardmoe.parallel.clip_grad_norm_(model, 1e9), own)
         optimizer.step()
+    # assign=True puts the state dict's tensors in place (new Parameters: sync_grads had refused the
+    # dense ones as FSDP's); the twin's step equals the model's
+    twin = Transformer(config, mesh=mesh, dtype=torch.float64, seed=9)
+    twin.load_state_dict(model.state_dict(), assign=True)
+    steps = []
+    for m in (model, twin):
+        m.zero_grad()
+        loss = m(ids, starts, ids.roll(-1, 1)).total
+        loss.backward()
+        try:
+            m.sync_grads()
+        except ValueError as err:
+            out["error"] = str(err)
+            return out
+        steps.append((float(loss), {n: _whole(p.grad) for n, p in m.named_parameters()}))
+    out["assigned"] = (steps[0][0] == steps[1][0], _differ(steps[0][1], steps[1][1]))
     _save(model, optimizer, f"{tmp}/transformer")
     saved = _moments(model, optimizer)
     again, again_optimizer = build(5)
@@ -407,10 +440,20 @@ def _partial_gradients() -> dict:
     ref_norm = float(torch.nn.utils.clip_grad_norm_(reference.parameters(), MAX_NORM))
     sync_grads(model, mesh)
     once = {n: _whole(p.grad) for n, p in model.named_parameters()}
-    sync_grads(model, mesh)
+    still_partial = sorted(n for n, p in model.named_parameters() if any(q.is_partial() for q in p.grad.placements))
+    refusals = []
+    for label in ("again", "again on ranks 1-3"):
+        if label == "again on ranks 1-3" and dist.get_rank() == 0:
+            model.proj.weight.grad.mul_(1.0)  # touched in place, as a backward's accumulation is
+        try:
+            sync_grads(model, mesh)
+            refusals.append(None)
+        except ValueError as err:  # RankMismatchError too
+            refusals.append((type(err).__name__, str(err)))
     twice = {n: _whole(p.grad) for n, p in model.named_parameters()}
-    return {"partial": partial, "norms": (norm, ref_norm), "twice": _differ(once, twice),
-            "clipped": {n: _rel(once[n], p.grad) for n, p in reference.named_parameters()}}
+    return {"partial": partial, "norms": (norm, ref_norm), "still partial": still_partial, "refusals": refusals,
+            "number": model.moe.placement.dispatcher.number,
+            "twice": _differ(once, twice), "clipped": {n: _rel(once[n], p.grad) for n, p in reference.named_parameters()}}
 
 
 def _copies() -> dict:
@@ -451,13 +494,17 @@ def _copies() -> dict:
     return out
 
 
-def _assign() -> dict:
-    """Row 'assign': a model loads another's state dict with assign=True, then both take a step."""
+def _assign(kind) -> dict:
+    """Row 'assign': a model loads another's state dict with assign=True, then both take a step.
+    For PlainBeside the source is also moved by .double() (a DTensor parameter's contents and
+    attributes swapped), so both hold replicated parameters put in place after the call."""
     mesh = Mesh(dp=2, ep=2)
     x_all, g_all = _batch(4)
     x, g = x_all[_rows(mesh)], g_all[_rows(mesh)]
-    model, source = Model(mesh, 0), Model(mesh, 7)
+    model, source = kind(mesh, 0), kind(mesh, 7)
     model.load_state_dict(source.state_dict(), assign=True)
+    if kind is PlainBeside:
+        source.double()
     out = {"placements": [(n, list(p.placements)) for n, p in model.named_parameters()] ==
                          [(n, list(p.placements)) for n, p in source.named_parameters()]}
     results = []
@@ -480,7 +527,7 @@ def _world(tmp: str) -> dict:
            "transformer": _transformer(tmp), "drift": _drift(), "one rank syncs": _one_rank_syncs(),
            "plain beside": _plain_beside(), "replicate refusals": _replicate_refusals(),
            "partial gradients": _partial_gradients(), "copies": _copies(),
-           "assign": _assign()}
+           "assign": _assign(Model), "assign, plain beside": _assign(PlainBeside)}
     dist.barrier()
     return out
 
@@ -536,6 +583,9 @@ def test_tensor_parallel_trains_as_one_process_and_its_checkpoint_refuses_loudly
 def test_the_sharded_transformer_round_trips_torch_optimizer_state(world):
     for out in world:
         result = out["transformer"]
+        assert "error" not in result, result.get("error")
+        assert result["meta equals eager"] == []
+        assert result["assigned"] == (True, []), result["assigned"]
         assert result["dense DTensors"] == ["DTensor"]
         assert result["same layout"] == []
         got, own = result["norms"]
@@ -594,9 +644,22 @@ def test_replicating_refuses_a_model_fsdp_manages_and_a_parameter_with_a_gradien
                                "before the first backward)"), text
 
 
-def test_clipping_before_sync_sums_the_partial_gradients_and_a_second_sync_changes_nothing(world):
+def test_clipping_before_sync_sums_the_partial_gradients_and_a_second_sync_is_refused(world):
+    """A second sync_grads with no backward in between summed the gradients over 'd' (and a plain
+    tensor's over 'e') again, silently: it is refused on every rank and changes nothing; a rank
+    whose gradients moved meanwhile while the others' did not is named."""
     for out in world:
         result = out["partial gradients"]
+        assert result["still partial"] == [], result["still partial"]  # the sum is recorded: Replicate()
+        again, mixed = result["refusals"]
+        assert again is not None and again[0] == "ValueError", again
+        assert again[1].startswith("sync_grads: expected a backward since the last sync_grads of this PlainBeside, "
+                                   "got none: its gradients are summed already"), again
+        assert mixed is not None and mixed[0] == "RankMismatchError", mixed
+        number = out["partial gradients"]["number"]
+        assert mixed[1].startswith(f"ranks are in different collective calls: rank 0 has 'sync_grads of a module "
+                                   f"holding MoE layer {number}', ranks 1, 2, 3 have 'sync_grads of a module holding "
+                                   f"MoE layer {number}, again with no backward since its last'"), mixed
         # the router's, the shared expert's and the Linear's gradients are each rank's tokens' share
         assert {"proj.weight", "proj.bias", "moe.gate_weight"} <= set(result["partial"]), result["partial"]
         norm, ref_norm = result["norms"]
@@ -619,8 +682,11 @@ def test_deep_copies_of_a_sharded_model_share_its_mesh_and_compute_as_it_does(wo
         assert not bad and len(result["average"]) == 9, bad
 
 
-def test_a_state_dict_loaded_with_assign_trains_as_its_source(world):
+@pytest.mark.parametrize("row", ["assign", "assign, plain beside"])
+def test_a_state_dict_loaded_with_assign_trains_as_its_source(world, row):
+    """With a plain Linear beside the layer, replicated, its parameters put in place by
+    assign=True or .double() had lost their grad-sync marks: sync_grads refused them as FSDP's."""
     for out in world:
-        result = out["assign"]
+        result = out[row]
         assert "error" not in result, result.get("error")
         assert result["placements"] and result["forward"] and result["gradients"] == [], result
