@@ -24,13 +24,39 @@ ENV = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.envi
 
 
 @pytest.fixture(scope="module")
-def dry_run(tmp_path_factory):
+def runs(tmp_path_factory):
+    """The module's two long commands, started together when either is first needed: the dry run
+    (mostly one core, the interpreter) and `--only static` (compiles in the background meanwhile):
+    {name: (process, its log, its output directory)}."""
+    root = tmp_path_factory.mktemp("gpu_check")
+    commands = {"dry_run": (["--dry-run", "--out", str(root / "report")], ENV),
+                "static": (["--out", str(root / "static"), "--only", "static"],
+                           {k: v for k, v in ENV.items() if k != "TRITON_INTERPRET"})}
+    started = {}
+    for name, (argv, env) in commands.items():
+        log = open(root / f"{name}.log", "w+")  # a file, not a pipe: neither waits for its reader
+        started[name] = (subprocess.Popen([sys.executable, "-m", "shardmoe.tools.gpu_check", *argv], cwd=ROOT, env=env,
+                                          stdout=log, stderr=subprocess.STDOUT, text=True),
+                         log, Path(argv[argv.index("--out") + 1]))
+    yield started
+    for process, log, _ in started.values():
+        process.kill()
+        process.wait()
+        log.close()
+
+
+def finished(runs, name: str, timeout: float) -> tuple[int, str, dict, str, Path]:
+    """(exit code, output, report.json, report.md, the directory) of one of `runs`' commands."""
+    process, log, out = runs[name]
+    process.wait(timeout=timeout)
+    log.seek(0)
+    return process.returncode, log.read(), json.loads((out / "report.json").read_text()), (out / "report.md").read_text(), out
+
+
+@pytest.fixture(scope="module")
+def dry_run(runs):
     """(exit code, output, report.json, report.md, the directory) of one dry run."""
-    out = tmp_path_factory.mktemp("gpu_check") / "report"
-    done = subprocess.run([sys.executable, "-m", "shardmoe.tools.gpu_check", "--dry-run", "--out", str(out)], cwd=ROOT,
-                          env=ENV, capture_output=True, text=True, timeout=600)
-    report = json.loads((out / "report.json").read_text())
-    return done.returncode, done.stdout + done.stderr, report, (out / "report.md").read_text(), out
+    return finished(runs, "dry_run", timeout=900)
 
 
 def test_dry_run_passes_every_stage_and_skips_only_the_sanitizer_and_static(dry_run):
@@ -362,14 +388,9 @@ def test_bench_reports_host_syncs_only_on_cuda(dry_run):
 
 
 @pytest.fixture(scope="module")
-def static_run(tmp_path_factory):
-    """(exit code, output, report.json) of `--only static`: every kernel compiled for an H100 here."""
-    out = tmp_path_factory.mktemp("gpu_check") / "static"
-    env = {k: v for k, v in ENV.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-m", "shardmoe.tools.gpu_check", "--out", str(out), "--only", "static"], cwd=ROOT,
-                          env=env, capture_output=True, text=True, timeout=900)
-    return (done.returncode, done.stdout + done.stderr, json.loads((out / "report.json").read_text()),
-            (out / "report.md").read_text())
+def static_run(runs):
+    """(exit code, output, report.json, report.md) of `--only static`: every kernel compiled for an H100 here."""
+    return finished(runs, "static", timeout=900)[:4]
 
 
 def test_static_every_gemm_kernel_is_pipelined_on_tensor_cores_under_both_tritons(static_run):
