@@ -383,10 +383,10 @@ def model(traced: dict, measured: dict | None = None) -> dict:
     return result
 
 
-def measure(device: str, shapes: dict | None = None) -> dict:
+def measure(device: str, shapes: dict | None = None, warmup: int = PROFILE_WARMUP, steps: int = PROFILE_STEPS) -> dict:
     """{shape: {kernel: device ms a step}} of the current Triton kernels, one bf16 forward + backward of
-    the glu layer at each of `shapes` (default bench.SHAPES' two), torch.profiler over PROFILE_STEPS
-    steps after PROFILE_WARMUP (on a CPU, in the interpreter, no kernel shows as a device event)."""
+    the glu layer at each of `shapes` (default bench.SHAPES' two), torch.profiler over `steps` steps
+    after `warmup` (on a CPU, in the interpreter, no kernel shows as a device event)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -404,19 +404,19 @@ def measure(device: str, shapes: dict | None = None) -> dict:
         x = torch.randn(1, s.tokens, s.hidden, device=device, dtype=torch.bfloat16, requires_grad=True)
         grad = torch.randn_like(x)
         with triton_context():
-            for _ in range(PROFILE_WARMUP):
+            for _ in range(warmup):
                 layer(x).backward(grad)
             if device == "cuda":
                 torch.cuda.synchronize()
             with profile(activities=[activity]) as prof:
-                for _ in range(PROFILE_STEPS):
+                for _ in range(steps):
                     layer(x).backward(grad)
                 if device == "cuda":
                     torch.cuda.synchronize()
         kernels = {}
         for event in prof.key_averages():
             if event.key in AUTOTUNED and event.self_device_time_total > 0:
-                kernels[event.key] = event.self_device_time_total / 1e3 / PROFILE_STEPS
+                kernels[event.key] = event.self_device_time_total / 1e3 / steps
         out[name] = kernels
         del layer, x, grad
     return out
