@@ -43,7 +43,7 @@ DRY_RUN_MODEL = ModelSizes(batch=1, seq_len=32, hidden=64, ffn=32, experts=8, to
 FAMILY = "qwen3_moe"
 IMPLEMENTATIONS = ("shardmoe", "grouped_mm")
 WARMUP, REPEATS = 2, 10
-DRY_RUN_WARMUP, DRY_RUN_REPEATS = 0, 2
+DRY_RUN_WARMUP, DRY_RUN_REPEATS = 0, 1  # a dry run times nothing: one round shows the path
 
 
 def build(sizes: ModelSizes, device: str) -> dict:
