@@ -58,8 +58,8 @@ def top_indices(values: torch.Tensor, k: int) -> torch.Tensor:
     a host read of the device every step. The key is the value's bits made monotonic (negative
     floats' magnitude bits flipped; -0 taken as +0 and every NaN as one NaN first) times 2^16, plus
     65535 - index. float64 (the CPU checks) has no room for the index in 64 bits: torch.topk of k + 1
-    first (a partial selection, cheaper than the full sort), and the rows with equal neighbours among those (a tie inside the top k or at its edge) or a NaN
-    take the stable descending sort."""
+    first (a partial selection, cheaper than the full sort), and the rows with equal neighbours among
+    those (a tie inside the top k or at its edge) or a NaN take the stable descending sort."""
     width = values.shape[-1]
     if k >= width:
         return torch.sort(values, dim=-1, descending=True, stable=True).indices[..., :k]
